@@ -1,0 +1,12 @@
+"""Cost model: devices, clusters, operator and collective prices, memory, and step-time estimates."""
+
+from costmodel.breakdown import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
+from costmodel.cluster import Cluster, DeviceGroup, NetworkTier
+from costmodel.device import DeviceSpec
+from costmodel.layer_cost import LayerCost
+from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
+
+__all__ = [
+    "Cluster", "DeviceGroup", "DeviceSpec", "Estimate", "LayerCost", "MemoryBreakdown", "MeshAxis",
+    "NetworkTier", "Recompute", "Schedule", "StageEstimate", "StageSpec", "Strategy", "TimeBreakdown",
+]

@@ -1,0 +1,60 @@
+"""Device specifications: what one accelerator can compute, hold and move. Values come from the catalog
+(`costmodel/data/devices.csv`), each with its source; `cpu` is filled from a profile of this machine."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator type. Bandwidths are bytes/s, unidirectional, per device; FLOP/s are dense."""
+
+    name: str
+    """Catalog key, lower case: "a100-80gb", "h100-sxm", "cpu"."""
+    display_name: str
+    peak_flops: Mapping[str, float]
+    """Dense peak FLOP/s per compute dtype ("bfloat16", "float16", "float32", "float8_e4m3fn", "tf32")."""
+    matmul_efficiency: float
+    """Best achievable fraction of peak for large GEMMs (measured max-achievable-matmul / peak)."""
+    memory_bytes: int
+    memory_bandwidth: float
+    memory_efficiency: float
+    """Achievable fraction of `memory_bandwidth` (STREAM-like measurement / spec)."""
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    sources: Mapping[str, str] = field(default_factory=dict)
+    """Field name -> where its value comes from."""
+
+    def __post_init__(self) -> None:
+        if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
+            raise ValueError(f"device {self.name}: peak_flops must be positive")
+        for f in ("matmul_efficiency", "memory_efficiency"):
+            if not 0 < getattr(self, f) <= 1:
+                raise ValueError(f"device {self.name}: {f} must be in (0, 1]")
+        for f in ("memory_bytes", "memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"device {self.name}: {f} must be positive")
+
+    def flops(self, dtype: str) -> float:
+        """Dense peak FLOP/s for a dtype; float32 matmuls use TF32 tensor cores where the device has them."""
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        if dtype == "bfloat16" and "float16" in self.peak_flops:
+            return self.peak_flops["float16"]
+        raise ValueError(f"device {self.name} has no {dtype} peak; known: {', '.join(sorted(self.peak_flops))}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "display_name": self.display_name, "peak_flops": dict(sorted(self.peak_flops.items())),
+            "matmul_efficiency": self.matmul_efficiency, "memory_bytes": self.memory_bytes,
+            "memory_bandwidth": self.memory_bandwidth, "memory_efficiency": self.memory_efficiency,
+            "intra_node_bandwidth": self.intra_node_bandwidth, "inter_node_bandwidth": self.inter_node_bandwidth,
+            "sources": dict(sorted(self.sources.items())),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DeviceSpec:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})

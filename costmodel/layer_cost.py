@@ -1,0 +1,38 @@
+"""`LayerCost`: the price of one chain segment on one device for one micro-batch, under a fixed intra-op sharding.
+
+It is the interface between intra-operator decisions (which op is sharded how, solved per layer class by the
+planner's ILP or trivially replicated when tp == 1) and the inter-operator model (stages, pipeline schedule,
+data parallelism, memory). Times are seconds; bytes are per device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCost:
+    fwd_compute_s: float
+    bwd_compute_s: float
+    fwd_comm_s: float
+    """Tensor/context-parallel communication on the forward critical path (not overlapped)."""
+    bwd_comm_s: float
+    param_count: int
+    """Parameters held by this device for this segment (after tensor-parallel sharding, before ZeRO)."""
+    param_bytes: int
+    saved_bytes_none: int
+    """Activations saved for backward with no recomputation."""
+    saved_bytes_selective: int
+    """Activations saved with selective recomputation (attention core dropped)."""
+    saved_bytes_full: int
+    """Activations saved with full recomputation (the segment input only)."""
+    recompute_selective_s: float
+    """Extra forward time in backward to recompute what selective recomputation dropped."""
+    recompute_full_s: float
+    """Extra time for full recomputation: the segment's forward compute plus its forward communication."""
+    boundary_bytes: int
+    """Activation bytes sent to the next stage if a pipeline cut follows this segment (per device)."""
+    grad_sync_bytes: int = 0
+    """Gradient bytes of parameters replicated inside the tensor-parallel group that must be all-reduced there."""
+    peak_temp_bytes: int = 0
+    """Largest transient buffer while running the segment (e.g. attention scores, logits)."""

@@ -1,0 +1,152 @@
+"""A parallelization strategy: the typed answer to "how is this model split", priced by `costmodel.estimate`.
+
+The planner searches over `Strategy` values; `stratagem estimate` builds one from flags. All fields are validated
+here so that an invalid combination is reported once, where it enters, with the valid choices.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+class Schedule(enum.StrEnum):
+    """Pipeline schedule (Narayanan et al., SC'21)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+
+
+class Recompute(enum.StrEnum):
+    """Activation recomputation of a layer (Korthikanti et al. 2022)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"  # recompute the attention core (softmax, dropout, QK^T, AV) only
+    FULL = "full"            # keep only the layer input, recompute the whole forward in backward
+
+
+class MeshAxis(enum.StrEnum):
+    """Axes of the device mesh. "axis" names a mesh axis, "dim" a tensor dimension."""
+
+    TP = "tp"
+    CP = "cp"
+    EP = "ep"
+    DP = "dp"
+    PP = "pp"
+
+
+DEFAULT_MESH_ORDER: tuple[MeshAxis, ...] = (MeshAxis.TP, MeshAxis.CP, MeshAxis.EP, MeshAxis.DP, MeshAxis.PP)
+"""Innermost (fastest-varying rank, fastest network tier) first, as Megatron-LM orders ranks."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpec:
+    """One pipeline stage (or virtual stage): segments `[start, stop)` of the layer chain."""
+
+    start: int
+    stop: int
+    recompute: Recompute = Recompute.NONE
+    device_group: str | None = None
+    """Name of the cluster device group that runs this stage (None: the cluster's only group)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.stop:
+            raise ValueError(f"stage segment range [{self.start}, {self.stop}) is empty or negative")
+        object.__setattr__(self, "recompute", Recompute(self.recompute))
+
+    @property
+    def num_segments(self) -> int:
+        return self.stop - self.start
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"start": self.start, "stop": self.stop, "recompute": self.recompute.value,
+                "device_group": self.device_group}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StageSpec:
+        return cls(start=int(d["start"]), stop=int(d["stop"]), recompute=Recompute(d["recompute"]),
+                   device_group=d.get("device_group"))
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    """Degrees and settings of one training step. `dp * tp * pp * cp * ep`... see `num_devices`.
+
+    Expert parallelism reuses data-parallel ranks (as in Megatron-LM), so `ep` must divide `dp * cp` and does not
+    multiply the device count. `stages` lists `pp * virtual_stages` stages in pipeline order; when empty, the
+    estimator splits the chain evenly and applies `recompute` everywhere.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    microbatch_size: int = 1
+    num_microbatches: int = 1
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    virtual_stages: int = 1
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    recompute: Recompute = Recompute.NONE
+    stages: tuple[StageSpec, ...] = ()
+    cp: int = 1
+    ep: int = 1
+    mesh_order: tuple[MeshAxis, ...] = DEFAULT_MESH_ORDER
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "microbatch_size", "num_microbatches", "virtual_stages", "cp", "ep"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
+        object.__setattr__(self, "recompute", Recompute(self.recompute))
+        object.__setattr__(self, "mesh_order", tuple(MeshAxis(a) for a in self.mesh_order))
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if sorted(self.mesh_order) != sorted(DEFAULT_MESH_ORDER):
+            raise ValueError(f"mesh_order must order each of {[a.value for a in DEFAULT_MESH_ORDER]} once")
+        if self.virtual_stages > 1 and self.schedule is not Schedule.INTERLEAVED:
+            raise ValueError("virtual_stages > 1 needs schedule 'interleaved'")
+        if self.schedule is Schedule.INTERLEAVED and self.pp == 1:
+            raise ValueError("the interleaved schedule needs pp > 1")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence parallelism needs tp > 1")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp*cp={self.dp * self.cp}")
+        if self.stages and len(self.stages) != self.pp * self.virtual_stages:
+            raise ValueError(f"{len(self.stages)} stages given, pp*virtual_stages={self.pp * self.virtual_stages}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.microbatch_size * self.num_microbatches
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep,
+            "microbatch_size": self.microbatch_size, "num_microbatches": self.num_microbatches,
+            "schedule": self.schedule.value, "virtual_stages": self.virtual_stages,
+            "zero_stage": self.zero_stage, "sequence_parallel": self.sequence_parallel,
+            "recompute": self.recompute.value,
+            "stages": [s.to_dict() for s in self.stages],
+            "mesh_order": [a.value for a in self.mesh_order],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Strategy:
+        return cls(
+            dp=d["dp"], tp=d["tp"], pp=d["pp"], cp=d.get("cp", 1), ep=d.get("ep", 1),
+            microbatch_size=d["microbatch_size"], num_microbatches=d["num_microbatches"],
+            schedule=Schedule(d["schedule"]), virtual_stages=d["virtual_stages"],
+            zero_stage=d["zero_stage"], sequence_parallel=d["sequence_parallel"],
+            recompute=Recompute(d.get("recompute", "none")),
+            stages=tuple(StageSpec.from_dict(s) for s in d["stages"]),
+            mesh_order=tuple(MeshAxis(a) for a in d.get("mesh_order", [a.value for a in DEFAULT_MESH_ORDER])),
+        )
+
+

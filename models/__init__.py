@@ -1,0 +1,1 @@
+"""Model zoo: plain PyTorch definitions with config dataclasses and named presets."""

@@ -1,0 +1,197 @@
+"""The `Plan`: a chosen strategy with its predictions, as a typed value and as versioned, strict JSON.
+
+Loading is strict: unknown keys, missing keys, a newer `schema_version` or a truncated file raise `PlanLoadError`
+with a one-line reason. `Plan.to_json()` is deterministic (sorted keys); only `search.time_s` varies between two
+runs with the same inputs.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from costmodel.breakdown import Estimate
+from costmodel.strategy import Strategy
+from planner.errors import PlanLoadError
+
+SCHEMA_VERSION = 1
+
+
+class ShardStyle(enum.StrEnum):
+    """How one module's parameters and activations are laid out over the tensor-parallel axis."""
+
+    REPLICATE = "replicate"
+    COLWISE = "colwise"      # weight sharded on its output features; output sharded on the last dim
+    ROWWISE = "rowwise"      # weight sharded on its input features; output is a partial sum
+    SEQUENCE = "sequence"    # activations sharded on the sequence dim (norms, dropout under SP)
+    VOCAB = "vocab"          # embedding table sharded on rows (the vocabulary)
+    HEADS = "heads"          # attention computed per head shard
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleSharding:
+    module: str
+    """Module path pattern (fnmatch): "blocks.*.attn.qkv"."""
+    style: ShardStyle
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"module": self.module, "style": self.style.value}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ModuleSharding:
+        return cls(module=d["module"], style=ShardStyle(d["style"]))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    fingerprint: str
+    """Hex digest of the traced graph's structure (ops, shapes, parameters); a plan only applies to its model."""
+    params: int
+    settings: tuple[tuple[str, Any], ...] = ()
+    """The `--set` overrides the model was built with, sorted."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "fingerprint": self.fingerprint, "params": self.params,
+                "settings": {k: v for k, v in self.settings}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ModelInfo:
+        return cls(name=d["name"], fingerprint=d["fingerprint"], params=d["params"],
+                   settings=tuple(sorted(d["settings"].items())))
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingConfig:
+    global_batch: int
+    seq_len: int | None
+    dtype: str = "bfloat16"
+    optimizer: str = "adam"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"global_batch": self.global_batch, "seq_len": self.seq_len, "dtype": self.dtype,
+                "optimizer": self.optimizer}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TrainingConfig:
+        return cls(**{k: d[k] for k in ("global_batch", "seq_len", "dtype", "optimizer")})
+
+
+@dataclass(frozen=True, slots=True)
+class Alternative:
+    """A strategy that lost, kept so that `explain` can say by how much and why."""
+
+    summary: str
+    step_time_s: float | None
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"summary": self.summary, "step_time_s": self.step_time_s, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Alternative:
+        return cls(summary=d["summary"], step_time_s=d["step_time_s"], reason=d["reason"])
+
+
+@dataclass(frozen=True, slots=True)
+class SearchInfo:
+    time_s: float
+    candidates: int
+    """Strategies priced (after pruning)."""
+    status: str
+    """"optimal", "feasible" (cut short by the time limit) or "fixed" (estimate of a given strategy)."""
+    optimality_gap: float
+    """(plan step time - best lower bound) / plan step time; 0 when proven optimal."""
+    lower_bound_s: float
+    alternatives: tuple[Alternative, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"time_s": self.time_s, "candidates": self.candidates, "status": self.status,
+                "optimality_gap": self.optimality_gap, "lower_bound_s": self.lower_bound_s,
+                "alternatives": [a.to_dict() for a in self.alternatives]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SearchInfo:
+        return cls(time_s=d["time_s"], candidates=d["candidates"], status=d["status"],
+                   optimality_gap=d["optimality_gap"], lower_bound_s=d["lower_bound_s"],
+                   alternatives=tuple(Alternative.from_dict(a) for a in d["alternatives"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    model: ModelInfo
+    cluster: Mapping[str, Any]
+    """The normalized cluster spec (`Cluster.to_dict()`)."""
+    training: TrainingConfig
+    strategy: Strategy
+    sharding: tuple[ModuleSharding, ...]
+    predicted: Estimate
+    search: SearchInfo
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        strategy = self.strategy.to_dict()
+        strategy["sharding"] = [m.to_dict() for m in self.sharding]
+        return {
+            "schema_version": self.schema_version,
+            "model": self.model.to_dict(),
+            "cluster": dict(self.cluster),
+            "training": self.training.to_dict(),
+            "strategy": strategy,
+            "predicted": self.predicted.to_dict(),
+            "search": self.search.to_dict(),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Plan:
+        if not isinstance(d, Mapping):
+            raise PlanLoadError("plan JSON must be an object")
+        version = d.get("schema_version")
+        if not isinstance(version, int):
+            raise PlanLoadError("plan JSON has no integer schema_version")
+        if version > SCHEMA_VERSION:
+            raise PlanLoadError(f"plan schema_version {version} is newer than this Stratagem reads "
+                                f"({SCHEMA_VERSION}); upgrade Stratagem")
+        expected = {"schema_version", "model", "cluster", "training", "strategy", "predicted", "search"}
+        _check_keys(d, expected, "plan")
+        try:
+            strategy = dict(d["strategy"])
+            sharding = tuple(ModuleSharding.from_dict(m) for m in strategy.pop("sharding", []))
+            _check_keys(strategy, set(Strategy().to_dict()), "strategy")
+            return cls(
+                model=ModelInfo.from_dict(d["model"]),
+                cluster=d["cluster"],
+                training=TrainingConfig.from_dict(d["training"]),
+                strategy=Strategy.from_dict(strategy),
+                sharding=sharding,
+                predicted=Estimate.from_dict(d["predicted"]),
+                search=SearchInfo.from_dict(d["search"]),
+                schema_version=version,
+            )
+        except PlanLoadError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanLoadError(f"plan JSON is malformed: {type(e).__name__}: {e}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanLoadError(f"plan file is not valid JSON (truncated or corrupt?): {e}") from None
+        return cls.from_dict(data)
+
+
+def _check_keys(d: Mapping[str, Any], expected: set[str], where: str) -> None:
+    unknown = sorted(set(d) - expected)
+    missing = sorted(expected - set(d))
+    if unknown:
+        raise PlanLoadError(f"unknown key(s) in {where}: {', '.join(unknown)}; valid: {', '.join(sorted(expected))}")
+    if missing:
+        raise PlanLoadError(f"missing key(s) in {where}: {', '.join(missing)}")
