@@ -27,6 +27,11 @@ class DeviceSpec:
     inter_node_bandwidth: float
     sources: Mapping[str, str] = field(default_factory=dict)
     """Field name -> where its value comes from."""
+    intra_node_link: str = ""
+    """Link type inside a node ("nvlink4", "pcie", ...): a row of `costmodel/data/links.csv` that calibrates the
+    achievable fraction and per-hop latency of collectives; empty for a device the catalog does not know."""
+    inter_node_link: str = ""
+    """Link type of the per-device NIC between nodes ("nic"); see `intra_node_link`."""
 
     def __post_init__(self) -> None:
         if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
@@ -53,6 +58,7 @@ class DeviceSpec:
             "memory_bandwidth": self.memory_bandwidth, "memory_efficiency": self.memory_efficiency,
             "intra_node_bandwidth": self.intra_node_bandwidth, "inter_node_bandwidth": self.inter_node_bandwidth,
             "sources": dict(sorted(self.sources.items())),
+            "intra_node_link": self.intra_node_link, "inter_node_link": self.inter_node_link,
         }
 
     @classmethod

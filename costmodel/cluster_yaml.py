@@ -1,0 +1,506 @@
+"""Reading cluster specs: the `NODESxGPUSxDEVICE` shorthand, YAML files, and `Cluster.to_dict()` output.
+
+YAML format (every key but `groups` optional; see examples/clusters/README.md for worked examples):
+
+    name: dgx-a100-128
+    groups:                          # in global rank order
+      - name: a100                   # default: the device name
+        device: a100-80gb            # a catalog name, or a mapping of DeviceSpec fields for a custom device
+        num_nodes: 128
+        devices_per_node: 8
+        price_per_device_hour: 4.10  # USD
+        memory: 40GB                 # overrides the device's memory capacity
+        slowdown: {3: 0.5}           # device index in the group (node * devices_per_node + local) -> speed
+        unavailable: [7]             # device indices in the group that cannot be used
+        node_tier: {link: nvlink2}   # this group's own link inside a node (keys as in `tiers`, no size)
+    tiers:                           # innermost first; tiers[0] is the node tier
+      - name: node
+        size: 8                      # default: devices_per_node
+        bandwidth: 300GB/s           # per device, unidirectional; default: the device catalog
+        latency: 3us                 # per algorithm step; default: the link calibration
+        efficiency: 0.77             # achievable fraction of bandwidth; default: the link calibration
+        link: nvlink3                # a row of costmodel/data/links.csv to take the defaults from
+      - name: rack
+        size: 32
+        aggregate_bandwidth: 1.6Tb/s # instead of bandwidth: one node's uplink, shared by its devices
+      - name: cluster                # the last tier's size defaults to the whole cluster
+
+Units: bandwidth "400Gbps", "400Gb/s", "50GB/s", "1.5TB/s" (or a number in bytes/s); latency "5us", "1.5ms",
+"200ns" (or seconds); memory "80GB", "80GiB" (or bytes). Unknown keys and bad values raise ValueError naming the
+key path (`groups[1].devices_per_node`) and the valid keys or values.
+
+Defaults: without `tiers`, a node tier (the device's intra-node bandwidth and link calibration) and a cluster tier
+(its NIC). When the node tier gives no bandwidth and the groups have different devices, each group gets its own
+node tier from its device and `tiers[0]` describes the slowest one. Outer tiers default to the slowest group's
+NIC bandwidth and calibration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from costmodel.catalog import (
+    LinkSpec,
+    device_names,
+    get_device,
+    get_link,
+    inter_node_link_of,
+    intra_node_link_of,
+    list_links,
+)
+from costmodel.cluster import Cluster, DeviceGroup, NetworkTier
+from costmodel.device import DeviceSpec
+
+SHORTHAND_FORM = "NODESxGPUSxDEVICE (e.g. 128x8xa100-80gb or 1x4xcpu)"
+_SHORTHAND = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*[xX]\s*([A-Za-z0-9._-]+)\s*$")
+
+_TOP_KEYS = {"name": False, "groups": True, "tiers": False}
+_GROUP_KEYS = {"name": False, "device": True, "num_nodes": True, "devices_per_node": True,
+               "price_per_device_hour": False, "memory": False, "slowdown": False, "unavailable": False,
+               "node_tier": False}
+_TIER_KEYS = {"name": False, "size": False, "bandwidth": False, "aggregate_bandwidth": False, "latency": False,
+              "efficiency": False, "link": False, "in_network_reduction_efficiency": False,
+              "in_network_reduction_latency": False, "source": False}
+_DEVICE_KEYS = {"name": True, "display_name": False, "peak_flops": True, "matmul_efficiency": True,
+                "memory_bytes": True, "memory_bandwidth": True, "memory_efficiency": True,
+                "intra_node_bandwidth": True, "inter_node_bandwidth": True, "sources": False,
+                "intra_node_link": False, "inter_node_link": False}
+
+# Multipliers to bytes/s. Lower-case "b" is bits, upper-case "B" bytes; prefixes are decimal (as link specs are)
+# except the binary "Gi"-style ones.
+_BANDWIDTH_UNITS: dict[str, float] = {}
+for _prefix, _scale in (("", 1.0), ("K", 1e3), ("k", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12)):
+    for _suffix in ("bps", "b/s", "bit/s"):
+        _BANDWIDTH_UNITS[_prefix + _suffix] = _scale / 8
+    for _suffix in ("Bps", "B/s"):
+        _BANDWIDTH_UNITS[_prefix + _suffix] = _scale
+for _prefix, _scale in (("Ki", 2.0**10), ("Mi", 2.0**20), ("Gi", 2.0**30), ("Ti", 2.0**40)):
+    _BANDWIDTH_UNITS[_prefix + "B/s"] = _scale
+_DURATION_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ns": 1e-9}
+_BYTE_UNITS = {"B": 1.0, "KB": 1e3, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+               "KiB": 2.0**10, "MiB": 2.0**20, "GiB": 2.0**30, "TiB": 2.0**40}
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([^\s0-9][^\s]*)?\s*$")
+
+
+# ---- entry points -------------------------------------------------------------------------------------------------
+
+def parse_cluster_spec(spec: str) -> Cluster:
+    """A shorthand `NODESxGPUSxDEVICE` or a path to a .yaml/.yml file."""
+    text = str(spec).strip()
+    if text.lower().endswith((".yaml", ".yml")) or Path(text).is_file():
+        return load_cluster_yaml(text)
+    m = _SHORTHAND.match(text)
+    if not m:
+        raise ValueError(f"bad cluster spec {text!r}: expected {SHORTHAND_FORM} or a path to a .yaml/.yml file; "
+                         f"devices: {', '.join(device_names())}")
+    nodes, gpus, device = int(m[1]), int(m[2]), m[3]
+    if nodes < 1 or gpus < 1:
+        raise ValueError(f"bad cluster spec {text!r}: NODES and GPUS must be at least 1 ({SHORTHAND_FORM})")
+    try:
+        spec_device = get_device(device)
+    except ValueError:
+        raise ValueError(f"bad cluster spec {text!r}: unknown device {device!r}; valid devices: "
+                         f"{', '.join(device_names())}") from None
+    return shorthand_cluster(nodes, gpus, spec_device, name=f"{nodes}x{gpus}x{spec_device.name}")
+
+
+def shorthand_cluster(num_nodes: int, devices_per_node: int, device: DeviceSpec, *, name: str) -> Cluster:
+    """`num_nodes` nodes of `devices_per_node` devices: a node tier and a cluster tier from the catalog."""
+    group = DeviceGroup(name=device.name, device=device, num_nodes=num_nodes, devices_per_node=devices_per_node)
+    tiers = (_node_tier_from_device(device, "node", devices_per_node),
+             _outer_tier_from_devices([device], "cluster", num_nodes * devices_per_node))
+    return Cluster(name=name, groups=(group,), tiers=tiers)
+
+
+def load_cluster_yaml(path: str | Path) -> Cluster:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"cluster spec file {str(path)!r} not found")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ValueError(f"cluster spec {p.name}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    return cluster_from_dict(data, default_name=p.stem)
+
+
+def cluster_from_dict(d: Any, *, default_name: str = "cluster") -> Cluster:
+    """Validate a spec mapping (YAML form or `Cluster.to_dict()` form) and build the cluster."""
+    _check_keys(d, "cluster spec", _TOP_KEYS)
+    name = _string(d.get("name", default_name), "name")
+    raw_groups = d["groups"]
+    if not isinstance(raw_groups, list) or not raw_groups:
+        raise ValueError("groups: expected a non-empty list of device groups")
+    groups = [_group(g, f"groups[{i}]") for i, g in enumerate(raw_groups)]
+    _name_groups(groups, raw_groups)
+    raw_tiers = d.get("tiers")
+    if raw_tiers is None:
+        groups, tiers = _default_tiers(groups)
+    else:
+        if not isinstance(raw_tiers, list) or not raw_tiers:
+            raise ValueError("tiers: expected a non-empty list of network tiers, innermost (node) first")
+        groups, tiers = _tiers(raw_tiers, groups)
+    try:
+        return Cluster(name=name, groups=tuple(groups), tiers=tuple(tiers))
+    except ValueError as e:
+        raise ValueError(f"cluster spec {name!r}: {e}") from None
+
+
+# ---- quantities -----------------------------------------------------------------------------------------------
+
+def _quantity(value: Any, path: str, units: Mapping[str, float], what: str, default_unit: str) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{path}: expected {what}, got {value!r}")
+    if isinstance(value, int | float):
+        number, scale = float(value), 1.0
+    elif isinstance(value, str) and (m := _QUANTITY.match(value)):
+        unit = m[2] or default_unit
+        if unit not in units:
+            raise ValueError(f"{path}: unknown unit {unit!r} in {value!r}; valid units: {', '.join(units)}")
+        number, scale = float(m[1]), units[unit]
+    else:
+        raise ValueError(f"{path}: expected {what} such as {_EXAMPLES[what]}, got {value!r}")
+    if not math.isfinite(number):
+        raise ValueError(f"{path}: expected a finite {what}, got {value!r}")
+    return number * scale
+
+
+_EXAMPLES = {"a bandwidth": "'400Gbps', '50GB/s' or bytes/s", "a duration": "'5us', '1.5ms' or seconds",
+             "a size": "'80GB', '80GiB' or bytes"}
+
+
+def parse_bandwidth(value: Any, path: str = "bandwidth") -> float:
+    """Bytes/s from "400Gbps", "400 Gb/s", "50GB/s", "1.5TB/s" or a plain number (bytes/s); must be > 0."""
+    out = _quantity(value, path, _BANDWIDTH_UNITS, "a bandwidth", "B/s")
+    if out <= 0:
+        raise ValueError(f"{path}: bandwidth must be positive, got {value!r}")
+    return out
+
+
+def parse_duration(value: Any, path: str = "latency") -> float:
+    """Seconds from "5us", "1.5ms", "200ns" or a plain number (seconds); must be >= 0."""
+    out = _quantity(value, path, _DURATION_UNITS, "a duration", "s")
+    if out < 0:
+        raise ValueError(f"{path}: duration must be >= 0, got {value!r}")
+    return out
+
+
+def parse_bytes(value: Any, path: str = "memory") -> int:
+    """Bytes from "80GB" (decimal), "80GiB" or a plain number; must be > 0."""
+    out = _quantity(value, path, _BYTE_UNITS, "a size", "B")
+    if out <= 0:
+        raise ValueError(f"{path}: size must be positive, got {value!r}")
+    return round(out)
+
+
+# ---- validation helpers ---------------------------------------------------------------------------------------
+
+def _check_keys(d: Any, path: str, keys: Mapping[str, bool]) -> None:
+    valid = ", ".join(keys)
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{path}: expected a mapping with keys {valid}, got {type(d).__name__} {d!r}")
+    unknown = sorted(str(k) for k in d if k not in keys)
+    if unknown:
+        raise ValueError(f"{path}: unknown key {unknown[0]!r}; valid keys: {valid}")
+    missing = [k for k, required in keys.items() if required and k not in d]
+    if missing:
+        raise ValueError(f"{path}: missing required key {missing[0]!r}; valid keys: {valid}")
+
+
+def _string(v: Any, path: str) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise ValueError(f"{path}: expected a non-empty string, got {v!r}")
+    return v.strip()
+
+
+def _positive_int(v: Any, path: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{path}: expected a positive integer, got {v!r}")
+    return v
+
+
+def _number(v: Any, path: str, lo: float, hi: float, *, lo_open: bool) -> float:
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    if ok and (v > lo if lo_open else v >= lo) and v <= hi:
+        return float(v)
+    interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    raise ValueError(f"{path}: expected a number in {interval}, got {v!r}")
+
+
+def _index(v: Any, path: str, n: int) -> int:
+    if isinstance(v, str) and v.strip().isdigit():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n:
+        raise ValueError(f"{path}: expected a device index in 0..{n - 1} of this group, got {v!r}")
+    return v
+
+
+# ---- devices and groups ---------------------------------------------------------------------------------------
+
+def _device(v: Any, path: str) -> DeviceSpec:
+    if isinstance(v, str):
+        try:
+            return get_device(v)
+        except ValueError:
+            raise ValueError(f"{path}: unknown device {v!r}; valid devices: {', '.join(device_names())} "
+                             f"(or a mapping of device fields: {', '.join(_DEVICE_KEYS)})") from None
+    _check_keys(v, path, _DEVICE_KEYS)
+    peaks = v["peak_flops"]
+    if not isinstance(peaks, Mapping) or not peaks:
+        raise ValueError(f"{path}.peak_flops: expected a mapping dtype -> FLOP/s, e.g. {{bfloat16: 312.0e12}}")
+    for link_key in ("intra_node_link", "inter_node_link"):
+        if v.get(link_key):
+            _link(v[link_key], f"{path}.{link_key}")
+    sources = v.get("sources") or {}
+    if not isinstance(sources, Mapping):
+        raise ValueError(f"{path}.sources: expected a mapping field -> source text")
+    try:
+        return DeviceSpec(
+            name=_string(v["name"], f"{path}.name"),
+            display_name=str(v.get("display_name") or v["name"]),
+            peak_flops={str(k): _flops(x, f"{path}.peak_flops.{k}") for k, x in peaks.items()},
+            matmul_efficiency=_number(v["matmul_efficiency"], f"{path}.matmul_efficiency", 0, 1, lo_open=True),
+            memory_bytes=parse_bytes(v["memory_bytes"], f"{path}.memory_bytes"),
+            memory_bandwidth=parse_bandwidth(v["memory_bandwidth"], f"{path}.memory_bandwidth"),
+            memory_efficiency=_number(v["memory_efficiency"], f"{path}.memory_efficiency", 0, 1, lo_open=True),
+            intra_node_bandwidth=parse_bandwidth(v["intra_node_bandwidth"], f"{path}.intra_node_bandwidth"),
+            inter_node_bandwidth=parse_bandwidth(v["inter_node_bandwidth"], f"{path}.inter_node_bandwidth"),
+            sources={str(k): str(s) for k, s in sources.items()},
+            intra_node_link=str(v.get("intra_node_link") or ""),
+            inter_node_link=str(v.get("inter_node_link") or ""),
+        )
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _flops(v: Any, path: str) -> float:
+    try:
+        x = float(v) if not isinstance(v, bool) else math.nan
+    except (TypeError, ValueError):
+        x = math.nan
+    if not (x > 0 and math.isfinite(x)):
+        raise ValueError(f"{path}: expected a positive FLOP/s number such as 312.0e12, got {v!r}")
+    return x
+
+
+def _group(g: Any, path: str) -> DeviceGroup:
+    _check_keys(g, path, _GROUP_KEYS)
+    device = _device(g["device"], f"{path}.device")
+    num_nodes = _positive_int(g["num_nodes"], f"{path}.num_nodes")
+    per_node = _positive_int(g["devices_per_node"], f"{path}.devices_per_node")
+    n = num_nodes * per_node
+    if g.get("memory") is not None:
+        memory = parse_bytes(g["memory"], f"{path}.memory")
+        device = dataclasses.replace(device, memory_bytes=memory,
+                                     sources={**device.sources, "memory_bytes": f"cluster spec {path}.memory = "
+                                              f"{g['memory']}"})
+    unavailable = g.get("unavailable") or []
+    if not isinstance(unavailable, list):
+        raise ValueError(f"{path}.unavailable: expected a list of device indices in 0..{n - 1}")
+    off = [_index(i, f"{path}.unavailable[{k}]", n) for k, i in enumerate(unavailable)]
+    if len(set(off)) != len(off):
+        raise ValueError(f"{path}.unavailable: device indices must be distinct, got {unavailable}")
+    slowdown_raw = g.get("slowdown") or {}
+    if not isinstance(slowdown_raw, Mapping):
+        raise ValueError(f"{path}.slowdown: expected a mapping device index -> speed factor in (0, 1], e.g. {{3: 0.5}}")
+    slowdown = {}
+    for k, s in slowdown_raw.items():
+        i = _index(k, f"{path}.slowdown[{k!r}]", n)
+        if i in off:
+            raise ValueError(f"{path}.slowdown[{k!r}]: device {i} is also listed as unavailable")
+        slowdown[i] = _number(s, f"{path}.slowdown[{k!r}]", 0, 1, lo_open=True)
+    price = g.get("price_per_device_hour")
+    if price is not None:
+        price = _number(price, f"{path}.price_per_device_hour", 0, math.inf, lo_open=False)
+    node_tier = None
+    if g.get("node_tier") is not None:
+        node_tier = _tier(g["node_tier"], f"{path}.node_tier", index=0, default_name="node", size=per_node,
+                          devices=[device], lower_size=1)
+        if node_tier.size != per_node:
+            raise ValueError(f"{path}.node_tier.size: must equal devices_per_node {per_node}, got {node_tier.size}")
+    return DeviceGroup(name=str(g.get("name") or ""), device=device, num_nodes=num_nodes, devices_per_node=per_node,
+                       slowdown=dict(sorted(slowdown.items())), unavailable=frozenset(off),
+                       price_per_device_hour=price, node_tier=node_tier)
+
+
+def _name_groups(groups: list[DeviceGroup], raw: Sequence[Mapping[str, Any]]) -> None:
+    """Unnamed groups take their device's name, with the group index appended when that name repeats."""
+    explicit = [str(r["name"]) if r.get("name") else None for r in raw]
+    seen: dict[str, int] = {}
+    for i, n in enumerate(explicit):
+        if n is not None and n in seen:
+            raise ValueError(f"groups[{i}].name: duplicate group name {n!r} (also groups[{seen[n]}]); "
+                             f"give each group a distinct name")
+        if n is not None:
+            seen[n] = i
+    device_counts: dict[str, int] = {}
+    for g in groups:
+        device_counts[g.device.name] = device_counts.get(g.device.name, 0) + 1
+    for i, g in enumerate(groups):
+        if explicit[i] is None:
+            name = g.device.name if device_counts[g.device.name] == 1 else f"{g.device.name}-{i}"
+            if name in seen:
+                raise ValueError(f"groups[{i}].name: the default name {name!r} is taken; give this group a name")
+            seen[name] = i
+            groups[i] = dataclasses.replace(g, name=name)
+
+
+# ---- tiers ----------------------------------------------------------------------------------------------------
+
+def _link(v: Any, path: str) -> LinkSpec:
+    try:
+        return get_link(str(v))
+    except ValueError:
+        raise ValueError(f"{path}: unknown link type {v!r}; valid link types: "
+                         f"{', '.join(link.name for link in list_links())}") from None
+
+
+def _node_tier_from_device(device: DeviceSpec, name: str, size: int) -> NetworkTier:
+    link = intra_node_link_of(device)
+    return NetworkTier(
+        name=name, size=size, bandwidth=device.intra_node_bandwidth, latency=link.latency,
+        efficiency=link.efficiency, in_network_reduction_efficiency=link.in_network_reduction_efficiency,
+        in_network_reduction_latency=link.in_network_reduction_latency, link=link.name,
+        source=f"device catalog {device.name} intra_node_bandwidth; link calibration {link.name} "
+               f"(costmodel/data/links.csv)")
+
+
+def _outer_tier_from_devices(devices: Sequence[DeviceSpec], name: str, size: int) -> NetworkTier:
+    slowest = min(devices, key=lambda d: d.inter_node_bandwidth * inter_node_link_of(d).efficiency)
+    link = inter_node_link_of(slowest)
+    return NetworkTier(
+        name=name, size=size, bandwidth=slowest.inter_node_bandwidth, latency=link.latency,
+        efficiency=link.efficiency, link=link.name,
+        source=f"device catalog {slowest.name} inter_node_bandwidth (per-device NIC); link calibration "
+               f"{link.name} (costmodel/data/links.csv)")
+
+
+def _default_tiers(groups: list[DeviceGroup]) -> tuple[list[DeviceGroup], list[NetworkTier]]:
+    total = sum(g.num_devices for g in groups)
+    groups, node = _per_group_node_tiers(groups, "node", None)
+    return groups, [node, _outer_tier_from_devices([g.device for g in groups], "cluster", total)]
+
+
+def _per_group_node_tiers(groups: list[DeviceGroup], name: str, size: int | None,
+                          edit: Callable[[NetworkTier], NetworkTier] = lambda t: t,
+                          ) -> tuple[list[DeviceGroup], NetworkTier]:
+    """Node tier(s) derived from the devices (then `edit`ed): one shared tier when all groups would get the same
+    one, else a `node_tier` on each group (unless it has its own) and the slowest as the cluster's `tiers[0]`."""
+    per_group = [g.node_tier or edit(_node_tier_from_device(g.device, name, g.devices_per_node)) for g in groups]
+    distinct = {dataclasses.replace(t, source="").to_dict().__repr__() for t in per_group}
+    sizes = {g.devices_per_node for g in groups}
+    if size is None:
+        size = max(sizes)
+    if len(distinct) == 1 and all(g.node_tier is None for g in groups) and sizes == {size}:
+        return groups, per_group[0]
+    slowest = min(per_group, key=lambda t: (t.effective_bandwidth, -t.latency))
+    out = [g if g.node_tier is not None else dataclasses.replace(g, node_tier=t) for g, t in zip(groups, per_group,
+                                                                                                 strict=True)]
+    return out, dataclasses.replace(slowest, name=name, size=size)
+
+
+def _tiers(raw: list[Any], groups: list[DeviceGroup]) -> tuple[list[DeviceGroup], list[NetworkTier]]:
+    total = sum(g.num_devices for g in groups)
+    tiers: list[NetworkTier] = []
+    for i, t in enumerate(raw):
+        path = f"tiers[{i}]"
+        _check_keys(t, path, _TIER_KEYS)
+        last = i == len(raw) - 1
+        if i == 0:
+            sizes = {g.devices_per_node for g in groups if g.node_tier is None}
+            default_size = sizes.pop() if len(sizes) == 1 else max(g.devices_per_node for g in groups)
+            if "size" in t:
+                size = _positive_int(t["size"], f"{path}.size")
+                bad = [g for g in groups if g.node_tier is None and g.devices_per_node != size]
+                if bad:
+                    raise ValueError(f"{path}.size: the node tier has size {size} but group {bad[0].name!r} has "
+                                     f"{bad[0].devices_per_node} devices per node (tiers[0] is the node tier)")
+            else:
+                size = default_size
+            if not any(k in t for k in ("bandwidth", "aggregate_bandwidth", "link")):
+                name = _string(t.get("name", "node"), f"{path}.name")
+                groups, node = _per_group_node_tiers(groups, name, size,
+                                                     lambda tier, t=t, path=path: _apply_overrides(tier, t, path))
+                tiers.append(node)
+                continue
+            tiers.append(_tier(t, path, index=0, default_name="node", size=size,
+                               devices=[g.device for g in groups], lower_size=1))
+            continue
+        if "size" in t:
+            size = _positive_int(t["size"], f"{path}.size")
+        elif last:
+            size = total
+        else:
+            raise ValueError(f"{path}: missing required key 'size' (only the last tier may omit it); "
+                             f"valid keys: {', '.join(_TIER_KEYS)}")
+        uniform = len({g.devices_per_node for g in groups}) == 1
+        tiers.append(_tier(t, path, index=i, default_name=f"tier{i}", size=size,
+                           devices=[g.device for g in groups],
+                           lower_size=tiers[-1].size if i > 1 or uniform else None))
+    return groups, tiers
+
+
+def _apply_overrides(tier: NetworkTier, t: Mapping[str, Any], path: str) -> NetworkTier:
+    """Explicit latency / efficiency / in-network keys of a node tier whose bandwidth comes from the devices."""
+    changes: dict[str, Any] = {}
+    if "latency" in t:
+        changes["latency"] = parse_duration(t["latency"], f"{path}.latency")
+    if "efficiency" in t:
+        changes["efficiency"] = _number(t["efficiency"], f"{path}.efficiency", 0, 1, lo_open=True)
+    if "in_network_reduction_efficiency" in t:
+        changes["in_network_reduction_efficiency"] = _number(
+            t["in_network_reduction_efficiency"], f"{path}.in_network_reduction_efficiency", 0, 1, lo_open=False)
+    if "in_network_reduction_latency" in t:
+        changes["in_network_reduction_latency"] = parse_duration(t["in_network_reduction_latency"],
+                                                                 f"{path}.in_network_reduction_latency")
+    if "source" in t:
+        changes["source"] = str(t["source"])
+    return dataclasses.replace(tier, **changes) if changes else tier
+
+
+def _tier(t: Any, path: str, *, index: int, default_name: str, size: int, devices: Sequence[DeviceSpec],
+          lower_size: int | None) -> NetworkTier:
+    """One tier from its mapping; missing values come from `link` (or the devices' links) and the catalog."""
+    _check_keys(t, path, _TIER_KEYS)
+    name = _string(t.get("name", default_name), f"{path}.name")
+    if "size" in t and _positive_int(t["size"], f"{path}.size") != size:
+        raise ValueError(f"{path}.size: expected {size}, got {t['size']!r}")
+    if index == 0:
+        base = _node_tier_from_device(min(devices, key=lambda d: d.intra_node_bandwidth), name, size)
+    else:
+        base = _outer_tier_from_devices(devices, name, size)
+    if t.get("link") == "":  # an explicit tier with no link calibration (as `to_dict` writes it)
+        base = dataclasses.replace(base, link="")
+    elif "link" in t:
+        link = _link(t["link"], f"{path}.link")
+        base = dataclasses.replace(base, latency=link.latency, efficiency=link.efficiency, link=link.name,
+                                   in_network_reduction_efficiency=link.in_network_reduction_efficiency,
+                                   in_network_reduction_latency=link.in_network_reduction_latency,
+                                   source=f"link calibration {link.name} (costmodel/data/links.csv)")
+    if "bandwidth" in t and "aggregate_bandwidth" in t:
+        raise ValueError(f"{path}: give either 'bandwidth' (per device) or 'aggregate_bandwidth' (per domain "
+                         f"below), not both")
+    bandwidth = base.bandwidth
+    if "bandwidth" in t:
+        bandwidth = parse_bandwidth(t["bandwidth"], f"{path}.bandwidth")
+    elif "aggregate_bandwidth" in t:
+        if lower_size is None:
+            raise ValueError(f"{path}.aggregate_bandwidth: the groups have different devices_per_node, so a "
+                             f"node's share is ambiguous; give 'bandwidth' per device instead")
+        # One tier-(i-1) domain (a node for tier 1) sends through this tier's uplink; its devices share it.
+        bandwidth = parse_bandwidth(t["aggregate_bandwidth"], f"{path}.aggregate_bandwidth") / lower_size
+    explicit_source = "bandwidth" in t or "aggregate_bandwidth" in t
+    tier = dataclasses.replace(base, name=name, size=size, bandwidth=bandwidth,
+                               source=base.source if not explicit_source else f"cluster spec {path}")
+    try:
+        return _apply_overrides(tier, t, path)
+    except ValueError as e:
+        raise ValueError(str(e)) from None
