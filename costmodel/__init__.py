@@ -3,10 +3,11 @@
 from costmodel.breakdown import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
 from costmodel.cluster import Cluster, DeviceGroup, NetworkTier
 from costmodel.device import DeviceSpec
+from costmodel.estimate import estimate
 from costmodel.layer_cost import LayerCost
 from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
 
 __all__ = [
     "Cluster", "DeviceGroup", "DeviceSpec", "Estimate", "LayerCost", "MemoryBreakdown", "MeshAxis",
-    "NetworkTier", "Recompute", "Schedule", "StageEstimate", "StageSpec", "Strategy", "TimeBreakdown",
+    "NetworkTier", "Recompute", "Schedule", "StageEstimate", "StageSpec", "Strategy", "TimeBreakdown", "estimate",
 ]

@@ -36,3 +36,6 @@ class LayerCost:
     """Gradient bytes of parameters replicated inside the tensor-parallel group that must be all-reduced there."""
     peak_temp_bytes: int = 0
     """Largest transient buffer while running the segment (e.g. attention scores, logits)."""
+    expert_param_count: int = 0
+    """Of `param_count`, mixture-of-experts weights split over the expert-parallel axis (already divided by ep):
+    data parallelism reduces and ZeRO shards them over dp*cp/ep ranks (`costmodel.expert_parallel`)."""

@@ -1,7 +1,9 @@
 """The CLI's model registry: MODEL names and `--set key=value` strings -> a built model with example inputs.
 
-MODEL is a zoo family ("gpt", "llama", ...: the family's default config), a preset ("gpt3-175b", ...), or
-"package.module:factory" for a user's own model. This is the only non-test module that imports `models`.
+MODEL is a zoo family ("gpt", "llama", ...: the family's default config), a preset ("gpt3-175b", ...),
+"hf:ARCH" or "hf:path/to/config.json" for a Hugging Face transformers model (`planner.cli.hf_registry`), or
+"package.module:factory" for a user's own model. With its hf: branch, this is the only non-test code that
+imports `models`.
 
 `--set` values are parsed to the config field's declared type (int, float, bool, str, enum, `X | None`,
 `tuple[int, ...]` as comma-separated values) and validated by the config itself; every mistake is a
@@ -122,6 +124,10 @@ def build_model(
     """Build MODEL with `--set` overrides on `device`, with example inputs of `batch` samples."""
     _check_positive("batch", batch)
     torch_device = _device(device)
+    if name.startswith("hf:"):  # Hugging Face transformers models (planner/cli/hf_registry.py)
+        from planner.cli.hf_registry import build_hf_model
+
+        return build_hf_model(name, sets, batch=batch, seq=seq, device=torch_device)
     if ":" in name:
         return _build_user_model(name, sets, batch=batch, seq=seq, device=torch_device)
     family, config, overrides = resolve_config(name, sets, seq=seq)

@@ -1,0 +1,669 @@
+"""Fidelity benchmark: the cost model's predicted step time and peak memory against measured runs on this machine.
+
+For a small GPT (the zoo's `gpt-tiny`) trained in float32 with AdamW on the CPU clusters `1x2xcpu` and `1x4xcpu`
+(2 and 4 processes over gloo on this machine's cores):
+
+1. Profile (`planner.profiler`): the model's ops timed in as many concurrent processes as the cluster has ranks,
+   at every micro-batch size and tensor-parallel shard the planner prices, and the collectives of groups of every
+   size dividing the process count with all groups running at once; fitted alpha/beta calibrate the node tier
+   (`costmodel.collective_fit.calibrated_cluster`).
+2. Enumerate every valid strategy: each search candidate (dp x tp x pp mesh, micro-batch size and count,
+   schedule with interleaving, ZeRO stage, sequence parallelism; `planner.search.enumerate_candidates`) times each
+   recomputation mode, priced by the planner's search with every dimension pinned (which also solves the stage
+   partition and the tensor-parallel sharding), with the profiled model and, for comparison, the analytical one.
+3. Run each strategy with `planner.parallelize` + `planner.train_step` under torchrun, many strategies per launch:
+   a warm-up step, a memory-profiled step, then `TIMED_STEPS` timed steps. Step time: the slowest rank's time
+   per step, median over the timed steps. Peak memory: torch's CPU allocator accounting -- the bytes of every
+   live tensor storage when the profiled (steady-state) step starts, plus the peak running sum of the allocation
+   and free events `torch.profiler` records with `profile_memory=True` during it; max over the ranks of each
+   pipeline stage. The prediction it is compared with is the model's per-stage peak without its fixed framework
+   overhead (the Python runtime and torch itself are not tensors).
+4. Report, per cluster and model: Spearman rank correlation and mean absolute percentage error of predicted
+   against measured step time, mean absolute relative error of peak memory, and the regret of the planner's choice
+   (measured time of the plan `planner.search.search` picks with that model / best measured time).
+
+Usage: python bench/fidelity.py [--clusters 1x2xcpu,1x4xcpu] [--batch 8] [--limit N] [--json]
+Writes bench/results/fidelity.json and the table in docs/fidelity.md (the numbers in that doc are this output).
+Internal: `python -m torch.distributed.run ... bench/fidelity.py --worker PLANS.json RESULTS.jsonl`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MODEL = "gpt-tiny"
+SETS: tuple[str, ...] = ()
+DTYPE = "float32"
+"""`stratagem run` trains in float32 on CPU; the model is traced and priced in the same dtype."""
+GLOBAL_BATCH = 4
+"""Samples per step: micro-batch sizes 1, 2, 4 (the tensor-parallel strategies run eager DTensor ops, whose
+per-op overhead makes every extra micro-batch expensive; 4 keeps the whole benchmark under 20 minutes)."""
+TIMED_STEPS = 3
+SEED = 0
+LAUNCH_CHUNK = 48
+"""Strategies per torchrun launch: amortizes its start-up, bounds what one crash loses."""
+LAUNCH_TIMEOUT_S = 900
+PROCESS_GROUP_TIMEOUT_S = 120
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "fidelity.json"
+DOC = ROOT / "docs" / "fidelity.md"
+TARGETS = {"spearman": 0.8, "regret": 1.10, "memory_error": 0.20}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Metrics (pure functions, tested in tests/test_profile.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def ranks_of(values: Sequence[float]) -> list[float]:
+    """1-based ranks, ties sharing their average rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman rank correlation: Pearson correlation of the (tie-averaged) ranks."""
+    if len(x) != len(y) or len(x) < 2:
+        raise ValueError(f"spearman needs two equally long sequences of >= 2 values, got {len(x)} and {len(y)}")
+    rx, ry = ranks_of(x), ranks_of(y)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    vx = sum((a - mx) ** 2 for a in rx)
+    vy = sum((b - my) ** 2 for b in ry)
+    return cov / math.sqrt(vx * vy) if vx > 0 and vy > 0 else math.nan
+
+
+def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """Mean of |predicted - measured| / measured."""
+    return statistics.fmean(abs(p - m) / m for p, m in zip(predicted, measured, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Driver: profile, enumerate, predict
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One strategy to run, with what each model predicts for it."""
+
+    id: str
+    cluster: str
+    key: tuple[Any, ...]
+    plan: dict[str, Any]
+    predicted: Mapping[str, Mapping[str, Any]]
+    """Model name ("profiled", "analytical") -> {"step_time_s", "memory_bytes" (per stage), "breakdown"}."""
+    labels: tuple[str, ...] = ()
+    """"choice:<model>" when this is the plan the search picks with that model."""
+
+
+def strategy_key(strategy: Any) -> tuple[Any, ...]:
+    st = strategy
+    rc = sorted({s.recompute.value for s in st.stages}) if st.stages else [st.recompute.value]
+    return (st.dp, st.tp, st.pp, st.microbatch_size, st.num_microbatches, st.schedule.value, st.virtual_stages,
+            st.zero_stage, st.sequence_parallel, "+".join(rc))
+
+
+def describe(key: Sequence[Any]) -> str:
+    dp, tp, pp, mbs, m, sched, v, zero, sp, rc = key
+    parts = [f"dp{dp}", f"tp{tp}{'+sp' if sp else ''}", f"pp{pp}", f"mbs{mbs}x{m}"]
+    if pp > 1:
+        parts.append(sched + (f":{v}" if v > 1 else ""))
+    if zero:
+        parts.append(f"zero{zero}")
+    if rc != "none":
+        parts.append(f"rc:{rc}")
+    return " ".join(parts)
+
+
+def _trace_chain() -> Any:
+    import ir
+    from planner.cli.model_registry import build_model
+
+    probe = build_model(MODEL, SETS, batch=1, device="meta")
+    graph = ir.trace(probe.module, probe.example_inputs, model_name=MODEL, dtype=DTYPE)
+    return ir.build_layer_chain(graph)
+
+
+def profile_cluster(nproc: int, out_dir: Path) -> Any:
+    """Ops timed in `nproc` concurrent processes + collectives of every group size dividing `nproc`."""
+    from costmodel.collective_fit import CollectiveProfile
+    from costmodel.profile_db import OpProfile
+    from planner.cli.profile_cmd import MEAN_WINDOW_S
+    from planner.profiler import (
+        CollectiveOptions,
+        ModelRequest,
+        ProfileOptions,
+        Statistic,
+        measure_collectives,
+        profile_concurrently,
+    )
+
+    tps = tuple(t for t in range(1, nproc + 1) if nproc % t == 0)
+    mbs = tuple(m for m in (1, 2, 4, 8) if m <= GLOBAL_BATCH)
+    options = ProfileOptions(microbatch_sizes=mbs, tp_degrees=tps, dtype=DTYPE, warmup=2, repeats=7,
+                             statistic=Statistic.MEAN, min_window_s=MEAN_WINDOW_S)
+    ops = profile_concurrently([ModelRequest(MODEL, SETS)], concurrent=nproc, device_name="cpu", options=options)
+    samples = measure_collectives(CollectiveOptions(processes=nproc, sizes=(4096, 65536, 1 << 20, 4 << 20),
+                                                    repeats=9, statistic=Statistic.MEAN))
+    profile = OpProfile(entries=ops.profile.entries, meta=ops.profile.meta,
+                        collectives=CollectiveProfile.from_samples(samples))
+    profile.save(out_dir / f"profile-{nproc}proc.json")
+    return profile, ops
+
+
+def _pinned_space(cand: Any, recompute: Any) -> Any:
+    from planner.search_space import SearchSpace
+
+    return SearchSpace(dp=cand.mesh.dp, tp=cand.mesh.tp, pp=cand.mesh.pp, microbatch_size=cand.microbatch_size,
+                       num_microbatches=cand.num_microbatches, schedule=cand.schedule,
+                       virtual_stages=cand.virtual_stages, zero_stage=cand.zero_stage,
+                       sequence_parallel=cand.sequence_parallel, recompute=recompute)
+
+
+def _plan_of(ranked: Any, chain: Any, cluster: Any) -> dict[str, Any]:
+    import ir
+    from planner.plan import ModelInfo, Plan, SearchInfo, TrainingConfig
+
+    graph = chain.graph
+    plan = Plan(model=ModelInfo(name=MODEL, fingerprint=ir.fingerprint(graph), params=graph.param_count),
+                cluster=cluster.to_dict(),
+                training=TrainingConfig(global_batch=GLOBAL_BATCH, seq_len=graph.seq_len, dtype=DTYPE,
+                                        optimizer="adamw"),
+                strategy=ranked.strategy, sharding=ranked.sharding, predicted=ranked.estimate,
+                search=SearchInfo(time_s=0.0, candidates=1, status="fixed", optimality_gap=0.0,
+                                  lower_bound_s=ranked.estimate.step_time_s))
+    return plan.to_dict()
+
+
+def _prediction(ranked: Any) -> dict[str, Any]:
+    est = ranked.estimate
+    return {"step_time_s": est.step_time_s,
+            "memory_bytes": [s.memory.total - s.memory.overhead for s in est.stages],
+            "memory_breakdown": [s.memory.to_dict() for s in est.stages],
+            "breakdown": est.breakdown.to_dict()}
+
+
+def enumerate_cases(chain: Any, spec: str, profile: Any, limit: int | None) -> tuple[list[Case], dict[str, Any]]:
+    """Every valid strategy on `spec`, priced by the profiled and the analytical model, plus each model's choice."""
+    from costmodel.cluster import Cluster
+    from costmodel.collective_fit import calibrated_cluster
+    from costmodel.strategy import Recompute
+    from planner.layer_costs import LayerCostTable
+    from planner.search import SearchOptions, enumerate_candidates, search
+    from planner.search_space import Objective, SearchSpace
+
+    base = Cluster.parse(spec)
+    models = {"profiled": (calibrated_cluster(base, profile.collectives), profile), "analytical": (base, None)}
+    tables = {name: LayerCostTable(chain, cl, dtype=DTYPE, profile=prof) for name, (cl, prof) in models.items()}
+    quiet = SearchOptions(num_alternatives=0)
+    cands, _ = enumerate_candidates(chain, base, GLOBAL_BATCH, SearchSpace(), Objective.TIME)
+    # The benchmark runs one process per device of the cluster: strategies on fewer devices are not measured.
+    cands = [c for c in cands if c.mesh.num_devices == base.num_devices]
+    by_key: dict[tuple[Any, ...], dict[str, Any]] = {}
+    plans: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for cand in cands:
+        for rc in Recompute:
+            space = _pinned_space(cand, rc)
+            for name, (cluster, prof) in models.items():
+                try:
+                    ranked = search(chain, cluster, global_batch=GLOBAL_BATCH, space=space, dtype=DTYPE,
+                                    profile=prof, table=tables[name], options=quiet).best
+                except Exception:  # noqa: BLE001 -- a pinned strategy that does not fit: not a valid strategy
+                    continue
+                key = strategy_key(ranked.strategy)
+                by_key.setdefault(key, {})[name] = _prediction(ranked)
+                if name == "profiled":
+                    plans.setdefault(key, _plan_of(ranked, chain, base))
+    choices = {}
+    for name, (cluster, prof) in models.items():
+        # The search's own choice (it may use fewer devices), and the best strategy on all of them, which is
+        # the planner's choice among what this benchmark runs (same formulas: the search's objective is estimate).
+        best = search(chain, cluster, global_batch=GLOBAL_BATCH, dtype=DTYPE, profile=prof, table=tables[name]).best
+        key = strategy_key(best.strategy)
+        if best.strategy.num_devices == base.num_devices and key not in plans:
+            plans[key] = _plan_of(best, chain, base)  # a per-stage recompute mix the pinned searches did not try
+            by_key.setdefault(key, {})[name] = _prediction(best)
+        full = min((k for k in plans if name in by_key[k]), key=lambda k: by_key[k][name]["step_time_s"])
+        choices[name] = {"search_choice": describe(key), "search_choice_devices": best.strategy.num_devices,
+                         "search_predicted_step_time_s": best.estimate.step_time_s,
+                         "key": list(full), "strategy": describe(full),
+                         "predicted_step_time_s": by_key[full][name]["step_time_s"]}
+    keys = sorted(k for k in plans if "profiled" in by_key[k] and "analytical" in by_key[k])
+    if limit is not None:
+        chosen = {tuple(c["key"]) for c in choices.values()}
+        keys = sorted(set(keys[:: max(1, len(keys) // limit)][:limit]) | (chosen & set(keys)))
+    cases = []
+    for i, key in enumerate(keys):
+        labels = tuple(f"choice:{n}" for n, c in choices.items() if tuple(c["key"]) == key)
+        cases.append(Case(id=f"{spec}/{i:03d}", cluster=spec, key=key, plan=plans[key], predicted=by_key[key],
+                          labels=labels))
+    return cases, choices
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Driver: run the cases under torchrun
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def run_cases(cases: Sequence[Case], nproc: int, work: Path) -> dict[str, dict[str, Any]]:
+    """Measure every case; a launch that dies loses only the case it died on (the rest are relaunched)."""
+    results: dict[str, dict[str, Any]] = {}
+    pending = list(cases)
+    launch = 0
+    while pending:
+        chunk = pending[:LAUNCH_CHUNK]
+        plans_path = work / f"plans-{nproc}-{launch}.json"
+        out_path = work / f"results-{nproc}-{launch}.jsonl"
+        plans_path.write_text(json.dumps([{"id": c.id, "plan": c.plan} for c in chunk]))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(Path(__file__).resolve()), "--worker", str(plans_path), str(out_path)]
+        log = work / f"launch-{nproc}-{launch}.log"
+        with log.open("w") as f:
+            try:
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=LAUNCH_TIMEOUT_S,
+                                    check=False).returncode
+            except subprocess.TimeoutExpired:
+                rc = -1
+        done = {}
+        if out_path.exists():
+            for line in out_path.read_text().splitlines():
+                row = json.loads(line)
+                done[row["id"]] = row
+        results.update(done)
+        rest = [c for c in chunk if c.id not in done]
+        if rest and rc != 0:  # the launch died on the first unfinished case: record it, go on with the others
+            results[rest[0].id] = {"id": rest[0].id, "error": f"launch exited with {rc} (see {log.name})"}
+            rest = rest[1:]
+        pending = rest + pending[LAUNCH_CHUNK:]
+        launch += 1
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Worker (under torchrun): run many plans in one process group
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every live tensor storage in this process (each storage once; a DTensor counts its local shard)."""
+    import torch
+
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.is_meta or type(obj).__name__ == "DTensor":
+                continue
+            storage = obj.untyped_storage()
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        except (RuntimeError, NotImplementedError):  # tensors without storage (functional wrappers)
+            continue
+    return sum(v for k, v in seen.items() if k)
+
+
+def peak_during(prof: Any, live_at_start: int) -> int:
+    """Peak live tensor bytes during a profiled window that started with `live_at_start` bytes live: the start
+    plus the largest running sum of the allocation (+) and free (-) events the profiler recorded. Frees of blocks
+    allocated before the window are not reported, so the caller frees what it can (gradients) before the window."""
+    events = prof.profiler.kineto_results.events()
+    mem = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in mem:
+        live += nbytes
+        peak = max(peak, live)
+    return live_at_start + peak
+
+
+def _release(pm: Any) -> None:
+    """Destroy the process groups the plan's mesh and tied parameters created (not the default group)."""
+    import torch.distributed as dist
+
+    default = dist.distributed_c10d._get_default_group()
+    groups = []
+    for name in pm.mesh.mesh_dim_names or ():
+        groups.append(pm.mesh[name].get_group())
+    groups += [t.group for t in pm.tied]
+    seen: set[int] = set()
+    dist.barrier()
+    for g in groups:
+        if g is None or g is default or id(g) in seen:
+            continue
+        seen.add(id(g))
+        dist.destroy_process_group(g)
+
+
+def _run_plan(plan_dict: Mapping[str, Any], chain: Any) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from planner.cli.model_registry import build_model
+    from planner.parallelize import parallelize
+    from planner.plan import Plan
+    from planner.train_step import local_batch, train_step
+
+    plan = Plan.from_dict(plan_dict)
+    gc.collect()
+    dist.barrier()
+    torch.manual_seed(SEED)
+    built = build_model(MODEL, SETS, batch=GLOBAL_BATCH, device="cpu")
+    pm = parallelize(built.module, plan, chain=chain, loss_fn=built.loss)
+    batch = local_batch(pm, built.example_inputs)
+    del built  # the unsharded model: what parallelize did not keep is freed here
+    optimizer = _timed_optimizer(list(pm.parameters()))
+    train_step(pm, batch, optimizer)  # warm-up: creates the optimizer state, pipeline buffers
+    optimizer.zero_grad(set_to_none=True)  # freed before the window, where the profiler could not see it
+    gc.collect()
+    start = live_tensor_bytes()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        train_step(pm, batch, optimizer)
+    peak = peak_during(prof, start)
+    del prof
+    times, cpu = [], []
+    optimizer.seconds.clear()
+    for _ in range(TIMED_STEPS):
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        train_step(pm, batch, optimizer)
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    slowest = torch.tensor(times + [statistics.median(optimizer.seconds), statistics.median(cpu)],
+                           dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    optimizer_s, cpu_s = slowest[-2].item(), slowest[-1].item()
+    slowest = slowest[:-2]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (pm.mesh["pp"].get_local_rank(), peak))
+    per_stage = [0] * plan.strategy.pp
+    for stage, value in gathered:
+        per_stage[stage] = max(per_stage[stage], value)
+    _release(pm)
+    return {"step_times_s": slowest.tolist(), "step_time_s": statistics.median(slowest.tolist()),
+            "optimizer_s": optimizer_s, "cpu_s": cpu_s, "memory_bytes": per_stage, "load_avg": os.getloadavg()[0]}
+
+
+def _timed_optimizer(params: list[Any]) -> Any:
+    """AdamW that records the seconds of each `step()` (the model's optimizer term is compared with them)."""
+    import torch
+
+    class TimedAdamW(torch.optim.AdamW):
+        seconds: list[float] = []
+
+        def step(self, closure: Any = None) -> Any:
+            t0 = time.perf_counter()
+            out = super().step(closure)
+            self.seconds.append(time.perf_counter() - t0)
+            return out
+
+    opt = TimedAdamW(params, lr=1e-3)
+    opt.seconds = []
+    return opt
+
+
+def worker(plans_path: str, out_path: str) -> int:
+    import torch
+    import torch.distributed as dist
+
+    import ir
+    from planner.cli.model_registry import build_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
+    rank = dist.get_rank()
+    probe = build_model(MODEL, SETS, batch=1, device="meta")
+    chain = ir.build_layer_chain(ir.trace(probe.module, probe.example_inputs, model_name=MODEL, dtype=DTYPE))
+    cases = json.loads(Path(plans_path).read_text())
+    try:
+        for case in cases:
+            started = time.perf_counter()
+            try:
+                row = {"id": case["id"], **_run_plan(case["plan"], chain)}
+            except Exception as e:  # noqa: BLE001 -- one failing strategy is a result, not the end of the launch
+                row = {"id": case["id"], "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+            # every rank must agree the case is over before the next one starts
+            outcome: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(outcome, "error" in row)
+            if any(outcome) and "error" not in row:
+                row = {"id": case["id"], "error": "another rank failed"}
+            row["wall_s"] = time.perf_counter() - started
+            if rank == 0:
+                with open(out_path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def summarize(cases: Sequence[Case], measured: Mapping[str, Mapping[str, Any]], model: str) -> dict[str, Any]:
+    ok = [c for c in cases if "error" not in measured.get(c.id, {"error": "missing"})]
+    pred = [c.predicted[model]["step_time_s"] for c in ok]
+    meas = [measured[c.id]["step_time_s"] for c in ok]
+    mem_err = []
+    for c in ok:
+        p = max(c.predicted[model]["memory_bytes"])
+        m = max(measured[c.id]["memory_bytes"])
+        mem_err.append(abs(p - m) / m)
+    best = min(meas) if meas else math.nan
+    chosen = [c for c in ok if f"choice:{model}" in c.labels]
+    chosen_time = measured[chosen[0].id]["step_time_s"] if chosen else math.nan
+    return {
+        "strategies": len(ok),
+        "spearman": spearman(pred, meas) if len(ok) > 1 else math.nan,
+        "mape": mape(pred, meas) if ok else math.nan,
+        "memory_error": statistics.fmean(mem_err) if mem_err else math.nan,
+        "memory_error_max": max(mem_err) if mem_err else math.nan,
+        "regret": chosen_time / best if chosen else math.nan,
+        "choice": describe(chosen[0].key) if chosen else None,
+        "choice_measured_s": chosen_time,
+        "best": describe(ok[meas.index(best)].key) if ok else None,
+        "best_measured_s": best,
+    }
+
+
+def strategy_class(key: Sequence[Any]) -> str:
+    """What framework machinery a strategy runs on: the overheads the model misses differ by it."""
+    dp, tp, pp, _mbs, _m, _sched, _v, zero, sp, rc = key
+    parts = []
+    if tp > 1:
+        parts.append("tp+sp (DTensor)" if sp else "tp (DTensor)")
+    if dp > 1:
+        parts.append("dp replicate" if zero == 0 else f"dp zero{zero} (FSDP2)")
+    if pp > 1:
+        parts.append("pp")
+    return " + ".join(parts) or "single"
+
+
+def _least_squares_slope(x: Sequence[float], y: Sequence[float]) -> float:
+    """Slope of y = k x through the origin (least squares)."""
+    sxx = sum(a * a for a in x)
+    return sum(a * b for a, b in zip(x, y, strict=True)) / sxx if sxx > 0 else math.nan
+
+
+def analyze(cases: Sequence[Case], measured: Mapping[str, Mapping[str, Any]], chain_layers: int,
+            model: str = "profiled") -> dict[str, Any]:
+    """Which term of the model is off, by strategy class (medians over the class's strategies):
+
+    - optimizer: measured `optimizer.step()` seconds (slowest rank) / predicted optimizer term;
+    - cpu: measured process CPU seconds per step (slowest rank) / predicted compute + recompute + optimizer of the
+      busiest rank -- the work the model knows about against the work the process did;
+    - wait: measured wall - CPU seconds (time a rank spent blocked: communication, bubbles, other processes) against
+      predicted communication + bubble;
+    - per class, the CPU the model misses per (micro-batch x layer): (measured CPU - predicted) / (m x layers),
+      the least-squares constant of a per-layer, per-micro-batch framework overhead (DTensor dispatch, FSDP hooks).
+    """
+    rows: dict[str, list[dict[str, float]]] = {}
+    for c in cases:
+        m = measured.get(c.id, {})
+        if "error" in m or not m:
+            continue
+        b = c.predicted[model]["breakdown"]
+        work = b["compute_s"] + b["recompute_s"] + b["optimizer_s"]
+        comm = b["tp_comm_s"] + b["pp_comm_s"] + b["dp_comm_s"] + b["bubble_s"]
+        micro = c.key[4] * c.key[6]  # micro-batches x virtual stages: per-chunk framework calls
+        rows.setdefault(strategy_class(c.key), []).append({
+            "time_ratio": m["step_time_s"] / c.predicted[model]["step_time_s"],
+            "optimizer_ratio": m["optimizer_s"] / b["optimizer_s"] if b["optimizer_s"] > 0 else math.nan,
+            "optimizer_measured_s": m["optimizer_s"], "optimizer_predicted_s": b["optimizer_s"],
+            "cpu_ratio": m["cpu_s"] / work if work > 0 else math.nan,
+            "cpu_extra_s": m["cpu_s"] - work, "calls": micro * chain_layers / c.key[2],
+            "wait_measured_s": max(m["step_time_s"] - m["cpu_s"], 0.0), "wait_predicted_s": comm,
+        })
+    out = {}
+    for cls, rs in sorted(rows.items()):
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k not in ("calls",)}
+        med["strategies"] = len(rs)
+        med["overhead_per_layer_microbatch_s"] = _least_squares_slope([r["calls"] for r in rs],
+                                                                      [r["cpu_extra_s"] for r in rs])
+        out[cls] = med
+    return out
+
+
+def diagnosis_table(analysis: Mapping[str, Mapping[str, Any]]) -> str:
+    rows = ["| strategy class | n | measured / predicted time | optimizer: measured / predicted (ms) | "
+            "CPU: measured / predicted work | missed CPU per layer x micro-batch (ms) | "
+            "blocked: measured / predicted comm+bubble (ms) |",
+            "|---|---|---|---|---|---|---|"]
+    for cls, a in analysis.items():
+        rows.append(f"| {cls} | {a['strategies']} | {a['time_ratio']:.2f} | {a['optimizer_ratio']:.1f}x "
+                    f"({1e3 * a['optimizer_measured_s']:.1f} / {1e3 * a['optimizer_predicted_s']:.1f}) | "
+                    f"{a['cpu_ratio']:.2f} | {1e3 * a['overhead_per_layer_microbatch_s']:.2f} | "
+                    f"{1e3 * a['wait_measured_s']:.1f} / {1e3 * a['wait_predicted_s']:.1f} |")
+    return "\n".join(rows)
+
+
+def _fmt(x: Any, pct: bool = False) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return f"{100 * x:.1f}%" if pct else f"{x:.3f}"
+
+
+def markdown_table(report: Mapping[str, Any]) -> str:
+    rows = ["| cluster | model | strategies | Spearman | MAPE (time) | memory error (mean / max) | regret | "
+            "planner's choice (measured) | best measured |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for spec, per in report["clusters"].items():
+        for model, s in per["summary"].items():
+            rows.append(f"| {spec} | {model} | {s['strategies']} | {_fmt(s['spearman'])} | {_fmt(s['mape'], True)} | "
+                        f"{_fmt(s['memory_error'], True)} / {_fmt(s['memory_error_max'], True)} | "
+                        f"{_fmt(s['regret'])} | {s['choice']} ({_fmt(s['choice_measured_s'])} s) | "
+                        f"{s['best']} ({_fmt(s['best_measured_s'])} s) |")
+    return "\n".join(rows)
+
+
+def update_doc(report: Mapping[str, Any]) -> None:
+    """Replace the generated block of docs/fidelity.md (between the markers) with this run's table."""
+    begin, end = "<!-- fidelity:begin -->", "<!-- fidelity:end -->"
+    block = (f"{begin}\n{markdown_table(report)}\n\nRun {report['run']['date']}, {report['run']['wall_s']:.0f} s "
+             f"end to end ({report['run']['strategies_run']} strategy runs, {report['run']['failed']} failed).\n{end}")
+    text = DOC.read_text() if DOC.exists() else f"# Cost-model fidelity\n\n{begin}\n{end}\n"
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text += "\n" + block + "\n"
+    DOC.write_text(text)
+
+
+def _case_row(c: Case, m: Mapping[str, Any]) -> dict[str, Any]:
+    return {"id": c.id, "strategy": describe(c.key), "key": list(c.key), "labels": list(c.labels),
+            "predicted": c.predicted, "measured": dict(m)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clusters", default="1x2xcpu,1x4xcpu")
+    parser.add_argument("--limit", type=int, default=None, help="run at most N strategies per cluster (smoke run)")
+    parser.add_argument("--output", default=str(RESULTS))
+    parser.add_argument("--no-doc", action="store_true", help="do not update docs/fidelity.md")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--worker", nargs=2, metavar=("PLANS", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(*args.worker)
+
+    started = time.perf_counter()
+    chain = _trace_chain()
+    report: dict[str, Any] = {"model": MODEL, "settings": list(SETS), "dtype": DTYPE, "global_batch": GLOBAL_BATCH,
+                              "timed_steps": TIMED_STEPS,
+                              "memory_measure": "torch.profiler profile_memory: peak live tensor bytes of the "
+                                                "second training step, max over the ranks of a stage; predicted "
+                                                "= per-stage peak minus the framework overhead",
+                              "targets": TARGETS, "clusters": {}}
+    total_runs = failed = 0
+    with tempfile.TemporaryDirectory(prefix="fidelity-") as tmp:
+        work = Path(tmp)
+        for spec in [s.strip() for s in args.clusters.split(",") if s.strip()]:
+            nproc = int(spec.split("x")[0]) * int(spec.split("x")[1])
+            t0 = time.perf_counter()
+            profile, ops = profile_cluster(nproc, work)
+            t_profile = time.perf_counter() - t0
+            cases, choices = enumerate_cases(chain, spec, profile, args.limit)
+            t_enum = time.perf_counter() - t0 - t_profile
+            measured = run_cases(cases, nproc, work)
+            t_run = time.perf_counter() - t0 - t_profile - t_enum
+            total_runs += len(cases)
+            failed += sum("error" in measured.get(c.id, {"error": 1}) for c in cases)
+            fits = [f.to_dict() for f in profile.collectives.fits]
+            report["clusters"][spec] = {
+                "processes": nproc,
+                "seconds": {"profile": t_profile, "enumerate": t_enum, "run": t_run},
+                "profile": {"op_entries": len(profile.entries), "skipped_ops": len(ops.skipped),
+                            "collective_fits": fits},
+                "choices": choices,
+                "summary": {m: summarize(cases, measured, m) for m in ("profiled", "analytical")},
+                "cases": [_case_row(c, measured.get(c.id, {"error": "missing"})) for c in cases],
+            }
+            print(f"{spec}: {len(cases)} strategies, profile {t_profile:.0f} s, enumerate {t_enum:.0f} s, "
+                  f"run {t_run:.0f} s", file=sys.stderr)
+    report["run"] = {"date": datetime.date.today().isoformat(), "wall_s": time.perf_counter() - started,
+                     "strategies_run": total_runs, "failed": failed, "cpu_count": os.cpu_count()}
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(_clean(report), indent=1, sort_keys=True) + "\n")
+    if not args.no_doc:
+        update_doc(report)
+    print(json.dumps(_clean({k: v["summary"] for k, v in report["clusters"].items()}), indent=1)
+          if args.json else markdown_table(report))
+    return 0
+
+
+def _clean(x: Any) -> Any:
+    """JSON-ready: NaN/inf -> None (strict JSON has neither), tuples -> lists."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, Mapping):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    return x
+
+
+if __name__ == "__main__":
+    sys.exit(main())

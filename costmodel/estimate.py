@@ -1,0 +1,397 @@
+"""`costmodel.estimate`: step time, throughput, utilization and peak memory of one strategy on one cluster.
+
+How a strategy maps onto the cluster:
+- Mesh axes are laid out innermost first in `strategy.mesh_order` (default tp, cp, ep, dp, pp as in Megatron-LM):
+  the stride of an axis is the product of the sizes of the axes inside it (ep reuses dp ranks and has no stride of
+  its own). Pipeline rank r holds the global ranks r * stride(pp) + (the tp/cp/dp offsets).
+- The chain is cut into p*v virtual stages (`strategy.stages`, or an even split of the repeated layer class with the
+  leading/trailing segments -- embedding, head -- on the first/last stage); virtual stage j runs on pipeline rank
+  j % p. A stage's device is its `device_group`'s device, else that of its first rank; its speed is the slowest of
+  its ranks (`Cluster.speed_of`).
+- Segment prices come from `layer_costs[(class_id, device name)]` (the planner's sharding solutions for the
+  strategy's tp and micro-batch), or, for tp == 1, from `layer_pricing.price_segment`.
+Then `step_time.stage_time` / `data_parallel_comm` / `step_breakdown` give the step time and its breakdown,
+`memory.rank_memory` the peak bytes per pipeline rank (plus copies of weights shared with another rank:
+`shared_parameter_copies`), and:
+
+    model FLOPs per step    = (graph forward + backward FLOPs) * global_batch / traced batch   (no recomputation)
+    hardware FLOPs per step = model FLOPs + recomputed forward FLOPs of every micro-batch of every replica
+    TFLOP/s per device      = FLOPs / (step time * devices);   MFU / HFU = that / dense peak of the dtype
+
+Problems (`Estimate.problems`) say exactly why a strategy is invalid or does not fit; the estimate is still priced
+so that the caller can see by how much. What cannot be priced at all (more stages than segments, more devices than
+the cluster has, tp > 1 without layer costs) raises ValueError.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from costmodel.breakdown import Estimate, StageEstimate, TimeBreakdown
+from costmodel.cluster import Cluster
+from costmodel.collectives import Collective, CommGroup, collective_time
+from costmodel.context_parallel import cp_problem
+from costmodel.device import DeviceSpec
+from costmodel.expert_parallel import dp_synced_params, ep_problem, optimizer_params
+from costmodel.layer_cost import LayerCost
+from costmodel.layer_pricing import price_segment, selective_recompute_region
+from costmodel.memory import GIB, PricedSegment, rank_memory
+from costmodel.pipeline import in_flight_per_chunk
+from costmodel.profile_db import OpProfile
+from costmodel.step_time import (
+    RankTail,
+    StageTime,
+    data_parallel_comm,
+    optimizer_step_time,
+    stage_time,
+    step_breakdown,
+)
+from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
+from ir import build_layer_chain
+from ir.graph import Graph, dtype_bytes
+from ir.layer_chain import LayerChain
+
+
+def axis_strides(strategy: Strategy) -> dict[MeshAxis, int]:
+    """Rank stride of each mesh axis (innermost first in `strategy.mesh_order`; ep shares the dp ranks)."""
+    sizes = {MeshAxis.TP: strategy.tp, MeshAxis.CP: strategy.cp, MeshAxis.DP: strategy.dp,
+             MeshAxis.PP: strategy.pp}
+    strides: dict[MeshAxis, int] = {}
+    stride = 1
+    for axis in strategy.mesh_order:
+        if axis is MeshAxis.EP:
+            continue
+        strides[axis] = stride
+        stride *= sizes[axis]
+    strides[MeshAxis.EP] = strides[MeshAxis.DP]
+    return strides
+
+
+def stage_ranks(strategy: Strategy, pp_rank: int) -> list[int]:
+    """Global ranks of pipeline rank `pp_rank` (all its tp x cp x dp devices), ascending."""
+    st = axis_strides(strategy)
+    base = pp_rank * st[MeshAxis.PP]
+    return sorted(base + t * st[MeshAxis.TP] + c * st[MeshAxis.CP] + d * st[MeshAxis.DP]
+                  for t in range(strategy.tp) for c in range(strategy.cp) for d in range(strategy.dp))
+
+
+def dp_group(strategy: Strategy, pp_rank: int) -> CommGroup:
+    """The data-parallel (x context-parallel) group of the first device of pipeline rank `pp_rank`.
+
+    When cp > 1 the gradient reduction spans dp*cp ranks at the inner of the two strides (exact when the two axes
+    are adjacent in the mesh order, as in the default)."""
+    st = axis_strides(strategy)
+    stride = min(st[MeshAxis.DP], st[MeshAxis.CP]) if strategy.cp > 1 else st[MeshAxis.DP]
+    return CommGroup(strategy.dp * strategy.cp, stride=stride, start=pp_rank * st[MeshAxis.PP])
+
+
+def tp_group(strategy: Strategy, pp_rank: int) -> CommGroup:
+    """The tensor-parallel group of the first device of pipeline rank `pp_rank`."""
+    st = axis_strides(strategy)
+    return CommGroup(strategy.tp, stride=st[MeshAxis.TP], start=pp_rank * st[MeshAxis.PP])
+
+
+def p2p_group(strategy: Strategy, boundary: int) -> CommGroup:
+    """The pair that carries virtual-stage boundary `boundary` (stage j -> j+1): pipeline rank j % pp to the next,
+    or from the last rank back to the first between interleaved chunks."""
+    pp, stride = strategy.pp, axis_strides(strategy)[MeshAxis.PP]
+    if (boundary + 1) % pp:
+        return CommGroup(2, stride=stride, start=(boundary % pp) * stride)
+    return CommGroup(2, stride=stride * (pp - 1), start=0)
+
+
+def p2p_time(strategy: Strategy, boundary: int, nbytes: float, cluster: Cluster) -> float:
+    """Seconds to send `nbytes` (per device) across virtual-stage boundary `boundary`; all tp*cp*dp pairs of the
+    two stages send at once (`concurrent`)."""
+    if strategy.pp == 1 or nbytes <= 0:
+        return 0.0
+    return collective_time(Collective.SEND_RECV, nbytes, p2p_group(strategy, boundary), cluster,
+                           concurrent=strategy.tp * strategy.cp * strategy.dp)
+
+
+def shared_parameter_copies(chain: LayerChain, stages: Sequence[StageSpec], pp: int) -> tuple[int, ...]:
+    """Per pipeline rank: parameters used there but owned by (first used on) another rank, which it must keep a
+    copy of -- the tied LM head of a GPT whose embedding sits on the first stage (Megatron-LM's "word embeddings"
+    copy on the last stage; `Segment.param_count` counts a shared weight once, where it is first used)."""
+    owner: dict[str, int] = {}
+    used: list[dict[str, int]] = [{} for _ in range(pp)]
+    for j, st in enumerate(stages):
+        rank = j % pp
+        for seg in chain.segments[st.start:st.stop]:
+            for node in chain.nodes_of(seg):
+                for name, spec in zip(node.param_names, node.param_specs, strict=False):
+                    owner.setdefault(name, rank)
+                    used[rank][name] = spec.numel
+    return tuple(sum(n for name, n in used[r].items() if owner[name] != r) for r in range(pp))
+
+
+def even_stages(chain: LayerChain, num_stages: int, recompute: Recompute = Recompute.NONE) -> tuple[StageSpec, ...]:
+    """Split the chain into `num_stages` contiguous stages, dividing the repeated layer class evenly.
+
+    The most frequent class (the transformer block) is spread as evenly as possible (the last stages take the
+    remainder: they hold fewer in-flight micro-batches); segments before its first and after its last occurrence
+    (embedding, final norm and head) join the first and last stage, as Megatron-LM places them. Chains without a
+    contiguous run of a repeated class are split by segment count.
+    """
+    n = len(chain.segments)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"pp*virtual_stages={num_stages} must be between 1 and the {n} segments of the layer chain")
+    counts = Counter(s.class_id for s in chain.segments)
+    main, count = max(counts.items(), key=lambda kv: (kv[1], -kv[0]))
+    idx = [s.index for s in chain.segments if s.class_id == main]
+    contiguous = idx[-1] - idx[0] + 1 == count
+    if contiguous and count >= num_stages:
+        first, total = idx[0], count
+    else:
+        first, total = 0, n
+    base, extra = divmod(total, num_stages)
+    sizes = [base + (1 if i >= num_stages - extra else 0) for i in range(num_stages)]
+    bounds = [first]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    bounds[0], bounds[-1] = 0, n
+    return tuple(StageSpec(start=bounds[i], stop=bounds[i + 1], recompute=recompute) for i in range(num_stages))
+
+
+def resolve_stages(chain: LayerChain, strategy: Strategy) -> tuple[StageSpec, ...]:
+    """The strategy's stages, checked to cover the chain in order, or an even split."""
+    num = strategy.pp * strategy.virtual_stages
+    if not strategy.stages:
+        return even_stages(chain, num, strategy.recompute)
+    pos = 0
+    for i, st in enumerate(strategy.stages):
+        if st.start != pos:
+            raise ValueError(f"stage {i} starts at segment {st.start}, expected {pos} (stages must cover the chain "
+                             f"in order)")
+        pos = st.stop
+    if pos != len(chain.segments):
+        raise ValueError(f"stages cover segments 0..{pos}, the chain has {len(chain.segments)}")
+    return strategy.stages
+
+
+@dataclass(frozen=True, slots=True)
+class _Rank:
+    index: int
+    device: DeviceSpec
+    speed: float
+    ranks: tuple[int, ...]
+
+
+def _group_device(cluster: Cluster, name: str) -> DeviceSpec:
+    for g in cluster.groups:
+        if g.name == name:
+            return g.device
+    raise ValueError(f"stage device_group {name!r} is not in the cluster; groups: "
+                     f"{', '.join(g.name for g in cluster.groups)}")
+
+
+def _pipeline_ranks(cluster: Cluster, strategy: Strategy, stages: Sequence[StageSpec]) -> list[_Rank]:
+    # Logical rank i runs on the i-th available device (unavailable slots are skipped).
+    physical = cluster.available_ranks()
+    out = []
+    for r in range(strategy.pp):
+        ranks = stage_ranks(strategy, r)
+        group = stages[r].device_group
+        device = _group_device(cluster, group) if group else cluster.device_of(physical[ranks[0]])
+        speed = min(cluster.speed_of(physical[k]) for k in ranks)
+        out.append(_Rank(r, device, speed, tuple(ranks)))
+    return out
+
+
+class _Prices:
+    """LayerCost per (class id, device name): given ones first, replicated pricing for tp == 1."""
+
+    def __init__(self, chain: LayerChain, strategy: Strategy, given: Mapping[tuple[int, str], LayerCost] | None,
+                 dtype: str, profile: OpProfile | None) -> None:
+        self.chain, self.strategy, self.given = chain, strategy, dict(given or {})
+        self.dtype, self.profile = dtype, profile
+        self.cache: dict[tuple[int, str], LayerCost] = {}
+
+    def __call__(self, seg_index: int, device: DeviceSpec) -> LayerCost:
+        seg = self.chain.segments[seg_index]
+        key = (seg.class_id, device.name)
+        if key in self.given:
+            return self.given[key]
+        if key not in self.cache:
+            if self.strategy.tp > 1 or self.strategy.cp > 1 or self.strategy.ep > 1:
+                raise ValueError(f"no LayerCost for layer class {seg.class_id} on {device.name} at tp="
+                                 f"{self.strategy.tp}; use planner.estimate, which solves the sharding")
+            rep = self.chain.representative(seg.class_id)
+            self.cache[key] = price_segment(self.chain, rep, device, microbatch_size=self.strategy.microbatch_size,
+                                            dtype=self.dtype, profile=self.profile)
+        return self.cache[key]
+
+
+def _validity_problems(chain: LayerChain, strategy: Strategy, global_batch: int | None) -> list[str]:
+    problems: list[str] = []
+    heads = sorted({int(n.attr("num_heads")) for n in chain.graph.nodes if n.attr("num_heads") is not None})
+    for h in heads:
+        if h % strategy.tp:
+            problems.append(f"tp={strategy.tp} does not divide heads={h}")
+    kv = sorted({int(n.attr("num_kv_heads")) for n in chain.graph.nodes if n.attr("num_kv_heads") is not None})
+    for h in kv:
+        if h % strategy.tp and strategy.tp % h:
+            problems.append(f"tp={strategy.tp} and kv heads={h}: neither divides the other")
+    if global_batch is not None and global_batch != strategy.global_batch:
+        problems.append(f"global batch {global_batch} is not dp*mbs*m = {strategy.dp}*{strategy.microbatch_size}*"
+                        f"{strategy.num_microbatches} = {strategy.global_batch}")
+    # Issue 10: context / expert parallelism must fit the model (costmodel/context_parallel.py, expert_parallel.py).
+    problems += [p for p in (cp_problem(chain, strategy.cp), ep_problem(chain, strategy.ep)) if p]
+    if strategy.dp % strategy.ep:
+        problems.append(f"ep={strategy.ep} must divide dp={strategy.dp} (expert groups are data-parallel ranks)")
+    if strategy.schedule is Schedule.INTERLEAVED and strategy.num_microbatches % strategy.pp:
+        problems.append(f"the interleaved schedule needs num_microbatches ({strategy.num_microbatches}) to be a "
+                        f"multiple of pp ({strategy.pp})")
+    return problems
+
+
+def _recompute_flops(chain: LayerChain, seg_index: int, recompute: Recompute, cache: dict[int, int]) -> int:
+    """Forward FLOPs (traced batch) that `recompute` reruns in one segment."""
+    seg = chain.segments[seg_index]
+    if recompute is Recompute.FULL:
+        return seg.forward_flops
+    if recompute is Recompute.NONE:
+        return 0
+    if seg.class_id not in cache:
+        nodes = chain.nodes_of(seg)
+        region = selective_recompute_region(nodes)
+        cache[seg.class_id] = sum(n.forward_flops for n in nodes if n.name in region)
+    return cache[seg.class_id]
+
+
+def estimate(chain: LayerChain | Graph, cluster: Cluster, strategy: Strategy, *,
+             layer_costs: Mapping[tuple[int, str], LayerCost] | None = None, dtype: str = "bfloat16",
+             profile: OpProfile | None = None, global_batch: int | None = None) -> Estimate:
+    """Price `strategy` for `chain` (a traced `Graph` is cut into its layer chain first) on `cluster`.
+
+    `global_batch`, when given, must equal dp * microbatch_size * num_microbatches (else a problem says so).
+    See the module docstring for the model."""
+    if isinstance(chain, Graph):
+        chain = build_layer_chain(chain)
+    if strategy.num_devices > cluster.num_available:
+        raise ValueError(f"strategy needs dp*tp*pp*cp = {strategy.num_devices} devices, the cluster has "
+                         f"{cluster.num_available} available")
+    stages = resolve_stages(chain, strategy)
+    problems = _validity_problems(chain, strategy, global_batch)
+    ranks = _pipeline_ranks(cluster, strategy, stages)
+    prices = _Prices(chain, strategy, layer_costs, dtype, profile)
+    priced = [[PricedSegment(prices(i, ranks[j % strategy.pp].device),
+                             Recompute(st.recompute if strategy.stages else strategy.recompute))
+               for i in range(st.start, st.stop)] for j, st in enumerate(stages)]
+    # Copies of weights shared across pipeline ranks (tied embeddings), vocabulary-sharded over tp like the head.
+    shared = [-(-n // strategy.tp) for n in shared_parameter_copies(chain, stages, strategy.pp)]
+
+    stage_times, tails = _step_terms(priced, ranks, shared, strategy, cluster, dtype)
+    p2p = [p2p_time(strategy, j, priced[j][-1].cost.boundary_bytes, cluster) for j in range(len(priced) - 1)]
+    breakdown = step_breakdown(stage_times, tails, schedule=strategy.schedule,
+                               num_microbatches=strategy.num_microbatches, virtual_stages=strategy.virtual_stages,
+                               p2p_time=p2p)
+    stage_estimates = _stage_estimates(priced, stage_times, stages, ranks, shared, strategy, dtype, problems)
+    return _with_throughput(chain, strategy, stages, priced, ranks, breakdown, tuple(stage_estimates),
+                            tuple(problems), dtype)
+
+
+def _step_terms(priced: Sequence[Sequence[PricedSegment]], ranks: Sequence[_Rank], shared: Sequence[int],
+                strategy: Strategy, cluster: Cluster, dtype: str) -> tuple[list[StageTime], list[RankTail]]:
+    """Per virtual stage: its `StageTime` (ZeRO per-micro-batch communication included); per pipeline rank: what
+    it does after its last backward (gradient reduction, syncs, optimizer, post-step gathers)."""
+    pp = strategy.pp
+    wbytes = dtype_bytes(dtype)
+    dp_size = strategy.dp * strategy.cp
+    stage_times: list[StageTime] = []
+    post, end_reduce, end_chunks = [0.0] * pp, [0.0] * pp, [0] * pp
+    for j, segs in enumerate(priced):
+        rank = ranks[j % pp]
+        plain = stage_time(segs, speed=rank.speed)
+        # Issue 10: expert weights are reduced over dp*cp/ep ranks (costmodel/expert_parallel.py).
+        params = dp_synced_params((s.cost for s in segs), dp_size=dp_size, ep=strategy.ep)
+        # Every (tp, pp) coordinate runs its own data-parallel reduction at the same time.
+        comm = data_parallel_comm(
+            zero_stage=strategy.zero_stage, grad_bytes=params * wbytes, param_bytes=params * wbytes,
+            num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
+            bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=dp_group(strategy, rank.index),
+            cluster=cluster, concurrent=strategy.tp * pp)
+        stage_times.append(stage_time(segs, speed=rank.speed, dp_fwd_s=comm.per_microbatch_fwd_s,
+                                      dp_bwd_s=comm.per_microbatch_bwd_s))
+        post[j % pp] += comm.post_step_s
+        end_reduce[j % pp] += comm.end_reduce_s
+        end_chunks[j % pp] += comm.end_reduce_chunks
+
+    pp_stride = axis_strides(strategy)[MeshAxis.PP]
+    tails = []
+    for r, rank in enumerate(ranks):
+        chunks = priced[r::pp]
+        local_params = sum(s.cost.param_count for c in chunks for s in c) + shared[r]
+        experts = sum(s.cost.expert_param_count for c in chunks for s in c)  # issue 10: ZeRO over dp*cp/ep
+        local_params = optimizer_params(local_params, experts, zero_stage=strategy.zero_stage, dp_size=dp_size,
+                                        ep=strategy.ep)
+        sync_bytes = sum(s.cost.grad_sync_bytes for c in chunks for s in c)
+        tails.append(RankTail(
+            end_reduce_s=end_reduce[r], end_reduce_chunks=max(end_chunks[r], 1),
+            last_bwd_window_s=sum(t.compute_bwd_s + t.recompute_s + t.tp_bwd_s for t in stage_times[r::pp]),
+            tp_grad_sync_s=(collective_time(Collective.ALL_REDUCE, sync_bytes, tp_group(strategy, r), cluster,
+                                            concurrent=strategy.num_devices // strategy.tp)
+                            if sync_bytes and strategy.tp > 1 else 0.0),
+            # The copy's gradient is all-reduced with the owner (the first rank, for a tied embedding).
+            shared_sync_s=(collective_time(Collective.ALL_REDUCE, shared[r] * wbytes,
+                                           CommGroup(2, stride=r * pp_stride), cluster,
+                                           concurrent=strategy.num_devices // pp)
+                           if shared[r] and r > 0 else 0.0),
+            optimizer_s=optimizer_step_time(local_params, rank.device, speed=rank.speed),
+            post_step_s=post[r]))
+    return stage_times, tails
+
+
+def _stage_estimates(priced: Sequence[Sequence[PricedSegment]], stage_times: Sequence[StageTime],
+                     stages: Sequence[StageSpec], ranks: Sequence[_Rank], shared: Sequence[int],
+                     strategy: Strategy, dtype: str, problems: list[str]) -> list[StageEstimate]:
+    """Per pipeline rank: times of one micro-batch and peak memory; appends a problem when it does not fit."""
+    pp = strategy.pp
+    out = []
+    for r, rank in enumerate(ranks):
+        counts = in_flight_per_chunk(strategy.schedule, pp, r, strategy.num_microbatches, strategy.virtual_stages)
+        memory = rank_memory(priced[r::pp], counts, zero_stage=strategy.zero_stage, dp=strategy.dp * strategy.cp,
+                             dtype=dtype, device_name=rank.device.name, extra_params=shared[r], ep=strategy.ep)
+        capacity = rank.device.memory_bytes
+        if memory.total > capacity:
+            problems.append(f"stage {r} needs {memory.total / GIB:.1f} GiB > {capacity / GIB:.1f} GiB "
+                            f"({rank.device.name})")
+        mine = stage_times[r::pp]
+        out.append(StageEstimate(
+            index=r, start=stages[r].start, stop=stages[r].stop, device=rank.device.name,
+            fwd_s=sum(t.fwd_s for t in mine), bwd_s=sum(t.bwd_s for t in mine), memory=memory,
+            capacity_bytes=capacity, in_flight_microbatches=max(counts)))
+    return out
+
+
+def _with_throughput(chain: LayerChain, strategy: Strategy, stages: Sequence[StageSpec],
+                     priced: Sequence[Sequence[PricedSegment]], ranks: Sequence[_Rank], breakdown: TimeBreakdown,
+                     stage_estimates: tuple[StageEstimate, ...], problems: tuple[str, ...], dtype: str) -> Estimate:
+    """The `Estimate`, with throughput and model / hardware FLOP rates (module docstring)."""
+    graph = chain.graph
+    step = breakdown.total_s
+    batch = strategy.global_batch
+    model_flops = (graph.forward_flops + graph.backward_flops) * batch / graph.batch_size
+    flops_cache: dict[int, int] = {}
+    recompute_flops = sum(
+        _recompute_flops(chain, i, s.recompute, flops_cache)
+        for st, segs in zip(stages, priced, strict=True) for i, s in zip(range(st.start, st.stop), segs, strict=True)
+    ) * strategy.microbatch_size / graph.batch_size * strategy.num_microbatches * strategy.dp
+    peak = sum(r.device.flops(dtype) for r in ranks) / strategy.pp
+    model_tflops = model_flops / (step * strategy.num_devices) / 1e12
+    hw_tflops = (model_flops + recompute_flops) / (step * strategy.num_devices) / 1e12
+    return Estimate(
+        step_time_s=step,
+        tokens_per_s=batch * graph.seq_len / step if graph.seq_len else None,
+        samples_per_s=batch / step,
+        model_tflops_per_device=model_tflops,
+        hardware_tflops_per_device=hw_tflops,
+        mfu=model_tflops * 1e12 / peak,
+        hfu=hw_tflops * 1e12 / peak,
+        stages=stage_estimates,
+        breakdown=breakdown,
+        fits=not problems,
+        problems=problems,
+    )

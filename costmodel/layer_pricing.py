@@ -1,0 +1,108 @@
+"""Price one layer-chain segment, replicated (tp == 1), for one micro-batch: a `LayerCost`.
+
+Times are sums of `operators.node_time` over the segment's nodes with FLOPs and activation bytes scaled by
+micro-batch size / traced batch size (ops run one after another on one stream).
+
+Saved activations (bytes autograd keeps from forward to backward), per recomputation choice (Korthikanti et al.
+2022, "Reducing Activation Recomputation in Large Transformer Models", Sec. 4-5):
+- none: the sum of every node's `saved_bytes`.
+- selective: the recompute region (the attention core: nodes with attr ``attention_core`` plus any node that lies
+  on a path between two of them, such as a scale or mask between QK^T and softmax) saves nothing; what the region
+  reads from outside (Q, K, V) must be kept to recompute it. For Megatron's math attention this drops the
+  5*a*s^2*b term and keeps the 34*s*b*h term; for fused (flash) attention it drops the output and logsumexp.
+- full: only the segment input is kept (`Segment.input_bytes`); backward first reruns the whole forward.
+Recompute times: selective = forward time of the region; full = forward time of the segment.
+
+`peak_temp_bytes`: twice the largest single tensor a node produces (the tensor and its gradient coexist in
+backward) -- the transient working set on top of saved activations, e.g. attention scores or logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from costmodel.device import DeviceSpec
+from costmodel.layer_cost import LayerCost
+from costmodel.operators import node_time, retype_ratio
+from costmodel.profile_db import OpProfile
+from ir.graph import Node
+from ir.layer_chain import LayerChain, Segment
+
+
+def selective_recompute_region(nodes: Sequence[Node]) -> frozenset[str]:
+    """Names of the nodes selective recomputation drops and reruns (see module docstring)."""
+    core = {n.name for n in nodes if n.attr("attention_core", False)}
+    if not core:
+        return frozenset()
+    # Forward closure: nodes reachable from a core node; backward closure: nodes that reach a core node.
+    after = set(core)
+    for n in nodes:
+        if any(i in after for i in n.inputs):
+            after.add(n.name)
+    before = set(core)
+    for n in reversed(nodes):
+        if n.name in before:
+            before.update(n.inputs)
+    return frozenset(core | (after & before))
+
+
+def region_inputs(nodes: Sequence[Node], region: frozenset[str]) -> dict[str, int]:
+    """Producer name -> bytes of each tensor that a region node reads from outside the region (deduplicated)."""
+    kept: dict[str, int] = {}
+    for n in nodes:
+        if n.name not in region:
+            continue
+        for i, src in enumerate(n.inputs):
+            if src not in region and src not in kept and i < len(n.input_specs):
+                kept[src] = n.input_specs[i].nbytes
+    return kept
+
+
+def saved_bytes_by_recompute(nodes: Sequence[Node], input_bytes: int) -> tuple[int, int, int]:
+    """(none, selective, full) saved bytes of a node run at its traced size (no scaling)."""
+    none = sum(n.saved_bytes for n in nodes)
+    region = selective_recompute_region(nodes)
+    if region:
+        selective = (sum(n.saved_bytes for n in nodes if n.name not in region)
+                     + sum(region_inputs(nodes, region).values()))
+        selective = min(selective, none)
+    else:
+        selective = none
+    # Full recomputation keeps the segment input, unless the segment saves less than that anyway.
+    return none, selective, min(input_bytes, none)
+
+
+def price_segment(chain: LayerChain, segment: Segment, device: DeviceSpec, *, microbatch_size: int,
+                  dtype: str = "bfloat16", profile: OpProfile | None = None) -> LayerCost:
+    """`LayerCost` of `segment` replicated on one `device` for a micro-batch of `microbatch_size` samples."""
+    if microbatch_size < 1:
+        raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
+    graph = chain.graph
+    scale = microbatch_size / graph.batch_size
+    ratio = retype_ratio(graph.dtype, dtype)
+    nodes = chain.nodes_of(segment)
+    times = [node_time(n, device, flops_scale=scale, bytes_scale=scale, dtype=dtype, profile=profile)
+             for n in nodes]
+    fwd = sum(t[0] for t in times)
+    bwd = sum(t[1] for t in times)
+    region = selective_recompute_region(nodes)
+    recompute_selective = sum(t[0] for n, t in zip(nodes, times, strict=True) if n.name in region)
+    none, selective, full = saved_bytes_by_recompute(nodes, segment.input_bytes)
+    act = scale * ratio
+    largest = max((sum(s.nbytes for s in n.output_specs) for n in nodes), default=0)
+    return LayerCost(
+        fwd_compute_s=fwd,
+        bwd_compute_s=bwd,
+        fwd_comm_s=0.0,
+        bwd_comm_s=0.0,
+        param_count=segment.param_count,
+        param_bytes=round(segment.param_bytes * ratio),
+        saved_bytes_none=round(none * act),
+        saved_bytes_selective=round(selective * act),
+        saved_bytes_full=round(full * act),
+        recompute_selective_s=recompute_selective,
+        recompute_full_s=fwd,
+        boundary_bytes=round(segment.boundary_bytes * act),
+        grad_sync_bytes=0,
+        peak_temp_bytes=round(2 * largest * act),
+    )

@@ -1,0 +1,148 @@
+"""Peak memory of one device: model state, saved activations, temporary buffers and a fixed framework overhead.
+
+Model state, mixed-precision Adam (Rajbhandari et al., SC'20, "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", Sec. 3.1): 2 bytes of 16-bit weights + 2 of 16-bit gradients + 12 of fp32 optimizer state (master
+weights, momentum, variance) = 16 bytes per parameter. Training in fp32 keeps 4 + 4 + 8 (no master copy).
+ZeRO-1 shards the optimizer state over the dp ranks, ZeRO-2 also the gradients, ZeRO-3 (FSDP) also the weights
+(each rank holds ceil(params / dp) of a sharded term).
+
+Activations: for each model chunk on the device, the bytes its segments save for one micro-batch under their
+recomputation choice (`LayerCost.saved_bytes_*`), times the micro-batches in flight on that chunk at the schedule's
+peak (`costmodel.pipeline.in_flight_per_chunk`: GPipe m, 1F1B p - rank, interleaved Megatron's count).
+Korthikanti et al. 2022 (Sec. 4) give the closed forms this reproduces for a GPT layer:
+s*b*h*(34 + 5*a*s/h) bytes without recomputation, 34*s*b*h with selective recomputation, 2*s*b*h with full;
+tensor parallelism divides the parts it shards and sequence parallelism the rest (34/t) -- see
+`korthikanti_layer_activation_bytes`.
+
+Temporary buffers: the largest transient of any segment (`LayerCost.peak_temp_bytes`), plus the activations a
+recomputed segment re-materializes while its backward runs (saved-with-none minus saved-with-its-choice, for the
+largest such segment), plus under ZeRO-3 the gathered full weights of the largest segment twice (the one running
+and the one prefetched).
+
+Framework overhead: the CUDA context, cuBLAS/NCCL workspaces: about 0.75 GiB per GPU process (PyTorch forums,
+"What is the reason for pytorch's GPU memory floor?" measures 723 MiB, "High gpu memory overhead" ~800 MB, both
+the CUDA context). On `cpu`, 230 MiB: the peak RSS of a Python process that imports torch 2.13.0 and runs one
+training step of a tiny model (`/usr/bin/time -v`, measured on this project's machine).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from costmodel.breakdown import MemoryBreakdown
+from costmodel.layer_cost import LayerCost
+from costmodel.strategy import Recompute
+from ir.graph import dtype_bytes
+
+GIB = 1024 ** 3
+MIB = 1024 ** 2
+OPTIMIZER_BYTES_MIXED = 12
+"""fp32 master weight + Adam m + v per parameter (ZeRO paper Sec. 3.1)."""
+OPTIMIZER_BYTES_FP32 = 8
+"""Adam m + v in fp32 when the weights themselves are fp32."""
+GPU_FRAMEWORK_OVERHEAD_BYTES = 768 * MIB
+CPU_FRAMEWORK_OVERHEAD_BYTES = 230 * MIB
+
+
+@dataclass(frozen=True, slots=True)
+class ModelState:
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def _validate_zero(zero_stage: int, dp: int) -> None:
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp}")
+
+
+def model_state_bytes(param_count: int, *, zero_stage: int = 0, dp: int = 1, dtype: str = "bfloat16"
+                      ) -> ModelState:
+    """Weights, gradients and Adam state of `param_count` parameters on one rank (see module docstring)."""
+    _validate_zero(zero_stage, dp)
+    w = dtype_bytes(dtype)
+    opt = OPTIMIZER_BYTES_FP32 if w >= 4 else OPTIMIZER_BYTES_MIXED
+    shard = math.ceil(param_count / dp)
+    return ModelState(
+        params=(shard if zero_stage >= 3 else param_count) * w,
+        grads=(shard if zero_stage >= 2 else param_count) * w,
+        optimizer=(shard if zero_stage >= 1 else param_count) * opt,
+    )
+
+
+def saved_bytes(cost: LayerCost, recompute: Recompute) -> int:
+    """Activation bytes a segment keeps per micro-batch under `recompute`."""
+    recompute = Recompute(recompute)
+    if recompute is Recompute.FULL:
+        return cost.saved_bytes_full
+    if recompute is Recompute.SELECTIVE:
+        return cost.saved_bytes_selective
+    return cost.saved_bytes_none
+
+
+def framework_overhead_bytes(device_name: str) -> int:
+    return CPU_FRAMEWORK_OVERHEAD_BYTES if device_name == "cpu" else GPU_FRAMEWORK_OVERHEAD_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class PricedSegment:
+    """A segment as placed on a device: its cost and its recomputation choice."""
+
+    cost: LayerCost
+    recompute: Recompute = Recompute.NONE
+
+
+def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[int], *, zero_stage: int = 0,
+                dp: int = 1, dtype: str = "bfloat16", device_name: str = "gpu", extra_params: int = 0,
+                ep: int = 1) -> MemoryBreakdown:
+    """Peak bytes on one device holding `chunks` (one per virtual stage) with `in_flight[c]` micro-batches each.
+
+    `extra_params`: parameters the device holds besides its segments' own (a copy of a weight shared with another
+    pipeline rank, such as tied embeddings on the last stage), with their gradients and optimizer state.
+    `ep`: expert-parallel degree; ZeRO shards expert weights (`LayerCost.expert_param_count`) over dp / ep ranks."""
+    if len(chunks) != len(in_flight):
+        raise ValueError(f"{len(chunks)} chunks but {len(in_flight)} in-flight counts")
+    segments = [s for chunk in chunks for s in chunk]
+    # Expert parallelism (issue 10, costmodel/expert_parallel.py): expert state is sharded over dp / ep ranks.
+    experts = sum(s.cost.expert_param_count for s in segments)
+    state = model_state_bytes(sum(s.cost.param_count for s in segments) + extra_params - experts,
+                              zero_stage=zero_stage, dp=dp, dtype=dtype)
+    if experts:
+        ex = model_state_bytes(experts, zero_stage=zero_stage, dp=max(dp // ep, 1), dtype=dtype)
+        state = ModelState(state.params + ex.params, state.grads + ex.grads, state.optimizer + ex.optimizer)
+    activations = sum(n * sum(saved_bytes(s.cost, s.recompute) for s in chunk)
+                      for chunk, n in zip(chunks, in_flight, strict=True))
+    rematerialized = max((s.cost.saved_bytes_none - saved_bytes(s.cost, s.recompute) for s in segments), default=0)
+    temporary = max((s.cost.peak_temp_bytes for s in segments), default=0) + max(rematerialized, 0)
+    if zero_stage >= 3:
+        w = dtype_bytes(dtype)
+        temporary += 2 * max((s.cost.param_count * w for s in segments), default=0)
+    return MemoryBreakdown(params=state.params, grads=state.grads, optimizer=state.optimizer,
+                           activations=activations, temporary=temporary,
+                           overhead=framework_overhead_bytes(device_name))
+
+
+def korthikanti_layer_activation_bytes(*, seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
+                                       sequence_parallel: bool = False,
+                                       recompute: Recompute = Recompute.NONE) -> float:
+    """Bytes one GPT layer saves per device (Korthikanti et al. 2022, Table 2; 16-bit, math attention, dropout).
+
+    none: s*b*h*(10 + 24/t + 5*a*s/(h*t)), with SP: s*b*h/t * (34 + 5*a*s/h);
+    selective: s*b*h*(10 + 24/t), with SP: 34*s*b*h/t; full: 2*s*b*h (2*s*b*h/t with SP).
+    """
+    s, b, h, a, t = seq, batch, hidden, heads, tp
+    recompute = Recompute(recompute)
+    if recompute is Recompute.FULL:
+        return 2 * s * b * h / (t if sequence_parallel else 1)
+    attention = 5 * a * s / h / t if recompute is Recompute.NONE else 0.0
+    if sequence_parallel:
+        return s * b * h * (34 / t + attention)
+    return s * b * h * (10 + 24 / t + attention)

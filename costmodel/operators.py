@@ -1,0 +1,176 @@
+"""Compute time of one IR node on one device: a roofline with a size-dependent efficiency, or a measured profile.
+
+Forward time of a node with F FLOPs moving B bytes on a device:
+
+    t_fwd = max( F / R(kind, F),  B / (BW * mem_eff),  T_KERNEL_FLOOR )        (0 when F == B == 0)
+
+    R(GEMM kinds: linear, matmul, conv) = peak(dtype) * matmul_efficiency * s(F / peak(dtype))
+    R(attention, fused SDPA)             = peak(dtype) * flash_fraction(device) * s(F / peak(dtype))
+    R(everything else)                   = vector peak (non-tensor float32 FLOP/s); these ops are memory-bound
+
+`s(tau)` is the fraction of a device's best GEMM throughput that a GEMM reaches when it would take `tau` seconds at
+peak -- small GEMMs do not fill the machine (wave quantization, too few tiles). It is a Hill curve
+
+    s(tau) = 1 / (1 + (TAU_HALF / tau) ** ALPHA),    ALPHA = 0.763,  TAU_HALF = 6.85 us,
+
+fitted (least squares, rms error 0.028, max 0.071) on the 16 measured cuBLASLt GEMMs of
+/work/shared/data/measured_gemm_hbm_attention.csv (Azure/AI-benchmarking-guide: A100 FP16 1024^3 .. 16384^3 and
+6144x12288x12288, H100 and H200 FP8 1024^3 .. 32768^3), each normalized by the best GEMM of its series. Expressing
+size as time-at-peak lets one curve serve devices of different speed (a 1024^3 GEMM reaches 47% of the best on
+A100 but 20% on H100, whose peak is 6x higher). Nothing was fitted to the Korthikanti et al. validation targets.
+
+The large-GEMM level `matmul_efficiency` comes from the device catalog (measured max-achievable matmul / peak);
+`flash_fraction` is measured FlashAttention-2 forward TFLOP/s / peak from the same file (A100 179.5/312,
+H100 327.9/989, H200 329.3/989); devices without a measurement use A100's ratio of FlashAttention-2 to its best GEMM
+times their own `matmul_efficiency`.
+
+Backward: FLOPs come from the tracer (2x forward for linear/matmul: dX and dW are each a GEMM of the forward's
+size, so the backward runs at the forward GEMM's efficiency). Backward bytes are the forward bytes times a
+per-kind factor (`BACKWARD_BYTES_FACTOR`): the backward of an elementwise op reads the output gradient and the
+saved input and writes the input gradient (1.5x the unary forward's read+write); norms also re-reduce (2x).
+Nodes whose output is not floating point (indices, masks) have no backward.
+
+`T_KERNEL_FLOOR` = 4 us: one CUDA kernel launch costs about 4-6 us of driver/runtime time, which bounds how fast a
+stream of tiny kernels can run (measured in "pegainfer (3): From Launch Overhead to CUDA Graph", susun-blog.com;
+NVIDIA Technical Blog "Getting Started with CUDA Graphs" shows the same microsecond-scale launch cost).
+
+`flops_scale` / `bytes_scale` multiply the node's traced FLOPs and activation bytes (micro-batch / traced batch,
+times 1/tp for a sharded op); `param_scale` multiplies its parameter bytes (1/tp for a sharded weight; the
+micro-batch does not change them). Bytes are also converted from the traced dtype to the priced `dtype`.
+A profile entry for the node's signature at these scales (`costmodel.profile_db`) replaces the analytical value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from costmodel.device import DeviceSpec
+from costmodel.profile_db import OpProfile, op_signature
+from ir.graph import Node, OpKind, dtype_bytes
+
+GEMM_SIZE_ALPHA = 0.763
+"""Exponent of the GEMM size curve (fit described in the module docstring)."""
+GEMM_HALF_TIME_S = 6.85e-6
+"""Time-at-peak at which a GEMM reaches half of the device's best GEMM throughput (same fit)."""
+T_KERNEL_FLOOR_S = 4e-6
+"""Smallest time of one launched kernel (launch overhead, see module docstring)."""
+
+GEMM_KINDS = frozenset({OpKind.LINEAR, OpKind.MATMUL, OpKind.CONV})
+NO_WORK_KINDS = frozenset({OpKind.PLACEHOLDER, OpKind.OUTPUT})
+_FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+
+BACKWARD_BYTES_FACTOR: Mapping[OpKind, float] = {
+    OpKind.LINEAR: 2.0,       # reads dY, X, W; writes dX, dW
+    OpKind.MATMUL: 2.0,       # reads dY, A, B; writes dA, dB
+    OpKind.CONV: 2.0,
+    OpKind.ATTENTION: 2.0,    # FlashAttention backward re-reads q, k, v, o, dO and writes dq, dk, dv
+    OpKind.SOFTMAX: 1.5,      # reads dY and Y, writes dX
+    OpKind.NORM: 2.0,         # reads dY and X (recomputes statistics), writes dX, reduces dgamma/dbeta
+    OpKind.ELEMENTWISE: 1.5,  # reads dY and the saved input, writes dX
+    OpKind.EMBEDDING: 1.0,    # scatter-adds dY into the table gradient
+    OpKind.REDUCTION: 1.0,    # broadcasts dY back to the input's shape
+    OpKind.VIEW: 1.0,         # a copying view (contiguous/cat) copies its gradient back
+    OpKind.POOL: 1.5,
+    OpKind.ROUTING: 1.0,      # gather/scatter of the gradient
+    OpKind.LOSS: 1.0,
+    OpKind.OTHER: 1.5,
+    OpKind.PLACEHOLDER: 0.0,
+    OpKind.OUTPUT: 0.0,
+}
+
+# Measured FlashAttention-2 forward TFLOP/s / dense BF16 peak (measured_gemm_hbm_attention.csv, Azure
+# AI-benchmarking-guide ND A100 v4 / ND H100 v5 / ND H200 v5: 179.5/312, 327.9/989, 329.3/989).
+FLASH_ATTENTION_FRACTION: Mapping[str, float] = {
+    "a100-40gb": 179.5 / 312, "a100-80gb": 179.5 / 312,
+    "h100-sxm": 327.9 / 989, "h100": 327.9 / 989, "h200": 329.3 / 989,
+}
+# A100 FlashAttention-2 relative to A100's best GEMM (MAMF 271.2 TFLOP/s, stas00/ml-engineering table in the same
+# file): used for devices without an attention measurement, times their own matmul_efficiency.
+FLASH_TO_GEMM_RATIO = 179.5 / 271.2
+
+
+def gemm_size_factor(time_at_peak_s: float) -> float:
+    """Fraction of the device's best GEMM throughput reached by a GEMM taking `time_at_peak_s` at peak."""
+    if time_at_peak_s <= 0:
+        return 0.0
+    return 1.0 / (1.0 + (GEMM_HALF_TIME_S / time_at_peak_s) ** GEMM_SIZE_ALPHA)
+
+
+def flash_fraction(device: DeviceSpec) -> float:
+    """Fraction of dense peak that fused (FlashAttention-style) attention reaches on large inputs."""
+    return FLASH_ATTENTION_FRACTION.get(device.name, FLASH_TO_GEMM_RATIO * device.matmul_efficiency)
+
+
+def _vector_flops(device: DeviceSpec, dtype: str) -> float:
+    # Elementwise/normalization math runs on the vector units: the non-tensor float32 rate where the catalog has
+    # it, otherwise the dtype's peak (what a device like `cpu` reports for everything).
+    return device.peak_flops.get("float32") or device.flops(dtype)
+
+
+def compute_rate(kind: OpKind, device: DeviceSpec, dtype: str, size_flops: float) -> float:
+    """Achieved FLOP/s for an op of `kind` whose (per-GEMM) size is `size_flops` FLOPs."""
+    if kind in GEMM_KINDS or kind is OpKind.ATTENTION:
+        peak = device.flops(dtype)
+        level = device.matmul_efficiency if kind in GEMM_KINDS else flash_fraction(device)
+        return peak * level * gemm_size_factor(size_flops / peak)
+    return _vector_flops(device, dtype)
+
+
+def roofline_time(flops: float, nbytes: float, rate: float, device: DeviceSpec) -> float:
+    """max(compute, memory, kernel floor) seconds; zero work costs nothing (no kernel is launched)."""
+    if flops <= 0 and nbytes <= 0:
+        return 0.0
+    compute = flops / rate if flops > 0 and rate > 0 else 0.0
+    memory = nbytes / (device.memory_bandwidth * device.memory_efficiency)
+    return max(compute, memory, T_KERNEL_FLOOR_S)
+
+
+def retype_ratio(traced_dtype: str, dtype: str) -> float:
+    """Bytes of `dtype` per byte of a floating tensor traced in `traced_dtype` (1 for non-float tensors)."""
+    if traced_dtype not in _FLOAT_DTYPES or dtype not in _FLOAT_DTYPES:
+        return 1.0
+    return dtype_bytes(dtype) / dtype_bytes(traced_dtype)
+
+
+def _node_dtype(node: Node) -> str | None:
+    specs = node.output_specs or node.input_specs
+    return specs[0].dtype if specs else None
+
+
+def has_backward(node: Node) -> bool:
+    """Whether autograd runs a backward for this node (its output is floating point and it does work)."""
+    if node.op_kind in NO_WORK_KINDS:
+        return False
+    return node.backward_flops > 0 or _node_dtype(node) in _FLOAT_DTYPES
+
+
+def node_bytes(node: Node, *, bytes_scale: float = 1.0, param_scale: float = 1.0, dtype: str = "bfloat16"
+               ) -> float:
+    """Forward bytes moved by `node` at the given scales, converted to `dtype`."""
+    traced = _node_dtype(node)
+    ratio = retype_ratio(traced, dtype) if traced else 1.0
+    params = node.param_bytes
+    activations = max(node.bytes_read + node.bytes_written - params, 0)
+    return (activations * bytes_scale + params * param_scale) * ratio
+
+
+def node_time(node: Node, device: DeviceSpec, *, flops_scale: float = 1.0, bytes_scale: float = 1.0,
+              dtype: str = "bfloat16", profile: OpProfile | None = None, param_scale: float = 1.0
+              ) -> tuple[float, float]:
+    """(forward seconds, backward seconds) of `node` on `device` (formulas in the module docstring)."""
+    if profile is not None:
+        sig = op_signature(node, flops_scale=flops_scale, bytes_scale=bytes_scale, param_scale=param_scale)
+        hit = profile.lookup(device.name, sig)
+        if hit is not None:
+            return hit.forward_s, hit.backward_s
+    if node.op_kind in NO_WORK_KINDS:
+        return 0.0, 0.0
+    fwd_flops = node.forward_flops * flops_scale
+    bwd_flops = node.backward_flops * flops_scale
+    fwd_bytes = node_bytes(node, bytes_scale=bytes_scale, param_scale=param_scale, dtype=dtype)
+    rate = compute_rate(node.op_kind, device, dtype, fwd_flops if fwd_flops > 0 else bwd_flops / 2)
+    fwd = roofline_time(fwd_flops, fwd_bytes, rate, device)
+    if not has_backward(node):
+        return fwd, 0.0
+    bwd_bytes = fwd_bytes * BACKWARD_BYTES_FACTOR.get(node.op_kind, 1.5)
+    return fwd, roofline_time(bwd_flops, bwd_bytes, rate, device)

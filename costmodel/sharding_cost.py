@@ -1,0 +1,637 @@
+"""Pricing intra-operator sharding: a segment's nodes and tensors priced per strategy (`build_sharding_model`),
+the integer problem the ILP solves (`ShardingModel.problem`), and the `LayerCost` of a chosen assignment.
+
+Per node and strategy: `node_time` with FLOPs scaled by micro-batch / traced batch times the work fraction,
+activation bytes by the share of them one device touches, parameter bytes by the share it holds; the gradient
+all-reduce of replicated parameters whose gradients are partial (their node runs on a split token dim), spread
+over the step's micro-batches; and `memory_weight * (16 bytes x parameters + saved activation bytes)` per device
+(16 bytes per parameter: mixed-precision Adam, Rajbhandari et al. 2020, ZeRO §3.1). Per tensor: the moves of each
+(written, wanted) and (produced gradient, expected gradient) layout pair, with `collective_time` over the
+tensor-parallel group. Bytes are converted from the traced dtype to the priced one, as `layer_pricing` does.
+
+The chosen assignment's `LayerCost` follows `costmodel.layer_pricing.price_segment` (so tp = 1 gives its numbers)
+with every tensor at its per-device share: saved bytes with no / selective / full recomputation (selective drops
+the attention-core region and keeps what it reads; full keeps the segment inputs), the forward time of the
+recomputed part, forward and backward communication, and `grad_sync_bytes` for the estimator's per-step sync.
+An input that a node saves whole after it was all-gathered from a shard (the column-parallel inputs under
+sequence parallelism) is counted as the shard, as Megatron-LM keeps it (Korthikanti et al. 2022, §4.2.2); the
+objective's memory term, a tie-breaker, counts it whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from costmodel.cluster import Cluster
+from costmodel.collectives import Collective, CommGroup, collective_time
+from costmodel.device import DeviceSpec
+from costmodel.layer_cost import LayerCost
+from costmodel.layer_pricing import selective_recompute_region
+from costmodel.operators import node_time, retype_ratio
+from costmodel.profile_db import OpProfile
+from costmodel.sharding import (
+    REPLICATED,
+    Layout,
+    Move,
+    allowed_inside,
+    grad_layout_of,
+    local_fraction,
+    module_prefix,
+    redistribution,
+    relative_module,
+    shard,
+)
+from costmodel.sharding_dims import DimLabel, Labels, input_labels, is_float, op_name, propagate_labels
+from costmodel.sharding_problem import FIXED, NO_GRAD, ProblemFlow, ShardingProblem, to_units
+from costmodel.sharding_rules import NodeStrategy, StrategyContext, node_strategies
+from ir.graph import Node, OpKind, TensorSpec
+
+BYTES_PER_PARAM_MIXED_ADAM = 16
+"""fp16/bf16 weight (2) + gradient (2) + fp32 master weight, momentum, variance (12): Rajbhandari et al. 2020
+(ZeRO), §3.1, the "K = 12" of mixed-precision Adam."""
+
+DEFAULT_MEMORY_WEIGHT = 1e-15
+"""Seconds of objective per byte of per-device memory: 1 GB ~ 1 us. Small enough never to trade speed for
+memory at realistic sizes, large enough to break ties toward the layout that stores less; raise it when memory
+is tight."""
+
+NodeTimeFn = Callable[[Node, float, float, float], tuple[float, float]]
+"""(node, flops scale, activation-bytes scale, parameter-bytes scale) -> (forward s, backward s), as
+`costmodel.operators.node_time`."""
+MoveTimeFn = Callable[[Move, float], float]
+"""(move, logical tensor bytes) -> seconds over the tensor-parallel group."""
+
+
+
+@dataclass(frozen=True, slots=True)
+class Pricer:
+    """How a sharding model prices work: compute per node, moves over the tensor-parallel group."""
+
+    node_time: NodeTimeFn
+    move_time: MoveTimeFn
+
+
+@dataclass(frozen=True, slots=True)
+class NodeOption:
+    """A strategy of one node with its per-device prices for one micro-batch."""
+
+    strategy: NodeStrategy
+    fwd_s: float
+    bwd_s: float
+    extra_fwd_comm_s: float
+    param_locals: tuple[int, ...]
+    """Elements of each parameter held by one device."""
+    param_local_bytes: tuple[float, ...]
+    """Bytes of each parameter held by one device, in the priced dtype."""
+    saved_bytes: int
+    grad_sync_bytes: int
+    grad_sync_s: float
+    """Gradient all-reduce of replicated parameters whose gradients are partial, per micro-batch (once per step,
+    spread over the step's micro-batches)."""
+    out_bytes: int
+    memory_weight: float
+    saved_whole_inputs: tuple[float, ...] = ()
+    """Per input, bytes this strategy saves of it whole (a replicated input saved for backward), else 0."""
+
+    @property
+    def param_count(self) -> int:
+        return sum(self.param_locals)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.param_count * BYTES_PER_PARAM_MIXED_ADAM + self.saved_bytes
+
+    @property
+    def objective_s(self) -> float:
+        return (self.fwd_s + self.bwd_s + self.extra_fwd_comm_s + self.grad_sync_s
+                + self.memory_weight * self.memory_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Reader:
+    """One use of a tensor: input ``input_index`` of node ``node``, or the segment boundary (node FIXED)."""
+
+    node: int
+    input_index: int
+    layouts: tuple[Layout, ...]
+    grads: tuple[Layout | None, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Flow:
+    """A tensor of the segment: its layouts per option and the price of each move, in seconds."""
+
+    name: str
+    nbytes: float
+    """Logical bytes for the priced micro-batch."""
+    source: int
+    source_layouts: tuple[Layout, ...]
+    needs_grad: bool
+    readers: tuple[Reader, ...]
+    forward_s: tuple[tuple[Layout, Layout, float], ...]
+    backward_s: tuple[tuple[Layout, Layout, float], ...]
+    forbidden: tuple[tuple[Layout, Layout], ...] = ()
+    """(written, wanted) pairs no op of the segment may read it in (`costmodel.sharding.allowed_inside`)."""
+
+    def _pick(self, node: int, table: Sequence[Layout | None], assignment: Sequence[int]) -> Layout | None:
+        return table[0] if node == FIXED else table[assignment[node]]
+
+    def pairs(self, assignment: Sequence[int]) -> tuple[set[tuple[Layout, Layout]], set[tuple[Layout, Layout]]]:
+        """Distinct (written, wanted) layout pairs in forward and (produced, expected) gradient pairs in backward."""
+        a = self._pick(self.source, self.source_layouts, assignment)
+        assert a is not None
+        fwd: set[tuple[Layout, Layout]] = set()
+        bwd: set[tuple[Layout, Layout]] = set()
+        for r in self.readers:
+            wanted = self._pick(r.node, r.layouts, assignment)
+            assert wanted is not None
+            fwd.add((a, wanted))
+            g = self._pick(r.node, r.grads, assignment)
+            if self.needs_grad and g is not None:
+                bwd.add((g, grad_layout_of(a)))
+        return fwd, bwd
+
+    def times(self, assignment: Sequence[int]) -> tuple[float, float]:
+        fwd_pairs, bwd_pairs = self.pairs(assignment)
+        fwd = {(x, y): c for x, y, c in self.forward_s}
+        bwd = {(x, y): c for x, y, c in self.backward_s}
+        # sorted: float sums in a fixed order, whatever the process's hash seed
+        return (sum(fwd.get(p, 0.0) for p in sorted(fwd_pairs)), sum(bwd.get(p, 0.0) for p in sorted(bwd_pairs)))
+
+
+@dataclass(frozen=True)
+class ShardingModel:
+    """One segment priced for one tensor-parallel degree: every node's options and every tensor's moves."""
+
+    nodes: tuple[Node, ...]
+    tp: int
+    sequence_parallel: bool
+    options: tuple[tuple[NodeOption, ...], ...]
+    flows: tuple[Flow, ...]
+    inputs_saved_bytes: int
+    """Per-device bytes of the segment's activation inputs (what full recomputation keeps)."""
+    boundary_bytes: int
+    """Per-device bytes of the segment's outputs in the boundary layout (what a pipeline cut after it sends)."""
+    recompute_region: frozenset[int] = frozenset()
+    """Nodes selective recomputation drops and reruns (`layer_pricing.selective_recompute_region`)."""
+    region_reads: tuple[tuple[int, int, float], ...] = ()
+    """(node, input index, full bytes) of each tensor the region reads from outside it, once per tensor: what
+    selective recomputation keeps instead."""
+
+    def problem(self) -> ShardingProblem:
+        """The same model with layouts numbered and prices in integer picoseconds, for the ILP."""
+        layouts = sorted({lay for f in self.flows for lay in _flow_layouts(f)})
+        index = {lay: i for i, lay in enumerate(layouts)}
+
+        def ids(seq: Sequence[Layout | None]) -> tuple[int, ...]:
+            return tuple(NO_GRAD if lay is None else index[lay] for lay in seq)
+
+        flows = []
+        for f in self.flows:
+            no_grads = (None,)
+            flows.append(ProblemFlow(
+                source=f.source, source_layouts=ids(f.source_layouts),
+                source_grads=ids([grad_layout_of(a) if f.needs_grad else None for a in f.source_layouts]),
+                readers=tuple(r.node for r in f.readers),
+                reader_layouts=tuple(ids(r.layouts) for r in f.readers),
+                reader_grads=tuple(ids(r.grads if f.needs_grad else no_grads * len(r.grads)) for r in f.readers),
+                forward=tuple((index[x], index[y], to_units(c)) for x, y, c in f.forward_s if to_units(c) > 0),
+                backward=tuple((index[x], index[y], to_units(c)) for x, y, c in f.backward_s if to_units(c) > 0),
+                forbidden=tuple((index[x], index[y]) for x, y in f.forbidden),
+            ))
+        costs = tuple(tuple(to_units(o.objective_s) for o in opts) for opts in self.options)
+        return ShardingProblem(node_costs=costs, flows=tuple(flows))
+
+    def objective_s(self, assignment: Sequence[int]) -> float:
+        total = sum(self.options[n][s].objective_s for n, s in enumerate(assignment))
+        return total + sum(sum(f.times(assignment)) for f in self.flows)
+
+    def strategies(self, assignment: Sequence[int]) -> tuple[NodeStrategy, ...]:
+        return tuple(self.options[n][s].strategy for n, s in enumerate(assignment))
+
+    def choices(self, assignment: Sequence[int]) -> tuple[tuple[str, str], ...]:
+        """(node name, strategy name) per node, in node order."""
+        return tuple((node.name, st.name) for node, st in zip(self.nodes, self.strategies(assignment), strict=True))
+
+    def comm_moves(self, assignment: Sequence[int]) -> tuple[tuple[str, str, Move], ...]:
+        """Every collective the assignment runs: (tensor, "forward"/"backward", move), local moves left out."""
+        found = []
+        for f in self.flows:
+            fwd, bwd = f.pairs(assignment)
+            for direction, pairs in (("forward", fwd), ("backward", bwd)):
+                for src, dst in sorted(pairs):
+                    found.extend((f.name, direction, m) for m in redistribution(src, dst) if not m.startswith("local"))
+        for node, st in zip(self.nodes, self.strategies(assignment), strict=True):
+            found.extend((node.name, "forward", m) for m, _ in st.extra_forward)
+        return tuple(found)
+
+    def gathered_input_savings(self, assignment: Sequence[int]) -> dict[int, float]:
+        """Per node, the bytes it does not keep because an input it saves whole arrived by all-gather from a
+        shard: Megatron-LM keeps the shard and gathers it again in backward, overlapped with the gradient GEMMs
+        (Korthikanti et al. 2022, §4.2.2; the "34 / t" of DESIGN.md's activation formula under sequence
+        parallelism). The re-gather is not charged: Megatron hides it behind computation."""
+        saving: dict[int, float] = {}
+        for f in self.flows:
+            a = f.source_layouts[0 if f.source == FIXED else assignment[f.source]]
+            if not a.is_shard:
+                continue
+            for r in f.readers:
+                if r.node == FIXED or r.layouts[assignment[r.node]] != REPLICATED:
+                    continue
+                whole = self.options[r.node][assignment[r.node]].saved_whole_inputs[r.input_index]
+                saving[r.node] = saving.get(r.node, 0.0) + whole * (1 - 1 / self.tp)
+        return saving
+
+    def layer_cost(self, assignment: Sequence[int]) -> LayerCost:
+        """The LayerCost of one micro-batch on one device under the given assignment."""
+        chosen = [self.options[n][s] for n, s in enumerate(assignment)]
+        fwd_comm = sum(o.extra_fwd_comm_s for o in chosen)
+        bwd_comm = 0.0
+        for f in self.flows:
+            fc, bc = f.times(assignment)
+            fwd_comm += fc
+            bwd_comm += bc
+        fwd = sum(o.fwd_s for o in chosen)
+        count, nbytes = _unique_param_totals(self.nodes, chosen)
+        shards = self.gathered_input_savings(assignment)
+        saved = round(sum(o.saved_bytes for o in chosen) - sum(shards.values()))
+        kept = sum(b * local_fraction(chosen[n].strategy.inputs[k], self.tp) for n, k, b in self.region_reads)
+        selective = kept + sum(o.saved_bytes - shards.get(n, 0.0) for n, o in enumerate(chosen)
+                               if n not in self.recompute_region)
+        return LayerCost(
+            fwd_compute_s=fwd, bwd_compute_s=sum(o.bwd_s for o in chosen),
+            fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm,
+            param_count=count, param_bytes=nbytes,
+            saved_bytes_none=saved,
+            saved_bytes_selective=min(round(selective), saved),
+            saved_bytes_full=min(self.inputs_saved_bytes, saved),
+            recompute_selective_s=sum(o.fwd_s for n, o in enumerate(chosen) if n in self.recompute_region),
+            recompute_full_s=fwd + fwd_comm,
+            boundary_bytes=self.boundary_bytes,
+            grad_sync_bytes=sum(o.grad_sync_bytes for o in chosen),
+            peak_temp_bytes=max((o.out_bytes for o in chosen), default=0),
+        )
+
+
+def _flow_layouts(f: Flow) -> list[Layout]:
+    found: list[Layout] = list(f.source_layouts) + [grad_layout_of(a) for a in f.source_layouts]
+    for r in f.readers:
+        found.extend(r.layouts)
+        found.extend(g for g in r.grads if g is not None)
+    return found
+
+
+def _unique_param_totals(nodes: Sequence[Node], chosen: Sequence[NodeOption]) -> tuple[int, int]:
+    """Per-device parameter count and bytes; a parameter used by several nodes (tied weights) counts once."""
+    seen: set[str] = set()
+    count, nbytes = 0, 0.0
+    for node, opt in zip(nodes, chosen, strict=True):
+        for i in range(len(node.param_specs)):
+            key = node.param_names[i] if i < len(node.param_names) else f"{node.name}.{i}"
+            if key in seen:
+                continue
+            seen.add(key)
+            count += opt.param_locals[i]
+            nbytes += opt.param_local_bytes[i]
+    return count, round(nbytes)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building a segment's model
+# ----------------------------------------------------------------------------------------------------------------
+
+def boundary_layout(spec: TensorSpec, labels: Labels, tp: int, sequence_parallel: bool) -> Layout:
+    """The agreed layout of activations crossing a segment boundary: S(1) for (batch, seq, hidden) under sequence
+    parallelism, R otherwise."""
+    if (sequence_parallel and len(spec.shape) == 3 and is_float(spec) and labels[1] is DimLabel.SEQ
+            and spec.shape[1] % tp == 0):
+        return shard(1)
+    return REPLICATED
+
+
+def default_outputs(nodes: Sequence[Node]) -> tuple[str, ...]:
+    """Nodes nothing in the list reads (the segment's results), the graph's OUTPUT node excluded."""
+    read = {src for n in nodes for src in n.inputs}
+    return tuple(n.name for n in nodes if n.name not in read and n.output_specs and n.op_kind is not OpKind.OUTPUT)
+
+
+def saved_inputs(node: Node) -> tuple[bool, ...] | None:
+    """Which inputs a node saves for backward, when its saved bytes are exactly its inputs' (a linear, a GELU);
+    None when they are not (outputs, masks, statistics)."""
+    total = sum(s.nbytes for s in node.input_specs)
+    return (True,) * len(node.input_specs) if total and total == node.saved_bytes else None
+
+
+def saved_fraction(node: Node, strategy: NodeStrategy, tp: int) -> float:
+    """Share of the node's saved activations one device keeps: the saved tensors are the inputs, the outputs or
+    both (whichever group's bytes equal `saved_bytes`), each kept at its layout's local share; when no group
+    matches (e.g. a dropout mask), the byte-weighted share of all of them."""
+    ins = [(s.nbytes, lay) for s, lay in zip(node.input_specs, strategy.inputs, strict=True)]
+    outs = [(s.nbytes, strategy.output) for s in node.output_specs]
+    for group in (ins, outs, ins + outs):
+        total = sum(b for b, _ in group)
+        if total and total == node.saved_bytes:
+            return sum(b * local_fraction(lay, tp) for b, lay in group) / total
+    group = ins + outs
+    total = sum(b for b, _ in group)
+    return sum(b * local_fraction(lay, tp) for b, lay in group) / total if total else 1.0
+
+
+def activation_fraction(node: Node, strategy: NodeStrategy, tp: int) -> float:
+    """Share of the node's activation bytes (inputs read, outputs written) one device touches."""
+    group = [(s.nbytes, lay) for s, lay in zip(node.input_specs, strategy.inputs, strict=True)]
+    group += [(s.nbytes, strategy.output) for s in node.output_specs]
+    total = sum(b for b, _ in group)
+    return sum(b * local_fraction(lay, tp) for b, lay in group) / total if total else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Setting:
+    tp: int
+    sequence_parallel: bool
+    batch_scale: float
+    memory_weight: float
+    num_microbatches: int
+    pricer: Pricer
+    dtype: str
+    traced_dtype: str
+
+    def ratio(self, dtype: str) -> float:
+        """Bytes per traced byte of a tensor of `dtype` once priced: tensors in the trace's own dtype take the
+        priced dtype; others (an explicit fp32 upcast in a bf16 trace, indices, masks) keep theirs."""
+        return retype_ratio(self.traced_dtype, self.dtype) if dtype == self.traced_dtype else 1.0
+
+    def bytes_of(self, spec: TensorSpec) -> float:
+        return spec.nbytes * self.ratio(spec.dtype)
+
+
+def _price_option(node: Node, st: NodeStrategy, scale: float, cfg: _Setting) -> NodeOption:
+    locals_ = tuple(spec.numel if d is None else spec.numel // cfg.tp
+                    for spec, d in zip(node.param_specs, st.param_dims, strict=True))
+    param_scale = sum(locals_) / node.param_count if node.param_count else 1.0
+    fwd, bwd = cfg.pricer.node_time(node, scale * st.work_fraction, scale * activation_fraction(node, st, cfg.tp),
+                                    param_scale)
+    extra = sum(cfg.pricer.move_time(m, nbytes * scale) for m, nbytes in st.extra_forward)
+    local_bytes = tuple(n / max(spec.numel, 1) * cfg.bytes_of(spec)
+                        for n, spec in zip(locals_, node.param_specs, strict=True))
+    partial_grads = st.output.is_shard  # replicated weights applied to a sharded token dim: partial gradients
+    sync = round(sum(cfg.bytes_of(spec) for spec, d in zip(node.param_specs, st.param_dims, strict=True)
+                     if d is None and partial_grads))
+    sync_s = cfg.pricer.move_time(Move.ALL_REDUCE, float(sync)) / cfg.num_microbatches if sync else 0.0
+    # the largest transient: an output and its gradient alive together in backward (as layer_pricing counts it)
+    out_bytes = 2 * sum(cfg.bytes_of(s) for s in node.output_specs) * scale * local_fraction(st.output, cfg.tp)
+    specs = node.output_specs or node.input_specs
+    retype = cfg.ratio(specs[0].dtype) if specs else 1.0
+    whole = saved_inputs(node) or (False,) * len(node.input_specs)
+    kept_whole = tuple(cfg.bytes_of(spec) * scale if saved and lay == REPLICATED else 0.0
+                       for spec, lay, saved in zip(node.input_specs, st.inputs, whole, strict=True))
+    return NodeOption(
+        strategy=st, fwd_s=fwd, bwd_s=bwd, extra_fwd_comm_s=extra, param_locals=locals_,
+        param_local_bytes=local_bytes, saved_bytes=round(node.saved_bytes * scale * retype
+                                                          * saved_fraction(node, st, cfg.tp)),
+        grad_sync_bytes=sync, grad_sync_s=sync_s, out_bytes=round(out_bytes), memory_weight=cfg.memory_weight,
+        saved_whole_inputs=kept_whole)
+
+
+def _has_batch(labels: Sequence[Labels]) -> bool:
+    return any(lab is DimLabel.BATCH for labs in labels for lab in labs)
+
+
+_SHAPE_ONLY_OPS = frozenset({"ones_like", "zeros_like", "empty_like", "full_like", "rand_like", "randn_like",
+                             "randint_like", "size", "dim", "numel"})
+"""Ops that read only their input's shape (and dtype), never its values."""
+
+
+def shape_only_reads(nodes: Sequence[Node], outputs: set[str]) -> set[tuple[int, int]]:
+    """(node, input) reads that carry no data: into a shape-only op, or into a node whose own value is dead
+    (read only through such reads, and not a segment output), e.g. the `scores[0, 0]` a tracer inserts to size a
+    causal mask built with `ones_like`. Such a read puts no constraint on the layout it reads."""
+    position = {n.name: i for i, n in enumerate(nodes)}
+    data_readers: dict[str, int] = {n.name: 0 for n in nodes}
+    dead: set[int] = set()
+    free: set[tuple[int, int]] = set()
+    for j in range(len(nodes) - 1, -1, -1):
+        node = nodes[j]
+        if node.name not in outputs and node.output_specs and data_readers[node.name] == 0:
+            dead.add(j)
+        for k, src in enumerate(node.inputs):
+            if j in dead or op_name(node.target) in _SHAPE_ONLY_OPS:
+                free.add((j, k))
+            elif src in position:
+                data_readers[src] += 1
+    return free
+
+
+def _needs_grad(nodes: Sequence[Node], index: Mapping[str, int]) -> dict[str, bool]:
+    """Whether a gradient flows into each value: float, and derived from a parameter or a float segment input."""
+    needs: dict[str, bool] = {}
+    for node in nodes:
+        if not node.output_specs or not is_float(node.output_specs[0]):
+            needs[node.name] = False
+            continue
+        from_inputs = any(
+            needs.get(src, False) if src in index else is_float(spec)
+            for src, spec in zip(node.inputs, node.input_specs, strict=False))
+        needs[node.name] = bool(node.param_specs) or from_inputs
+    return needs
+
+
+def build_sharding_model(nodes: Sequence[Node], *, tp: int, sequence_parallel: bool, traced_batch: int,
+                         microbatch_size: int, pricer: Pricer, memory_weight: float = DEFAULT_MEMORY_WEIGHT,
+                         outputs: Sequence[str] | None = None, num_microbatches: int = 1,
+                         dtype: str = "bfloat16", traced_dtype: str | None = None) -> ShardingModel:
+    """Price every strategy of every node and every move of every tensor of a segment (see module docstring)."""
+    _validate(nodes, tp, sequence_parallel, traced_batch, microbatch_size, memory_weight, num_microbatches)
+    nodes = tuple(nodes)
+    index = {n.name: i for i, n in enumerate(nodes)}
+    out_names = default_outputs(nodes) if outputs is None else tuple(outputs)
+    unknown = [o for o in out_names if o not in index]
+    if unknown:
+        raise ValueError(f"outputs {unknown} are not nodes of the segment; its nodes: {', '.join(index)}")
+    labels = propagate_labels(nodes, traced_batch)
+    cfg = _Setting(tp, sequence_parallel, microbatch_size / traced_batch, memory_weight, num_microbatches, pricer,
+                   dtype, traced_dtype or infer_traced_dtype(nodes))
+    options = []
+    in_scales: list[tuple[float, ...]] = []
+    for node in nodes:
+        in_labels = tuple(input_labels(node, i, labels, traced_batch) for i in range(len(node.input_specs)))
+        out_labels = labels.get(node.name, ())
+        ctx = StrategyContext(tp, sequence_parallel, in_labels, out_labels)
+        scale = cfg.batch_scale if _has_batch((*in_labels, out_labels)) else 1.0
+        options.append(tuple(_price_option(node, st, scale, cfg) for st in node_strategies(node, ctx)))
+        in_scales.append(tuple(cfg.batch_scale if DimLabel.BATCH in labs else 1.0 for labs in in_labels))
+    flows, inputs_saved, boundary = _build_flows(nodes, index, options, labels, set(out_names), cfg, traced_batch)
+    region = selective_recompute_region(nodes)
+    return ShardingModel(nodes=nodes, tp=tp, sequence_parallel=sequence_parallel, options=tuple(options),
+                         flows=flows, inputs_saved_bytes=round(inputs_saved), boundary_bytes=round(boundary),
+                         recompute_region=frozenset(i for i, n in enumerate(nodes) if n.name in region),
+                         region_reads=_region_reads(nodes, region, in_scales, cfg))
+
+
+def _region_reads(nodes: Sequence[Node], region: frozenset[str], in_scales: Sequence[Sequence[float]],
+                  cfg: _Setting) -> tuple[tuple[int, int, float], ...]:
+    """What the selective-recompute region reads from outside, once per tensor (`layer_pricing.region_inputs`)."""
+    seen: set[str] = set()
+    reads = []
+    for i, node in enumerate(nodes):
+        if node.name not in region:
+            continue
+        for k, (src, spec) in enumerate(zip(node.inputs, node.input_specs, strict=False)):
+            if src not in region and src not in seen:
+                seen.add(src)
+                reads.append((i, k, cfg.bytes_of(spec) * in_scales[i][k]))
+    return tuple(reads)
+
+
+def infer_traced_dtype(nodes: Sequence[Node]) -> str:
+    """The dtype the segment was traced in: its parameters' (most common, ties by name), else its float
+    activations', else float32."""
+    for specs in ([p for n in nodes for p in n.param_specs],
+                  [o for n in nodes for o in n.output_specs if is_float(o)]):
+        if specs:
+            counts: dict[str, int] = {}
+            for spec in specs:
+                counts[spec.dtype] = counts.get(spec.dtype, 0) + 1
+            return min(counts, key=lambda d: (-counts[d], d))
+    return "float32"
+
+
+def _validate(nodes: Sequence[Node], tp: int, sp: bool, traced_batch: int, mbs: int, memory_weight: float,
+              num_microbatches: int) -> None:
+    for name, v in (("tp", tp), ("traced_batch", traced_batch), ("microbatch_size", mbs),
+                    ("num_microbatches", num_microbatches)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if sp and tp == 1:
+        raise ValueError("sequence parallelism needs tp > 1")
+    if not memory_weight >= 0:
+        raise ValueError(f"memory_weight must be >= 0 seconds per byte, got {memory_weight!r}")
+    if not nodes:
+        raise ValueError("a segment needs at least one node")
+
+
+def _build_flows(nodes: Sequence[Node], index: Mapping[str, int], options: Sequence[Sequence[NodeOption]],
+                 labels: Mapping[str, Labels], out_names: set[str], cfg: _Setting,
+                 traced_batch: int) -> tuple[tuple[Flow, ...], float, float]:
+    readers: dict[str, list[Reader]] = {}
+    external: dict[str, tuple[TensorSpec, Labels]] = {}
+    shape_only = shape_only_reads(nodes, out_names)
+    for j, node in enumerate(nodes):
+        for k, spec in enumerate(node.input_specs):
+            if k >= len(node.inputs):
+                break
+            if (j, k) in shape_only:  # no data flows: any layout will do, nothing moves
+                continue
+            src = node.inputs[k]
+            readers.setdefault(src, []).append(Reader(
+                node=j, input_index=k, layouts=tuple(o.strategy.inputs[k] for o in options[j]),
+                grads=tuple(o.strategy.input_grads[k] for o in options[j])))
+            if src not in index and src not in external:
+                external[src] = (spec, input_labels(node, k, labels, traced_batch))
+    needs = _needs_grad(nodes, index)
+    flows: list[Flow] = []
+    inputs_saved = boundary = 0.0
+    for name, (spec, labs) in external.items():  # first-read order: deterministic
+        lay = boundary_layout(spec, labs, cfg.tp, cfg.sequence_parallel)
+        nbytes = cfg.bytes_of(spec) * (cfg.batch_scale if DimLabel.BATCH in labs else 1.0)
+        inputs_saved += nbytes * local_fraction(lay, cfg.tp)
+        flows.append(_flow(name, nbytes, FIXED, (lay,), is_float(spec), readers[name], cfg))
+    for i, node in enumerate(nodes):
+        rs = list(readers.get(node.name, ()))
+        if not node.output_specs or (not rs and node.name not in out_names):
+            continue
+        spec, labs = node.output_specs[0], labels.get(node.name, ())
+        nbytes = cfg.bytes_of(spec) * (cfg.batch_scale if DimLabel.BATCH in labs else 1.0)
+        if node.op_kind is OpKind.PLACEHOLDER:  # a model input (replicated): kept by full recomputation too
+            inputs_saved += nbytes
+        if node.name in out_names:
+            lay = boundary_layout(spec, labs, cfg.tp, cfg.sequence_parallel)
+            rs.append(Reader(node=FIXED, input_index=0, layouts=(lay,), grads=(lay if needs[node.name] else None,)))
+            boundary += nbytes * local_fraction(lay, cfg.tp)
+        flows.append(_flow(node.name, nbytes, i, tuple(o.strategy.output for o in options[i]), needs[node.name],
+                           rs, cfg))
+    return tuple(flows), inputs_saved, boundary
+
+
+def _flow(name: str, nbytes: float, source: int, source_layouts: tuple[Layout, ...], needs_grad: bool,
+          readers: Sequence[Reader], cfg: _Setting) -> Flow:
+    written = sorted(set(source_layouts))
+    wanted = sorted({lay for r in readers for lay in r.layouts})
+    produced = sorted({g for r in readers for g in r.grads if g is not None})
+    expected = sorted({grad_layout_of(a) for a in written})
+
+    def price(src: Layout, dst: Layout) -> float:
+        return sum(cfg.pricer.move_time(m, nbytes) for m in redistribution(src, dst))
+
+    fwd = tuple((a, lay, price(a, lay)) for a in written for lay in wanted if a != lay)
+    bwd = tuple((g, e, price(g, e)) for g in produced for e in expected if g != e) if needs_grad else ()
+    inside = sorted({lay for r in readers if r.node != FIXED for lay in r.layouts})
+    forbidden = tuple((a, lay) for a in written for lay in inside if not allowed_inside(a, lay))
+    return Flow(name=name, nbytes=nbytes, source=source, source_layouts=source_layouts, needs_grad=needs_grad,
+                readers=tuple(readers), forward_s=fwd, backward_s=bwd, forbidden=forbidden)
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Structural identity (for caching solutions of identical layers)
+# ----------------------------------------------------------------------------------------------------------------
+
+def structural_key(nodes: Sequence[Node]) -> str:
+    """Hex digest of what prices a segment: ops, shapes, params, attrs, wiring and module paths relative to the
+    segment's own prefix. Node names are left out, so the blocks of a transformer share one key."""
+    index = {n.name: i for i, n in enumerate(nodes)}
+    external: dict[str, int] = {}
+    prefix = module_prefix(nodes)
+    rows = []
+    for n in nodes:
+        wires = []
+        for src in n.inputs:
+            if src in index:
+                wires.append(f"n{index[src]}")
+            else:
+                wires.append(f"x{external.setdefault(src, len(external))}")
+        rows.append([n.op_kind.value, n.target, relative_module(n.module_path, prefix), wires,
+                     [s.to_dict() for s in n.input_specs], [s.to_dict() for s in n.output_specs],
+                     [s.to_dict() for s in n.param_specs], n.forward_flops, n.backward_flops, n.bytes_read,
+                     n.bytes_written, n.saved_bytes, [[k, repr(v)] for k, v in n.attrs]])
+    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The real pricer: costmodel.operators.node_time and costmodel.collectives.collective_time
+# ----------------------------------------------------------------------------------------------------------------
+
+def make_pricer(cluster: Cluster, device: DeviceSpec, tp_group: CommGroup, *, dtype: str = "bfloat16",
+                profile: OpProfile | None = None) -> Pricer:
+    """Price nodes with `node_time` on `device` and moves with `collective_time` over `tp_group` of `cluster`.
+
+    Collective byte conventions (`collective_time`'s): all-reduce the buffer, all-gather the gathered output,
+    reduce-scatter the input, all-to-all what one device sends in total -- its whole shard, bytes/t, of which
+    `collective_time` moves the (t-1)/t that leaves the device. Local slices copy the shard and local scales rewrite the tensor, at the device's
+    achievable memory bandwidth (read + write).
+    """
+    tp = tp_group.size
+    local_bw = device.memory_bandwidth * device.memory_efficiency
+    collective_of = {Move.ALL_REDUCE: Collective.ALL_REDUCE, Move.REDUCE_SCATTER: Collective.REDUCE_SCATTER,
+                     Move.ALL_GATHER: Collective.ALL_GATHER, Move.ALL_TO_ALL: Collective.ALL_TO_ALL}
+
+    def node_cost(node: Node, flops_scale: float, bytes_scale: float, param_scale: float) -> tuple[float, float]:
+        return node_time(node, device, flops_scale=flops_scale, bytes_scale=bytes_scale, param_scale=param_scale,
+                         dtype=dtype, profile=profile)
+
+    def move_cost(move: Move, nbytes: float) -> float:
+        if nbytes <= 0 or tp == 1:
+            return 0.0
+        if move is Move.LOCAL_SLICE:
+            return 2 * nbytes / tp / local_bw
+        if move is Move.LOCAL_SCALE:
+            return 2 * nbytes / local_bw
+        sent = nbytes / tp if move is Move.ALL_TO_ALL else nbytes
+        return collective_time(collective_of[move], sent, tp_group, cluster)
+
+    return Pricer(node_time=node_cost, move_time=move_cost)
+

@@ -1,0 +1,211 @@
+"""Step time of a training step from per-stage costs: pipeline, data-parallel reduction, ZeRO, optimizer.
+
+These are the closed forms `costmodel.estimate` uses and the planner's search must use too (so that a searched
+plan's predicted time equals `estimate` of that plan). Everything here is arithmetic on seconds and bytes except
+`data_parallel_comm`, which prices the collectives on a cluster.
+
+Per virtual stage and micro-batch (`StageTime`):
+    f = compute_fwd / speed + tp_fwd + dp_fwd
+    b = (compute_bwd + recompute) / speed + tp_bwd + dp_bwd
+`speed` is the slowest device's speed factor in the stage (a straggler at 0.5 halves everyone's compute, since the
+tensor/data-parallel peers wait for it). Recompute is the forward rerun of recomputed segments.
+
+Overlap of a communication of C seconds, split in n equal chunks, with a computation of W seconds that releases
+the chunks evenly (gradient buckets released by the backward; ZeRO-3 weight gathers prefetched ahead of the
+forward): chunk i is ready at (i+1) W/n and the chunks go one after another, so the exposed time is
+
+    exposed(C, W, n) = max(C / n,  C - W + W / n)          (0 when C == 0)
+
+-- the last chunk can never hide, and when communication outruns compute the rest of it shows.
+
+Data parallelism per rank (Rajbhandari et al. SC'20 for the ZeRO stages; PyTorch DDP / Megatron-LM for buckets):
+- ZeRO-0: all-reduce of the rank's gradients in buckets during its last backward;
+- ZeRO-1: reduce-scatter of gradients there, then an all-gather of the updated weights after the optimizer step;
+- ZeRO-2: gradients are reduce-scattered during every micro-batch's backward (the unsharded gradient is never
+  kept), plus the post-step weight all-gather;
+- ZeRO-3: weights are all-gathered before each segment's forward and again before its backward (prefetched, one
+  chunk per segment), gradients reduce-scattered during every backward; no post-step gather.
+The end-of-step gradient reduction of rank r can also hide in the pipeline drain after rank r's last backward
+(`pipeline.drain_slack`); what is left is exposed. The optimizer step then starts on all ranks (the global gradient
+norm synchronizes them) and is memory-bound: Adam reads a 16-bit gradient, reads and writes the fp32 master
+weight, m and v, and writes the 16-bit weight: 2 + 3*8 + 2 = 28 bytes per local parameter (fp32 training: 4 + 24 =
+28 too), over the local shard (params / dp under ZeRO >= 1).
+
+Default gradient bucket: 25 MiB (torch.nn.parallel.DistributedDataParallel `bucket_cap_mb=25`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from costmodel.breakdown import TimeBreakdown
+from costmodel.cluster import Cluster
+from costmodel.collectives import Collective, CommGroup, collective_time
+from costmodel.device import DeviceSpec
+from costmodel.memory import PricedSegment
+from costmodel.operators import T_KERNEL_FLOOR_S
+from costmodel.pipeline import drain_slack, pipeline_times
+from costmodel.strategy import Recompute, Schedule
+
+ADAM_BYTES_PER_PARAM = 28
+DEFAULT_BUCKET_BYTES = 25 * 1024 ** 2
+
+
+def overlapped_exposed(comm_s: float, window_s: float, num_chunks: int) -> float:
+    """Seconds of a C-second communication in n chunks not hidden by a W-second computation (docstring)."""
+    if comm_s <= 0:
+        return 0.0
+    n = max(int(num_chunks), 1)
+    return max(comm_s / n, comm_s - window_s + window_s / n)
+
+
+def optimizer_step_time(local_param_count: int, device: DeviceSpec, *, speed: float = 1.0) -> float:
+    """Seconds of one Adam step over `local_param_count` parameters (memory-bound, see module docstring)."""
+    if local_param_count <= 0:
+        return 0.0
+    nbytes = local_param_count * ADAM_BYTES_PER_PARAM
+    return max(nbytes / (device.memory_bandwidth * device.memory_efficiency), T_KERNEL_FLOOR_S) / speed
+
+
+@dataclass(frozen=True, slots=True)
+class StageTime:
+    """Seconds of one micro-batch on one virtual stage, by kind (compute already divided by the speed)."""
+
+    compute_fwd_s: float
+    compute_bwd_s: float
+    recompute_s: float = 0.0
+    tp_fwd_s: float = 0.0
+    tp_bwd_s: float = 0.0
+    dp_fwd_s: float = 0.0
+    dp_bwd_s: float = 0.0
+
+    @property
+    def fwd_s(self) -> float:
+        return self.compute_fwd_s + self.tp_fwd_s + self.dp_fwd_s
+
+    @property
+    def bwd_s(self) -> float:
+        return self.compute_bwd_s + self.recompute_s + self.tp_bwd_s + self.dp_bwd_s
+
+
+def recompute_time(segment: PricedSegment) -> float:
+    c, r = segment.cost, Recompute(segment.recompute)
+    if r is Recompute.FULL:
+        return c.recompute_full_s
+    if r is Recompute.SELECTIVE:
+        return c.recompute_selective_s
+    return 0.0
+
+
+def stage_time(segments: Sequence[PricedSegment], *, speed: float = 1.0, dp_fwd_s: float = 0.0,
+               dp_bwd_s: float = 0.0) -> StageTime:
+    """`StageTime` of a virtual stage made of `segments` (LayerCosts + recompute choices)."""
+    if speed <= 0:
+        raise ValueError(f"speed factor must be positive, got {speed}")
+    # Full recomputation reruns the forward communication too; it is part of recompute_full_s (LayerCost).
+    return StageTime(
+        compute_fwd_s=sum(s.cost.fwd_compute_s for s in segments) / speed,
+        compute_bwd_s=sum(s.cost.bwd_compute_s for s in segments) / speed,
+        recompute_s=sum(recompute_time(s) for s in segments) / speed,
+        tp_fwd_s=sum(s.cost.fwd_comm_s for s in segments),
+        tp_bwd_s=sum(s.cost.bwd_comm_s for s in segments),
+        dp_fwd_s=dp_fwd_s,
+        dp_bwd_s=dp_bwd_s,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DataParallelComm:
+    """Data-parallel communication of one virtual stage / rank (seconds, unexposed)."""
+
+    per_microbatch_fwd_s: float = 0.0
+    """Exposed ZeRO-3 weight gathers of one micro-batch's forward."""
+    per_microbatch_bwd_s: float = 0.0
+    """Exposed ZeRO-2/3 gathers + reduce-scatters of one micro-batch's backward."""
+    end_reduce_s: float = 0.0
+    """ZeRO-0/1 gradient reduction at the end of the step (before overlap with the last backward)."""
+    end_reduce_chunks: int = 1
+    post_step_s: float = 0.0
+    """ZeRO-1/2 all-gather of the updated weights after the optimizer step (exposed)."""
+
+
+def data_parallel_comm(*, zero_stage: int, grad_bytes: float, param_bytes: float, num_segments: int,
+                       fwd_window_s: float, bwd_window_s: float, group: CommGroup, cluster: Cluster,
+                       concurrent: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> DataParallelComm:
+    """Price the data-parallel collectives of one stage (module docstring). Bytes are this rank's unsharded
+    gradient and weight bytes (after tensor parallelism)."""
+    if group.size <= 1 or grad_bytes <= 0:
+        return DataParallelComm()
+
+    def t(kind: Collective, nbytes: float) -> float:
+        return collective_time(kind, nbytes, group, cluster, concurrent=concurrent)
+
+    n_seg = max(num_segments, 1)
+    if zero_stage == 0:
+        return DataParallelComm(end_reduce_s=t(Collective.ALL_REDUCE, grad_bytes),
+                                end_reduce_chunks=math.ceil(grad_bytes / bucket_bytes))
+    if zero_stage == 1:
+        return DataParallelComm(end_reduce_s=t(Collective.REDUCE_SCATTER, grad_bytes),
+                                end_reduce_chunks=math.ceil(grad_bytes / bucket_bytes),
+                                post_step_s=t(Collective.ALL_GATHER, param_bytes))
+    reduce = t(Collective.REDUCE_SCATTER, grad_bytes)
+    if zero_stage == 2:
+        return DataParallelComm(per_microbatch_bwd_s=overlapped_exposed(reduce, bwd_window_s, n_seg),
+                                post_step_s=t(Collective.ALL_GATHER, param_bytes))
+    gather = t(Collective.ALL_GATHER, param_bytes)
+    return DataParallelComm(per_microbatch_fwd_s=overlapped_exposed(gather, fwd_window_s, n_seg),
+                            per_microbatch_bwd_s=overlapped_exposed(gather + reduce, bwd_window_s, n_seg))
+
+
+@dataclass(frozen=True, slots=True)
+class RankTail:
+    """What one pipeline rank does after its last backward."""
+
+    end_reduce_s: float = 0.0
+    end_reduce_chunks: int = 1
+    last_bwd_window_s: float = 0.0
+    """Backward seconds of the rank's last micro-batch (all its chunks), the overlap window of the reduction."""
+    tp_grad_sync_s: float = 0.0
+    """All-reduce over tp of gradients of weights replicated in the tp group (exposed)."""
+    shared_sync_s: float = 0.0
+    """All-reduce of gradients of weights shared with another pipeline rank (tied embeddings: Megatron-LM keeps a
+    copy on the last stage); it waits for both ranks, so no drain hides it."""
+    optimizer_s: float = 0.0
+    post_step_s: float = 0.0
+
+
+def step_breakdown(stages: Sequence[StageTime], tails: Sequence[RankTail], *, schedule: Schedule,
+                   num_microbatches: int, virtual_stages: int = 1,
+                   p2p_time: float | Sequence[float] = 0.0) -> TimeBreakdown:
+    """The step's critical path split by kind; `total_s` is the step time.
+
+    `stages`: one per virtual stage in pipeline order (p*v); `tails`: one per pipeline rank (p).
+    """
+    pp = len(stages) // virtual_stages
+    if len(tails) != pp:
+        raise ValueError(f"need one RankTail per pipeline rank ({pp}), got {len(tails)}")
+    fwd = [s.fwd_s for s in stages]
+    bwd = [s.bwd_s for s in stages]
+    pipe = pipeline_times(fwd, bwd, schedule, num_microbatches, virtual_stages, p2p_time)
+    # Busy time of the bottleneck rank, split by kind.
+    mine = stages[pipe.bottleneck_rank::pp]
+    m = num_microbatches
+    compute = m * sum(s.compute_fwd_s + s.compute_bwd_s for s in mine)
+    recompute = m * sum(s.recompute_s for s in mine)
+    tp = m * sum(s.tp_fwd_s + s.tp_bwd_s for s in mine)
+    dp = m * sum(s.dp_fwd_s + s.dp_bwd_s for s in mine)
+    # End of step: gradient reduction hidden by the last backward and the drain, then optimizer, then gathers.
+    slack = drain_slack(bwd, pp, p2p_time)
+    tail_tp = tail_dp = 0.0
+    for r, tail in enumerate(tails):
+        exposed = overlapped_exposed(tail.end_reduce_s, tail.last_bwd_window_s, tail.end_reduce_chunks)
+        left = max(exposed + tail.tp_grad_sync_s - slack[r], 0.0) + tail.shared_sync_s
+        if left > tail_tp + tail_dp:
+            tail_tp = min(tail.tp_grad_sync_s, left)
+            tail_dp = left - tail_tp
+    optimizer = max(t.optimizer_s for t in tails)
+    post = max(t.post_step_s for t in tails)
+    return TimeBreakdown(compute_s=compute, recompute_s=recompute, tp_comm_s=tp + tail_tp, pp_comm_s=pipe.p2p_s,
+                         dp_comm_s=dp + tail_dp + post, bubble_s=pipe.bubble_s, optimizer_s=optimizer)

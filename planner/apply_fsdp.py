@@ -1,0 +1,37 @@
+"""Data parallelism over the plan's dp axis with FSDP2 (`fully_shard`) or FSDP2-style replication (`replicate`).
+
+ZeRO stages (Rajbhandari et al. SC'20) map onto FSDP2 as follows:
+- ZeRO-3: `fully_shard(reshard_after_forward=True)` per layer and on the root: parameters, gradients and
+  optimizer state sharded; parameters all-gathered again in backward.
+- ZeRO-1 / ZeRO-2: `fully_shard(reshard_after_forward=False)`: parameters stay gathered from forward to
+  backward (no second all-gather, as in ZeRO-1/2) while gradients and optimizer state are sharded. FSDP2 has no
+  mode that shards optimizer state but keeps full gradients, so ZeRO-1 runs as ZeRO-2 (same memory or less,
+  the same communication volume: one reduce-scatter plus one all-gather per step).
+- ZeRO-0: `replicate` (DDP semantics on FSDP2's machinery, composes with DTensor tensor parallelism and with
+  pipelining): every rank keeps everything, gradients all-reduced.
+Gradients are averaged over the dp ranks, so a mean loss per rank gives the global-batch mean gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+
+def apply_data_parallel(part: nn.Module, layers: Sequence[nn.Module], dp_mesh: Any, *, zero_stage: int) -> nn.Module:
+    """Wrap one model part (the whole model or one pipeline stage) for data parallelism over `dp_mesh`."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import fully_shard
+
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if zero_stage == 0:
+        replicate(part, mesh=dp_mesh)
+        return part
+    reshard = zero_stage == 3
+    for layer in layers:  # one all-gather unit per layer, so only one layer's parameters are unsharded at a time
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
+    fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard)
+    return part

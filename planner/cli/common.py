@@ -1,0 +1,151 @@
+"""Helpers shared by the CLI commands: model, cluster, --set/--fix and output options, and safe output writing.
+
+Everything here turns bad input into `UserError` (one line naming the bad value and the valid choices), so the
+commands stay short and every command reports the same mistake the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from costmodel.cluster import Cluster
+from planner.errors import UserError
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL",
+                        help="zoo family or preset (see `stratagem models`) or package.module:factory")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a model config field (repeatable)")
+    parser.add_argument("--seq", type=positive_int, default=None, help="sequence length (default: the model's)")
+
+
+def add_cluster_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cluster", required=True, metavar="SPEC",
+                        help="NODESxGPUSxDEVICE (e.g. 128x8xa100-80gb, 1x4xcpu) or a cluster YAML file")
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--output", default=None, metavar="FILE", help="write the plan JSON to FILE")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
+
+
+def parse_cluster(spec: str) -> Cluster:
+    """`Cluster.parse` with its ValueError / missing-file errors turned into one-line user errors."""
+    try:
+        return Cluster.parse(spec)
+    except UserError:
+        raise
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--cluster {spec}: {_one_line(e)}") from None
+    except OSError as e:
+        raise UserError(f"--cluster {spec}: cannot read it: {e.strerror or e}") from None
+
+
+def build_model(name: str, sets: Sequence[str], *, seq: int | None, batch: int = 1) -> Any:
+    """The registry's `BuiltModel` on the meta device, with a traced batch of `batch`."""
+    from planner.cli.model_registry import build_model as registry_build
+
+    try:
+        return registry_build(name, sets, batch=batch, seq=seq, device="meta")
+    except UserError:
+        raise
+    except ValueError as e:
+        raise UserError(f"model {name}: {_one_line(e)}") from None
+
+
+def trace_chain(built: Any) -> Any:
+    """Trace a `BuiltModel` into a `LayerChain` (trace errors become user errors)."""
+    import ir
+
+    try:
+        graph = ir.trace(built.module, built.example_inputs, model_name=built.name)
+        return ir.build_layer_chain(graph)
+    except UserError:
+        raise
+    except ValueError as e:
+        raise UserError(f"cannot trace {built.name}: {_one_line(e)}") from None
+
+
+def input_paths(*candidates: str | None) -> tuple[Path, ...]:
+    """Paths of the command's input files that exist (a cluster YAML, a plan JSON), for `check_output_path`."""
+    return tuple(Path(c) for c in candidates if c and Path(c).is_file())
+
+
+def check_output_path(path: str, inputs: Sequence[Path] = ()) -> Path:
+    """Validate an output path before doing any work: never an input file, never a directory, writable folder."""
+    out = Path(path)
+    for src in inputs:
+        if out.exists() and src.exists() and os.path.samefile(out, src):
+            raise UserError(f"-o {path} is an input file of this command; refusing to overwrite it")
+    if out.is_dir():
+        raise UserError(f"-o {path} is a directory; give a file name")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"-o {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise UserError(f"-o {path}: not writable")
+    return out
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write atomically (temporary file in the same folder, then rename) so a failed write leaves no half file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def progress_printer(stream: Any = None) -> Callable[[int, int, float | None], None] | None:
+    """A one-line progress indicator on stderr, only when stderr is a terminal (never in pipes or CI logs)."""
+    stream = stream or sys.stderr
+    if not stream.isatty():
+        return None
+
+    def show(done: int, total: int, best_s: float | None) -> None:
+        best = f", best {best_s:.4g} s" if best_s is not None else ""
+        stream.write(f"\rsearching: {done}/{total} candidates{best}   ")
+        if done >= total:
+            stream.write("\n")
+        stream.flush()
+
+    return show
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    if isinstance(e, KeyError) and text.startswith("'") and text.endswith("'"):
+        text = text[1:-1]
+    return " ".join(text.split())

@@ -1,0 +1,167 @@
+"""Per-layer-class prices for one (device type, tp, sequence parallel, micro-batch): the middle level of the search.
+
+Identical layers share a class (`Segment.class_id`), so a class is priced once per key and the result reused by
+every segment of the class: the 96 blocks of GPT-3 cost one solve. With ``tp == 1`` a class is priced replicated
+(`costmodel.layer_pricing.price_segment`); with ``tp > 1`` the intra-operator sharding ILP
+(`planner.intra_op.solve_layer_sharding`) chooses every op's sharding and returns its `LayerCost` and module
+styles. `LayerCostTable` is the cache: one per search (or per `planner.estimate` call), never global.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from costmodel.cluster import Cluster
+from costmodel.device import DeviceSpec
+from costmodel.layer_cost import LayerCost
+from costmodel.layer_pricing import price_segment
+from ir.layer_chain import LayerChain
+from planner.plan import ModuleSharding
+
+
+@dataclass(frozen=True, slots=True)
+class AxisSplit:
+    """Context- and expert-parallel degrees of a candidate and their rank strides (issue 10): segment prices
+    at (tp, sp, mbs) are turned into cp / ep prices by `costmodel.context_parallel` and
+    `costmodel.expert_parallel`."""
+
+    cp: int = 1
+    cp_stride: int = 1
+    ep: int = 1
+    ep_stride: int = 1
+    num_devices: int = 1
+    """Devices of the mesh: how many cp rings / ep groups run at once."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClassPrices:
+    """Prices of every layer class for one key; `sharding` maps class id -> module styles (relative paths)."""
+
+    costs: Mapping[int, LayerCost]
+    sharding: Mapping[int, tuple[ModuleSharding, ...]]
+
+
+@dataclass
+class LayerCostTable:
+    """Cache of `ClassPrices` per (device name, tp, tp stride, sequence parallel, micro-batch size)."""
+
+    chain: LayerChain
+    cluster: Cluster
+    dtype: str = "bfloat16"
+    profile: Any = None
+    solves: int = 0
+    """Class-level pricings actually computed (cache misses), for the search statistics."""
+    _cache: dict[tuple[str, int, int, bool, int], ClassPrices] = field(default_factory=dict)
+    _split_cache: dict[tuple, dict[int, LayerCost]] = field(default_factory=dict)
+    _sharding_cache: Any = None
+
+    def prices(self, device: DeviceSpec, *, tp: int, tp_stride: int, sequence_parallel: bool,
+               microbatch_size: int) -> ClassPrices:
+        key = (device.name, tp, tp_stride, sequence_parallel, microbatch_size)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._price(device, tp, tp_stride, sequence_parallel, microbatch_size)
+            self._cache[key] = hit
+        return hit
+
+    def is_cached(self, device: DeviceSpec, *, tp: int, tp_stride: int, sequence_parallel: bool,
+                  microbatch_size: int) -> bool:
+        return (device.name, tp, tp_stride, sequence_parallel, microbatch_size) in self._cache
+
+    def segment_costs(self, device: DeviceSpec, *, tp: int, tp_stride: int, sequence_parallel: bool,
+                      microbatch_size: int, split: AxisSplit | None = None) -> tuple[LayerCost, ...]:
+        """One `LayerCost` per chain segment (segments of a class share the object); `split` adds context and
+        expert parallelism."""
+        prices = self.prices(device, tp=tp, tp_stride=tp_stride, sequence_parallel=sequence_parallel,
+                             microbatch_size=microbatch_size)
+        if split is not None and (split.cp > 1 or split.ep > 1):  # issue 10: cp / ep on top of the tp prices
+            key = (device.name, tp, tp_stride, sequence_parallel, microbatch_size, split)
+            costs = self._split_cache.get(key)
+            if costs is None:
+                costs = self._split_cache[key] = self._split(prices, device, tp, microbatch_size, split)
+            return tuple(costs[s.class_id] for s in self.chain.segments)
+        return tuple(prices.costs[s.class_id] for s in self.chain.segments)
+
+    def _split(self, prices: ClassPrices, device: DeviceSpec, tp: int, mbs: int, split: AxisSplit
+               ) -> dict[int, LayerCost]:
+        from costmodel.collectives import CommGroup
+        from costmodel.context_parallel import context_parallel_cost
+        from costmodel.expert_parallel import expert_parallel_cost
+
+        out: dict[int, LayerCost] = {}
+        batch = self.chain.graph.batch_size
+        for cid, cost in prices.costs.items():
+            segment = self.chain.representative(cid)
+            nodes = self.chain.nodes_of(segment)
+            cost = context_parallel_cost(cost, nodes, device, self.cluster, cp=split.cp,
+                                         group=CommGroup(split.cp, split.cp_stride),
+                                         concurrent=split.num_devices // split.cp, microbatch_size=mbs,
+                                         traced_batch=batch, tp=tp, dtype=self.dtype)
+            out[cid] = expert_parallel_cost(cost, nodes, self.cluster, ep=split.ep,
+                                            group=CommGroup(split.ep, split.ep_stride),
+                                            concurrent=split.num_devices // split.ep,
+                                            segment_params=segment.param_count, microbatch_size=mbs,
+                                            traced_batch=batch, traced_dtype=self.chain.graph.dtype,
+                                            dtype=self.dtype)
+        return out
+
+    def _price(self, device: DeviceSpec, tp: int, tp_stride: int, sp: bool, mbs: int) -> ClassPrices:
+        costs: dict[int, LayerCost] = {}
+        sharding: dict[int, tuple[ModuleSharding, ...]] = {}
+        for cid in sorted({s.class_id for s in self.chain.segments}):
+            segment = self.chain.representative(cid)
+            self.solves += 1
+            if tp == 1:
+                costs[cid] = price_segment(self.chain, segment, device, microbatch_size=mbs, dtype=self.dtype,
+                                           profile=self.profile)
+                sharding[cid] = ()
+                continue
+            from costmodel.collectives import CommGroup
+            from planner.intra_op import ShardingCache, solve_layer_sharding
+
+            if self._sharding_cache is None:
+                self._sharding_cache = ShardingCache()
+            solved = solve_layer_sharding(
+                self.chain.nodes_of(segment), self.cluster, device, tp=tp, tp_group=CommGroup(tp, tp_stride),
+                microbatch_size=mbs, traced_batch=self.chain.graph.batch_size, sequence_parallel=sp,
+                dtype=self.dtype, cache=self._sharding_cache, profile=self.profile)
+            costs[cid] = solved.cost
+            sharding[cid] = tuple(solved.module_styles())
+        return ClassPrices(costs, sharding)
+
+
+def class_prefixes(chain: LayerChain) -> dict[int, str]:
+    """Per class, the module path that owns its segments with differing components as "*" ("blocks.*").
+
+    Module styles come back relative to a segment's owning module (`costmodel.sharding.module_prefix`); this is
+    that prefix generalized over every segment of the class, so one pattern covers blocks.0 .. blocks.95."""
+    from costmodel.sharding import module_prefix
+
+    prefixes: dict[int, list[list[str]]] = {}
+    for s in chain.segments:
+        prefixes.setdefault(s.class_id, []).append(module_prefix(chain.nodes_of(s)).split("."))
+    out: dict[int, str] = {}
+    for cid, members in prefixes.items():
+        first = members[0]
+        if all(len(m) == len(first) for m in members):
+            out[cid] = ".".join(p if all(m[i] == p for m in members) else "*" for i, p in enumerate(first))
+        else:
+            out[cid] = ".".join(first)
+    return out
+
+
+def module_sharding(chain: LayerChain, prices: ClassPrices) -> tuple[ModuleSharding, ...]:
+    """Full-path module styles of the whole model: each class's relative styles under its prefix pattern.
+
+    Entries are unique and sorted by module pattern so plans are deterministic."""
+    prefixes = class_prefixes(chain) if any(prices.sharding.values()) else {}
+    seen: dict[str, ModuleSharding] = {}
+    for cid in sorted(prices.sharding):
+        for ms in prices.sharding[cid]:
+            prefix = prefixes[cid]
+            module = f"{prefix}.{ms.module}" if prefix and ms.module else (ms.module or prefix)
+            if module and module not in seen:
+                seen[module] = ModuleSharding(module=module, style=ms.style)
+    return tuple(seen[k] for k in sorted(seen))

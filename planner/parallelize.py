@@ -1,0 +1,320 @@
+"""Apply a `Plan` to a model on this rank: tensor parallelism, recomputation, pipeline stages, data parallelism.
+
+`parallelize(model, plan)` is called on every rank under torchrun with the same (identically initialized)
+model. The order follows torchtitan: tensor parallelism first (DTensor parameters), then activation
+checkpointing, then the pipeline split, then FSDP2 / replication over the dp axis per model part. The result is a
+`ParallelModel` that `planner.train_step.train_step` drives, pipelined or not.
+
+A plan is refused (`PlanLoadError`) when it was made for another world size, another parameter count or, when
+the layer chain is known, another traced graph (fingerprint).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from costmodel.strategy import StageSpec, Strategy
+from ir.layer_chain import LayerChain
+from planner.apply_fsdp import apply_data_parallel
+from planner.apply_pipeline import (
+    build_schedule,
+    build_stage_modules,
+    even_stages,
+    module_stages,
+    stage_indices_of_rank,
+)
+from planner.apply_recompute import apply_recompute
+from planner.apply_tp import (
+    BLOCKS_ATTR,
+    apply_tensor_parallel,
+    install_sequence_parallel_hooks,
+    shared_parameters,
+)
+from planner.device_mesh import MeshLayout, build_mesh, check_world_size, mesh_layout
+from planner.errors import PlanLoadError, UserError
+from planner.plan import Plan
+
+LossFn = Callable[[Any, tuple[torch.Tensor, ...]], torch.Tensor]
+"""`loss_fn(output, batch)`: a scalar loss of a (micro-)batch, a mean over its samples (the zoo's `loss`)."""
+
+
+def model_output_is_loss(output: Any, _batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Default loss: the model's forward already returns the scalar loss."""
+    if not isinstance(output, torch.Tensor) or output.numel() != 1:
+        raise UserError("the model does not return a scalar loss; pass loss_fn=(output, batch) -> loss")
+    return output.reshape(())
+
+
+class MicrobatchLoss:
+    """The pipeline schedule's `loss_fn(output, target)`: `target` is the micro-batch's sample indices into the
+    step's local batch, so a loss that needs any of the batch's tensors (labels, the input ids themselves) works."""
+
+    def __init__(self, loss_fn: LossFn) -> None:
+        self.loss_fn = loss_fn
+        self.batch: tuple[torch.Tensor, ...] = ()
+
+    def __call__(self, output: Any, sample_ids: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, tuple(t[sample_ids] for t in self.batch))
+
+
+@dataclass(frozen=True, slots=True)
+class TiedAcrossStages:
+    """A parameter shared by modules on several pipeline stages (the GPT head tied to the embedding): each
+    holder keeps a copy and their gradients are summed over `group` after backward (Megatron-LM's embedding
+    group, Shoeybi et al. 2019)."""
+
+    names: Mapping[int, str]
+    """Stage index -> the parameter's name in that stage."""
+    group: Any
+    """Process group of the ranks (same dp and tp coordinates) that hold the stages; None on other ranks."""
+
+
+@dataclass(eq=False)
+class ParallelModel:
+    """What this rank trains: one model part per local pipeline stage (the whole model when pp == 1)."""
+
+    plan: Plan
+    mesh: Any
+    parts: dict[int, nn.Module]
+    """Stage index -> module; `{0: model}` when not pipelined."""
+    loss_fn: LossFn
+    schedule: Any = None
+    microbatch_loss: MicrobatchLoss | None = None
+    tied: tuple[TiedAcrossStages, ...] = ()
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.plan.strategy
+
+    @property
+    def pipelined(self) -> bool:
+        return self.schedule is not None
+
+    @property
+    def num_stages(self) -> int:
+        return self.strategy.pp * self.strategy.virtual_stages if self.pipelined else 1
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return (self.num_stages - 1) in self.parts
+
+    @property
+    def local_batch_size(self) -> int:
+        """Samples this rank's data-parallel replica trains on per step (micro-batch size x micro-batches)."""
+        return self.strategy.microbatch_size * self.strategy.num_microbatches
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters (DTensors when sharded) under the model's own names, each once."""
+        seen: set[int] = set()
+        for index in sorted(self.parts):
+            for name, p in self.parts[index].named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def train(self, mode: bool = True) -> ParallelModel:
+        for part in self.parts.values():
+            part.train(mode)
+        return self
+
+
+def plan_stages(strategy: Strategy, num_segments: int) -> tuple[StageSpec, ...]:
+    """The plan's stages, or (when it lists none) the even split the estimator assumes, with its recompute."""
+    if strategy.stages:
+        return strategy.stages
+    count = strategy.pp * strategy.virtual_stages
+    return tuple(StageSpec(s.start, s.stop, strategy.recompute) for s in even_stages(num_segments, count))
+
+
+def count_trainable_params(model: nn.Module) -> int:
+    """Unique trainable parameters (tied weights once), as `Graph.param_count` counts them."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def check_plan_matches(model: nn.Module, plan: Plan, *, chain: LayerChain | None = None,
+                       world_size: int | None = None) -> None:
+    """Refuse a plan made for another model or another world size (PlanLoadError, one line)."""
+    if world_size is not None:
+        check_world_size(plan.strategy, world_size)
+    params = count_trainable_params(model)
+    if params != plan.model.params:
+        raise PlanLoadError(f"the plan is for {plan.model.name} with {plan.model.params:,} parameters but this "
+                            f"model has {params:,}; make a plan for this model (same --set options)")
+    if chain is not None:
+        import ir
+
+        found = ir.fingerprint(chain.graph)
+        if found != plan.model.fingerprint:
+            raise PlanLoadError(f"the plan's model fingerprint {plan.model.fingerprint} does not match this "
+                                f"model's {found}; the plan was made for another model or configuration")
+
+
+def trace_chain(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> LayerChain:
+    """The layer chain of `model`, traced as `stratagem plan` traces it (one sample, shapes only)."""
+    import ir
+    from ir.graph import TensorSpec
+
+    specs = tuple(TensorSpec(shape=(1, *t.shape[1:]), dtype=str(t.dtype).removeprefix("torch."))
+                  for t in example_inputs)
+    return ir.build_layer_chain(ir.trace(model, specs))
+
+
+def _check_mesh(mesh: Any, layout: MeshLayout) -> None:
+    names = tuple(mesh.mesh_dim_names or ())
+    sizes = tuple(mesh.shape)
+    if names != layout.names or sizes != layout.sizes:
+        raise UserError(f"the given mesh has axes {dict(zip(names, sizes, strict=False))} but the plan needs "
+                        f"{dict(zip(layout.names, layout.sizes, strict=True))} (outermost first)")
+
+
+def model_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The units recomputation checkpoints and FSDP shards one at a time: `blocks.<i>` for the zoo's
+    transformers, else the root's children with `ModuleList`/`ModuleDict` containers (never called
+    themselves) replaced by their members."""
+    blocks = getattr(model, BLOCKS_ATTR, None)
+    if isinstance(blocks, nn.ModuleList):
+        return [(f"{BLOCKS_ATTR}.{i}", b) for i, b in enumerate(blocks)]
+    layers: list[tuple[str, nn.Module]] = []
+    todo = list(model.named_children())
+    while todo:
+        name, child = todo.pop(0)
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            todo[:0] = [(f"{name}.{n}", c) for n, c in child.named_children()]
+        else:
+            layers.append((name, child))
+    return layers
+
+
+def _apply_recompute(model: nn.Module, stages: Sequence[StageSpec], chain: LayerChain | None,
+                     strategy: Strategy) -> None:
+    layers = model_layers(model)
+    if chain is None:  # no chain (pp == 1): one stage, whose recompute applies to every layer
+        mode = stages[0].recompute if stages else strategy.recompute
+        apply_recompute([m for _, m in layers], mode)
+        return
+    owners = module_stages(chain, stages)
+    for index, stage in enumerate(stages):
+        # a layer split by a pipeline cut is inlined into two stages and cannot be checkpointed as one unit
+        chosen = [m for path, m in layers if owners.get(path) == frozenset({index})]
+        apply_recompute(chosen, stage.recompute)
+
+
+def _layers_in(part: nn.Module, model: nn.Module) -> list[nn.Module]:
+    inside = {id(m) for m in part.modules()}
+    return [m for _, m in model_layers(model) if id(m) in inside]
+
+
+def _tied_across_stages(model: nn.Module, stage_modules: Mapping[int, nn.Module], mesh: Any,
+                        layout: MeshLayout) -> tuple[TiedAcrossStages, ...]:
+    import torch.distributed as dist
+
+    tied = []
+    pp = layout.size("pp")
+    for group in shared_parameters(model):
+        p = getattr(model.get_submodule(group[0][0]), group[0][1])
+        names: dict[int, str] = {}
+        for index, part in stage_modules.items():
+            for name, q in part.named_parameters():
+                if q is p:
+                    names[index] = name
+        if len(names) < 2:
+            continue
+        pp_ranks = sorted({i % pp for i in names})
+        if len(pp_ranks) < len(names):
+            raise UserError(f"parameter {group[0][0]}.{group[0][1]} is tied across stages {sorted(names)} that "
+                            "run on the same pipeline rank; untie the weights or cut elsewhere")
+        mine = None
+        me = dist.get_rank()
+        for ranks in _peer_rank_lists(layout, pp_ranks):  # every rank creates every group, in the same order
+            g = dist.new_group(ranks)
+            if me in ranks:
+                mine = g
+        tied.append(TiedAcrossStages(names=names, group=mine))
+    return tuple(tied)
+
+
+def _peer_rank_lists(layout: MeshLayout, pp_ranks: Sequence[int]) -> list[list[int]]:
+    """For each (dp, tp) coordinate, the global ranks at `pp_ranks` on the pp axis."""
+    by_coords: dict[tuple[tuple[str, int], ...], list[int]] = {}
+    for rank in range(layout.num_devices):
+        coords = layout.coordinates(rank)
+        if coords["pp"] in pp_ranks:
+            key = tuple(sorted((k, v) for k, v in coords.items() if k != "pp"))
+            by_coords.setdefault(key, []).append(rank)
+    return [by_coords[k] for k in sorted(by_coords)]
+
+
+def parallelize(model: nn.Module, plan: Plan, *, mesh: Any = None,
+                example_inputs: Sequence[torch.Tensor] | None = None, chain: LayerChain | None = None,
+                loss_fn: LossFn | None = None) -> ParallelModel:
+    """Shard `model` (in place) by `plan` for this rank and return what this rank trains.
+
+    `model` must be identically initialized on every rank (same seed) and already on this rank's device.
+    `chain` (or `example_inputs`, from which it is traced) is needed for pipeline plans, which cut the layer
+    chain, and enables the fingerprint check. `loss_fn(output, batch)` defaults to "the model returns its loss".
+    """
+    import torch.distributed as dist
+
+    strategy = plan.strategy
+    layout = mesh_layout(strategy)
+    if not dist.is_initialized():
+        raise UserError("torch.distributed is not initialized; run under torchrun (or `stratagem run --nproc K`)")
+    device = next(model.parameters()).device
+    if mesh is None:
+        mesh = build_mesh(strategy, device.type)
+    else:
+        _check_mesh(mesh, layout)
+    if chain is None and example_inputs is not None:
+        chain = trace_chain(model, example_inputs)
+    check_plan_matches(model, plan, chain=chain, world_size=dist.get_world_size())
+    loss_fn = loss_fn or model_output_is_loss
+    if strategy.pp > 1 and chain is None:
+        raise UserError("a pipeline plan cuts the model's layer chain: pass example_inputs= (or chain=)")
+    stages = plan_stages(strategy, len(chain)) if chain is not None else strategy.stages
+
+    if strategy.tp > 1:
+        apply_tensor_parallel(model, plan.sharding, mesh["tp"], sequence_parallel=strategy.sequence_parallel)
+    _apply_recompute(model, stages, chain if strategy.pp > 1 else None, strategy)
+    if strategy.sequence_parallel:
+        install_sequence_parallel_hooks(model, mesh["tp"])  # after recomputation: see its docstring
+
+    if strategy.pp == 1:
+        if strategy.dp > 1:
+            apply_data_parallel(model, [m for _, m in model_layers(model)], mesh["dp"], zero_stage=strategy.zero_stage)
+        return ParallelModel(plan=plan, mesh=mesh, parts={0: model}, loss_fn=loss_fn, device=device)
+    return _pipeline(model, plan, mesh, layout, chain, stages, loss_fn, device)
+
+
+def _pipeline(model: nn.Module, plan: Plan, mesh: Any, layout: MeshLayout, chain: LayerChain,
+              stages: Sequence[StageSpec], loss_fn: LossFn, device: torch.device) -> ParallelModel:
+    from torch.distributed.pipelining import PipelineStage
+
+    strategy = plan.strategy
+    all_parts = build_stage_modules(model, chain, stages)
+    tied = _tied_across_stages(model, all_parts, mesh, layout)
+    pp_rank = mesh["pp"].get_local_rank()
+    mine = stage_indices_of_rank(pp_rank, strategy.pp, len(stages))
+    parts = {i: all_parts[i] for i in mine}
+    if strategy.dp > 1:
+        for part in parts.values():
+            apply_data_parallel(part, _layers_in(part, model), mesh["dp"], zero_stage=strategy.zero_stage)
+    pp_group = mesh["pp"].get_group()
+    pipeline_stages = [PipelineStage(parts[i], i, len(stages), device, group=pp_group) for i in mine]
+    microbatch_loss = MicrobatchLoss(loss_fn)
+    schedule = build_schedule(pipeline_stages, strategy.schedule, strategy.num_microbatches, microbatch_loss)
+    return ParallelModel(plan=plan, mesh=mesh, parts=parts, loss_fn=loss_fn, schedule=schedule,
+                         microbatch_loss=microbatch_loss, tied=tied, device=device)

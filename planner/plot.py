@@ -1,0 +1,109 @@
+"""Pictures of a plan: the pipeline schedule as a Gantt chart (from `planner.timeline`) and memory per stage
+against device capacity. matplotlib is optional (`pip install matplotlib`, or the `plot` extra) and imported only
+here, when a picture is asked for. The object-oriented API (Figure + Agg canvas) is used, never pyplot, so no
+global backend or figure state is touched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from planner.errors import UserError
+from planner.plan import Plan
+from planner.timeline import EventKind, StepTimeline, build_timeline, plan_title
+
+GIB = 1 << 30
+
+# Colours from matplotlib's "tab10" palette, chosen so that work is blue/green and waiting is grey.
+KIND_COLORS: dict[EventKind, str] = {
+    EventKind.FORWARD: "#1f77b4",
+    EventKind.BACKWARD: "#2ca02c",
+    EventKind.RECOMPUTE: "#ff7f0e",
+    EventKind.TP_COMM: "#9467bd",
+    EventKind.PP_COMM: "#e377c2",
+    EventKind.DP_COMM: "#8c564b",
+    EventKind.OPTIMIZER: "#bcbd22",
+    EventKind.IDLE: "#d9d9d9",
+}
+MEMORY_COLORS: dict[str, str] = {
+    "params": "#1f77b4", "grads": "#aec7e8", "optimizer": "#ff7f0e", "activations": "#2ca02c",
+    "temporary": "#98df8a", "overhead": "#7f7f7f",
+}
+
+
+def _matplotlib() -> tuple[Any, Any]:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install matplotlib (or pip install 'stratagem[plot]')") from None
+    return Figure, FigureCanvasAgg
+
+
+def plot_plan(plan: Plan, path: str | Path, *, timeline: StepTimeline | None = None) -> None:
+    """Draw the plan's schedule (top) and memory per stage against capacity (bottom) into an image file; the
+    format follows the extension (png, svg, pdf, ...)."""
+    path = Path(path)
+    Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=(12, 7.5), dpi=100, layout="constrained")
+    canvas = FigureCanvasAgg(fig)
+    formats = canvas.get_supported_filetypes()
+    fmt = path.suffix.lstrip(".").lower()
+    if fmt not in formats:
+        raise UserError(f"--plot {path}: unknown image type {fmt!r}; use one of {', '.join(sorted(formats))}")
+    if not path.parent.is_dir():
+        raise UserError(f"--plot {path}: folder {path.parent} does not exist")
+    timeline = timeline or build_timeline(plan)
+    gantt, memory = fig.subplots(2, 1, height_ratios=(3, 2))
+    _draw_gantt(gantt, timeline)
+    _draw_memory(memory, plan)
+    fig.suptitle(plan_title(plan), fontsize=11)
+    fig.savefig(path, format=fmt)
+
+
+def _draw_gantt(ax: Any, timeline: StepTimeline) -> None:
+    """One row per stage (stage 0 on top); nested parts (recompute, TP comm) as thinner bars inside their op."""
+    from matplotlib.patches import Patch
+
+    bars: dict[tuple[int, EventKind, int], list[tuple[float, float]]] = {}
+    for e in timeline.events:
+        bars.setdefault((e.stage, e.kind, e.depth), []).append((e.start_s, e.duration_s))
+    for (stage, kind, depth), spans in sorted(bars.items()):
+        height = 0.8 if depth == 0 else 0.35
+        y = stage - height / 2
+        ax.broken_barh(spans, (y, height), facecolors=KIND_COLORS[kind],
+                       edgecolors="white" if depth == 0 and kind is not EventKind.IDLE else "none",
+                       linewidth=0.3)
+    ax.set_ylim(timeline.num_stages - 0.5, -0.5)
+    ax.set_yticks(range(timeline.num_stages), [f"stage {i}" for i in range(timeline.num_stages)])
+    ax.set_xlim(0, max(timeline.span_s, timeline.step_time_s))
+    ax.axvline(timeline.step_time_s, color="black", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("time in step (s); dashed line: predicted step time")
+    used = sorted({e.kind for e in timeline.events}, key=list(EventKind).index)
+    ax.legend(handles=[Patch(color=KIND_COLORS[k], label=k.value) for k in used], loc="upper center",
+              bbox_to_anchor=(0.5, -0.18), ncol=len(used), fontsize=8, frameon=False)
+    ax.set_title("pipeline schedule per stage", fontsize=10)
+
+
+def _draw_memory(ax: Any, plan: Plan) -> None:
+    """Stacked bars of each stage's peak memory by part, with its device capacity as a red line."""
+    stages = plan.predicted.stages
+    xs = list(range(len(stages)))
+    bottom = [0.0] * len(stages)
+    for part, color in MEMORY_COLORS.items():
+        values = [getattr(s.memory, part) / GIB for s in stages]
+        ax.bar(xs, values, bottom=bottom, color=color, label=part, width=0.6)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    for x, s in zip(xs, stages, strict=True):
+        capacity = s.capacity_bytes / GIB
+        ax.hlines(capacity, x - 0.4, x + 0.4, colors="red", linewidth=2)
+        ax.annotate(f"{s.memory.total / s.capacity_bytes:.0%}" if s.capacity_bytes else "",
+                    (x, max(bottom[x], capacity)), textcoords="offset points", xytext=(0, 3), ha="center",
+                    fontsize=8)
+    ax.set_xticks(xs, [f"stage {s.index}\n{s.device}" for s in stages])
+    ax.set_ylabel("GiB per device")
+    top = max([*bottom, *(s.capacity_bytes / GIB for s in stages)], default=1.0)
+    ax.set_ylim(0, top * 1.15)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.set_title("peak memory per stage (red: device capacity)", fontsize=10)

@@ -1,0 +1,160 @@
+"""What the planner may choose: the dimensions of the search, which of them `--fix` pins, and the objective.
+
+`SearchSpace.from_fixes(["tp=8", "pp=8", "recompute=full"])` is how the CLI's `--fix key=value` enters; every key
+and value is validated here, with errors that list the valid keys or values.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from costmodel.strategy import Recompute, Schedule
+
+
+class Objective(enum.StrEnum):
+    """What the search minimizes."""
+
+    TIME = "time"    # step time for the fixed global batch
+    COST = "cost"    # step time x devices used x price per device-second (prices come from the cluster spec)
+
+
+FIX_KEYS: Mapping[str, str] = {
+    "dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep",
+    "mbs": "microbatch_size", "microbatch_size": "microbatch_size",
+    "microbatches": "num_microbatches", "num_microbatches": "num_microbatches",
+    "schedule": "schedule",
+    "virtual_stages": "virtual_stages", "v": "virtual_stages",
+    "zero": "zero_stage", "zero_stage": "zero_stage",
+    "sp": "sequence_parallel", "sequence_parallel": "sequence_parallel",
+    "recompute": "recompute",
+}
+"""`--fix` key (and its aliases) -> SearchSpace field."""
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """Pinned dimensions (None = searched) and the ranges of the free ones."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    cp: int | None = None
+    """Context-parallel degree (issue 10; searched over the degrees the sequence allows when free)."""
+    ep: int | None = None
+    """Expert-parallel degree (issue 10; searched over divisors of dp and of the experts when free)."""
+    microbatch_size: int | None = None
+    num_microbatches: int | None = None
+    schedule: Schedule | None = None
+    virtual_stages: int | None = None
+    zero_stage: int | None = None
+    sequence_parallel: bool | None = None
+    recompute: Recompute | None = None
+    """Pins every stage's recomputation; None lets the stage partition choose per stage."""
+    max_microbatch_size: int = 16
+    """Largest micro-batch tried when it is free: past a few samples GEMMs are already large, and bigger
+    micro-batches only lengthen the pipeline bubble and the activation memory."""
+    max_virtual_stages: int = 8
+    """Largest interleaving degree tried (Megatron-LM reports gains up to a handful of chunks per device)."""
+    tp_across_nodes: bool = False
+    """Allow tensor parallelism to span nodes (off by default: TP communicates on every layer)."""
+    whole_nodes_only: bool = True
+    """Use every device of the cluster (time objective); False also tries smaller device counts."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "cp", "ep", "microbatch_size", "num_microbatches", "virtual_stages"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.schedule is not None:
+            object.__setattr__(self, "schedule", Schedule(self.schedule))
+        if self.recompute is not None:
+            object.__setattr__(self, "recompute", Recompute(self.recompute))
+        if self.virtual_stages is not None and self.virtual_stages > 1:
+            if self.schedule not in (None, Schedule.INTERLEAVED):
+                raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule=interleaved, "
+                                 f"not {self.schedule.value}")
+            object.__setattr__(self, "schedule", Schedule.INTERLEAVED)
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sp=true needs tp > 1 (sequence parallelism shards over the tensor-parallel axis)")
+        if self.schedule is Schedule.INTERLEAVED and self.pp == 1:
+            raise ValueError("schedule=interleaved needs pp > 1")
+        if self.max_microbatch_size < 1 or self.max_virtual_stages < 1:
+            raise ValueError("max_microbatch_size and max_virtual_stages must be >= 1")
+
+    @classmethod
+    def from_fixes(cls, fixes: Sequence[str], **ranges: Any) -> SearchSpace:
+        """Parse `key=value` pins (the CLI's --fix); `ranges` sets the non-pinned fields (max_microbatch_size...)."""
+        pinned: dict[str, Any] = {}
+        for item in fixes:
+            key, sep, value = item.partition("=")
+            key, value = key.strip().lower(), value.strip()
+            if not sep or not key or not value:
+                raise ValueError(f"--fix {item!r}: expected KEY=VALUE, e.g. tp=8; keys: {', '.join(FIX_KEYS)}")
+            if key not in FIX_KEYS:
+                raise ValueError(f"--fix {item!r}: unknown key {key!r}; valid: {', '.join(FIX_KEYS)}")
+            field = FIX_KEYS[key]
+            for name, parsed in _parse_fix(field, key, value).items():
+                if name in pinned and pinned[name] != parsed:
+                    raise ValueError(f"--fix {item!r} contradicts an earlier --fix of {name}")
+                pinned[name] = parsed
+        return cls(**pinned, **ranges)
+
+    def pinned(self) -> dict[str, Any]:
+        """The pinned dimensions, by field name (for messages)."""
+        skip = {"max_microbatch_size", "max_virtual_stages", "tp_across_nodes", "whole_nodes_only"}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in skip and getattr(self, f.name) is not None}
+
+    def with_changes(self, **changes: Any) -> SearchSpace:
+        return replace(self, **changes)
+
+
+def _parse_fix(field: str, key: str, value: str) -> dict[str, Any]:
+    low = value.lower()
+    if field == "schedule":
+        name, _, v = low.partition(":")
+        valid = ", ".join([s.value for s in Schedule] + ["interleaved:V"])
+        try:
+            schedule = Schedule(name)
+        except ValueError:
+            raise ValueError(f"--fix {key}={value}: unknown schedule; valid: {valid}") from None
+        out: dict[str, Any] = {"schedule": schedule}
+        if v:
+            if schedule is not Schedule.INTERLEAVED:
+                raise ValueError(f"--fix {key}={value}: only interleaved takes :V; valid: {valid}")
+            out["virtual_stages"] = _positive(key, v)
+        return out
+    if field == "recompute":
+        try:
+            return {field: Recompute(low)}
+        except ValueError:
+            raise ValueError(f"--fix {key}={value}: valid: {', '.join(r.value for r in Recompute)}") from None
+    if field == "sequence_parallel":
+        if low in _TRUE:
+            return {field: True}
+        if low in _FALSE:
+            return {field: False}
+        raise ValueError(f"--fix {key}={value}: expected true or false")
+    if field == "zero_stage":
+        if low not in ("0", "1", "2", "3"):
+            raise ValueError(f"--fix {key}={value}: valid: 0, 1, 2, 3")
+        return {field: int(low)}
+    return {field: _positive(key, value)}
+
+
+def _positive(key: str, value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"--fix {key}={value}: expected a positive integer") from None
+    if n < 1:
+        raise ValueError(f"--fix {key}={value}: expected a positive integer")
+    return n

@@ -1,0 +1,357 @@
+"""The inner search: cut the layer chain into pipeline stages and pick each stage's recomputation, exactly.
+
+Formulation
+-----------
+Segments ``0 .. L-1`` (the layer chain) are split into ``p`` contiguous, non-empty stages
+``[a_0, b_0), [a_1, b_1), ...`` with ``a_0 = 0``, ``a_{k+1} = b_k``, ``b_{p-1} = L``; stage ``k`` also picks an
+option ``r_k`` (a recomputation mode: none / selective / full, or any subset of them).
+
+A stage contributes a vector of *additive* terms ``s(k, r, a, b)`` (e.g. its forward + backward time) and a vector
+of *bottleneck* terms ``u(k, r, a, b)`` (e.g. its per-micro-batch time, its exposed gradient-sync tail); the
+step time is
+
+    T = Phi(sum_k s(k, r_k, a_k, b_k),  max_k u(k, r_k, a_k, b_k))
+
+for a caller-supplied ``Phi`` that is non-decreasing in every argument (for 1F1B / GPipe,
+``Phi(S, U) = S + (m - 1) U_0 + U_1``: Narayanan et al., SC'21, with the slowest stage setting the steady state).
+Terms depend on the stage index only through its *profile* ``profile[k]``: usually its kind (first / middle /
+last / only), because the first and last stages differ (no receive before the first, no send after the last),
+and on mixed clusters also the device type and speed of the ranks that run it.
+
+Drain tails (the end-of-step gradient reduction of `costmodel.step_time.step_breakdown`): stage ``k`` may also
+have a tail ``e(k, r, a, b)`` that hides in the pipeline drain behind it, whose length is the running sum
+``P_k = sum_{i<k} d(i, r_i, a_i, b_i)`` of the earlier stages' drain terms ``d``; its exposed part
+``max(e - P_k, 0) + c(k, r, a, b)`` (``c``: a part no drain hides) joins the maxima as one more coordinate
+(the last). Labels then also carry ``P``, and a label
+dominates another only if its ``P`` is at least as large (a longer drain hides more of every later tail).
+
+Memory: stage ``k`` fits when ``base(r, a, b) + inflight[k] * act(r, a, b) <= capacity[k]``, where ``base`` holds
+weights, gradients, optimizer state, temporaries and overhead, ``act`` the activations one micro-batch saves, and
+``inflight[k]`` the micro-batches the schedule keeps alive on stage ``k`` (GPipe: m; 1F1B: min(p - k, m)).
+
+Algorithm: a label-setting dynamic program over states ``(j, k)`` = "segments ``[0, j)`` cut into ``k`` stages".
+A label is ``(S, U, P)`` (partial sums, maxima, drain); a label is dropped when another label of the same state is
+no worse in every coordinate (Pareto dominance, exact because Phi is monotone), or when a lower bound on every
+completion, ``Phi(S + h[k][j], max(U, g[k][j]))``, is no better than the incumbent (future exposed tails are
+bounded below by 0). ``h[k][j]`` (least remaining
+sum) and ``g[k][j]`` (least remaining maximum, per coordinate) come from two suffix dynamic programs over the same
+feasibility, so the bound is valid. The incumbent starts from the min-max (bottleneck) partition. The result is
+the exact optimum of ``Phi`` over all partitions and options (tested against brute force); among ties the first
+found in the fixed visiting order (stages left to right, shorter stages first, options in the given order) wins.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class StageKind(enum.IntEnum):
+    """Where a stage sits in the pipeline; stage terms may differ by kind (first/last carry no recv/send)."""
+
+    FIRST = 0
+    MIDDLE = 1
+    LAST = 2
+    ONLY = 3
+
+
+def stage_kind(k: int, num_stages: int) -> StageKind:
+    if num_stages == 1:
+        return StageKind.ONLY
+    if k == 0:
+        return StageKind.FIRST
+    if k == num_stages - 1:
+        return StageKind.LAST
+    return StageKind.MIDDLE
+
+
+Objective = Callable[[Sequence[float], Sequence[float]], float]
+"""Phi(sums, maxima) -> step time; must be non-decreasing in every argument."""
+
+
+@dataclass(frozen=True)
+class PartitionProblem:
+    """Arrays over stage candidates. ``L`` segments, ``R`` options, ``NS`` additive terms, ``NU`` bottleneck terms.
+
+    ``sums[q]`` has shape (R, L+1, L+1, NS) and ``maxes[q]`` (R, L+1, L+1, NU) for stage profile q: entry
+    ``[r, a, b]`` is the stage ``[a, b)`` with option r (entries with ``b <= a`` are ignored). ``base[q]`` and
+    ``act[q]`` have shape (R, L+1, L+1); ``profile``, ``inflight`` and ``capacity`` have one entry per stage.
+    """
+
+    num_segments: int
+    num_stages: int
+    options: tuple[str, ...]
+    sums: tuple[np.ndarray, ...]
+    maxes: tuple[np.ndarray, ...]
+    base: tuple[np.ndarray, ...]
+    act: tuple[np.ndarray, ...]
+    profile: tuple[int, ...]
+    inflight: tuple[int, ...]
+    capacity: tuple[float, ...]
+    objective: Objective
+    tail: tuple[np.ndarray, ...] | None = None
+    """Per profile (R, L+1, L+1): the stage's end-of-step tail e (see module docstring); None: no tail term."""
+    drain: tuple[np.ndarray, ...] | None = None
+    """Per profile (R, L+1, L+1): what the stage adds to the drain of the stages after it."""
+    tail_const: tuple[np.ndarray, ...] | None = None
+    """Per profile (R, L+1, L+1): the part c of the stage's tail that no drain hides (None: zero)."""
+
+    @property
+    def has_tail(self) -> bool:
+        return self.tail is not None
+
+    def __post_init__(self) -> None:
+        n, p, r = self.num_segments, self.num_stages, len(self.options)
+        if not 1 <= p <= n:
+            raise ValueError(f"cannot cut {n} segments into {p} non-empty stages")
+        if not len(self.profile) == len(self.inflight) == len(self.capacity) == p:
+            raise ValueError(f"profile, inflight and capacity need {p} entries each")
+        q = len(self.sums)
+        if not len(self.maxes) == len(self.base) == len(self.act) == q or not all(0 <= x < q for x in self.profile):
+            raise ValueError(f"sums, maxes, base and act need one array per profile; profiles used: {self.profile}")
+        if (self.tail is None) != (self.drain is None):
+            raise ValueError("tail and drain go together")
+        extra = (*self.tail, *self.drain) if self.tail is not None and self.drain is not None else ()
+        if self.tail_const is not None:
+            if not extra:
+                raise ValueError("tail_const needs tail and drain")
+            extra = (*extra, *self.tail_const)
+        if extra and len(extra) != (3 if self.tail_const is not None else 2) * q:
+            raise ValueError("tail and drain need one array per profile")
+        for arr in (*self.sums, *self.maxes, *self.base, *self.act, *extra):
+            if arr.shape[:3] != (r, n + 1, n + 1):
+                raise ValueError(f"array shape {arr.shape[:3]} != {(r, n + 1, n + 1)}")
+
+    def fits(self, k: int) -> np.ndarray:
+        """Boolean (R, L+1, L+1): which stage candidates fit in memory at stage index k."""
+        q = self.profile[k]
+        return self.base[q] + self.inflight[k] * self.act[q] <= self.capacity[k]
+
+
+@dataclass(frozen=True, slots=True)
+class StageChoice:
+    start: int
+    stop: int
+    option: str
+
+
+@dataclass(frozen=True, slots=True)
+class Partition:
+    stages: tuple[StageChoice, ...]
+    objective: float
+    sums: tuple[float, ...]
+    maxes: tuple[float, ...]
+    labels_created: int
+    """Labels the dynamic program created (a measure of work; deterministic)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Label:
+    sums: tuple[float, ...]
+    maxes: tuple[float, ...]
+    drain: float
+    parent: _Label | None
+    choice: StageChoice | None
+
+
+def _valid_mask(problem: PartitionProblem, k: int) -> np.ndarray:
+    """(R, L+1, L+1) mask of candidates usable as stage k: non-empty, leaves room for the later stages, fits."""
+    n, p = problem.num_segments, problem.num_stages
+    a = np.arange(n + 1)[:, None]
+    b = np.arange(n + 1)[None, :]
+    # Stage k starts at >= k and must leave p-1-k segments for the stages after it; the last stage ends at n.
+    shape_ok = (b > a) & (a >= k) & (b <= n - (p - 1 - k))
+    if k == p - 1:
+        shape_ok &= b == n
+    if k == 0:
+        shape_ok &= a == 0
+    return shape_ok[None, :, :] & problem.fits(k)
+
+
+def _suffix_bounds(problem: PartitionProblem, masks: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """h[k, j, i]: least sum of additive term i over stages k.. covering [j, L); g[k, j, i]: least max of term i.
+
+    Each coordinate is minimized on its own, so each is a valid lower bound on every completion. The exposed
+    drain tail (when present) is bounded below by 0 and is not part of g."""
+    n, p = problem.num_segments, problem.num_stages
+    ns = problem.sums[0].shape[3]
+    nu = problem.maxes[0].shape[3]
+    h = np.full((p + 1, n + 1, ns), np.inf)
+    g = np.full((p + 1, n + 1, nu), np.inf)
+    h[p, n, :] = 0.0
+    g[p, n, :] = -np.inf
+    for k in range(p - 1, -1, -1):
+        q = problem.profile[k]
+        mask = masks[k][:, :, :, None]
+        s = np.where(mask, problem.sums[q], np.inf)          # (R, a, b, NS)
+        u = np.where(mask, problem.maxes[q], np.inf)
+        h[k] = np.min(s + h[k + 1][None, None, :, :], axis=(0, 2))
+        g[k] = np.min(np.maximum(u, g[k + 1][None, None, :, :]), axis=(0, 2))
+    return h, g
+
+
+def _bottleneck_partition(problem: PartitionProblem, masks: list[np.ndarray]) -> list[StageChoice] | None:
+    """A feasible partition minimizing the first bottleneck term then the first sum (the incumbent's seed)."""
+    n, p = problem.num_segments, problem.num_stages
+    best = np.full((p + 1, n + 1), np.inf)
+    best_sum = np.full((p + 1, n + 1), np.inf)
+    arg: dict[tuple[int, int], tuple[int, int]] = {}
+    best[p, n] = -np.inf
+    best_sum[p, n] = 0.0
+    for k in range(p - 1, -1, -1):
+        q = problem.profile[k]
+        mask = masks[k]                                                   # (R, a, b)
+        cand_u = np.where(mask, np.maximum(problem.maxes[q][..., 0], best[k + 1][None, None, :]), np.inf)
+        cand_s = np.where(mask, problem.sums[q][..., 0] + best_sum[k + 1][None, None, :], np.inf)
+        flat_u = cand_u.transpose(1, 0, 2).reshape(n + 1, -1)             # (a, R*b), flat index r*(n+1)+b
+        flat_s = cand_s.transpose(1, 0, 2).reshape(n + 1, -1)
+        min_u = flat_u.min(axis=1)
+        tie_s = np.where(flat_u == min_u[:, None], flat_s, np.inf)
+        min_s = tie_s.min(axis=1)
+        first = np.argmax((flat_u == min_u[:, None]) & (tie_s == min_s[:, None]), axis=1)
+        for a in np.nonzero(np.isfinite(min_u))[0]:
+            r, b = divmod(int(first[a]), n + 1)
+            best[k, a], best_sum[k, a] = min_u[a], min_s[a]
+            arg[(k, int(a))] = (r, b)
+    if not np.isfinite(best[0, 0]):
+        return None
+    stages, a = [], 0
+    for k in range(p):
+        r, b = arg[(k, a)]
+        stages.append(StageChoice(a, b, problem.options[r]))
+        a = b
+    return stages
+
+
+def evaluate(problem: PartitionProblem, stages: Sequence[StageChoice]
+             ) -> tuple[float, tuple[float, ...], tuple[float, ...]]:
+    """Phi of a given partition (inf when a stage does not fit), with its sums and maxima (tail last)."""
+    ns = problem.sums[0].shape[3]
+    nu = problem.maxes[0].shape[3]
+    sums, maxes = [0.0] * ns, [-math.inf] * nu
+    tail, drain = 0.0, 0.0
+    for k, st in enumerate(stages):
+        r = problem.options.index(st.option)
+        if not problem.fits(k)[r, st.start, st.stop]:
+            return math.inf, tuple(sums), tuple(maxes)
+        q = problem.profile[k]
+        sums = [x + float(y) for x, y in zip(sums, problem.sums[q][r, st.start, st.stop], strict=True)]
+        maxes = [max(x, float(y)) for x, y in zip(maxes, problem.maxes[q][r, st.start, st.stop], strict=True)]
+        if problem.tail is not None and problem.drain is not None:
+            const = float(problem.tail_const[q][r, st.start, st.stop]) if problem.tail_const is not None else 0.0
+            tail = max(tail, max(float(problem.tail[q][r, st.start, st.stop]) - drain, 0.0) + const)
+            drain += float(problem.drain[q][r, st.start, st.stop])
+    if problem.has_tail:
+        maxes.append(tail)
+    return float(problem.objective(sums, maxes)), tuple(sums), tuple(maxes)
+
+
+def _dominates(a: _Label, b: _Label) -> bool:
+    return (a.drain >= b.drain and all(x <= y for x, y in zip(a.sums, b.sums, strict=True))
+            and all(x <= y for x, y in zip(a.maxes, b.maxes, strict=True)))
+
+
+def _insert(front: list[_Label], label: _Label) -> bool:
+    """Add a label to a Pareto front unless dominated; drop labels it dominates. Returns whether it was added."""
+    if any(_dominates(o, label) for o in front):
+        return False
+    front[:] = [o for o in front if not _dominates(label, o)]
+    front.append(label)
+    return True
+
+
+def partition_lower_bound(problem: PartitionProblem) -> float:
+    """A lower bound on the optimum (inf when nothing fits): Phi of the suffix bounds at the root."""
+    masks = [_valid_mask(problem, k) for k in range(problem.num_stages)]
+    h, g = _suffix_bounds(problem, masks)
+    if not np.isfinite(h[0, 0]).all():
+        return math.inf
+    maxes = list(g[0, 0]) + ([0.0] if problem.has_tail else [])
+    return float(problem.objective(list(h[0, 0]), maxes))
+
+
+def solve_partition(problem: PartitionProblem, *, upper_bound: float = math.inf) -> Partition | None:
+    """The exact optimum of the formulation in the module docstring, or None when nothing fits (or nothing beats
+    `upper_bound`, a known objective value the caller only wants to improve on).
+
+    `problem.objective` is also called with numpy arrays (one entry per candidate) in place of floats, so it must
+    use only elementwise operations (+, -, *, /, np.maximum)."""
+    n, p = problem.num_segments, problem.num_stages
+    masks = [_valid_mask(problem, k) for k in range(p)]
+    h, g = _suffix_bounds(problem, masks)
+    if not np.isfinite(h[0, 0]).all():
+        return None
+    incumbent: tuple[float, list[StageChoice]] | None = None
+    seed = _bottleneck_partition(problem, masks)
+    if seed is not None:
+        value = evaluate(problem, seed)[0]
+        if value < upper_bound:
+            incumbent = (value, seed)
+    bound = incumbent[0] if incumbent else upper_bound
+
+    ns = problem.sums[0].shape[3]
+    nu = problem.maxes[0].shape[3]
+    root = _Label((0.0,) * ns, (-math.inf,) * nu + ((0.0,) if problem.has_tail else ()), 0.0, None, None)
+    fronts: dict[tuple[int, int], list[_Label]] = {(0, 0): [root]}
+    created = 1
+    for k in range(p):
+        q = problem.profile[k]
+        last = k + 1 == p
+        for a in range(n):
+            front = fronts.pop((a, k), None)
+            if not front:
+                continue
+            rs, bs = np.nonzero(masks[k][:, a, :])
+            order = np.lexsort((rs, bs))  # shorter stages first, then options in the given order
+            rs, bs = rs[order], bs[order]
+            s_c = problem.sums[q][rs, a, bs]                     # (C, NS)
+            u_c = problem.maxes[q][rs, a, bs]                    # (C, NU)
+            lb_rest_s = h[k + 1, bs]
+            lb_rest_u = g[k + 1, bs]
+            if problem.tail is not None and problem.drain is not None:
+                e_c = problem.tail[q][rs, a, bs]
+                d_c = problem.drain[q][rs, a, bs]
+                c_c = problem.tail_const[q][rs, a, bs] if problem.tail_const is not None else 0.0
+            for label in front:
+                new_s = np.asarray(label.sums)[None, :] + s_c
+                new_u = np.maximum(np.asarray(label.maxes[:nu])[None, :], u_c)
+                lb_s = new_s + lb_rest_s
+                lb_u = np.maximum(new_u, lb_rest_u)
+                lb_cols = [lb_u[:, i] for i in range(nu)]
+                if problem.has_tail:
+                    new_t = np.maximum(label.maxes[nu], np.maximum(e_c - label.drain, 0.0) + c_c)
+                    lb_cols.append(new_t)
+                with np.errstate(invalid="ignore"):
+                    lb = np.asarray(problem.objective([lb_s[:, i] for i in range(ns)], lb_cols), dtype=float)
+                lb = np.broadcast_to(lb, bs.shape)
+                for c in np.nonzero(lb < bound)[0]:
+                    if lb[c] >= bound:  # the bound tightened while this front was being expanded
+                        continue
+                    maxes = tuple(float(x) for x in new_u[c]) + ((float(new_t[c]),) if problem.has_tail else ())
+                    choice = StageChoice(a, int(bs[c]), problem.options[int(rs[c])])
+                    drain = label.drain + (float(d_c[c]) if problem.has_tail else 0.0)
+                    new = _Label(tuple(float(x) for x in new_s[c]), maxes, drain, label, choice)
+                    if last:  # lb is then the exact objective (no stages remain)
+                        bound = float(lb[c])
+                        incumbent = (bound, _unwind(new))
+                        continue
+                    created += 1
+                    _insert(fronts.setdefault((int(bs[c]), k + 1), []), new)
+    if incumbent is None:
+        return None
+    value, stages = incumbent
+    exact, sums, maxes = evaluate(problem, stages)
+    return Partition(tuple(stages), exact, sums, maxes, created)
+
+
+def _unwind(label: _Label) -> list[StageChoice]:
+    out: list[StageChoice] = []
+    node: _Label | None = label
+    while node is not None and node.choice is not None:
+        out.append(node.choice)
+        node = node.parent
+    return out[::-1]

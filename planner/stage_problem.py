@@ -1,0 +1,575 @@
+"""One search candidate (degrees, micro-batching, schedule, ZeRO, SP) as a stage-partition problem.
+
+This is where the search meets the cost model. Every number comes from costmodel's own public pieces -- the
+ones `costmodel.estimate` composes -- so that the partition's objective *is* the estimate of the resulting
+strategy (`tests/test_search_bruteforce.py` checks it on every instance):
+
+- a stage ``[a, b)`` with recomputation r: `step_time.stage_time` (compute / speed + TP communication),
+  `step_time.data_parallel_comm` (ZeRO gathers and reduce-scatters per micro-batch, the end-of-step gradient
+  reduction, the post-step weight gather), `step_time.optimizer_step_time`, and its peak memory
+  `memory.rank_memory`, which is affine in the in-flight micro-batches: ``base + n * act``;
+- pipeline sends: `collectives.collective_time(SEND_RECV, boundary bytes)` on the pp axis, added to the receiving
+  stage's forward and the sending stage's backward as `pipeline.pipeline_times` does;
+- the step (`step_time.step_breakdown`): for 1F1B with p stages, ``T = sum_k d_k + (m - 1) max_k d_k`` with
+  ``d_k = f_k + b_k`` (sends included); for GPipe ``T = sum F + (m - 1) max F + sum B + (m - 1) max B``; plus the
+  largest exposed end-of-step tail ``max_k max(e_k - P_k, 0)`` where ``e_k`` is the rank's exposed gradient
+  reduction (`step_time.overlapped_exposed`) plus its tensor-parallel gradient sync and ``P_k`` the drain behind
+  it (`pipeline.drain_slack`: the backward and sends of the stages before it), plus the largest optimizer step
+  and the largest post-step gather.
+
+For the interleaved schedule the chain is split into p*v chunks by `costmodel.estimate.even_stages` (the
+partition Megatron-LM uses), and the problem's units are the pipeline ranks: each rank picks its recomputation,
+and ``T = S / v + (m - 1/v) max_k D_k`` plus the same tails (D_k: the rank's chunks, sends included).
+
+Stage terms depend on the stage's position (first / middle / last / only: who sends and receives) and on the
+device and speed of its ranks; each distinct combination is one profile of the `PartitionProblem`. Stages with
+the same multiset of layer classes have the same terms, so each distinct class composition is priced once
+(the range ``[a, b)`` where it first occurs stands for all of them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from costmodel.cluster import Cluster
+from costmodel.collectives import Collective, CommGroup, collective_time, spans
+from costmodel.device import DeviceSpec
+from costmodel.estimate import (
+    dp_group,
+    even_stages,
+    p2p_group,
+    p2p_time,
+    shared_parameter_copies,
+    stage_ranks,
+    tp_group,
+)
+from costmodel.expert_parallel import dp_synced_params, optimizer_params
+from costmodel.layer_cost import LayerCost
+from costmodel.memory import PricedSegment, rank_memory
+from costmodel.pipeline import in_flight_per_chunk
+from costmodel.step_time import (
+    data_parallel_comm,
+    optimizer_step_time,
+    overlapped_exposed,
+    stage_time,
+)
+from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
+from ir.graph import dtype_bytes
+from ir.layer_chain import LayerChain
+from planner.layer_costs import AxisSplit, LayerCostTable
+from planner.mesh_search import MeshCandidate
+from planner.stage_partition import Partition, PartitionProblem, StageKind, stage_kind
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """Everything of a strategy except the stage partition and the recomputation (which the DP chooses)."""
+
+    mesh: MeshCandidate
+    microbatch_size: int
+    num_microbatches: int
+    schedule: Schedule
+    virtual_stages: int
+    zero_stage: int
+    sequence_parallel: bool
+
+    def strategy(self, stages: Sequence[StageSpec] = (), recompute: Recompute = Recompute.NONE) -> Strategy:
+        m = self.mesh
+        return Strategy(dp=m.dp, tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep, microbatch_size=self.microbatch_size,
+                        num_microbatches=self.num_microbatches, schedule=self.schedule,
+                        virtual_stages=self.virtual_stages, zero_stage=self.zero_stage,
+                        sequence_parallel=self.sequence_parallel, recompute=recompute, stages=tuple(stages),
+                        mesh_order=m.mesh_order)
+
+    @property
+    def sort_key(self) -> tuple:
+        """Deterministic order among candidates of equal priority."""
+        m = self.mesh
+        return (m.tp, m.pp, m.dp, m.cp, m.ep, tuple(a.value for a in m.mesh_order), self.microbatch_size,
+                list(Schedule).index(self.schedule), self.virtual_stages, self.zero_stage, self.sequence_parallel)
+
+    @property
+    def label(self) -> str:
+        sched = f"interleaved:{self.virtual_stages}" if self.schedule is Schedule.INTERLEAVED else self.schedule.value
+        sp = " sp" if self.sequence_parallel else ""
+        return (f"{self.mesh.label} mbs={self.microbatch_size} m={self.num_microbatches} {sched} "
+                f"zero={self.zero_stage}{sp}")
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlacement:
+    """Pipeline rank k: its logical ranks, the device that prices it and its speed (slowest of its devices)."""
+
+    ranks: tuple[int, ...]
+    device: DeviceSpec
+    speed: float
+
+
+@dataclass(frozen=True)
+class StageProblem:
+    """A built problem plus how to turn its partition into `StageSpec`s."""
+
+    candidate: Candidate
+    problem: PartitionProblem
+    placements: tuple[RankPlacement, ...]
+    chunks: tuple[StageSpec, ...] = ()
+    """Interleaved only: the fixed p*v chunks (the DP then picks one recomputation per rank)."""
+    pruned: bool = False
+    """Whether stages were left out by the upper bound (then "nothing fits" does not mean out of memory)."""
+
+    def stages(self, partition: Partition) -> tuple[StageSpec, ...]:
+        if not self.chunks:
+            return tuple(StageSpec(s.start, s.stop, Recompute(s.option)) for s in partition.stages)
+        pp = self.candidate.mesh.pp
+        rc = [Recompute(s.option) for s in partition.stages]
+        return tuple(StageSpec(c.start, c.stop, rc[j % pp]) for j, c in enumerate(self.chunks))
+
+
+@dataclass(frozen=True, slots=True)
+class _RankContext:
+    """What prices pipeline rank k besides its segments: device, speed and its communication groups."""
+
+    index: int
+    device: DeviceSpec
+    speed: float
+    dp_group: CommGroup
+    tp_group: CommGroup
+    shared_group: CommGroup | None
+    signature: tuple
+    """Everything above that changes a price, with groups replaced by what their collectives depend on."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Terms:
+    """One rank's terms for one micro-batch and the end of the step (before pipeline sends)."""
+
+    fwd: tuple[float, ...]
+    """Per chunk: forward seconds (compute / speed + TP + ZeRO-3 gathers)."""
+    bwd: tuple[float, ...]
+    tail: float
+    """Exposed end-of-step gradient reduction + TP gradient sync, before the drain hides part of it."""
+    tail_const: float
+    """Gradient sync of weights shared with another pipeline rank (no drain hides it)."""
+    optimizer: float
+    post: float
+    memory0: float
+    """Peak bytes with no micro-batch in flight (`rank_memory` with in_flight 0 / the schedule's counts)."""
+    memory1: float
+    """Peak bytes with one micro-batch in flight per chunk (contiguous stages only)."""
+
+
+@dataclass
+class StageProblemBuilder:
+    """Builds `StageProblem`s for one chain and cluster, sharing layer prices and class compositions."""
+
+    chain: LayerChain
+    cluster: Cluster
+    table: LayerCostTable
+    dtype: str = "bfloat16"
+    _groups: list[tuple[tuple[int, ...], int, int, np.ndarray, np.ndarray]] | None = field(default=None, repr=False)
+    _terms: dict[tuple, _Terms] = field(default_factory=dict, repr=False)
+    _p2p_cache: dict[tuple, float] = field(default_factory=dict, repr=False)
+    _sig_cache: dict[CommGroup, tuple] = field(default_factory=dict, repr=False)
+    _placements: dict[MeshCandidate, tuple[RankPlacement, ...] | None] = field(default_factory=dict, repr=False)
+    _tied: list[tuple[int, np.ndarray, int]] | None = field(default=None, repr=False)
+
+    # -- placement -------------------------------------------------------------------------------------------
+    def placements(self, cand: Candidate) -> tuple[RankPlacement, ...] | None:
+        """Per pipeline rank its devices, device type and speed (logical rank i runs on the i-th available
+        device, as `costmodel.estimate` maps them); None if the mesh needs more devices than are available."""
+        if cand.mesh not in self._placements:
+            self._placements[cand.mesh] = self._place(cand)
+        return self._placements[cand.mesh]
+
+    def _place(self, cand: Candidate) -> tuple[RankPlacement, ...] | None:
+        physical = self.cluster.available_ranks()
+        if cand.mesh.num_devices > len(physical):
+            return None
+        strategy = cand.strategy()
+        out = []
+        for k in range(cand.mesh.pp):
+            ranks = tuple(stage_ranks(strategy, k))
+            speed = min(self.cluster.speed_of(physical[r]) for r in ranks)
+            out.append(RankPlacement(ranks, self.cluster.device_of(physical[ranks[0]]), speed))
+        return tuple(out)
+
+    def segment_costs(self, cand: Candidate, device: DeviceSpec) -> tuple[LayerCost, ...]:
+        m = cand.mesh
+        # Issue 10: context / expert parallelism priced on top of the tp prices (planner/layer_costs.AxisSplit).
+        split = AxisSplit(cp=m.cp, cp_stride=m.stride(MeshAxis.CP), ep=m.ep, ep_stride=m.stride(MeshAxis.DP),
+                          num_devices=m.num_devices)
+        return self.table.segment_costs(device, tp=m.tp, tp_stride=m.stride(MeshAxis.TP),
+                                        sequence_parallel=cand.sequence_parallel,
+                                        microbatch_size=cand.microbatch_size, split=split)
+
+    # -- chain structure ---------------------------------------------------------------------------------------
+    def _composition_groups(self) -> list[tuple[tuple[int, ...], int, int, np.ndarray, np.ndarray]]:
+        """(composition, representative a, b, all a's, all b's) for every distinct (multiset of classes in
+        [a, b), parameters it shares with earlier segments)."""
+        if self._groups is None:
+            n = len(self.chain.segments)
+            classes = sorted({s.class_id for s in self.chain.segments})
+            col = {c: i for i, c in enumerate(classes)}
+            counts = np.zeros((n + 1, len(classes)), dtype=np.int64)
+            for s in self.chain.segments:
+                counts[s.index + 1] = counts[s.index]
+                counts[s.index + 1, col[s.class_id]] += 1
+            groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+            for a in range(n):
+                diff = counts[a + 1:] - counts[a]
+                shared = [self.shared_params(a, b) for b in range(a + 1, n + 1)]
+                for i, row in enumerate(diff):
+                    key = (*(int(x) for x in row), shared[i])
+                    groups.setdefault(key, []).append((a, a + 1 + i))
+            self._groups = [(key, pairs[0][0], pairs[0][1], np.array([p[0] for p in pairs]),
+                             np.array([p[1] for p in pairs])) for key, pairs in groups.items()]
+        return self._groups
+
+    def shared_params(self, a: int, b: int) -> int:
+        """Parameters used in segments [a, b) whose first use is before a: the copy a stage [a, b) keeps of a
+        weight owned by an earlier stage (`costmodel.estimate.shared_parameter_copies` for contiguous stages)."""
+        if self._tied is None:
+            first: dict[str, int] = {}
+            uses: dict[str, set[int]] = {}
+            numel: dict[str, int] = {}
+            for seg in self.chain.segments:
+                for node in self.chain.nodes_of(seg):
+                    for name, spec in zip(node.param_names, node.param_specs, strict=False):
+                        first.setdefault(name, seg.index)
+                        uses.setdefault(name, set()).add(seg.index)
+                        numel[name] = spec.numel
+            self._tied = [(first[k], np.array(sorted(uses[k])), numel[k]) for k in sorted(uses) if len(uses[k]) > 1]
+        total = 0
+        for f, used, size in self._tied:
+            if f < a and ((used >= a) & (used < b)).any():
+                total += size
+        return total
+
+    # -- ranks -------------------------------------------------------------------------------------------------
+    def _sig(self, group: CommGroup | None) -> tuple:
+        """What a collective over `group` depends on: its size and the tiers it spans (`collectives.spans`)."""
+        if group is None:
+            return ()
+        if group not in self._sig_cache:
+            self._sig_cache[group] = (group.size, spans(group, self.cluster))
+        return self._sig_cache[group]
+
+    def _context(self, cand: Candidate, k: int, placement: RankPlacement) -> _RankContext:
+        strategy = cand.strategy()
+        dpg, tpg = dp_group(strategy, k), tp_group(strategy, k)
+        shared = CommGroup(2, stride=k * cand.mesh.stride(MeshAxis.PP)) if k > 0 else None
+        m = cand.mesh
+        signature = (placement.device.name, placement.speed, m.tp, m.pp, m.dp, m.cp, m.ep, cand.sequence_parallel,
+                     cand.microbatch_size, cand.zero_stage, self._sig(dpg), self._sig(tpg), self._sig(shared))
+        return _RankContext(k, placement.device, placement.speed, dpg, tpg, shared, signature)
+
+    def _rank_terms(self, cand: Candidate, ctx: _RankContext, chunks: Sequence[Sequence[PricedSegment]],
+                    shared: int, in_flight: Sequence[int] | None) -> _Terms:
+        """Terms of one pipeline rank holding `chunks`, composed exactly as `costmodel.estimate` does."""
+        wbytes = dtype_bytes(self.dtype)
+        m = cand.mesh
+        num_devices = m.num_devices
+        fwd, bwd = [], []
+        end_reduce, end_chunks, post, window = 0.0, 0, 0.0, 0.0
+        for segs in chunks:
+            plain = stage_time(segs, speed=ctx.speed)
+            # Issue 10: expert weights are reduced over dp*cp/ep ranks (costmodel/expert_parallel.py).
+            params = dp_synced_params((s.cost for s in segs), dp_size=m.dp * m.cp, ep=m.ep)
+            comm = data_parallel_comm(
+                zero_stage=cand.zero_stage, grad_bytes=params * wbytes, param_bytes=params * wbytes,
+                num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
+                bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=ctx.dp_group, cluster=self.cluster,
+                concurrent=m.tp * m.pp)
+            st = stage_time(segs, speed=ctx.speed, dp_fwd_s=comm.per_microbatch_fwd_s,
+                            dp_bwd_s=comm.per_microbatch_bwd_s)
+            fwd.append(st.fwd_s)
+            bwd.append(st.bwd_s)
+            end_reduce += comm.end_reduce_s
+            end_chunks += comm.end_reduce_chunks
+            post += comm.post_step_s
+            window += st.compute_bwd_s + st.recompute_s + st.tp_bwd_s
+        local = sum(s.cost.param_count for c in chunks for s in c) + shared
+        experts = sum(s.cost.expert_param_count for c in chunks for s in c)  # issue 10: ZeRO over dp*cp/ep
+        local = optimizer_params(local, experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp, ep=m.ep)
+        sync = sum(s.cost.grad_sync_bytes for c in chunks for s in c)
+        tp_sync = (collective_time(Collective.ALL_REDUCE, sync, ctx.tp_group, self.cluster,
+                                   concurrent=num_devices // m.tp) if sync and m.tp > 1 else 0.0)
+        shared_sync = (collective_time(Collective.ALL_REDUCE, shared * wbytes, ctx.shared_group, self.cluster,
+                                       concurrent=num_devices // m.pp)
+                       if shared and ctx.shared_group is not None else 0.0)
+        tail = overlapped_exposed(end_reduce, window, max(end_chunks, 1)) + tp_sync
+        dp = m.dp * m.cp
+
+        def memory(counts: Sequence[int]) -> float:
+            return rank_memory(chunks, counts, zero_stage=cand.zero_stage, dp=dp, dtype=self.dtype,
+                               device_name=ctx.device.name, extra_params=shared, ep=m.ep).total
+
+        if in_flight is None:   # contiguous: affine in the stage's in-flight count
+            mem0, mem1 = memory([0]), memory([1])
+        else:
+            mem0 = mem1 = memory(in_flight)
+        return _Terms(tuple(fwd), tuple(bwd), tail, shared_sync,
+                      optimizer_step_time(local, ctx.device, speed=ctx.speed), post, mem0, mem1)
+
+    def _p2p(self, cand: Candidate, boundary: int, nbytes: float) -> float:
+        """`costmodel.estimate.p2p_time`, cached by what the send depends on."""
+        if cand.mesh.pp == 1 or nbytes <= 0:
+            return 0.0
+        strategy = cand.strategy()
+        m = cand.mesh
+        key = (self._sig(p2p_group(strategy, boundary)), nbytes, m.tp * m.cp * m.dp)
+        if key not in self._p2p_cache:
+            self._p2p_cache[key] = p2p_time(strategy, boundary, nbytes, self.cluster)
+        return self._p2p_cache[key]
+
+    def interleaved_p2p(self, cand: Candidate, chunks: Sequence[StageSpec],
+                        placements: Sequence[RankPlacement]) -> list[float]:
+        """Send seconds of each boundary between the fixed interleaved chunks."""
+        p = cand.mesh.pp
+        return [self._p2p(cand, j, self.segment_costs(cand, placements[j % p].device)[chunks[j].stop - 1]
+                          .boundary_bytes) for j in range(len(chunks) - 1)]
+
+    # -- problems --------------------------------------------------------------------------------------------
+    def build(self, cand: Candidate, options: Sequence[Recompute], upper_bound: float = math.inf
+              ) -> StageProblem | None:
+        """The candidate's partition problem, or None when the mesh does not fit the available devices.
+
+        With a finite `upper_bound` (seconds), stages that cannot be part of any partition beating it are left
+        out unpriced (marked as not fitting): their compute and TP communication alone reach the bound."""
+        placements = self.placements(cand)
+        if placements is None:
+            return None
+        if cand.schedule is Schedule.INTERLEAVED:
+            return self._build_interleaved(cand, options, placements)
+        return self._build_contiguous(cand, options, placements, upper_bound)
+
+    def _build_contiguous(self, cand: Candidate, options: Sequence[Recompute],
+                          placements: tuple[RankPlacement, ...], upper_bound: float) -> StageProblem:
+        n, p, m = len(self.chain.segments), cand.mesh.pp, cand.num_microbatches
+        gpipe = cand.schedule is Schedule.GPIPE
+        ns, nu = (2, 4) if gpipe else (1, 3)
+        contexts = [self._context(cand, k, pl) for k, pl in enumerate(placements)]
+        strategy = cand.strategy()
+        profile_index: dict[tuple, int] = {}
+        profile: list[int] = []
+        reps: list[int] = []
+        for k, ctx in enumerate(contexts):
+            key = (stage_kind(k, p), ctx.signature,
+                   self._sig(p2p_group(strategy, k - 1)) if k > 0 else (),
+                   self._sig(p2p_group(strategy, k)) if k < p - 1 else ())
+            if key not in profile_index:
+                profile_index[key] = len(profile_index)
+                reps.append(k)
+            profile.append(profile_index[key])
+        shape = (len(options), n + 1, n + 1)
+        arrays: dict[str, list[np.ndarray]] = {name: [] for name in ("s", "u", "base", "act", "e", "c", "d")}
+        pruned = False
+        total = float(np.min([_work(self.segment_costs(cand, pl.device), pl.speed) for pl in placements],
+                             axis=0).sum())
+        for k in reps:
+            ctx, kind = contexts[k], stage_kind(k, p)
+            costs = self.segment_costs(cand, ctx.device)
+            # recv[a]: the send into a stage starting at a (boundary after segment a-1); send[b]: out of one
+            # ending at b. Index 0 is never used by a stage that receives.
+            sizes = [c.boundary_bytes for c in costs]
+            recv = np.array([0.0] + [self._p2p(cand, k - 1, x) if k > 0 else 0.0 for x in sizes])
+            send = np.array([0.0] + [self._p2p(cand, k, x) if k < p - 1 else 0.0 for x in sizes])
+            s_arr, u_arr = np.zeros(shape + (ns,)), np.zeros(shape + (nu,))
+            e_arr, c_arr, d_arr, a_arr = (np.zeros(shape) for _ in range(4))
+            b_arr = np.full(shape, np.inf)  # a stage left unpriced never fits
+            # Lower bounds: this stage's compute + TP communication at its own speed, and the whole chain's at
+            # the cheapest rank (another rank may be faster than this one).
+            prefix = np.concatenate([[0.0], np.cumsum(_work(costs, ctx.speed))])
+            for comp, a0, b0, aa, bb in self._composition_groups():
+                keep = _stage_shape_mask(kind, aa, bb, n, p)
+                if math.isfinite(upper_bound):
+                    # A stage's f + b is at least its compute and TP communication, and the bottleneck stage
+                    # costs (m - 1) times that on top of the total: stages that alone reach the bound are useless.
+                    useful = total + (m - 1) * (prefix[bb] - prefix[aa]) < upper_bound
+                    pruned = pruned or bool((keep & ~useful).any())
+                    keep &= useful
+                if not keep.any():
+                    continue
+                aa, bb = aa[keep], bb[keep]
+                for r, rc in enumerate(options):
+                    cache_key = (ctx.signature, rc, comp)
+                    t = self._terms.get(cache_key)
+                    if t is None:
+                        segs = [PricedSegment(costs[j], rc) for j in range(a0, b0)]
+                        shared = -(-self.shared_params(a0, b0) // cand.mesh.tp)
+                        t = self._rank_terms(cand, ctx, [segs], shared, None)
+                        self._terms[cache_key] = t
+                    fwd = t.fwd[0] + recv[aa]        # the send into this stage delays its forward
+                    bwd = t.bwd[0] + send[bb]        # the gradient coming back delays its backward
+                    if gpipe:
+                        s_arr[r, aa, bb, 0], s_arr[r, aa, bb, 1] = fwd, bwd
+                        u_arr[r, aa, bb, 0], u_arr[r, aa, bb, 1] = fwd, bwd
+                        u_arr[r, aa, bb, 2], u_arr[r, aa, bb, 3] = t.post, t.optimizer
+                    else:
+                        s_arr[r, aa, bb, 0] = fwd + bwd
+                        u_arr[r, aa, bb, 0] = fwd + bwd
+                        u_arr[r, aa, bb, 1], u_arr[r, aa, bb, 2] = t.post, t.optimizer
+                    b_arr[r, aa, bb] = t.memory0
+                    a_arr[r, aa, bb] = t.memory1 - t.memory0
+                    e_arr[r, aa, bb] = t.tail
+                    c_arr[r, aa, bb] = t.tail_const
+                    d_arr[r, aa, bb] = t.bwd[0] + send[bb]   # drain behind it: its backward and the send
+            for name, arr in zip(("s", "u", "base", "act", "e", "c", "d"),
+                                 (s_arr, u_arr, b_arr, a_arr, e_arr, c_arr, d_arr), strict=True):
+                arrays[name].append(arr)
+        inflight = tuple(in_flight_per_chunk(cand.schedule, p, k, m, 1)[0] for k in range(p))
+        capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
+        objective = _gpipe_objective(m) if gpipe else _one_f_one_b_objective(m, 1)
+        problem = PartitionProblem(
+            n, p, tuple(o.value for o in options), tuple(arrays["s"]), tuple(arrays["u"]), tuple(arrays["base"]),
+            tuple(arrays["act"]), tuple(profile), inflight, capacity, objective, tuple(arrays["e"]),
+            tuple(arrays["d"]), tuple(arrays["c"]))
+        return StageProblem(cand, problem, placements, pruned=pruned)
+
+    def _build_interleaved(self, cand: Candidate, options: Sequence[Recompute],
+                           placements: tuple[RankPlacement, ...]) -> StageProblem:
+        p, v, m = cand.mesh.pp, cand.virtual_stages, cand.num_microbatches
+        chunks = even_stages(self.chain, p * v)
+        nchunks = len(chunks)
+        shape = (len(options), p + 1, p + 1)
+        s_arr, u_arr = np.zeros(shape + (1,)), np.zeros(shape + (3,))
+        b_arr, a_arr, e_arr, c_arr, d_arr = (np.zeros(shape) for _ in range(5))
+        costs_of = {pl.device.name: self.segment_costs(cand, pl.device) for pl in placements}
+        shared = [-(-x // cand.mesh.tp) for x in shared_parameter_copies(self.chain, chunks, p)]
+        p2p = self.interleaved_p2p(cand, chunks, placements)
+        for k, pl in enumerate(placements):
+            ctx = self._context(cand, k, pl)
+            costs = costs_of[pl.device.name]
+            mine = list(range(k, nchunks, p))
+            counts = in_flight_per_chunk(cand.schedule, p, k, m, v)
+            layout = tuple(tuple(self.chain.segments[i].class_id for i in range(chunks[j].start, chunks[j].stop))
+                           for j in mine)
+            for r, rc in enumerate(options):
+                cache_key = (ctx.signature, rc, layout, shared[k], counts)
+                t = self._terms.get(cache_key)
+                if t is None:
+                    segs = [[PricedSegment(costs[i], rc) for i in range(chunks[j].start, chunks[j].stop)]
+                            for j in mine]
+                    t = self._terms[cache_key] = self._rank_terms(cand, ctx, segs, shared[k], counts)
+                d = 0.0
+                for j, f, b in zip(mine, t.fwd, t.bwd, strict=True):
+                    d += f + b + (p2p[j - 1] if j > 0 else 0.0) + (p2p[j] if j < nchunks - 1 else 0.0)
+                s_arr[r, k, k + 1, 0] = d
+                u_arr[r, k, k + 1] = (d, t.post, t.optimizer)
+                b_arr[r, k, k + 1] = t.memory0
+                e_arr[r, k, k + 1] = t.tail
+                c_arr[r, k, k + 1] = t.tail_const
+                # The drain behind rank k+1 runs through virtual stage k (this rank's first chunk) and its send.
+                d_arr[r, k, k + 1] = t.bwd[0] + (p2p[k] if k < nchunks - 1 else 0.0)
+        capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
+        problem = PartitionProblem(p, p, tuple(o.value for o in options), (s_arr,), (u_arr,), (b_arr,), (a_arr,),
+                                   (0,) * p, (0,) * p, capacity, _one_f_one_b_objective(m, v), (e_arr,), (d_arr,),
+                                   (c_arr,))
+        return StageProblem(cand, problem, placements, chunks)
+
+
+def _work(costs: Sequence[LayerCost], speed: float) -> np.ndarray:
+    """Per segment: (forward + backward compute) / speed + forward + backward TP communication, seconds."""
+    return np.array([(c.fwd_compute_s + c.bwd_compute_s) / speed + c.fwd_comm_s + c.bwd_comm_s for c in costs])
+
+
+def _stage_shape_mask(kind: StageKind, aa: np.ndarray, bb: np.ndarray, n: int, p: int) -> np.ndarray:
+    """Which ranges [a, b) can be a stage of `kind`: the first starts at 0, the last ends at n, and every stage
+    leaves at least one segment to each of the others."""
+    keep = (bb - aa) <= n - p + 1
+    if kind in (StageKind.FIRST, StageKind.ONLY):
+        keep &= aa == 0
+    if kind in (StageKind.LAST, StageKind.ONLY):
+        keep &= bb == n
+    if kind in (StageKind.MIDDLE, StageKind.LAST):
+        keep &= aa >= 1
+    if kind in (StageKind.FIRST, StageKind.MIDDLE):
+        keep &= bb <= n - 1
+    return keep
+
+
+def _one_f_one_b_objective(m: int, v: int):
+    """T = S / v + (m - 1/v) U_pipe + U_post + U_opt + tail (`pipeline._steady_formula` plus the step's tails)."""
+    def phi(s, u):
+        return s[0] / v + (m - 1 / v) * u[0] + u[1] + u[2] + u[3]
+    return phi
+
+
+def _gpipe_objective(m: int):
+    """T = (sum F + (m-1) max F) + (sum B + (m-1) max B) + U_post + U_opt + tail."""
+    def phi(s, u):
+        return s[0] + (m - 1) * u[0] + s[1] + (m - 1) * u[1] + u[2] + u[3] + u[4]
+    return phi
+
+
+def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: float) -> float:
+    """A lower bound on the candidate's step time from tp == 1 prices, without solving any sharding.
+
+    `replicated_s`: forward + backward compute of one micro-batch of the whole chain replicated on one device,
+    divided by the fastest rank's speed. Tensor parallelism at best divides a replicated op's time by tp (the
+    GEMM efficiency curve only rises with size, the memory and launch terms scale at most as 1/tp),
+    communication and recomputation are >= 0, and the busiest pipeline rank carries at least 1/p of the work:
+    ``T >= S/v + (m - 1/v) S/p`` with ``S = replicated_s / tp`` (v = 1 for GPipe and 1F1B), plus the smallest
+    possible optimizer step (`optimizer_s`, computed by the caller for an even split)."""
+    total = replicated_s / (cand.mesh.tp * cand.mesh.cp)  # issue 10: cp splits every op's work cp ways
+    m, p = cand.num_microbatches, cand.mesh.pp
+    v = cand.virtual_stages if cand.schedule is Schedule.INTERLEAVED else 1
+    return total / v + (m - 1 / v) * total / p + optimizer_s
+
+
+def _min_max_partition(prefix: np.ndarray, p: int) -> float:
+    """A lower bound (within 1e-9 relative) on min over contiguous p-partitions of the largest part sum."""
+    total = float(prefix[-1])
+    lo, hi = total / p, total  # some part is at least the mean; one part holding everything is feasible
+    if lo <= 0:
+        return 0.0
+
+    def feasible(x: float) -> bool:
+        pos, n = 0, len(prefix) - 1
+        for _ in range(p):
+            pos = int(np.searchsorted(prefix, prefix[pos] + x, side="right")) - 1
+            if pos >= n:
+                return True
+        return False
+
+    if feasible(lo):
+        return lo
+    for _ in range(60):
+        if hi - lo <= 1e-9 * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo
+
+
+def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost], float]], *, optimizer_s: float,
+                      chunks: Sequence[StageSpec] = (), p2p: Sequence[float] = ()) -> float:
+    """A lower bound on the candidate's step time from its own layer prices (tp sharding solved).
+
+    `costs`: per pipeline rank, its segment prices and speed. Per segment ``w_j`` is the least over ranks of
+    ``(forward + backward compute) / speed + forward + backward TP communication`` (recomputation and
+    data-parallel communication are >= 0). The pipeline's bottleneck rank carries at least the min-max
+    contiguous split of ``w`` over p stages; for interleaved, whose chunks are fixed, exactly its chunks' ``w``
+    plus their sends (`p2p`, one per chunk boundary). So ``T >= W / v + (m - 1/v) U + optimizer_s``."""
+    w = np.min([_work(segs, speed) for segs, speed in costs], axis=0)
+    prefix = np.concatenate([[0.0], np.cumsum(w)])
+    m, p = cand.num_microbatches, cand.mesh.pp
+    total = float(prefix[-1])
+    if cand.schedule is Schedule.INTERLEAVED and chunks:
+        v = cand.virtual_stages
+        n = len(chunks)
+        per_chunk = [float(prefix[c.stop] - prefix[c.start]) + (p2p[j - 1] if j > 0 else 0.0)
+                     + (p2p[j] if j < n - 1 else 0.0) for j, c in enumerate(chunks)]
+        u = max(sum(per_chunk[r::p]) for r in range(p))
+        total = sum(per_chunk)
+    else:
+        v = 1
+        u = _min_max_partition(prefix, p)
+    return total / v + (m - 1 / v) * u + optimizer_s

@@ -1,0 +1,112 @@
+"""One training step of a `ParallelModel`, pipelined or not, and the data-parallel slice of a global batch.
+
+Semantics are the single-process ones: the step's gradient is the mean-loss gradient over the global batch.
+- not pipelined: the local batch is split into the plan's micro-batches and their gradients accumulated
+  (each loss divided by the number of micro-batches; FSDP2 reduces gradients only after the last one);
+- pipelined: the `torch.distributed.pipelining` schedule runs the micro-batches and averages their gradients;
+- data parallel: FSDP2 / replicate average gradients over the dp ranks;
+- parameters tied across pipeline stages get their gradient copies summed before the optimizer step.
+The returned loss is the global-batch mean (averaged over micro-batches and dp ranks), the same on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from planner.errors import UserError
+from planner.parallelize import ParallelModel
+
+
+def local_batch(pm: ParallelModel, global_batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """This rank's data-parallel slice (dim 0) of a global batch given identically on every rank."""
+    n = pm.local_batch_size
+    expected = n * pm.strategy.dp
+    for t in global_batch:
+        if t.size(0) != expected:
+            raise UserError(f"global batch of {t.size(0)} samples; the plan trains on {expected} "
+                            f"(dp={pm.strategy.dp} x micro-batch {pm.strategy.microbatch_size} x "
+                            f"{pm.strategy.num_microbatches} micro-batches)")
+    start = pm.dp_rank * n
+    return tuple(t[start:start + n].to(pm.device) for t in global_batch)
+
+
+def train_step(pm: ParallelModel, batch: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> float:
+    """Forward, backward and optimizer step on this rank's local `batch`; returns the global mean loss."""
+    batch = tuple(batch)
+    for t in batch:
+        if t.size(0) != pm.local_batch_size:
+            raise UserError(f"local batch of {t.size(0)} samples; the plan's data-parallel replica trains on "
+                            f"{pm.local_batch_size} (micro-batch {pm.strategy.microbatch_size} x "
+                            f"{pm.strategy.num_microbatches}); use planner.train_step.local_batch")
+    optimizer.zero_grad(set_to_none=True)
+    loss = _pipelined(pm, batch) if pm.pipelined else _accumulated(pm, batch)
+    _sum_tied_gradients(pm)
+    optimizer.step()
+    return _global_mean(pm, loss)
+
+
+def _accumulated(pm: ParallelModel, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    from torch.distributed.fsdp import FSDPModule
+
+    model = pm.parts[0]
+    m = pm.strategy.num_microbatches
+    chunks = [t.tensor_split(m) for t in batch]
+    total = torch.zeros((), device=pm.device)
+    for i in range(m):
+        micro = tuple(c[i] for c in chunks)
+        if isinstance(model, FSDPModule):  # reduce gradients once, after the last micro-batch
+            model.set_requires_gradient_sync(i == m - 1)
+        loss = pm.loss_fn(model(*micro), micro)
+        (loss / m).backward()
+        total += loss.detach().float()
+    return total / m
+
+
+def _pipelined(pm: ParallelModel, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    assert pm.microbatch_loss is not None  # set by parallelize for every pipelined model
+    pm.microbatch_loss.batch = batch
+    losses: list[torch.Tensor] = []
+    sample_ids = torch.arange(pm.local_batch_size, device=pm.device)
+    try:
+        pm.schedule.step(*batch, target=sample_ids, losses=losses, return_outputs=False)
+    finally:
+        pm.microbatch_loss.batch = ()
+    if not pm.holds_last_stage:
+        return torch.zeros((), device=pm.device)
+    return torch.stack([loss.detach().float() for loss in losses]).mean()
+
+
+def _sum_tied_gradients(pm: ParallelModel) -> None:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    for tied in pm.tied:
+        if tied.group is None:
+            continue
+        for index, name in sorted(tied.names.items()):
+            if index not in pm.parts:
+                continue
+            p = pm.parts[index].get_parameter(name)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if isinstance(p.grad, DTensor):
+                # autograd may leave a gradient in another layout than its parameter (the vocab-sharded
+                # embedding's gradient comes back replicated); the peer stage's copy has the parameter's layout
+                if p.grad.placements != p.placements:
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+                grad = p.grad.to_local()
+            else:
+                grad = p.grad
+            dist.all_reduce(grad, group=tied.group)
+
+
+def _global_mean(pm: ParallelModel, loss: torch.Tensor) -> float:
+    """Average the loss over the ranks that computed it (the last pipeline stage of every dp/tp coordinate)."""
+    import torch.distributed as dist
+
+    value = loss.detach().float().reshape(1).clone()
+    dist.all_reduce(value)
+    holders = dist.get_world_size() // pm.strategy.pp
+    return float(value.item() / holders)

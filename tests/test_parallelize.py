@@ -1,0 +1,440 @@
+"""Tests of applying plans: the device mesh, tensor-parallel layouts, pipeline cuts, recomputation,
+`planner.parallelize` + `train_step` against single-process training, and `stratagem run`.
+
+Multi-process tests launch `torchrun --standalone` (gloo, CPU) once per world size with many configs in one
+launch (tests/dist/parallel_worker.py) and compare every config with a single-process run of the same model,
+seed and data. Tolerances (float32; sharded and unsharded runs differ only by reduction order, ~1e-7):
+- loss of each of the 3 steps: relative difference <= LOSS_RTOL = 1e-4;
+- final parameters: max |p - p_ref| <= PARAM_RTOL * max |p_ref| + PARAM_ATOL, PARAM_RTOL = 1e-4 (PARAM_ATOL =
+  1e-7 covers parameters whose exact gradient is zero, like attention key biases, where float noise is all
+  there is);
+- parameter *updates* p - p0: max difference <= UPDATE_RTOL = 1e-2 of the reference update (floor 1e-6). The
+  updates are ~1e-3 of the weights, so this is what catches a gradient scaled wrongly (a mis-averaged
+  micro-batch or data-parallel reduction) that the parameter tolerance alone could miss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from costmodel.strategy import MeshAxis, Recompute, StageSpec, Strategy
+from planner.apply_pipeline import (
+    build_stage_modules,
+    even_stages,
+    segment_stage_index,
+    stage_indices_of_rank,
+)
+from planner.apply_recompute import apply_recompute, attention_modules
+from planner.apply_tp import parallel_styles, resolve_styles, sequence_parallel_styles, shared_parameters
+from planner.device_mesh import check_world_size, mesh_layout
+from planner.errors import PlanLoadError, UserError
+from planner.plan import ModuleSharding, ShardStyle
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "dist" / "parallel_worker.py"
+sys.path.insert(0, str(WORKER.parent))
+
+import parallel_worker as worker  # noqa: E402  (the worker's configs and tiny models, shared with the launch)
+
+LOSS_RTOL = 1e-4
+PARAM_RTOL = 1e-4
+PARAM_ATOL = 1e-7
+UPDATE_RTOL = 1e-2
+UPDATE_FLOOR = 1e-6
+
+CONFIGS_2 = ("dp2", "dp2_zero1", "fsdp2", "tp2", "tp2_sp", "tp2_sp_llama", "tp2_moe", "tp2_sp_moe",
+             "pp2_gpipe", "pp2_1f1b", "pp2_1f1b_one_microbatch", "pp2_interleaved", "pp2_interleaved_m3",
+             "pp2_interleaved_m1", "pp2_llama_uneven", "user_pp2", "user_dp2_recompute", "recompute_full_dp2",
+             "recompute_selective_tp2", "recompute_pp2")
+CONFIGS_4 = ("dp4_fsdp", "tp2_dp2", "tp2_sp_fsdp2", "pp2_dp2", "pp2_fsdp2", "pp2_tp2", "pp2_tp2_sp_recompute",
+             "pp4_1f1b", "pp2_interleaved_dp2", "user_pp2_fsdp2")
+
+
+def tiny_gpt(**overrides: Any) -> nn.Module:
+    from models import gpt
+
+    torch.manual_seed(0)
+    return gpt.build(gpt.GPTConfig(**{**worker.TINY["gpt"], **overrides}), "cpu")
+
+
+# --- device mesh -----------------------------------------------------------------------------------------
+
+def test_mesh_is_outermost_first_with_tp_fastest():
+    layout = mesh_layout(Strategy(dp=2, tp=2, pp=2))
+    assert layout.names == ("pp", "dp", "tp")
+    assert layout.sizes == (2, 2, 2)
+    # rank = pp*4 + dp*2 + tp: tp has stride 1, dp stride tp, pp stride tp*dp (Megatron-LM order)
+    assert [tuple(layout.coordinates(r)[a] for a in ("pp", "dp", "tp")) for r in (0, 1, 2, 5, 7)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
+
+
+def test_mesh_follows_a_custom_axis_order():
+    order = (MeshAxis.DP, MeshAxis.TP, MeshAxis.CP, MeshAxis.EP, MeshAxis.PP)
+    layout = mesh_layout(Strategy(dp=4, tp=2, mesh_order=order))
+    assert layout.names == ("pp", "tp", "dp")
+    assert layout.coordinates(1)["dp"] == 1 and layout.coordinates(4)["tp"] == 1
+
+
+def test_mesh_refuses_context_and_expert_parallelism():
+    with pytest.raises(UserError, match=r"cp=2.*supported axes: tp, dp, pp"):
+        mesh_layout(Strategy(cp=2))
+
+
+def test_world_size_mismatch_is_refused_with_both_numbers():
+    with pytest.raises(PlanLoadError, match=r"needs 8 processes .*world size is 4"):
+        check_world_size(Strategy(dp=2, tp=2, pp=2), 4)
+
+
+# --- pipeline cuts ---------------------------------------------------------------------------------------
+
+def test_even_stages_differ_by_at_most_one_segment():
+    assert [(s.start, s.stop) for s in even_stages(7, 3)] == [(0, 3), (3, 5), (5, 7)]
+    with pytest.raises(UserError, match="3 segments into 4"):
+        even_stages(3, 4)
+
+
+def test_stage_ranges_must_tile_the_chain():
+    assert segment_stage_index((StageSpec(0, 2), StageSpec(2, 3)), 3) == (0, 0, 1)
+    with pytest.raises(UserError, match="starts at segment 3, expected 2"):
+        segment_stage_index((StageSpec(0, 2), StageSpec(3, 4)), 4)
+    with pytest.raises(UserError, match="cover 3 segments but .* has 5"):
+        segment_stage_index((StageSpec(0, 2), StageSpec(2, 3)), 5)
+
+
+def test_looped_stage_placement():
+    assert stage_indices_of_rank(1, 2, 4) == (1, 3)
+    assert stage_indices_of_rank(0, 4, 4) == (0,)
+
+
+def _chain(model: nn.Module) -> Any:
+    import ir
+
+    return ir.build_layer_chain(ir.trace(model, (torch.zeros(1, worker.TINY["gpt"]["seq"], dtype=torch.long),)))
+
+
+@pytest.mark.parametrize("first_blocks", [(2,), (1, 3), (1, 2, 3)])
+def test_stage_modules_compose_to_the_model(first_blocks):
+    model = tiny_gpt().eval()
+    chain = _chain(model)
+    cfg = worker.Config("gpt", {}, first_blocks=first_blocks)
+    stages = worker.plan_stages(cfg, chain)
+    parts = build_stage_modules(model, chain, stages)
+    ids = torch.randint(0, 64, (3, 8))
+    x: Any = (ids,)
+    for i in range(len(stages)):
+        out = parts[i](*x)
+        x = out if isinstance(out, tuple) else (out,)
+    torch.testing.assert_close(x[0], model(ids), rtol=0, atol=0)
+    # each block lives on the stage the plan puts it on, under its own name
+    for stage, part in parts.items():
+        names = {n for n, _ in part.named_parameters()}
+        lo = 0 if stage == 0 else first_blocks[stage - 1]
+        hi = first_blocks[stage] if stage < len(first_blocks) else 4
+        assert {int(n.split(".")[1]) for n in names if n.startswith("blocks.")} == set(range(lo, hi))
+    # the tied head/embedding weight is held by the first stage (embedding) and the last (head)
+    assert "tok_embed.weight" in {n for n, _ in parts[0].named_parameters()}
+    assert "lm_head.weight" in {n for n, _ in parts[len(stages) - 1].named_parameters()}
+
+
+def test_stage_output_must_be_a_tensor():
+    from planner.apply_pipeline import check_stage_outputs
+
+    with pytest.raises(UserError, match="'size' .*int.* crosses a pipeline cut"):
+        check_stage_outputs(("x", "size"), torch.zeros(1), 3)
+
+
+# --- tensor-parallel layouts -----------------------------------------------------------------------------
+
+def test_first_matching_pattern_wins_and_unknown_patterns_are_refused():
+    model = tiny_gpt()
+    styles = resolve_styles(model, (ModuleSharding("blocks.0.attn.q_proj", ShardStyle.REPLICATE),
+                                    ModuleSharding("blocks.*.attn.q_proj", ShardStyle.COLWISE)))
+    assert styles["blocks.0.attn.q_proj"] is ShardStyle.REPLICATE
+    assert styles["blocks.3.attn.q_proj"] is ShardStyle.COLWISE
+    with pytest.raises(UserError, match=r"'blocks\.\*\.mlp\.gate_proj'.*modules: tok_embed"):
+        resolve_styles(model, (ModuleSharding("blocks.*.mlp.gate_proj", ShardStyle.COLWISE),))
+
+
+def test_layouts_follow_colwise_rowwise_pairs():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+    model = tiny_gpt()
+    styles = resolve_styles(model, tuple(ModuleSharding(p, s) for p, s in worker.TP_FULL))
+    plain = parallel_styles(model, styles, sequence_parallel=False)
+    assert plain["blocks.0.attn.q_proj"].output_layouts == (Shard(-1),)   # feeds o_proj: stays sharded
+    assert plain["lm_head"].output_layouts == (Replicate(),)              # no rowwise partner: gathered
+    assert plain["blocks.0.attn.o_proj"].output_layouts == (Replicate(),)
+    assert "blocks.0.attn_norm" not in plain
+    sp_styles = sequence_parallel_styles(model, styles)
+    assert sp_styles["blocks.2.mlp_norm"] is ShardStyle.SEQUENCE and "norm" not in sp_styles
+    sp = parallel_styles(model, sp_styles, sequence_parallel=True)
+    assert sp["blocks.0.attn.o_proj"].output_layouts == (Shard(1),)        # reduce-scatter over the sequence
+    assert isinstance(sp["blocks.0.attn_norm"], SequenceParallel)
+    assert isinstance(sp["blocks.0.attn"], PrepareModuleInput)             # one all-gather per sub-layer
+    assert isinstance(sp["blocks.0.mlp"], PrepareModuleInput)
+
+
+def test_style_on_the_wrong_module_type_is_refused():
+    from planner.apply_tp import apply_tensor_parallel
+
+    with pytest.raises(UserError, match="blocks.0.attn_norm .LayerNorm. cannot be colwise-sharded"):
+        apply_tensor_parallel(tiny_gpt(), (ModuleSharding("blocks.0.attn_norm", ShardStyle.COLWISE),), None,
+                              sequence_parallel=False)
+
+
+def test_tied_weights_are_found():
+    from models import llama
+
+    assert shared_parameters(tiny_gpt()) == [[("tok_embed", "weight"), ("lm_head", "weight")]]
+    assert shared_parameters(tiny_gpt(tie_embeddings=False)) == []
+    assert shared_parameters(llama.build(llama.LlamaConfig(**worker.TINY["llama"]), "cpu")) == []
+
+
+# --- recomputation ---------------------------------------------------------------------------------------
+
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(mode: Recompute, attn_impl: str) -> Counter[str]:
+    from models import gpt
+
+    model = tiny_gpt(attn_impl=attn_impl, layers=2)
+    apply_recompute(list(model.blocks), mode)
+    ids = torch.randint(0, 64, (2, 8))
+    loss = gpt.loss(model(ids), (ids,))
+    with _OpCounter() as counter:
+        loss.backward()
+    return counter.counts
+
+
+def _recomputed(mode: Recompute, attn_impl: str) -> Counter[str]:
+    counts, base = _backward_ops(mode, attn_impl), _backward_ops(Recompute.NONE, attn_impl)
+    return Counter({k: counts[k] - base[k] for k in counts if counts[k] != base[k]})
+
+
+def test_full_recompute_reruns_every_layer_forward():
+    extra = _recomputed(Recompute.FULL, "sdpa")
+    # per block (2 blocks): the forward is rerun up to the last op whose saved tensors backward needs (torch
+    # stops recomputing early): q/k/v/o and up projections (the final down_proj is not rerun), 2 layer norms,
+    # 1 GELU, 1 fused attention
+    assert extra["addmm"] == 10 and extra["native_layer_norm"] == 4 and extra["gelu"] == 2
+    assert extra["_scaled_dot_product_flash_attention_for_cpu"] == 2
+
+
+@pytest.mark.parametrize("attn_impl", ["sdpa", "math"])
+def test_selective_recompute_reruns_only_the_attention_core(attn_impl):
+    extra = _recomputed(Recompute.SELECTIVE, attn_impl)
+    assert extra["addmm"] == 0 and extra["native_layer_norm"] == 0 and extra["gelu"] == 0
+    if attn_impl == "sdpa":
+        assert extra["_scaled_dot_product_flash_attention_for_cpu"] == 2
+    else:  # QK^T and AV batched matmuls, the scale, the causal mask and the softmax of both blocks
+        assert extra["bmm"] == 4 and extra["_softmax"] == 2 and extra["masked_fill"] == 2 and extra["mul"] == 2
+
+
+def test_layers_are_blocks_or_the_roots_children_with_lists_expanded():
+    from planner.parallelize import model_layers
+
+    assert [n for n, _ in model_layers(tiny_gpt())] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    user = worker.UserMLP(worker.UserMLPConfig(depth=2))
+    assert [n for n, _ in model_layers(user)] == ["inp", "hidden.0", "hidden.1", "out"]
+
+
+def test_attention_modules_are_found_by_layout():
+    model = tiny_gpt()
+    assert attention_modules(model.blocks[0]) == [model.blocks[0].attn]
+    assert attention_modules(model.blocks[0].mlp) == []
+
+
+# --- plan checks and the single-process path -------------------------------------------------------------
+
+@pytest.fixture
+def single_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _plan_for(model: nn.Module, strategy: dict[str, Any], *, fingerprint: str | None = None) -> Any:
+    cfg = worker.Config("gpt", strategy)
+    plan = worker.make_plan(model, cfg, _chain(model))
+    if fingerprint is not None:
+        from dataclasses import replace
+
+        plan = replace(plan, model=replace(plan.model, fingerprint=fingerprint))
+    return plan
+
+
+def test_parallelize_needs_torch_distributed():
+    from planner.parallelize import parallelize
+
+    model = tiny_gpt()
+    with pytest.raises(UserError, match="not initialized; run under torchrun"):
+        parallelize(model, _plan_for(model, dict(microbatch_size=2)))
+
+
+def test_plans_for_another_model_or_world_are_refused(single_rank_group):
+    from planner.parallelize import parallelize
+
+    model = tiny_gpt()
+    with pytest.raises(PlanLoadError, match="needs 2 processes"):
+        parallelize(model, _plan_for(model, dict(dp=2)))
+    bigger = tiny_gpt(layers=5)
+    with pytest.raises(PlanLoadError, match="parameters but this model has"):
+        parallelize(bigger, _plan_for(model, dict(microbatch_size=2)))
+    with pytest.raises(PlanLoadError, match="fingerprint 0123 does not match"):
+        parallelize(model, _plan_for(model, dict(microbatch_size=2), fingerprint="0123"),
+                    example_inputs=(torch.zeros(4, 8, dtype=torch.long),))
+
+
+def test_single_rank_accumulation_matches_one_big_batch(single_rank_group):
+    from models import gpt
+    from planner.parallelize import parallelize
+    from planner.train_step import local_batch, train_step
+
+    model, ref = tiny_gpt(), tiny_gpt()
+    pm = parallelize(model, _plan_for(model, dict(microbatch_size=2, num_microbatches=3)), loss_fn=gpt.loss)
+    batch = (torch.randint(0, 64, (6, 8)),)
+    loss = train_step(pm, local_batch(pm, batch), torch.optim.SGD(model.parameters(), lr=0.5))
+    ref_loss = gpt.loss(ref(*batch), batch)
+    ref_loss.backward()
+    assert loss == pytest.approx(ref_loss.item(), rel=LOSS_RTOL)
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
+    with pytest.raises(UserError, match="global batch of 4 samples; the plan trains on 6"):
+        local_batch(pm, (batch[0][:4],))
+
+
+# --- multi-process: every config against a single-process run --------------------------------------------
+
+def _launch(nproc: int, configs: tuple[str, ...], tmp: Path) -> dict[str, Any]:
+    out = tmp / f"results_{nproc}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(WORKER), str(out), *configs]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert proc.returncode == 0 and out.exists(), f"torchrun failed:\n{proc.stderr[-4000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def results_2(tmp_path_factory) -> dict[str, Any]:
+    return _launch(2, CONFIGS_2, tmp_path_factory.mktemp("dist2"))
+
+
+@pytest.fixture(scope="module")
+def results_4(tmp_path_factory) -> dict[str, Any]:
+    return _launch(4, CONFIGS_4, tmp_path_factory.mktemp("dist4"))
+
+
+def _check_config(name: str, ranks: list[dict[str, Any]]) -> None:
+    errors = [r["traceback"] for r in ranks if "error" in r]
+    assert not errors, f"{name} failed:\n{errors[0]}"
+    cfg = worker.CONFIGS[name]
+    strategy = Strategy(**cfg.strategy)
+    for rank, r in enumerate(ranks):
+        for step, (got, want) in enumerate(zip(r["losses"], r["ref_losses"], strict=True)):
+            assert abs(got - want) <= LOSS_RTOL * abs(want), f"{name} rank {rank} step {step}: {got} vs {want}"
+        for pname, (diff, ref_max, update_diff, update_max) in r["params"].items():
+            assert diff <= PARAM_RTOL * ref_max + PARAM_ATOL, f"{name} rank {rank} {pname}: {diff} vs {ref_max}"
+            assert update_diff <= UPDATE_RTOL * max(update_max, UPDATE_FLOOR), (
+                f"{name} rank {rank} {pname}: update differs by {update_diff}, reference update {update_max}")
+    # every parameter (under one of its names when tied) is trained somewhere...
+    trained = set().union(*(r["params"] for r in ranks))
+    assert all(trained & set(group) for group in ranks[0]["param_groups"]), f"{name}: a parameter is missing"
+    # ...and sharding really splits the model over the ranks
+    full = ranks[0]["model_numel"]
+    split = strategy.tp * strategy.pp * (strategy.dp if strategy.zero_stage else 1)
+    for r in ranks:
+        assert r["local_numel"] == full if split == 1 else r["local_numel"] < full
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", CONFIGS_2)
+def test_two_processes_match_single_process(results_2, name):
+    _check_config(name, results_2[name])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", CONFIGS_4)
+def test_four_processes_match_single_process(results_4, name):
+    _check_config(name, results_4[name])
+
+
+# --- stratagem run ---------------------------------------------------------------------------------------
+
+def _stratagem(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "planner.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
+@pytest.mark.multiprocess
+def test_stratagem_plan_then_run_pp2_tp2_with_check(tmp_path):
+    plan_file = tmp_path / "plan.json"
+    made = _stratagem("plan", "gpt-tiny", "--cluster", "1x4xcpu", "--batch", "8", "--fix", "pp=2", "--fix", "tp=2",
+                      "-o", str(plan_file))
+    assert made.returncode == 0, made.stderr
+    plan = json.loads(plan_file.read_text())
+    assert (plan["strategy"]["pp"], plan["strategy"]["tp"]) == (2, 2)
+    ran = _stratagem("run", "gpt-tiny", "--plan", str(plan_file), "--steps", "3", "--nproc", "4", "--check",
+                     "--json")
+    assert ran.returncode == 0, ran.stderr[-4000:]
+    report = json.loads(ran.stdout)
+    assert report["check"]["passed"] and report["check"]["max_rel_loss_diff"] <= 1e-4
+    assert len(report["steps"]) == 3 and report["steps"][2]["loss"] < report["steps"][0]["loss"]
+    assert len(report["measured"]["peak_memory_bytes"]) == 2
+
+
+def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """`stratagem ARGS` in this process (torch is already imported, so it is quick)."""
+    from planner.cli.main import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_run_refuses_a_wrong_process_count(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text(_plan_for(tiny_gpt(), dict(dp=2, tp=2)).to_json())
+    code, _, err = _main(capsys, "run", "gpt", "--plan", str(plan), "--nproc", "2")
+    assert code == 2 and err.count("\n") == 1 and "--nproc 2 but the plan needs 4 processes" in err
+    code, _, err = _main(capsys, "run", "gpt", "--plan", str(plan))
+    assert code == 2 and "pass --nproc 4 or launch under torchrun" in err
+    code, _, err = _main(capsys, "run", "gpt", "--plan", str(tmp_path / "missing.json"))
+    assert code == 2 and "does not exist" in err
+
+
+def test_run_single_process_plan_with_check(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text(_plan_for(tiny_gpt(), dict(microbatch_size=2, num_microbatches=2)).to_json())
+    sets = [f"--set={k}={v}" for k, v in worker.TINY["gpt"].items()]
+    code, out, err = _main(capsys, "run", "gpt", *sets, "--plan", str(plan), "--steps", "2", "--check", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["check"]["passed"] and [s["step"] for s in report["steps"]] == [1, 2]
+    assert report["steps"][1]["loss"] < report["steps"][0]["loss"]  # AdamW on a fixed batch learns it
+    more_layers = [s for s in sets if not s.startswith("--set=layers=")] + ["--set=layers=5"]
+    code, _, err = _main(capsys, "run", "gpt", *more_layers, "--plan", str(plan), "--steps", "1")
+    assert code == 2 and "parameters but this model has" in err and err.count("\n") == 1

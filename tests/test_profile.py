@@ -1,0 +1,257 @@
+"""`stratagem profile` and `planner.profiler`: measured op timings keyed exactly as the cost model looks them up,
+used by node_time / price_segment / the sharding pricer when present, the analytical model otherwise; the CLI; and
+the fidelity benchmark's metrics."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ir
+from costmodel.catalog import get_device
+from costmodel.layer_pricing import price_segment
+from costmodel.operators import node_time
+from costmodel.profile_db import OpProfile, op_signature
+from costmodel.sharding_cost import build_sharding_model
+from ir.graph import OpKind
+from planner.cli.main import main
+from planner.cli.profile_cmd import microbatch_sizes
+from planner.profiler import (
+    ProfileOptions,
+    RecordingPricer,
+    StandardOps,
+    Statistic,
+    profile_module,
+    runnable_graph,
+)
+
+CPU = get_device("cpu")
+FAST = dict(warmup=1, repeats=3)
+
+
+class TinyBlockModel(torch.nn.Module):
+    """Two identical pre-LN MLP blocks and a head: small enough to profile in well under a second."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(StandardOps(hidden) for _ in range(2))
+        self.head = torch.nn.Linear(hidden, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, h)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = TinyBlockModel()
+    x = torch.randn(1, 8, 32)
+    graph = ir.trace(model, (x,), model_name="tiny")
+    run = profile_module(model, (x,), name="tiny", device_name="cpu",
+                         options=ProfileOptions(microbatch_sizes=(1, 2), **FAST))
+    return model, x, graph, run
+
+
+def _work_nodes(graph):
+    return [n for n in graph.nodes if n.op_kind not in (OpKind.PLACEHOLDER, OpKind.OUTPUT)]
+
+
+def test_fx_graph_has_the_ir_node_names(tiny):
+    model, x, graph, _ = tiny
+    gm = runnable_graph(model, 1)
+    assert {n.name for n in _work_nodes(graph)} <= {n.name for n in gm.graph.nodes}
+    assert torch.equal(gm(x), model(x))
+
+
+def test_every_priced_key_is_measured(tiny):
+    _, _, graph, run = tiny
+    expected = {op_signature(n, flops_scale=m, bytes_scale=m) for n in _work_nodes(graph) for m in (1, 2)}
+    measured = {sig for (_, sig) in run.profile.entries}
+    assert measured == expected  # identical blocks share keys: one entry per distinct signature
+    assert run.measured_ops == len(expected) and not run.skipped
+    for t in run.profile.entries.values():
+        assert 0 < t.forward_s < 0.1 and 0 <= t.backward_s < 0.1 and t.samples == 3
+
+
+def test_node_time_uses_the_entry_and_falls_back(tiny):
+    _, _, graph, run = tiny
+    prof = run.profile
+    up = next(n for n in graph.nodes if n.name == "blocks_0_up")
+    entry = prof.lookup("cpu", op_signature(up, flops_scale=2, bytes_scale=2))
+    assert node_time(up, CPU, flops_scale=2, bytes_scale=2, profile=prof) == (entry.forward_s, entry.backward_s)
+    # A scale that was not measured (micro-batch 4) and another device: the analytical model answers.
+    assert node_time(up, CPU, flops_scale=4, bytes_scale=4, profile=prof) == node_time(up, CPU, flops_scale=4,
+                                                                                         bytes_scale=4)
+    a100 = get_device("a100-80gb")
+    assert node_time(up, a100, profile=prof) == node_time(up, a100)
+
+
+def test_price_segment_sums_the_measured_entries(tiny, tmp_path):
+    _, _, graph, run = tiny
+    path = tmp_path / "p.json"
+    run.profile.save(path)
+    prof = OpProfile.load(path)  # round trip: what the CLI writes is what the cost model reads
+    assert prof == run.profile
+    chain = ir.build_layer_chain(graph)
+    for seg in chain.segments:
+        cost = price_segment(chain, seg, CPU, microbatch_size=2, dtype="float32", profile=prof)
+        nodes = chain.nodes_of(seg)
+        entries = [prof.lookup("cpu", op_signature(n, flops_scale=2, bytes_scale=2)) for n in nodes
+                   if n.op_kind not in (OpKind.PLACEHOLDER, OpKind.OUTPUT)]
+        assert cost.fwd_compute_s == pytest.approx(sum(e.forward_s for e in entries), rel=1e-12)
+        assert cost.bwd_compute_s == pytest.approx(sum(e.backward_s for e in entries), rel=1e-12)
+
+
+def test_tensor_parallel_shards_are_measured():
+    torch.manual_seed(0)
+    model = TinyBlockModel()
+    x = torch.randn(1, 8, 32)
+    graph = ir.trace(model, (x,), model_name="tiny")
+    run = profile_module(model, (x,), name="tiny", device_name="cpu",
+                         options=ProfileOptions(microbatch_sizes=(2,), tp_degrees=(1, 2), **FAST))
+    chain = ir.build_layer_chain(graph)
+    skipped = {s.signature for s in run.skipped}
+    lookups = 0
+    for cid in sorted({s.class_id for s in chain.segments}):
+        nodes = chain.nodes_of(chain.representative(cid))
+        for sp in (False, True):
+            rec = RecordingPricer()
+            build_sharding_model(nodes, tp=2, sequence_parallel=sp, traced_batch=1, microbatch_size=2,
+                                 pricer=rec.pricer(), dtype="float32")
+            by_name = {n.name: n for n in nodes}
+            for name, fs, bs, ps in rec.calls:
+                if by_name[name].op_kind in (OpKind.PLACEHOLDER, OpKind.OUTPUT):
+                    continue  # no work: node_time prices them 0 without a lookup
+                sig = op_signature(by_name[name], flops_scale=fs, bytes_scale=bs, param_scale=ps)
+                assert sig in skipped or run.profile.lookup("cpu", sig) is not None, sig
+                lookups += 1
+    assert lookups > len(_work_nodes(graph))  # sharded strategies were priced, not only replicated ones
+    # A column-parallel up projection (weight split on its output features) is its own key: half the FLOPs.
+    up = next(n for n in graph.nodes if n.name == "blocks_0_up")
+    assert run.profile.lookup("cpu", op_signature(up, flops_scale=1, bytes_scale=1.2, param_scale=0.5)) is not None
+
+
+def test_memory_budget_skips_and_reports():
+    torch.manual_seed(0)
+    model = TinyBlockModel()
+    x = torch.randn(1, 8, 32)
+    run = profile_module(model, (x,), name="tiny", device_name="cpu",
+                         options=ProfileOptions(memory_budget_bytes=2048, **FAST))
+    assert run.skipped and all("memory budget" in s.reason for s in run.skipped)
+    assert len(run.profile) + len(run.skipped) == len({s.signature for s in run.skipped} |
+                                                      {sig for _, sig in run.profile.entries})
+
+
+def test_mean_statistic_times_a_window():
+    torch.manual_seed(0)
+    model = StandardOps(32)
+    x = torch.randn(1, 8, 32)
+    run = profile_module(model, (x,), name="std", device_name="cpu",
+                         options=ProfileOptions(statistic=Statistic.MEAN, min_window_s=0.005, **FAST))
+    overhead = float(run.profile.meta["backward_pass_overhead_s"])  # subtracted from the stored backward
+    for t in run.profile.entries.values():
+        # runs continue until they add up to the window (or the cap): never fewer than the repeats
+        raw = t.forward_s + (t.backward_s + overhead if t.backward_s > 0 else 0.0)
+        assert t.samples >= 3
+        assert t.samples * raw >= 0.005 * 0.999 or t.samples == 5000
+
+
+def test_options_validate_their_values():
+    with pytest.raises(ValueError, match="microbatch_sizes"):
+        ProfileOptions(microbatch_sizes=(0,))
+    with pytest.raises(ValueError, match="repeats"):
+        ProfileOptions(repeats=0)
+    with pytest.raises(ValueError, match="median"):
+        ProfileOptions(statistic="average")
+    assert ProfileOptions(tp_degrees=(4, 2, 2, 1)).tp_degrees == (1, 2, 4)
+
+
+def test_microbatch_sizes_are_powers_of_two_and_the_batch():
+    assert microbatch_sizes(1) == (1,)
+    assert microbatch_sizes(8) == (1, 2, 4, 8)
+    assert microbatch_sizes(6) == (1, 2, 4, 6)
+
+
+def test_cli_profiles_gpt_tiny(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--model", "gpt-tiny", "--dtype", "float32", "--repeats", "3", "--warmup", "1",
+                 "-o", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    prof = OpProfile.load(out)
+    from planner.cli.model_registry import build_model
+
+    built = build_model("gpt-tiny", batch=1, device="meta")
+    graph = ir.trace(built.module, built.example_inputs, model_name="gpt-tiny", dtype="float32")
+    expected = {op_signature(n, flops_scale=1, bytes_scale=1) for n in _work_nodes(graph)}
+    assert {sig for _, sig in prof.entries} == expected
+    assert summary["entries"] == len(expected) and summary["skipped"] == []
+    assert prof.meta["dtype"] == "float32" and prof.meta["models"] == "gpt-tiny"
+    assert all(dev == "cpu" for dev, _ in prof.entries)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["profile", "--device", "cuda"], "no CUDA"),
+    (["profile", "--set", "layers=2"], "--set needs --model"),
+    (["profile", "--catalog-device", "tpu-v9"], "tpu-v9"),
+    (["profile", "--model", "no-such-model"], "no-such-model"),
+    (["profile", "--tp", "0"], "positive"),
+])
+def test_cli_user_errors_are_one_line(argv, message, capsys, tmp_path):
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main([*argv, "-o", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err
+
+
+@pytest.mark.multiprocess
+def test_collectives_are_measured_and_fitted():
+    from planner.profiler import CollectiveOptions, collective_profile
+
+    prof = collective_profile(CollectiveOptions(max_ranks=2, sizes=(4096, 1 << 20), warmup=1, repeats=3))
+    assert {s.kind.value for s in prof.samples} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                                                   "broadcast", "send_recv"}
+    link = prof.fit("cpu")
+    assert link is not None and link.alpha_s >= 0 and link.bandwidth_bytes_per_s > 0 and link.samples == 8
+
+
+# ---- the fidelity benchmark's metrics ---------------------------------------------------------------------------
+
+def _bench():
+    path = Path(__file__).resolve().parent.parent / "bench" / "fidelity.py"
+    spec = importlib.util.spec_from_file_location("bench_fidelity", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_spearman_and_mape_closed_forms():
+    b = _bench()
+    assert b.spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)       # 1 - 6*2/(4*15)
+    assert b.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(4.5 / math.sqrt(22.5))  # tie-averaged ranks
+    assert b.spearman([3, 2, 1], [1, 2, 3]) == pytest.approx(-1.0)
+    assert b.ranks_of([10, 30, 20, 30]) == [1, 3.5, 2, 3.5]
+    assert b.mape([1.1, 0.9], [1.0, 1.0]) == pytest.approx(0.1)
+
+
+def test_peak_during_reconstructs_the_allocator_peak():
+    from torch.profiler import ProfilerActivity, profile
+
+    b = _bench()
+    mib = 1 << 20
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        a = torch.empty(mib, dtype=torch.uint8)
+        c = torch.empty(2 * mib, dtype=torch.uint8)
+        del a
+        d = torch.empty(mib // 2, dtype=torch.uint8)
+        del c, d
+    assert b.peak_during(prof, 5 * mib) == 5 * mib + 3 * mib

@@ -1,0 +1,360 @@
+"""The planner's search: mesh enumeration, search-space pins, and the joint search against brute force."""
+
+from __future__ import annotations
+
+import pytest
+
+from costmodel.strategy import MeshAxis, Recompute, Schedule
+from planner.mesh_search import (
+    DP_INSIDE_PP,
+    PP_INSIDE_DP,
+    MeshCandidate,
+    compute_lower_bound_s,
+    divisors,
+    enumerate_meshes,
+)
+from planner.search_space import SearchSpace
+
+
+def test_divisors() -> None:
+    assert divisors(1) == (1,)
+    assert divisors(12) == (1, 2, 3, 4, 6, 12)
+    assert divisors(1024) == tuple(2 ** i for i in range(11))
+    with pytest.raises(ValueError):
+        divisors(0)
+
+
+def test_meshes_of_16_devices_on_two_nodes() -> None:
+    meshes = enumerate_meshes(16, devices_per_node=8, global_batch=32, max_pp=24)
+    triples = {(m.dp, m.tp, m.pp) for m in meshes}
+    # every ordered factorization dp*tp*pp = 16 with tp in {1, 2, 4, 8} (inside a node): 5+4+3+2 = 14
+    assert len(triples) == 14
+    assert all(m.dp * m.tp * m.pp == 16 for m in meshes)
+    assert (1, 16, 1) not in triples
+    # both rank orders only when dp > 1 and pp > 1
+    for m in meshes:
+        others = [o.mesh_order for o in meshes if (o.dp, o.tp, o.pp) == (m.dp, m.tp, m.pp)]
+        assert len(others) == (2 if m.dp > 1 and m.pp > 1 else 1)
+    assert len(meshes) == 14 + sum(1 for d, _, p in triples if d > 1 and p > 1)
+    # deterministic
+    assert meshes == enumerate_meshes(16, devices_per_node=8, global_batch=32, max_pp=24)
+
+
+def test_mesh_rules_batch_pp_and_pins() -> None:
+    meshes = enumerate_meshes(16, devices_per_node=8, global_batch=6, max_pp=4)
+    assert {m.dp for m in meshes} <= {1, 2}           # dp must divide the global batch 6
+    assert max(m.pp for m in meshes) <= 4
+    pinned = enumerate_meshes(16, devices_per_node=8, global_batch=32, max_pp=24, tp=4, pp=2)
+    assert {(m.dp, m.tp, m.pp) for m in pinned} == {(2, 4, 2)}
+    spanning = enumerate_meshes(16, devices_per_node=8, global_batch=32, max_pp=24, tp_across_nodes=True)
+    assert (1, 16, 1) in {(m.dp, m.tp, m.pp) for m in spanning}
+
+
+def test_strides_follow_mesh_order() -> None:
+    m = MeshCandidate(dp=4, tp=8, pp=2, mesh_order=DP_INSIDE_PP)
+    assert (m.stride(MeshAxis.TP), m.stride(MeshAxis.DP), m.stride(MeshAxis.PP)) == (1, 8, 32)
+    m = MeshCandidate(dp=4, tp=8, pp=2, mesh_order=PP_INSIDE_DP)
+    assert (m.stride(MeshAxis.TP), m.stride(MeshAxis.PP), m.stride(MeshAxis.DP)) == (1, 8, 16)
+
+
+def test_compute_lower_bound() -> None:
+    # 6 * 1e9 params * 1e6 tokens FLOPs on 1000 devices at 100 TFLOP/s: 60 s
+    assert compute_lower_bound_s(6e15 * 1e3, 1000, 1e14) == pytest.approx(60.0)
+
+
+def test_search_space_from_fixes() -> None:
+    space = SearchSpace.from_fixes(["tp=8", "pp=8", "recompute=full", "schedule=interleaved:2", "zero=1",
+                                    "sp=true", "mbs=2", "microbatches=16"])
+    assert (space.tp, space.pp, space.recompute, space.schedule, space.virtual_stages) == (
+        8, 8, Recompute.FULL, Schedule.INTERLEAVED, 2)
+    assert (space.zero_stage, space.sequence_parallel, space.microbatch_size, space.num_microbatches) == (
+        1, True, 2, 16)
+    assert SearchSpace.from_fixes(["v=4"]).schedule is Schedule.INTERLEAVED
+
+
+@pytest.mark.parametrize(("fix", "message"), [
+    ("tpp=8", "unknown key 'tpp'; valid: dp, tp, pp"),
+    ("tp", "expected KEY=VALUE"),
+    ("tp=0", "positive integer"),
+    ("tp=eight", "positive integer"),
+    ("schedule=zigzag", "valid: gpipe, 1f1b, interleaved, interleaved:V"),
+    ("recompute=some", "valid: none, selective, full"),
+    ("zero=4", "valid: 0, 1, 2, 3"),
+    ("sp=maybe", "expected true or false"),
+    ("schedule=1f1b:2", "only interleaved takes :V"),
+])
+def test_bad_fixes_name_the_valid_choices(fix: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        SearchSpace.from_fixes([fix])
+
+
+def test_contradicting_fixes() -> None:
+    with pytest.raises(ValueError, match="contradicts"):
+        SearchSpace.from_fixes(["tp=2", "tp=4"])
+    with pytest.raises(ValueError, match="needs tp > 1"):
+        SearchSpace.from_fixes(["tp=1", "sp=1"])
+    with pytest.raises(ValueError, match="needs schedule=interleaved"):
+        SearchSpace.from_fixes(["schedule=gpipe", "v=2"])
+
+
+# ---- the joint search against brute force over the same cost model ------------------------------------------
+
+import itertools  # noqa: E402
+import math  # noqa: E402
+import random  # noqa: E402
+from dataclasses import dataclass, replace  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import ir  # noqa: E402
+from costmodel.cluster import Cluster  # noqa: E402
+from costmodel.estimate import estimate, even_stages  # noqa: E402
+from costmodel.strategy import StageSpec  # noqa: E402
+from planner.cli.model_registry import build_model  # noqa: E402
+from planner.errors import InfeasibleError, UserError  # noqa: E402
+from planner.layer_costs import LayerCostTable  # noqa: E402
+from planner.search import SearchOptions, enumerate_candidates, layer_cost_map, search  # noqa: E402
+from planner.stage_partition import Partition, StageChoice, evaluate  # noqa: E402
+from planner.stage_problem import StageProblemBuilder  # noqa: E402
+
+GPT_TINY = ("layers=3", "hidden=256", "heads=8", "vocab=1000", "seq=128")
+GPT_INTERLEAVE = ("layers=4", "hidden=256", "heads=8", "vocab=1000", "seq=128")
+GPT_MEMORY = ("layers=3", "hidden=1024", "heads=16", "vocab=8000", "seq=512")
+LLAMA_TINY = ("layers=3", "hidden=256", "heads=8", "kv_heads=4", "vocab=1000", "seq=128")
+
+_CHAINS: dict[tuple, ir.LayerChain] = {}
+
+
+def chain_of(family: str, sets: tuple[str, ...]) -> ir.LayerChain:
+    key = (family, sets)
+    if key not in _CHAINS:
+        built = build_model(family, sets, batch=1, device="meta")
+        _CHAINS[key] = ir.build_layer_chain(ir.trace(built.module, built.example_inputs, model_name=built.name))
+    return _CHAINS[key]
+
+
+def yaml_cluster(tmp: Path, name: str, text: str) -> Cluster:
+    path = tmp / f"{name}.yaml"
+    path.write_text(text)
+    return Cluster.parse(str(path))
+
+
+def small_memory(tmp: Path, memory: str) -> Cluster:
+    return yaml_cluster(tmp, f"small-{memory}", f"""name: small-{memory}
+groups:
+  - device: a100-80gb
+    num_nodes: 2
+    devices_per_node: 2
+    memory: {memory}
+""")
+
+
+def mixed(tmp: Path) -> Cluster:
+    return yaml_cluster(tmp, "mixed", """name: mixed
+groups:
+  - name: a100
+    device: a100-80gb
+    num_nodes: 1
+    devices_per_node: 2
+  - name: v100
+    device: v100-32gb
+    num_nodes: 1
+    devices_per_node: 2
+""")
+
+
+def straggler(tmp: Path) -> Cluster:
+    return yaml_cluster(tmp, "straggler", """name: straggler
+groups:
+  - device: h100-sxm
+    num_nodes: 1
+    devices_per_node: 4
+    slowdown: {1: 0.5}
+""")
+
+
+@dataclass(frozen=True)
+class BruteResult:
+    best: float
+    per_candidate: dict          # candidate -> its best fitting step time (GPipe twins included)
+    estimates: int
+
+
+def brute_force(chain: ir.LayerChain, cluster: Cluster, batch: int, space: SearchSpace) -> BruteResult:
+    """Every candidate of the space, GPipe twins of the 1F1B ones, every partition and every recomputation per
+    stage (per rank for interleaved), each priced by `costmodel.estimate`: the fitting minimum."""
+    table = LayerCostTable(chain, cluster)
+    builder = StageProblemBuilder(chain, cluster, table)
+    cands, _ = enumerate_candidates(chain, cluster, batch, space)
+    twins = [replace(c, schedule=Schedule.GPIPE) for c in cands
+             if c.schedule is Schedule.ONE_F_ONE_B and c.mesh.pp > 1 and space.schedule is None]
+    options = (space.recompute,) if space.recompute is not None else tuple(Recompute)
+    n = len(chain.segments)
+    per: dict = {}
+    count = 0
+    for cand in cands + twins:
+        placements = builder.placements(cand)
+        if placements is None:
+            continue
+        costs = layer_cost_map(builder, cand, placements)
+        p = cand.mesh.pp
+        layouts = []
+        if cand.schedule is Schedule.INTERLEAVED:
+            chunks = even_stages(chain, p * cand.virtual_stages)
+            for rc in itertools.product(options, repeat=p):
+                layouts.append([StageSpec(c.start, c.stop, rc[j % p]) for j, c in enumerate(chunks)])
+        else:
+            for cuts in itertools.combinations(range(1, n), p - 1):
+                bounds = (0, *cuts, n)
+                for rc in itertools.product(options, repeat=p):
+                    layouts.append([StageSpec(bounds[i], bounds[i + 1], rc[i]) for i in range(p)])
+        for stages in layouts:
+            est = estimate(chain, cluster, cand.strategy(stages), layer_costs=costs, global_batch=batch)
+            count += 1
+            if est.fits and est.step_time_s < per.get(cand, math.inf):
+                per[cand] = est.step_time_s
+    return BruteResult(min(per.values(), default=math.inf), per, count)
+
+
+def _instances(tmp: Path) -> list[tuple[str, ir.LayerChain, Cluster, int, SearchSpace]]:
+    space = SearchSpace(max_microbatch_size=2, max_virtual_stages=2)
+    gpt, llama = chain_of("gpt", GPT_TINY), chain_of("llama", LLAMA_TINY)
+    inter, memory = chain_of("gpt", GPT_INTERLEAVE), chain_of("gpt", GPT_MEMORY)
+    return [
+        ("gpt 1x4 a100 b8", gpt, Cluster.parse("1x4xa100-80gb"), 8, space),
+        ("gpt 2x2 h100 b4", gpt, Cluster.parse("2x2xh100"), 4, space),
+        ("llama-gqa 2x2 a100 b8", llama, Cluster.parse("2x2xa100-80gb"), 8, space),
+        ("gpt-4-layers interleaved pp=2", inter, Cluster.parse("1x4xa100-80gb"), 8, space.with_changes(pp=2)),
+        ("gpt 1.1GB zero=0 (recompute)", memory, small_memory(tmp, "1.1GB"), 8, space.with_changes(zero_stage=0)),
+        ("gpt 1.2GB", memory, small_memory(tmp, "1.2GB"), 8, space),
+        ("gpt mixed a100+v100", gpt, mixed(tmp), 8, space),
+        ("llama straggler h100", llama, straggler(tmp), 4, space),
+    ]
+
+
+def test_search_matches_brute_force_on_a_grid(tmp_path: Path) -> None:
+    checked = estimates = 0
+    for name, chain, cluster, batch, space in _instances(tmp_path):
+        brute = brute_force(chain, cluster, batch, space)
+        result = search(chain, cluster, global_batch=batch, space=space)
+        got = result.best.estimate
+        assert got.fits, name
+        assert result.status == "optimal" and result.optimality_gap == 0.0
+        # The search's objective is the estimate of its plan, and it equals the brute-force optimum.
+        assert result.best.predicted_step_time_s == pytest.approx(got.step_time_s, rel=1e-9), name
+        assert got.step_time_s == pytest.approx(brute.best, rel=1e-9), name
+        assert result.lower_bound == pytest.approx(got.step_time_s, rel=1e-9)
+        checked += 1
+        estimates += brute.estimates
+    print(f"search == brute force on {checked} instances ({estimates} brute-force estimates)")
+    assert checked == 8
+
+
+def test_top_k_are_the_k_best_candidates(tmp_path: Path) -> None:
+    chain, cluster, space = chain_of("gpt", GPT_TINY), Cluster.parse("1x4xa100-80gb"), SearchSpace(
+        max_microbatch_size=2, max_virtual_stages=2)
+    brute = brute_force(chain, cluster, 8, space)
+    searched = {c: t for c, t in brute.per_candidate.items() if c.schedule is not Schedule.GPIPE}
+    expected = sorted(searched.values())[:4]
+    result = search(chain, cluster, global_batch=8, space=space, options=SearchOptions(top_k=4))
+    got = [r.estimate.step_time_s for r in result.ranked]
+    assert got == pytest.approx(expected, rel=1e-9)
+    assert len({r.candidate for r in result.ranked}) == 4
+
+
+def test_fixed_dimensions_are_respected_and_optimal() -> None:
+    chain, cluster = chain_of("gpt", GPT_TINY), Cluster.parse("1x4xa100-80gb")
+    space = SearchSpace.from_fixes(["tp=2", "pp=2", "recompute=full", "mbs=1"], max_virtual_stages=2)
+    result = search(chain, cluster, global_batch=8, space=space)
+    s = result.best.strategy
+    assert (s.tp, s.pp, s.microbatch_size) == (2, 2, 1)
+    assert {st.recompute for st in s.stages} == {Recompute.FULL}
+    assert result.best.estimate.step_time_s == pytest.approx(brute_force(chain, cluster, 8, space).best, rel=1e-9)
+
+
+def test_search_objective_equals_estimate_on_random_partitions(tmp_path: Path) -> None:
+    """The partition problem's objective for any partition is `costmodel.estimate` of that strategy."""
+    rng = random.Random(11)
+    checked = 0
+    cases = [(chain_of("gpt", GPT_INTERLEAVE), Cluster.parse("2x4xa100-80gb")),
+             (chain_of("llama", LLAMA_TINY), mixed(tmp_path)),
+             (chain_of("gpt", GPT_TINY), yaml_cluster(tmp_path, "dc", """name: dc
+groups:
+  - device: h100-sxm
+    num_nodes: 4
+    devices_per_node: 2
+tiers:
+  - name: node
+  - name: datacenter
+    size: 4
+    bandwidth: 50GB/s
+  - name: wan
+    bandwidth: 0.5GB/s
+    latency: 1ms
+"""))]
+    for chain, cluster in cases:
+        builder = StageProblemBuilder(chain, cluster, LayerCostTable(chain, cluster))
+        cands, _ = enumerate_candidates(chain, cluster, 16, SearchSpace(max_microbatch_size=4))
+        cands += [replace(c, schedule=Schedule.GPIPE) for c in cands
+                  if c.schedule is Schedule.ONE_F_ONE_B and c.mesh.pp > 1]
+        for cand in rng.sample(cands, min(40, len(cands))):
+            built = builder.build(cand, tuple(Recompute))
+            problem = built.problem
+            for _ in range(3):
+                if built.chunks:
+                    stages = [StageChoice(k, k + 1, rng.choice(problem.options)) for k in range(problem.num_stages)]
+                else:
+                    cuts = sorted(rng.sample(range(1, problem.num_segments), problem.num_stages - 1))
+                    bounds = [0, *cuts, problem.num_segments]
+                    stages = [StageChoice(bounds[i], bounds[i + 1], rng.choice(problem.options))
+                              for i in range(problem.num_stages)]
+                value = evaluate(problem, stages)[0]
+                strategy = cand.strategy(built.stages(Partition(tuple(stages), value, (), (), 0)))
+                est = estimate(chain, cluster, strategy, layer_costs=layer_cost_map(builder, cand, built.placements),
+                               global_batch=16)
+                assert est.fits == math.isfinite(value), (cand.label, est.problems)
+                if est.fits:
+                    assert value == pytest.approx(est.step_time_s, rel=1e-9), cand.label
+                    checked += 1
+    assert checked > 150
+
+
+def test_search_is_deterministic() -> None:
+    chain, cluster = chain_of("gpt", GPT_TINY), Cluster.parse("2x2xh100")
+    space = SearchSpace(max_microbatch_size=2)
+    a = search(chain, cluster, global_batch=8, space=space, options=SearchOptions(top_k=3))
+    b = search(chain, cluster, global_batch=8, space=space, options=SearchOptions(top_k=3))
+    assert [r.strategy for r in a.ranked] == [r.strategy for r in b.ranked]
+    assert a.alternatives == b.alternatives
+    assert (a.candidates, a.pruned, a.status) == (b.candidates, b.pruned, b.status)
+
+
+def test_nothing_fits_says_the_memory_that_would(tmp_path: Path) -> None:
+    chain = chain_of("gpt", GPT_MEMORY)
+    with pytest.raises(InfeasibleError, match=r"nothing fits in 0\.93 GiB per device: the least memory any "
+                                              r"strategy needs is \d+\.\d\d GiB per device \(dp=") as err:
+        search(chain, small_memory(tmp_path, "1.0GB"), global_batch=8)
+    assert "what would help: more devices to spread layers" in str(err.value)
+    # ...and with that much memory (rounded up to the printed 0.01 GiB) it does fit, with a little less it does not.
+    need = float(str(err.value).split("needs is ")[1].split(" GiB")[0])
+    assert search(chain, small_memory(tmp_path, f"{(need + 0.01) * 2**30:.0f}"), global_batch=8).best.estimate.fits
+    with pytest.raises(InfeasibleError):
+        search(chain, small_memory(tmp_path, f"{(need - 0.01) * 2**30:.0f}"), global_batch=8)
+
+
+def test_empty_space_is_a_user_error() -> None:
+    chain, cluster = chain_of("gpt", GPT_TINY), Cluster.parse("1x4xa100-80gb")
+    with pytest.raises(UserError, match="no valid strategy: tp=3 does not divide heads=8"):
+        search(chain, Cluster.parse("1x3xa100-80gb"), global_batch=8, space=SearchSpace(tp=3))
+    with pytest.raises(UserError, match="no strategy matches"):
+        search(chain, cluster, global_batch=8, space=SearchSpace(dp=3))
+
+
+def test_time_limit_returns_the_best_so_far() -> None:
+    chain, cluster = chain_of("gpt", GPT_INTERLEAVE), Cluster.parse("4x8xa100-80gb")
+    full = search(chain, cluster, global_batch=64)
+    cut = search(chain, cluster, global_batch=64, options=SearchOptions(time_limit_s=1e-9))
+    assert cut.status == "feasible" and cut.cut_short
+    assert cut.best.estimate.fits
+    assert cut.best.objective >= full.best.objective
+    assert 0.0 <= cut.optimality_gap < 1.0
+    assert cut.lower_bound <= full.best.objective * (1 + 1e-9)
