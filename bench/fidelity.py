@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,8 +57,10 @@ TIMED_STEPS = 3
 SEED = 0
 LAUNCH_CHUNK = 48
 """Strategies per torchrun launch: amortizes its start-up, bounds what one crash loses."""
-LAUNCH_TIMEOUT_S = 900
-PROCESS_GROUP_TIMEOUT_S = 120
+CASE_TIMEOUT_S = 75
+"""A launch whose next strategy has not finished after this long (start-up included) is killed as hung."""
+PROCESS_GROUP_TIMEOUT_S = 60
+CONTROL_TIMEOUT_S = 20
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "fidelity.json"
 DOC = ROOT / "docs" / "fidelity.md"
@@ -282,12 +285,7 @@ def run_cases(cases: Sequence[Case], nproc: int, work: Path) -> dict[str, dict[s
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                str(Path(__file__).resolve()), "--worker", str(plans_path), str(out_path)]
         log = work / f"launch-{nproc}-{launch}.log"
-        with log.open("w") as f:
-            try:
-                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=LAUNCH_TIMEOUT_S,
-                                    check=False).returncode
-            except subprocess.TimeoutExpired:
-                rc = -1
+        rc = _launch(cmd, log, out_path)
         done = {}
         if out_path.exists():
             for line in out_path.read_text().splitlines():
@@ -296,11 +294,38 @@ def run_cases(cases: Sequence[Case], nproc: int, work: Path) -> dict[str, dict[s
         results.update(done)
         rest = [c for c in chunk if c.id not in done]
         if rest and rc != 0:  # the launch died on the first unfinished case: record it, go on with the others
-            results[rest[0].id] = {"id": rest[0].id, "error": f"launch exited with {rc} (see {log.name})"}
+            errors = [json.loads(p.read_text()) for p in sorted(work.glob(f"{out_path.name}.rank*.err"))]
+            mine = [e["error"] for e in errors if e["id"] == rest[0].id]
+            results[rest[0].id] = {"id": rest[0].id,
+                                   "error": mine[0] if mine else f"launch exited with {rc} (hung or crashed)"}
             rest = rest[1:]
         pending = rest + pending[LAUNCH_CHUNK:]
         launch += 1
     return results
+
+
+def _rows(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _launch(cmd: Sequence[str], log: Path, out_path: Path) -> int:
+    """Run one torchrun launch; kill it when no strategy has finished for `CASE_TIMEOUT_S` (a hung collective:
+    sub-groups wait up to torch's 30-minute default), so one hang costs a minute, not the benchmark."""
+    import signal
+
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        rows, last = 0, time.monotonic()
+        while proc.poll() is None:
+            time.sleep(1.0)
+            now_rows = _rows(out_path)
+            if now_rows != rows:
+                rows, last = now_rows, time.monotonic()
+            elif time.monotonic() - last > CASE_TIMEOUT_S:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return -9
+        return proc.returncode
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -423,6 +448,23 @@ def _timed_optimizer(params: list[Any]) -> Any:
     return opt
 
 
+def _process_groups() -> set[Any]:
+    """The process groups that exist now, the default one excluded (torch keeps them in its group registry)."""
+    import torch.distributed as dist
+
+    default = dist.distributed_c10d._get_default_group()
+    return {g for g in dist.distributed_c10d._world.pg_map if g is not default}
+
+
+def _destroy_quietly(group: Any) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.destroy_process_group(group)
+    except Exception:  # noqa: BLE001, S110 -- already torn down by a failed collective
+        pass
+
+
 def worker(plans_path: str, out_path: str) -> int:
     import torch
     import torch.distributed as dist
@@ -436,24 +478,34 @@ def worker(plans_path: str, out_path: str) -> int:
     probe = build_model(MODEL, SETS, batch=1, device="meta")
     chain = ir.build_layer_chain(ir.trace(probe.module, probe.example_inputs, model_name=MODEL, dtype=DTYPE))
     cases = json.loads(Path(plans_path).read_text())
-    try:
-        for case in cases:
-            started = time.perf_counter()
-            try:
-                row = {"id": case["id"], **_run_plan(case["plan"], chain)}
-            except Exception as e:  # noqa: BLE001 -- one failing strategy is a result, not the end of the launch
-                row = {"id": case["id"], "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
-            # every rank must agree the case is over before the next one starts
-            outcome: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(outcome, "error" in row)
-            if any(outcome) and "error" not in row:
-                row = {"id": case["id"], "error": "another rank failed"}
-            row["wall_s"] = time.perf_counter() - started
-            if rank == 0:
-                with open(out_path, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-    finally:
-        dist.destroy_process_group()
+    # A separate group for agreeing on each strategy's outcome, with a short timeout: if a peer is stuck where
+    # this rank cannot reach it, the exchange fails fast and the launch ends (the driver relaunches the rest).
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
+    for case in cases:
+        started = time.perf_counter()
+        before = _process_groups()
+        try:
+            row = {"id": case["id"], **_run_plan(case["plan"], chain)}
+        except Exception as e:  # noqa: BLE001 -- recorded as the strategy's result
+            row = {"id": case["id"], "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+            # Close the groups this strategy opened: peers blocked in them get an error instead of waiting.
+            for g in _process_groups() - before:
+                _destroy_quietly(g)
+        outcome: list[Any] = [None] * dist.get_world_size()
+        try:
+            dist.all_gather_object(outcome, row.get("error"), group=control)
+        except Exception:  # noqa: BLE001 -- a peer is stuck: end the launch, the driver records the strategy
+            Path(f"{out_path}.rank{rank}.err").write_text(json.dumps(
+                {"id": case["id"], "error": row.get("error") or "a peer rank hung"}))
+            os._exit(3)
+        errors = [e for e in outcome if e]
+        if errors:
+            row = {"id": case["id"], "error": errors[0]}
+        row["wall_s"] = time.perf_counter() - started
+        if rank == 0:
+            with open(out_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    dist.destroy_process_group()
     return 0
 
 
@@ -474,6 +526,8 @@ def summarize(cases: Sequence[Case], measured: Mapping[str, Mapping[str, Any]], 
     best = min(meas) if meas else math.nan
     chosen = [c for c in ok if f"choice:{model}" in c.labels]
     chosen_time = measured[chosen[0].id]["step_time_s"] if chosen else math.nan
+    # When the planner's choice did not run (a bug in applying it), the fastest-predicted strategy that ran
+    runnable = min(ok, key=lambda c: c.predicted[model]["step_time_s"]) if ok else None
     return {
         "strategies": len(ok),
         "spearman": spearman(pred, meas) if len(ok) > 1 else math.nan,
@@ -483,6 +537,8 @@ def summarize(cases: Sequence[Case], measured: Mapping[str, Mapping[str, Any]], 
         "regret": chosen_time / best if chosen else math.nan,
         "choice": describe(chosen[0].key) if chosen else None,
         "choice_measured_s": chosen_time,
+        "regret_runnable": measured[runnable.id]["step_time_s"] / best if runnable else math.nan,
+        "choice_runnable": describe(runnable.key) if runnable else None,
         "best": describe(ok[meas.index(best)].key) if ok else None,
         "best_measured_s": best,
     }
@@ -567,13 +623,14 @@ def _fmt(x: Any, pct: bool = False) -> str:
 
 def markdown_table(report: Mapping[str, Any]) -> str:
     rows = ["| cluster | model | strategies | Spearman | MAPE (time) | memory error (mean / max) | regret | "
-            "planner's choice (measured) | best measured |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "regret among runnable | planner's choice (measured) | best measured |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for spec, per in report["clusters"].items():
         for model, s in per["summary"].items():
             rows.append(f"| {spec} | {model} | {s['strategies']} | {_fmt(s['spearman'])} | {_fmt(s['mape'], True)} | "
                         f"{_fmt(s['memory_error'], True)} / {_fmt(s['memory_error_max'], True)} | "
-                        f"{_fmt(s['regret'])} | {s['choice']} ({_fmt(s['choice_measured_s'])} s) | "
+                        f"{_fmt(s['regret'])} | {_fmt(s['regret_runnable'])} ({s['choice_runnable']}) | "
+                        f"{s['choice']} ({_fmt(s['choice_measured_s'])} s) | "
                         f"{s['best']} ({_fmt(s['best_measured_s'])} s) |")
     return "\n".join(rows)
 
@@ -581,14 +638,27 @@ def markdown_table(report: Mapping[str, Any]) -> str:
 def update_doc(report: Mapping[str, Any]) -> None:
     """Replace the generated block of docs/fidelity.md (between the markers) with this run's table."""
     begin, end = "<!-- fidelity:begin -->", "<!-- fidelity:end -->"
+    diag = "\n\n".join(f"Where the time goes, {spec} ({model} model):\n\n{diagnosis_table(per['analysis'][model])}"
+                        for spec, per in report["clusters"].items() for model in ("profiled",))
     block = (f"{begin}\n{markdown_table(report)}\n\nRun {report['run']['date']}, {report['run']['wall_s']:.0f} s "
-             f"end to end ({report['run']['strategies_run']} strategy runs, {report['run']['failed']} failed).\n{end}")
+             f"end to end ({report['run']['strategies_run']} strategy runs, {report['run']['failed']} failed; "
+             f"load average {report['run']['load_avg']}).\n\n{diag}\n{end}")
     text = DOC.read_text() if DOC.exists() else f"# Cost-model fidelity\n\n{begin}\n{end}\n"
     if begin in text and end in text:
         text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
     else:
         text += "\n" + block + "\n"
     DOC.write_text(text)
+
+
+def _failures(cases: Sequence[Case], measured: Mapping[str, Mapping[str, Any]]) -> dict[str, list[str]]:
+    """Error message -> the strategies that failed with it (bugs to file against parallelize / the planner)."""
+    out: dict[str, list[str]] = {}
+    for c in cases:
+        err = measured.get(c.id, {"error": "missing"}).get("error")
+        if err:
+            out.setdefault(err[:160], []).append(describe(c.key))
+    return dict(sorted(out.items()))
 
 
 def _case_row(c: Case, m: Mapping[str, Any]) -> dict[str, Any]:
@@ -603,13 +673,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output", default=str(RESULTS))
     parser.add_argument("--no-doc", action="store_true", help="do not update docs/fidelity.md")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--from-results", default=None, metavar="JSON",
+                        help="recompute the metrics, the analysis and the doc table from an earlier run's JSON")
     parser.add_argument("--worker", nargs=2, metavar=("PLANS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(*args.worker)
+    if args.from_results:
+        return report_again(Path(args.from_results), Path(args.output), doc=not args.no_doc)
 
     started = time.perf_counter()
     chain = _trace_chain()
+    layers = max(Counter(s.class_id for s in chain.segments).values())  # transformer blocks
     report: dict[str, Any] = {"model": MODEL, "settings": list(SETS), "dtype": DTYPE, "global_batch": GLOBAL_BATCH,
                               "timed_steps": TIMED_STEPS,
                               "memory_measure": "torch.profiler profile_memory: peak live tensor bytes of the "
@@ -638,12 +713,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "collective_fits": fits},
                 "choices": choices,
                 "summary": {m: summarize(cases, measured, m) for m in ("profiled", "analytical")},
+                "analysis": {m: analyze(cases, measured, layers, m) for m in ("profiled", "analytical")},
+                "failures": _failures(cases, measured),
                 "cases": [_case_row(c, measured.get(c.id, {"error": "missing"})) for c in cases],
             }
             print(f"{spec}: {len(cases)} strategies, profile {t_profile:.0f} s, enumerate {t_enum:.0f} s, "
                   f"run {t_run:.0f} s", file=sys.stderr)
     report["run"] = {"date": datetime.date.today().isoformat(), "wall_s": time.perf_counter() - started,
-                     "strategies_run": total_runs, "failed": failed, "cpu_count": os.cpu_count()}
+                     "strategies_run": total_runs, "failed": failed, "cpu_count": os.cpu_count(),
+                     "load_avg": [round(x, 2) for x in os.getloadavg()]}
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(_clean(report), indent=1, sort_keys=True) + "\n")
@@ -651,6 +729,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         update_doc(report)
     print(json.dumps(_clean({k: v["summary"] for k, v in report["clusters"].items()}), indent=1)
           if args.json else markdown_table(report))
+    return 0
+
+
+def report_again(source: Path, output: Path, *, doc: bool) -> int:
+    """Recompute every derived number of a results JSON from its per-strategy rows (no strategy is rerun)."""
+    report = json.loads(source.read_text())
+    layers = max(Counter(s.class_id for s in _trace_chain().segments).values())
+    for spec, per in report["clusters"].items():
+        cases = [Case(id=r["id"], cluster=spec, key=tuple(r["key"]), plan={}, predicted=r["predicted"],
+                      labels=tuple(r["labels"])) for r in per["cases"]]
+        measured = {r["id"]: r["measured"] for r in per["cases"]}
+        per["summary"] = {m: summarize(cases, measured, m) for m in ("profiled", "analytical")}
+        per["analysis"] = {m: analyze(cases, measured, layers, m) for m in ("profiled", "analytical")}
+        per["failures"] = _failures(cases, measured)
+    report["run"].setdefault("load_avg", None)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(_clean(report), indent=1, sort_keys=True) + "\n")
+    if doc:
+        update_doc(report)
+    print(markdown_table(report))
     return 0
 
 

@@ -33,6 +33,11 @@ from typing import Any
 
 from costmodel.device import DeviceSpec
 
+MAX_DEVICES = 1 << 20
+"""Most devices a cluster spec may have: about ten times the largest announced training cluster (xAI Colossus,
+100,000 H100 GPUs, announced September 2024). A bigger count is a typo, and rank tables of that size would
+exhaust memory before any error could be reported."""
+
 
 @dataclass(frozen=True)
 class NetworkTier:
@@ -157,6 +162,9 @@ class Cluster:
             raise ValueError(f"cluster {self.name!r} has no device groups")
         if not self.tiers:
             raise ValueError(f"cluster {self.name!r} has no network tiers (at least the node tier)")
+        if self.num_devices > MAX_DEVICES:
+            raise ValueError(f"cluster {self.name!r} has {self.num_devices:,} devices; at most {MAX_DEVICES:,} "
+                             f"are supported (a typo in num_nodes or devices_per_node?)")
         _check_unique("group", [g.name for g in self.groups])
         _check_unique("tier", [t.name for t in self.tiers])
         self._check_tier_sizes()

@@ -7,12 +7,19 @@ attention are token-wise, so they run on 1/cp of the tokens; attention computes 
 keys, which is again 1/cp of the work. Weights are replicated over cp, and their gradients are reduced over the
 dp * cp ranks together (`costmodel.estimate.dp_group`).
 
-Given the segment's `LayerCost` for the full sequence at the strategy's tp and micro-batch (`base`), the cp cost:
+A rank's work for a micro-batch of b samples is then exactly that of b / cp whole samples: the token-wise ops see
+b * S / cp tokens either way, and attention does b * (S / cp) * S = (b / cp) * S^2 query-key products. So when cp
+divides the micro-batch, the segment's `LayerCost` at micro-batch b / cp (same tp) *is* the rank's compute,
+activations and TP communication (`per_rank_base`). Otherwise the cost at b (`base`) is scaled:
 
     compute, recompute, TP communication            base / cp
     saved activations, pipeline boundary bytes      base / cp
-    peak temporary bytes                            base / cp + 2 * K/V block   (the block in flight, double-buffered)
+    peak temporary bytes                            base / cp
     parameters, TP gradient sync                    unchanged
+
+(linear in the tokens: exact in FLOPs and bytes, optimistic only where GEMMs are too small to reach their peak
+efficiency, which long sequences -- the reason for cp -- are not). Either way the peak temporary bytes grow by
+2 K/V blocks (the block in flight, double-buffered).
 
 plus the ring exchange of each attention op. With kv = bytes of that op's K and V for the whole sequence on one
 device (after tensor parallelism shards the kv heads), the ring passes cp - 1 blocks of kv / cp, the volume of an
@@ -95,9 +102,9 @@ def kv_bytes(node: Node, *, scale: float, tp: int, dtype: str) -> float:
 
 def context_parallel_cost(base: LayerCost, nodes: Sequence[Node], device: DeviceSpec, cluster: Cluster, *,
                           cp: int, group: CommGroup, concurrent: int, microbatch_size: int, traced_batch: int,
-                          tp: int = 1, dtype: str = "bfloat16") -> LayerCost:
-    """The `LayerCost` of a segment whose tokens are split over `cp` ranks (module docstring), from its cost for
-    the whole sequence (`base`, at the same tp and micro-batch)."""
+                          tp: int = 1, dtype: str = "bfloat16", per_rank_base: bool = False) -> LayerCost:
+    """The `LayerCost` of a segment whose tokens are split over `cp` ranks (module docstring): from its cost at
+    the micro-batch (`base`, same tp), or, with `per_rank_base`, from its cost at micro-batch / cp."""
     if cp == 1:
         return base
     scale = microbatch_size / traced_batch
@@ -110,6 +117,14 @@ def context_parallel_cost(base: LayerCost, nodes: Sequence[Node], device: Device
         bwd_ring += ring_exchange_s(kv, cp, group, cluster, window_s=w_bwd / cp, concurrent=concurrent,
                                     factor=2.0)
         kv_block = max(kv_block, kv / cp)
+    if per_rank_base:
+        return dataclasses.replace(
+            base,
+            fwd_comm_s=base.fwd_comm_s + fwd_ring,
+            bwd_comm_s=base.bwd_comm_s + bwd_ring,
+            recompute_full_s=base.recompute_full_s + fwd_ring,
+            peak_temp_bytes=base.peak_temp_bytes + round(2 * kv_block),
+        )
     return dataclasses.replace(
         base,
         fwd_compute_s=base.fwd_compute_s / cp,

@@ -7,7 +7,7 @@ field of the config class, with the field's declared type; `setting_types(spec)`
 
 The model is the architecture's language-model head (`LlamaForCausalLM`, `BertForMaskedLM`,
 `T5ForConditionalGeneration`, ...), built on the requested device ("meta" allocates nothing; a real device gets
-transformers' own initialization under a fixed seed). Training settings: no KV cache (`use_cache=False`), SDPA
+transformers' own initialization from torch's global RNG, which the caller seeds, as for the zoo). Training settings: no KV cache (`use_cache=False`), SDPA
 attention without a materialized mask for unpadded batches, and GShard capacity dispatch for mixture-of-experts
 layers (`models.hf_tracing` explains both, and why).
 
@@ -48,9 +48,6 @@ DEFAULT_SEQ = 128
 
 MAX_DEFAULT_SEQ = 4096
 """Cap on the default sequence length of a config.json model (its max_position_embeddings, when smaller)."""
-
-SEED = 0
-"""Seed of the weight initialization on real devices (builds are reproducible)."""
 
 
 class HFTask(enum.StrEnum):
@@ -360,8 +357,7 @@ def _construct(model_class: type, config: Any, device: torch.device) -> nn.Modul
         config._attn_implementation = hf_tracing.ATTENTION
     if _is_moe(config) and hasattr(config, "_experts_implementation"):
         config._experts_implementation = hf_tracing.EXPERTS
-    with _quiet_transformers(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
+    with _quiet_transformers():
         try:
             with device:
                 model = model_class(config)

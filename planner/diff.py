@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.plan import Plan
+from planner.timeline import segment_range
 
 GIB = 1 << 30
 
@@ -31,6 +32,10 @@ class DiffFormat(enum.StrEnum):
     TEXT = "text"
     MD = "md"
     JSON = "json"
+
+
+_QUANTITY_SECTIONS = frozenset({"predicted", "details", ""})
+"""Sections whose numbers get a % change ("" for the internal step-time/memory comparisons)."""
 
 
 class Unit(enum.StrEnum):
@@ -56,7 +61,10 @@ class Change:
 
     @property
     def pct(self) -> float | None:
-        """Relative change in percent for numbers (None for other values or a zero old value)."""
+        """Relative change in percent of a predicted quantity (None for settings such as degrees, which are
+        choices rather than quantities, for non-numbers and for a zero old value)."""
+        if self.section not in _QUANTITY_SECTIONS:
+            return None
         if _is_number(self.old) and _is_number(self.new) and self.old != 0:
             return (self.new - self.old) / abs(self.old) * 100.0
         return None
@@ -217,9 +225,9 @@ def _stage_pairs(old: Plan, new: Plan) -> Iterator[tuple[str, Any, Any, Unit]]:
     split when the strategy leaves the stages to the estimator."""
     def table(plan: Plan) -> list[dict[str, Any]]:
         if plan.strategy.stages:
-            return [{"segments": f"{s.start}-{s.stop - 1}", "recompute": s.recompute.value,
+            return [{"segments": segment_range(s.start, s.stop), "recompute": s.recompute.value,
                      "device_group": s.device_group} for s in plan.strategy.stages]
-        return [{"segments": f"{s.start}-{s.stop - 1}", "recompute": plan.strategy.recompute.value,
+        return [{"segments": segment_range(s.start, s.stop), "recompute": plan.strategy.recompute.value,
                  "device_group": None} for s in plan.predicted.stages]
 
     a, b = table(old), table(new)

@@ -14,7 +14,7 @@ from typing import Any
 
 from costmodel.breakdown import StageEstimate
 from planner.plan import Plan
-from planner.timeline import StepTimeline
+from planner.timeline import StepTimeline, segment_range
 
 GIB = 1 << 30
 
@@ -165,7 +165,7 @@ def explain_plan(plan: Plan, *, timeline: StepTimeline | None = None) -> Explana
 def _stage_row(s: StageEstimate) -> StageRow:
     parts = s.memory.to_dict()
     largest = max(sorted(parts), key=lambda k: parts[k])
-    return StageRow(index=s.index, segments=f"{s.start}-{s.stop - 1}", device=s.device, fwd_s=s.fwd_s,
+    return StageRow(index=s.index, segments=segment_range(s.start, s.stop), device=s.device, fwd_s=s.fwd_s,
                     bwd_s=s.bwd_s, peak_bytes=s.memory.total, capacity_bytes=s.capacity_bytes,
                     largest_part=largest)
 
@@ -182,7 +182,7 @@ def _bottleneck_text(stages: Sequence[StageEstimate], i: int, plan: Plan) -> str
         return "no stages"
     s = stages[i]
     work = s.fwd_s + s.bwd_s
-    text = (f"stage {i} (segments {s.start}-{s.stop - 1}, {s.device}): {_seconds(work)} per micro-batch "
+    text = (f"stage {i} (segments {segment_range(s.start, s.stop)}, {s.device}): {_seconds(work)} per micro-batch "
             f"(forward {_seconds(s.fwd_s)} + backward {_seconds(s.bwd_s)})")
     if len(stages) == 1:
         return text + "; a single stage, so no pipeline bubble"

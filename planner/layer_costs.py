@@ -80,11 +80,12 @@ class LayerCostTable:
             key = (device.name, tp, tp_stride, sequence_parallel, microbatch_size, split)
             costs = self._split_cache.get(key)
             if costs is None:
-                costs = self._split_cache[key] = self._split(prices, device, tp, microbatch_size, split)
+                costs = self._split_cache[key] = self._split(device, tp, tp_stride, sequence_parallel,
+                                                             microbatch_size, split)
             return tuple(costs[s.class_id] for s in self.chain.segments)
         return tuple(prices.costs[s.class_id] for s in self.chain.segments)
 
-    def _split(self, prices: ClassPrices, device: DeviceSpec, tp: int, mbs: int, split: AxisSplit
+    def _split(self, device: DeviceSpec, tp: int, tp_stride: int, sp: bool, mbs: int, split: AxisSplit
                ) -> dict[int, LayerCost]:
         from costmodel.collectives import CommGroup
         from costmodel.context_parallel import context_parallel_cost
@@ -92,13 +93,18 @@ class LayerCostTable:
 
         out: dict[int, LayerCost] = {}
         batch = self.chain.graph.batch_size
+        # A cp rank's share of a micro-batch of mbs samples costs what mbs / cp whole samples cost, when cp
+        # divides mbs (costmodel/context_parallel.py).
+        per_rank = split.cp > 1 and mbs % split.cp == 0
+        prices = self.prices(device, tp=tp, tp_stride=tp_stride, sequence_parallel=sp,
+                             microbatch_size=mbs // split.cp if per_rank else mbs)
         for cid, cost in prices.costs.items():
             segment = self.chain.representative(cid)
             nodes = self.chain.nodes_of(segment)
             cost = context_parallel_cost(cost, nodes, device, self.cluster, cp=split.cp,
                                          group=CommGroup(split.cp, split.cp_stride),
                                          concurrent=split.num_devices // split.cp, microbatch_size=mbs,
-                                         traced_batch=batch, tp=tp, dtype=self.dtype)
+                                         traced_batch=batch, tp=tp, dtype=self.dtype, per_rank_base=per_rank)
             out[cid] = expert_parallel_cost(cost, nodes, self.cluster, ep=split.ep,
                                             group=CommGroup(split.ep, split.ep_stride),
                                             concurrent=split.num_devices // split.ep,

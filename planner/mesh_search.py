@@ -9,8 +9,9 @@ For a device count ``N`` the meshes are every ordered factorization ``N = dp * t
   parallelism within a node");
 - ``dp`` divides the global batch (each replica gets ``global_batch / dp`` samples);
 - ``pp`` is at most the number of chain segments (every stage holds at least one segment);
-- ``ep`` (expert parallelism, issue 10) divides ``dp * cp`` and does not multiply the device count; until the
-  planner prices expert parallelism only ``ep = 1`` is generated, and likewise ``cp = 1``, but the loops are here.
+- ``ep`` (expert parallelism, issue 10) rides on the data-parallel ranks: the caller's ``ep_options`` (divisors
+  of the experts, `costmodel.expert_parallel.ep_options`) that divide ``dp``; it does not multiply the device
+  count. ``cp`` (context parallelism) comes from ``cp_options`` (`costmodel.context_parallel.cp_options`).
 
 Each mesh comes with a rank order (`Strategy.mesh_order`, innermost axis first = stride 1 = fastest tier). ``tp``
 is always innermost; the data-parallel and pipeline axes are tried in both orders, because which one crosses the

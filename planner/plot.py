@@ -66,9 +66,10 @@ def _draw_gantt(ax: Any, timeline: StepTimeline) -> None:
     """One row per stage (stage 0 on top); nested parts (recompute, TP comm) as thinner bars inside their op."""
     from matplotlib.patches import Patch
 
+    scale, unit = _time_unit(max(timeline.span_s, timeline.step_time_s))
     bars: dict[tuple[int, EventKind, int], list[tuple[float, float]]] = {}
     for e in timeline.events:
-        bars.setdefault((e.stage, e.kind, e.depth), []).append((e.start_s, e.duration_s))
+        bars.setdefault((e.stage, e.kind, e.depth), []).append((e.start_s * scale, e.duration_s * scale))
     for (stage, kind, depth), spans in sorted(bars.items()):
         height = 0.8 if depth == 0 else 0.35
         y = stage - height / 2
@@ -77,13 +78,22 @@ def _draw_gantt(ax: Any, timeline: StepTimeline) -> None:
                        linewidth=0.3)
     ax.set_ylim(timeline.num_stages - 0.5, -0.5)
     ax.set_yticks(range(timeline.num_stages), [f"stage {i}" for i in range(timeline.num_stages)])
-    ax.set_xlim(0, max(timeline.span_s, timeline.step_time_s))
-    ax.axvline(timeline.step_time_s, color="black", linestyle="--", linewidth=0.8)
-    ax.set_xlabel("time in step (s); dashed line: predicted step time")
+    ax.set_xlim(0, max(timeline.span_s, timeline.step_time_s) * scale)
+    ax.axvline(timeline.step_time_s * scale, color="black", linestyle="--", linewidth=0.8)
+    ax.set_xlabel(f"time in step ({unit}); dashed line: predicted step time")
     used = sorted({e.kind for e in timeline.events}, key=list(EventKind).index)
     ax.legend(handles=[Patch(color=KIND_COLORS[k], label=k.value) for k in used], loc="upper center",
               bbox_to_anchor=(0.5, -0.18), ncol=len(used), fontsize=8, frameon=False)
     ax.set_title("pipeline schedule per stage", fontsize=10)
+
+
+def _time_unit(seconds: float) -> tuple[float, str]:
+    """Scale factor and unit name that keep the time axis's numbers readable."""
+    if seconds >= 1:
+        return 1.0, "s"
+    if seconds >= 1e-3:
+        return 1e3, "ms"
+    return 1e6, "µs"
 
 
 def _draw_memory(ax: Any, plan: Plan) -> None:

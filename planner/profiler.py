@@ -99,8 +99,8 @@ class ProfileOptions:
     repeats: int = 11
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
     dtype: str | None = None
-    """Trace and run in this dtype (floating parameters and inputs cast); None keeps the model's. Profile keys
-    carry the traced dtype, so profile in the dtype the plan is made for."""
+    """Run the ops in this dtype (floating parameters and inputs cast; None keeps the model's): the dtype the plan
+    is priced in. Keys are those of the model as built, as `stratagem plan` traces it."""
     threads: int | None = 1
     """torch intra-op threads (torchrun gives each rank one); None leaves torch's default."""
     statistic: Statistic = Statistic.MEDIAN
@@ -567,11 +567,10 @@ class _Accumulator:
         self.skipped[v.signature] = SkippedOp(node.name, v.signature, reason)
 
 
-def _trace(model: nn.Module, inputs: Sequence[torch.Tensor], name: str, dtype: str | None
-           ) -> tuple[Graph, LayerChain | None]:
+def _trace(model: nn.Module, inputs: Sequence[torch.Tensor], name: str) -> tuple[Graph, LayerChain | None]:
     import ir
 
-    graph = ir.trace(model, tuple(inputs), model_name=name, dtype=dtype)
+    graph = ir.trace(model, tuple(inputs), model_name=name)
     try:
         chain = ir.build_layer_chain(graph)
     except ValueError:
@@ -588,8 +587,9 @@ def profile_module(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, 
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         if device.type == "meta":
             raise ValueError("profile_module needs a model with real weights, not one on the meta device")
-        # Keys come from a trace in `options.dtype` (as `stratagem plan --dtype` traces); the ops run in it too.
-        graph, chain = _trace(model, example_inputs, name, options.dtype)
+        # Keys come from the model as built, which is how `stratagem plan` traces it (the plan's dtype is a
+        # pricing parameter, not part of the key); the ops then run in `options.dtype`, the dtype planned with.
+        graph, chain = _trace(model, example_inputs, name)
         model, example_inputs = _cast(model, example_inputs, options.dtype)
         gm = runnable_graph(model, len(example_inputs))
         missing = sorted(n.name for n in graph.nodes

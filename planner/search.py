@@ -3,28 +3,42 @@ partition with per-stage recomputation (inner). Branch and bound over candidates
 
 Formulation
 -----------
-A *candidate* fixes everything but the stage partition and the recomputation: the mesh (dp, tp, pp and their rank
-order, `planner.mesh_search`), the micro-batch size ``mbs`` and count ``m`` with ``global_batch = dp * mbs * m``,
-the schedule (GPipe, 1F1B, interleaved with v chunks per rank), the ZeRO stage and sequence parallelism. The
-space, for a free dimension:
+A *candidate* fixes everything but the stage partition and the recomputation: the mesh (dp, tp, pp [, cp, ep]
+and their rank order, `planner.mesh_search`), the micro-batch size ``mbs`` and count ``m`` with
+``global_batch = dp * mbs * m``, the schedule (1F1B, interleaved with v chunks per rank, GPipe when pinned), the
+ZeRO stage and sequence parallelism. The space, for a free dimension:
 
-- meshes: every mesh of `enumerate_meshes` on all devices (also on whole-node subsets for `--objective cost`, or
-  when `SearchSpace.whole_nodes_only` is False); tp must divide the attention heads (and relate to the kv heads)
-  as `costmodel.estimate` requires;
+- device counts (`device_counts`): all available devices, and whole-node subsets (every one for
+  ``--objective cost``; a power-of-two number of nodes for time, so that a failed device does not rule out most
+  meshes); within one node every count;
+- meshes: every mesh of `enumerate_meshes` on those counts; tp must divide the attention heads (and relate to
+  the kv heads) as `costmodel.estimate` requires;
 - ``mbs``: divisors of ``global_batch / dp`` up to `SearchSpace.max_microbatch_size`;
-- schedule: 1F1B when pp == 1; else GPipe, 1F1B, and interleaved with v in 2..max_virtual_stages when the
-  repeated layer class divides into p*v equal chunks and ``m`` is a multiple of p (Megatron-LM's conditions);
+- schedule: 1F1B; when pp > 1 also interleaved with v in 2..max_virtual_stages when the repeated layer class
+  divides into p*v equal chunks and ``m`` is a multiple of p (Megatron-LM's conditions). GPipe is searched only
+  when pinned: on the same stages it is never faster than 1F1B (``sum F + (m-1) max F + sum B + (m-1) max B >=
+  sum(F+B) + (m-1) max(F+B)``) and keeps all m micro-batches in flight instead of ``min(p - k, m)``, with the same
+  drain and tails, so 1F1B is at least as good on every partition (the brute-force tests include GPipe);
 - ZeRO 0..3 when dp > 1 (0 otherwise); SP on and off when tp > 1.
 
 Middle level: `LayerCostTable` prices each layer class once per (device, tp, sp, mbs) -- the intra-operator
 ILP for tp > 1 -- and the inner level (`planner.stage_problem` + `planner.stage_partition`) finds the candidate's
 best partition and per-stage recomputation exactly, minimizing the same step-time formula as `costmodel.estimate`.
 
-Branch and bound: every candidate gets a lower bound from tp == 1 prices (`stage_problem.cheap_lower_bound`);
-candidates are visited in increasing bound order (ties in a fixed order) and the search stops when the next bound
-is no better than the K-th best objective found, which proves the K best optimal for this space. The partition DP
-itself prunes with the same incumbent. A time limit stops the loop early: the result is then "feasible" and the
-optimality gap compares the best plan with the smallest bound not yet explored.
+Branch and bound, best first over a heap of lower bounds, each level valid for everything below it:
+
+- level 0, a device count d: the step's model FLOPs at the dense peak of the fastest device, spread over d;
+- level 1, a candidate: tp == 1 prices divided by tp (and cp), the pipeline's (m - 1/v)/p share, and the
+  optimizer step of an even parameter split (`stage_problem.cheap_lower_bound`); inf when the parameter state
+  alone cannot fit;
+- level 2, a candidate with its layer classes priced (the sharding ILP): compute + TP communication, the
+  bottleneck of the best contiguous split (`stage_problem.tight_lower_bound`);
+- then the exact partition DP, which itself prunes with the same incumbent.
+
+An entry is expanded (0), refined (1) or solved (2) only while its bound is below the K-th best objective found;
+when the heap's smallest bound reaches it, the K best are proven optimal for this space. A time limit stops the
+loop early: the result is then "feasible" and the optimality gap compares the best plan with the smallest bound
+not yet explored. Ties are broken by a fixed key, so the result never depends on timing unless cut short.
 
 Objective: step time, or cost = step time x (sum of the used devices' prices per second).
 """
@@ -40,10 +54,16 @@ from dataclasses import dataclass, field
 
 from costmodel.breakdown import Estimate
 from costmodel.cluster import Cluster
-from costmodel.context_parallel import cp_options
+from costmodel.context_parallel import cp_options, cp_problem
 from costmodel.estimate import estimate as costmodel_estimate
 from costmodel.estimate import even_stages
-from costmodel.expert_parallel import ep_options, expert_param_numel, num_experts, optimizer_params
+from costmodel.expert_parallel import (
+    ep_options,
+    ep_problem,
+    expert_param_numel,
+    num_experts,
+    optimizer_params,
+)
 from costmodel.expert_parallel import model_state_bytes as expert_state_bytes
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import GIB, framework_overhead_bytes, model_state_bytes
@@ -70,7 +90,8 @@ class SearchOptions:
     top_k: int = 1
     """How many distinct strategies (different candidates) to return, best first."""
     time_limit_s: float | None = None
-    """Stop after this many seconds of search with the best found so far (status "feasible")."""
+    """Stop after this many seconds of search with the best found so far (status "feasible"). The limit is checked
+    between candidates; if it passes before any plan is found, the search stops at the first one."""
     progress: Progress | None = None
     """Called as progress(candidates done, candidates total, best objective so far)."""
     num_alternatives: int = 8
@@ -147,7 +168,7 @@ class _MeshRecord:
 
 # ---- the space ---------------------------------------------------------------------------------------------------
 
-def _head_problem(chain: LayerChain, tp: int) -> str:
+def head_problem(chain: LayerChain, tp: int) -> str:
     """Why tensor parallelism of degree tp cannot shard the attention heads ('' when it can)."""
     for n in chain.graph.nodes:
         h = n.attr("num_heads")
@@ -229,7 +250,7 @@ def candidates_for(num_devices: int, chain: LayerChain, cluster: Cluster, global
                               max_pp=len(chain.segments), dp=space.dp, tp=space.tp, pp=space.pp,
                               tp_across_nodes=space.tp_across_nodes, cp_options=cps, ep_options=eps)
     for mesh in meshes:
-        why = _head_problem(chain, mesh.tp)
+        why = head_problem(chain, mesh.tp)
         if why:
             invalid[(mesh.dp, mesh.tp, mesh.pp)] = why
             continue
@@ -289,7 +310,7 @@ def layer_cost_map(builder: StageProblemBuilder, cand: Candidate, placements) ->
     return out
 
 
-def _sharding_of(builder: StageProblemBuilder, cand: Candidate, placements) -> tuple[ModuleSharding, ...]:
+def sharding_of(builder: StageProblemBuilder, cand: Candidate, placements) -> tuple[ModuleSharding, ...]:
     if cand.mesh.tp == 1:
         return ()
     prices = builder.table.prices(placements[0].device, tp=cand.mesh.tp, tp_stride=1,
@@ -408,11 +429,15 @@ class _Search:
         interleaved = cand.schedule is Schedule.INTERLEAVED
         key = (tuple(sorted({(pl.device.name, pl.speed) for pl in placements})), m.tp, m.stride(MeshAxis.TP), cand.sequence_parallel, cand.microbatch_size, m.pp,
                cand.num_microbatches, cand.virtual_stages if interleaved else 1,
-               (m.dp, m.cp, m.mesh_order) if interleaved and m.pp > 1 else ())
+               (m.dp, m.cp, m.mesh_order) if interleaved and m.pp > 1 else (),
+               # Issue 10: cp / ep change the segment prices (planner/layer_costs.AxisSplit).
+               (m.cp, m.stride(MeshAxis.CP), m.ep, m.stride(MeshAxis.DP), m.num_devices))
         pipe = self._pipeline_bound.get(key)
         if pipe is None:
             # Each rank's work priced on its own device and speed; the bound takes the cheapest per segment.
-            costs = [(self.builder.segment_costs(cand, pl.device), pl.speed) for pl in placements]
+            costs = [(self.builder.segment_costs(cand, device), speed)
+                     for device, speed in {(pl.device.name, pl.speed): (pl.device, pl.speed)
+                                           for pl in placements}.values()]
             chunks: tuple = ()
             p2p: list[float] = []
             if interleaved:
@@ -533,7 +558,7 @@ def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: Sea
     """The best strategies for training `chain` on `cluster` with `global_batch` samples per step.
 
     Raises InfeasibleError when no strategy of the space fits in memory, UserError for an empty space (pins that
-    contradict the cluster or batch) or a time limit too small to find any plan."""
+    contradict the cluster or batch)."""
     started = time.monotonic()
     space = space or SearchSpace()
     options = options or SearchOptions()
@@ -548,9 +573,6 @@ def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: Sea
         candidates, invalid = enumerate_candidates(chain, cluster, global_batch, space, options.objective)
         if not candidates:
             raise UserError(_empty_space_message(chain, cluster, global_batch, space, invalid))
-        if cut_short or state.out_of_time():
-            raise UserError(f"--time-limit {options.time_limit_s:g} s is too small: no plan was found in time; "
-                            f"give it more seconds")
         raise InfeasibleError(_nothing_fits_message(state, space))
     ranked = tuple(_finish(state, f) for f in state.found)
     best = ranked[0].objective
@@ -571,7 +593,7 @@ def _finish(state: _Search, found: _Found) -> RankedStrategy:
                              profile=state.builder.table.profile, global_batch=state.global_batch)
     return RankedStrategy(candidate=cand, strategy=found.strategy, objective=found.objective,
                           predicted_step_time_s=found.step_time_s, estimate=est,
-                          sharding=_sharding_of(state.builder, cand, placements), layer_costs=costs)
+                          sharding=sharding_of(state.builder, cand, placements), layer_costs=costs)
 
 
 # ---- explanations ------------------------------------------------------------------------------------------------
@@ -652,7 +674,25 @@ def _empty_space_message(chain: LayerChain, cluster: Cluster, global_batch: int,
     pins = ", ".join(f"{k}={v}" for k, v in space.pinned().items())
     if invalid and len(set(invalid.values())) == 1:
         return f"no valid strategy: {next(iter(invalid.values()))}" + (f" (pinned: {pins})" if pins else "")
-    n = cluster.num_devices
+    n, per_node = cluster.num_available, _node_size(cluster)
+    # Name the first pin that cannot work on its own, else describe the whole space.
+    # Issue 10: a pinned cp / ep the model cannot use (costmodel/context_parallel.py, expert_parallel.py).
+    why = (cp_problem(chain, space.cp) if space.cp is not None else "") or (
+        ep_problem(chain, space.ep) if space.ep is not None else "")
+    if why:
+        return f"no valid strategy: {why}"
+    if space.tp is not None:
+        if not space.tp_across_nodes and per_node % space.tp:
+            return (f"no valid strategy: tp={space.tp} does not divide the {per_node} devices per node (tensor "
+                    f"parallelism stays inside a node; --tp-across-nodes lets it span nodes)")
+        why = head_problem(chain, space.tp)
+        if why:
+            return f"no valid strategy: {why}"
+    if space.dp is not None and global_batch % space.dp:
+        return f"no valid strategy: dp={space.dp} does not divide the global batch {global_batch}"
+    if space.pp is not None and space.pp > len(chain.segments):
+        return (f"no valid strategy: pp={space.pp} is more than the {len(chain.segments)} segments of the layer "
+                f"chain (each stage needs one)")
     hint = f"pinned: {pins}; " if pins else ""
     return (f"no strategy matches: {hint}{n} devices, global batch {global_batch}, {len(chain.segments)} "
             f"layer-chain segments (dp must divide the batch, dp*tp*pp the devices, tp the devices per node)")

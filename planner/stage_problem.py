@@ -176,6 +176,13 @@ class StageProblemBuilder:
     _sig_cache: dict[CommGroup, tuple] = field(default_factory=dict, repr=False)
     _placements: dict[MeshCandidate, tuple[RankPlacement, ...] | None] = field(default_factory=dict, repr=False)
     _tied: list[tuple[int, np.ndarray, int]] | None = field(default=None, repr=False)
+    _physical: tuple[int, ...] | None = field(default=None, repr=False)
+    _speeds: tuple[float, ...] = field(default=(), repr=False)
+    _strategies: dict[tuple, Strategy] = field(default_factory=dict, repr=False)
+    _shared: dict[tuple, tuple[int, ...]] = field(default_factory=dict, repr=False)
+    _p2p_sig: dict[tuple, tuple] = field(default_factory=dict, repr=False)
+    _dp_comm: dict[tuple, object] = field(default_factory=dict, repr=False)
+    """`step_time.data_parallel_comm` results by what they depend on (the group through `collectives.spans`)."""
 
     # -- placement -------------------------------------------------------------------------------------------
     def placements(self, cand: Candidate) -> tuple[RankPlacement, ...] | None:
@@ -186,16 +193,35 @@ class StageProblemBuilder:
         return self._placements[cand.mesh]
 
     def _place(self, cand: Candidate) -> tuple[RankPlacement, ...] | None:
-        physical = self.cluster.available_ranks()
+        if self._physical is None:
+            self._physical = self.cluster.available_ranks()
+            self._speeds = tuple(self.cluster.speed_of(r) for r in self._physical)
+        physical, speeds = self._physical, self._speeds
         if cand.mesh.num_devices > len(physical):
             return None
-        strategy = cand.strategy()
+        strategy = self.strategy_of(cand)
         out = []
         for k in range(cand.mesh.pp):
             ranks = tuple(stage_ranks(strategy, k))
-            speed = min(self.cluster.speed_of(physical[r]) for r in ranks)
+            speed = min(speeds[r] for r in ranks)
             out.append(RankPlacement(ranks, self.cluster.device_of(physical[ranks[0]]), speed))
         return tuple(out)
+
+    def strategy_of(self, cand: Candidate) -> Strategy:
+        """The candidate's strategy without stages (cached: building a Strategy validates it)."""
+        key = (cand.mesh, cand.microbatch_size, cand.num_microbatches, cand.schedule, cand.virtual_stages,
+               cand.zero_stage, cand.sequence_parallel)
+        hit = self._strategies.get(key)
+        if hit is None:
+            hit = self._strategies[key] = cand.strategy()
+        return hit
+
+    def shared_copies(self, chunks: tuple[StageSpec, ...], pp: int) -> tuple[int, ...]:
+        """`costmodel.estimate.shared_parameter_copies` of fixed chunks (cached per chunking)."""
+        key = (tuple((c.start, c.stop) for c in chunks), pp)
+        if key not in self._shared:
+            self._shared[key] = shared_parameter_copies(self.chain, chunks, pp)
+        return self._shared[key]
 
     def segment_costs(self, cand: Candidate, device: DeviceSpec) -> tuple[LayerCost, ...]:
         m = cand.mesh
@@ -259,7 +285,7 @@ class StageProblemBuilder:
         return self._sig_cache[group]
 
     def _context(self, cand: Candidate, k: int, placement: RankPlacement) -> _RankContext:
-        strategy = cand.strategy()
+        strategy = self.strategy_of(cand)
         dpg, tpg = dp_group(strategy, k), tp_group(strategy, k)
         shared = CommGroup(2, stride=k * cand.mesh.stride(MeshAxis.PP)) if k > 0 else None
         m = cand.mesh
@@ -279,11 +305,15 @@ class StageProblemBuilder:
             plain = stage_time(segs, speed=ctx.speed)
             # Issue 10: expert weights are reduced over dp*cp/ep ranks (costmodel/expert_parallel.py).
             params = dp_synced_params((s.cost for s in segs), dp_size=m.dp * m.cp, ep=m.ep)
-            comm = data_parallel_comm(
-                zero_stage=cand.zero_stage, grad_bytes=params * wbytes, param_bytes=params * wbytes,
-                num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
-                bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=ctx.dp_group, cluster=self.cluster,
-                concurrent=m.tp * m.pp)
+            comm_key = (cand.zero_stage, params * wbytes, len(segs), plain.compute_fwd_s,
+                        plain.compute_bwd_s + plain.recompute_s, self._sig(ctx.dp_group), m.tp * m.pp)
+            comm = self._dp_comm.get(comm_key)
+            if comm is None:
+                comm = self._dp_comm[comm_key] = data_parallel_comm(
+                    zero_stage=cand.zero_stage, grad_bytes=params * wbytes, param_bytes=params * wbytes,
+                    num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
+                    bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=ctx.dp_group,
+                    cluster=self.cluster, concurrent=m.tp * m.pp)
             st = stage_time(segs, speed=ctx.speed, dp_fwd_s=comm.per_microbatch_fwd_s,
                             dp_bwd_s=comm.per_microbatch_bwd_s)
             fwd.append(st.fwd_s)
@@ -319,19 +349,25 @@ class StageProblemBuilder:
         """`costmodel.estimate.p2p_time`, cached by what the send depends on."""
         if cand.mesh.pp == 1 or nbytes <= 0:
             return 0.0
-        strategy = cand.strategy()
         m = cand.mesh
-        key = (self._sig(p2p_group(strategy, boundary)), nbytes, m.tp * m.cp * m.dp)
+        # The pair of a boundary depends on the mesh and on the boundary's rank (j % pp, or the wrap-around).
+        position = boundary % m.pp if (boundary + 1) % m.pp else -1
+        sig_key = (m, position)
+        sig = self._p2p_sig.get(sig_key)
+        if sig is None:
+            sig = self._p2p_sig[sig_key] = self._sig(p2p_group(self.strategy_of(cand), boundary))
+        key = (sig, nbytes, m.tp * m.cp * m.dp)
         if key not in self._p2p_cache:
-            self._p2p_cache[key] = p2p_time(strategy, boundary, nbytes, self.cluster)
+            self._p2p_cache[key] = p2p_time(self.strategy_of(cand), boundary, nbytes, self.cluster)
         return self._p2p_cache[key]
 
     def interleaved_p2p(self, cand: Candidate, chunks: Sequence[StageSpec],
                         placements: Sequence[RankPlacement]) -> list[float]:
         """Send seconds of each boundary between the fixed interleaved chunks."""
         p = cand.mesh.pp
-        return [self._p2p(cand, j, self.segment_costs(cand, placements[j % p].device)[chunks[j].stop - 1]
-                          .boundary_bytes) for j in range(len(chunks) - 1)]
+        costs = {pl.device.name: self.segment_costs(cand, pl.device) for pl in placements}
+        return [self._p2p(cand, j, costs[placements[j % p].device.name][chunks[j].stop - 1].boundary_bytes)
+                for j in range(len(chunks) - 1)]
 
     # -- problems --------------------------------------------------------------------------------------------
     def build(self, cand: Candidate, options: Sequence[Recompute], upper_bound: float = math.inf
@@ -353,7 +389,7 @@ class StageProblemBuilder:
         gpipe = cand.schedule is Schedule.GPIPE
         ns, nu = (2, 4) if gpipe else (1, 3)
         contexts = [self._context(cand, k, pl) for k, pl in enumerate(placements)]
-        strategy = cand.strategy()
+        strategy = self.strategy_of(cand)
         profile_index: dict[tuple, int] = {}
         profile: list[int] = []
         reps: list[int] = []
@@ -439,7 +475,7 @@ class StageProblemBuilder:
         s_arr, u_arr = np.zeros(shape + (1,)), np.zeros(shape + (3,))
         b_arr, a_arr, e_arr, c_arr, d_arr = (np.zeros(shape) for _ in range(5))
         costs_of = {pl.device.name: self.segment_costs(cand, pl.device) for pl in placements}
-        shared = [-(-x // cand.mesh.tp) for x in shared_parameter_copies(self.chain, chunks, p)]
+        shared = [-(-x // cand.mesh.tp) for x in self.shared_copies(chunks, p)]
         p2p = self.interleaved_p2p(cand, chunks, placements)
         for k, pl in enumerate(placements):
             ctx = self._context(cand, k, pl)

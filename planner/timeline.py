@@ -38,7 +38,8 @@ then the optimizer step (`breakdown.optimizer_s`). The timeline is built to span
    so S <= P; the difference P - S is an explicit idle event, "schedule slack", on every track, so the reader sees
    how much the closed form charges beyond the simulation.
 3. The tail is its own events on every track: "end-of-step comm (exposed)" of step_time_s - P - optimizer_s,
-   then "optimizer step".
+   then "optimizer step". (The plan does not split that communication into the gradient reduction before the
+   optimizer and ZeRO-1/2's weight all-gather after it, so it is shown as one slice before the optimizer.)
 
 Should a simulation ever exceed P, the span is longer than the prediction and `StepTimeline.model_gap_s` says
 by how much (`explain` reports it); the tests check that it stays 0.
@@ -129,7 +130,7 @@ class StepTimeline:
     simulated_pipeline_s: float
     """Span of the simulated pipeline part, before slack and the non-pipelined tail."""
     closed_form_pipeline_s: float
-    """P = step_time_s - dp_comm_s - optimizer_s: the pipeline part the cost model predicts."""
+    """P = m * max_r(fwd_r + bwd_r) + bubble_s + pp_comm_s: the pipeline part the cost model predicts."""
     p2p_s: float
     """Send/recv seconds per virtual-stage boundary used by the simulation (fitted to `pp_comm_s`)."""
     model_gap_s: float
@@ -313,7 +314,7 @@ def build_timeline(plan: Plan) -> StepTimeline:
         events += _tail_events(d, own_end=times[ops[-1]][1], simulated_end=simulated_s, pipeline_end=tail_start,
                                end_comm_s=end_comm_s, optimizer_s=bd.optimizer_s)
     events.sort(key=lambda e: (e.stage, e.start_s, e.depth))
-    labels = tuple(f"stage {s.index} ({s.device}, segments {s.start}-{s.stop - 1})" for s in stages)
+    labels = tuple(f"stage {s.index} ({s.device}, segments {segment_range(s.start, s.stop)})" for s in stages)
     gap = tail_start - pipeline_s
     return StepTimeline(events=tuple(events), stage_labels=labels, step_time_s=predicted.step_time_s,
                         simulated_pipeline_s=simulated_s, closed_form_pipeline_s=pipeline_s, p2p_s=p2p_s,
@@ -434,11 +435,18 @@ def timeline_to_chrome(timeline: StepTimeline, *, title: str = "stratagem plan")
     }
 
 
+def segment_range(start: int, stop: int) -> str:
+    """Segments [start, stop) as people write them: "4-7", or "3" for one segment."""
+    return str(start) if stop - start == 1 else f"{start}-{stop - 1}"
+
+
 def plan_title(plan: Plan) -> str:
     s = plan.strategy
     schedule = s.schedule.value + (f":{s.virtual_stages}" if s.virtual_stages > 1 else "")
+    step = plan.predicted.step_time_s
+    step_text = f"{step:.4g} s" if step >= 1 else f"{step * 1e3:.4g} ms"
     return (f"{plan.model.name}: dp={s.dp} tp={s.tp} pp={s.pp} mbs={s.microbatch_size} "
-            f"m={s.num_microbatches} {schedule}, step {plan.predicted.step_time_s:.4g} s")
+            f"m={s.num_microbatches} {schedule}, step {step_text}")
 
 
 def write_timeline(plan: Plan, path: str | Path) -> None:

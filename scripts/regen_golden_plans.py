@@ -10,6 +10,8 @@ Each plan is made by `stratagem plan` itself (the CLI in-process), so a golden p
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -82,7 +84,8 @@ def make_plan_json(entry: GoldenEntry, folder: Path) -> str:
     from planner.cli.main import main
 
     out = folder / f"{entry.name}.json"
-    code = main(entry.plan_argv(out))
+    with contextlib.redirect_stdout(io.StringIO()):  # the plan's report; only the file matters here
+        code = main(entry.plan_argv(out))
     if code != 0:
         raise RuntimeError(f"stratagem {' '.join(entry.plan_argv(out))} exited {code}")
     return out.read_text()

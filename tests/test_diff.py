@@ -48,7 +48,7 @@ def test_strategy_changes_are_named_rows():
     old = make_plan(tp=2, m=8)
     new = make_plan(tp=4, m=16, schedule=Schedule.GPIPE, recompute=Recompute.FULL, recompute_frac=0.2)
     got = changes(old, new)
-    assert got[("strategy", "tp")][:2] == (2, 4)
+    assert got[("strategy", "tp")] == (2, 4, None)  # a choice, not a quantity: no % change
     assert got[("strategy", "num_microbatches")][:2] == (8, 16)
     assert got[("strategy", "schedule")][:2] == ("1f1b", "gpipe")
     assert got[("strategy", "recompute")][:2] == ("none", "full")

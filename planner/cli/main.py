@@ -17,6 +17,8 @@ from planner.errors import UserError
 COMMAND_MODULES: tuple[str, ...] = (
     "planner.cli.models_cmd",
     "planner.cli.trace_cmd",
+    "planner.cli.plan_cmd",
+    "planner.cli.estimate_cmd",
     "planner.cli.explain_cmd",
     "planner.cli.diff_cmd",
     "planner.cli.run_cmd",

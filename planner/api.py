@@ -1,0 +1,185 @@
+"""The planner's Python API: `plan` (search, then a `Plan`) and `estimate` (price one given strategy).
+
+    plan = planner.plan(model, example_inputs, "128x8xa100-80gb", global_batch=1536)
+    plan = planner.plan(chain, None, cluster, global_batch=1536, space=SearchSpace(tp=8))
+    est = planner.estimate(chain, cluster, Strategy(dp=8, tp=8, pp=16, microbatch_size=1, num_microbatches=192))
+
+`planner.estimate` solves the tensor-parallel sharding of every layer class (the same `LayerCostTable` the search
+uses) and then calls `costmodel.estimate`, so the estimate of a searched plan's strategy is the plan's prediction.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch.nn as nn
+
+import ir
+from costmodel.breakdown import Estimate
+from costmodel.cluster import Cluster
+from costmodel.estimate import estimate as costmodel_estimate
+from costmodel.estimate import even_stages
+from costmodel.strategy import Schedule, Strategy
+from ir.graph import Graph
+from ir.layer_chain import LayerChain
+from planner.errors import UserError
+from planner.layer_costs import LayerCostTable
+from planner.mesh_search import MeshCandidate
+from planner.plan import ModelInfo, ModuleSharding, Plan, SearchInfo, TrainingConfig
+from planner.search import SearchOptions, SearchResult, layer_cost_map, search, sharding_of
+from planner.search_space import Objective, SearchSpace
+from planner.stage_problem import Candidate, StageProblemBuilder
+
+Progress = Callable[[int, int, float | None], None]
+
+
+def as_chain(model_or_chain: nn.Module | Graph | LayerChain, inputs: Any = None, *, model_name: str = "model",
+             dtype: str | None = None) -> LayerChain:
+    """A `LayerChain` from a chain, a traced graph, or a module and its example inputs (traced here)."""
+    if isinstance(model_or_chain, LayerChain):
+        return model_or_chain
+    if isinstance(model_or_chain, Graph):
+        return ir.build_layer_chain(model_or_chain)
+    if isinstance(model_or_chain, nn.Module):
+        if inputs is None:
+            raise ValueError("planning an nn.Module needs its example inputs (a tuple of tensors or TensorSpecs, "
+                             "or a dict of keyword arguments)")
+        return ir.build_layer_chain(ir.trace(model_or_chain, inputs, model_name=model_name, dtype=dtype))
+    raise TypeError(f"expected an nn.Module, ir.Graph or ir.LayerChain, got {type(model_or_chain).__name__}")
+
+
+def as_cluster(cluster: Cluster | str) -> Cluster:
+    return cluster if isinstance(cluster, Cluster) else Cluster.parse(cluster)
+
+
+def plan(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any, cluster: Cluster | str, *,
+         global_batch: int, space: SearchSpace | None = None, objective: Objective | str = Objective.TIME,
+         time_limit_s: float | None = None, dtype: str = "bfloat16", model_name: str | None = None,
+         settings: Sequence[tuple[str, Any]] = (), progress: Progress | None = None, profile: Any = None) -> Plan:
+    """The best plan for training the model on `cluster` with `global_batch` samples per step (module docstring).
+
+    Raises `planner.errors.InfeasibleError` when nothing fits, `UserError` for an empty search space."""
+    return plan_top(model_or_chain, inputs_or_spec, cluster, global_batch=global_batch, top_k=1, space=space,
+                    objective=objective, time_limit_s=time_limit_s, dtype=dtype, model_name=model_name,
+                    settings=settings, progress=progress, profile=profile)[0]
+
+
+def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any, cluster: Cluster | str, *,
+             global_batch: int, top_k: int = 1, space: SearchSpace | None = None,
+             objective: Objective | str = Objective.TIME, time_limit_s: float | None = None,
+             dtype: str = "bfloat16", model_name: str | None = None, settings: Sequence[tuple[str, Any]] = (),
+             progress: Progress | None = None, profile: Any = None) -> tuple[Plan, ...]:
+    """The `top_k` best distinct strategies as plans, best first (each carries the same search information)."""
+    name = model_name or getattr(model_or_chain, "model_name", None) or type(model_or_chain).__name__
+    chain = as_chain(model_or_chain, inputs_or_spec, model_name=name)
+    cluster = as_cluster(cluster)
+    options = SearchOptions(objective=Objective(objective), top_k=top_k, time_limit_s=time_limit_s,
+                            progress=progress)
+    result = search(chain, cluster, global_batch=global_batch, space=space, options=options, dtype=dtype,
+                    profile=profile)
+    info = _model_info(chain, model_name or chain.graph.model_name, settings)
+    return tuple(_plan_of(chain, cluster, info, global_batch, dtype, r.strategy, r.sharding, r.estimate,
+                          _search_info(result, r.estimate.step_time_s))
+                 for r in result.ranked)
+
+
+def estimate(chain: LayerChain, cluster: Cluster | str, strategy: Strategy, *, global_batch: int | None = None,
+             dtype: str = "bfloat16", profile: Any = None) -> Estimate:
+    """`costmodel.estimate` of `strategy`, with the layer classes' sharding solved for its tp (as the search does)."""
+    return _estimate_with_sharding(chain, as_cluster(cluster), strategy, global_batch, dtype, profile)[0]
+
+
+def estimate_plan(chain: LayerChain, cluster: Cluster | str, strategy: Strategy, *, global_batch: int,
+                  dtype: str = "bfloat16", model_name: str | None = None,
+                  settings: Sequence[tuple[str, Any]] = (), profile: Any = None) -> Plan:
+    """A `Plan` for one given strategy (search status "fixed"), for `stratagem estimate`.
+
+    Stages left empty are filled with the even split `costmodel.estimate` would use, so the plan can be applied.
+    Raises UserError when the strategy cannot run at all (degrees, divisibility); a strategy that runs out of
+    memory is still priced and its `predicted.problems` say by how much."""
+    started = time.monotonic()
+    cluster = as_cluster(cluster)
+    strategy = validate_strategy(chain, cluster, strategy, global_batch)
+    est, sharding = _estimate_with_sharding(chain, cluster, strategy, global_batch, dtype, profile)
+    info = _model_info(chain, model_name or chain.graph.model_name, settings)
+    search_info = SearchInfo(time_s=time.monotonic() - started, candidates=1, status="fixed", optimality_gap=0.0,
+                             lower_bound_s=est.step_time_s)
+    return _plan_of(chain, cluster, info, global_batch, dtype, strategy, sharding, est, search_info)
+
+
+def validate_strategy(chain: LayerChain, cluster: Cluster, strategy: Strategy, global_batch: int) -> Strategy:
+    """The strategy with explicit stages, or UserError saying exactly why it cannot run."""
+    n = cluster.num_available
+    if strategy.num_devices > n:
+        raise UserError(f"dp*tp*pp = {strategy.dp}*{strategy.tp}*{strategy.pp} = {strategy.num_devices} devices, "
+                        f"the cluster has {n} available")
+    if global_batch != strategy.global_batch:
+        raise UserError(f"--batch {global_batch} is not dp*mbs*microbatches = {strategy.dp}*"
+                        f"{strategy.microbatch_size}*{strategy.num_microbatches} = {strategy.global_batch}")
+    from planner.search import head_problem
+
+    why = head_problem(chain, strategy.tp)
+    if why:
+        raise UserError(why)
+    segments = len(chain.segments)
+    if strategy.pp * strategy.virtual_stages > segments:
+        raise UserError(f"pp*virtual_stages = {strategy.pp * strategy.virtual_stages} is more than the "
+                        f"{segments} segments of the layer chain (each stage needs one)")
+    if strategy.schedule is Schedule.INTERLEAVED and strategy.num_microbatches % strategy.pp:
+        raise UserError(f"the interleaved schedule needs the number of micro-batches ({strategy.num_microbatches}) "
+                        f"to be a multiple of pp ({strategy.pp})")
+    if strategy.stages:
+        return strategy
+    from dataclasses import replace
+
+    stages = even_stages(chain, strategy.pp * strategy.virtual_stages, strategy.recompute)
+    return replace(strategy, stages=stages)
+
+
+def _candidate_of(strategy: Strategy) -> Candidate:
+    mesh = MeshCandidate(dp=strategy.dp, tp=strategy.tp, pp=strategy.pp, cp=strategy.cp, ep=strategy.ep,
+                         mesh_order=strategy.mesh_order)
+    return Candidate(mesh, strategy.microbatch_size, strategy.num_microbatches, strategy.schedule,
+                     strategy.virtual_stages, strategy.zero_stage, strategy.sequence_parallel)
+
+
+def _estimate_with_sharding(chain: LayerChain, cluster: Cluster, strategy: Strategy, global_batch: int | None,
+                            dtype: str, profile: Any) -> tuple[Estimate, tuple[ModuleSharding, ...]]:
+    table = LayerCostTable(chain, cluster, dtype=dtype, profile=profile)
+    builder = StageProblemBuilder(chain, cluster, table, dtype)
+    cand = _candidate_of(strategy)
+    placements = builder.placements(cand)
+    if placements is None:
+        raise UserError(f"the strategy needs {strategy.num_devices} devices, the cluster has "
+                        f"{cluster.num_available} available")
+    costs = layer_cost_map(builder, cand, placements)
+    est = costmodel_estimate(chain, cluster, strategy, layer_costs=costs, dtype=dtype, profile=profile,
+                             global_batch=global_batch)
+    return est, sharding_of(builder, cand, placements)
+
+
+def _model_info(chain: LayerChain, name: str, settings: Sequence[tuple[str, Any]]) -> ModelInfo:
+    return ModelInfo(name=name, fingerprint=ir.fingerprint(chain.graph), params=chain.graph.param_count,
+                     settings=tuple(sorted((str(k), v) for k, v in settings)))
+
+
+def _search_info(result: SearchResult, step_time_s: float) -> SearchInfo:
+    # The gap is relative, so it holds for time and cost alike; the bound is reported in seconds of this plan.
+    return SearchInfo(time_s=result.time_s, candidates=result.candidates, status=result.status,
+                      optimality_gap=result.optimality_gap,
+                      lower_bound_s=step_time_s * (1.0 - result.optimality_gap),
+                      alternatives=result.alternatives)
+
+
+def _plan_of(chain: LayerChain, cluster: Cluster, info: ModelInfo, global_batch: int, dtype: str,
+             strategy: Strategy, sharding: Sequence[ModuleSharding], est: Estimate, search_info: SearchInfo) -> Plan:
+    return Plan(model=info, cluster=cluster.to_dict(),
+                training=TrainingConfig(global_batch=global_batch, seq_len=chain.graph.seq_len, dtype=dtype),
+                strategy=strategy, sharding=tuple(sharding), predicted=est, search=search_info)
+
+
+def settings_of(pairs: Mapping[str, Any] | Sequence[tuple[str, Any]]) -> tuple[tuple[str, Any], ...]:
+    items = pairs.items() if isinstance(pairs, Mapping) else pairs
+    return tuple(sorted((str(k), v) for k, v in items))

@@ -1,0 +1,555 @@
+"""What-if sweeps: re-plan a model for each value of one or more cluster or training knobs (issue 7).
+
+`--vary KEY=V1,V2,...` keys (several `--vary` make the cartesian product, first key slowest):
+
+| key | values | what changes |
+|---|---|---|
+| `tier.NAME.bandwidth` | `50GB/s`, `400Gbps`, ... | per-device bandwidth of network tier NAME |
+| `tier.NAME.aggregate_bandwidth` | as above | a tier's shared uplink (divided by the tier below) |
+| `tier.NAME.latency` / `tier.NAME.efficiency` | `5us` / `0.8` | the tier's per-hop latency / achievable fraction |
+| `device` | `a100-80gb`, `h100-sxm@9.80` | every group's device type (catalog name), optionally `@price` per device-hour |
+| `nodes` | `4`, `8` | nodes of a one-group cluster |
+| `group.NAME.KEY` | KEY one of device, num_nodes, price_per_device_hour, memory | one device group |
+| `speed.RANK` | `0.5`, `1`, `0` | speed factor of one device (0: failed) |
+| `batch` / `seq` | integers | global batch / sequence length |
+| `cluster` | cluster files or shorthands | the whole cluster ("which cluster is cheapest for this deadline") |
+
+Edits apply to the spec *as written* (the YAML mapping, or the mapping the shorthand stands for) and the spec is
+validated again, so defaults follow: a new device type brings its own NVLink and NIC figures.
+
+Every scenario is planned by the search (`planner.search`, one `PlanningSession` per sequence length so that
+layer prices are shared between scenarios with the same devices and links); a cluster of several device types is
+also planned with group data parallelism (`planner.heterogeneous`) and the better plan is kept. Objectives:
+
+- time (default): the fastest plan of each scenario; the fastest scenario is marked.
+- cost, with an optional throughput floor X (`--min-throughput`, tokens/s, or samples/s for models without a
+  sequence): in each scenario the cheapest plan per step among the cost search's best (`top_k`) that reaches X,
+  else the fastest plan if it reaches X; the cheapest scenario that reaches X is marked. Cost per step is step
+  time x the hourly price of the devices the plan uses / 3600.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from costmodel.cluster import Cluster
+from costmodel.strategy import Schedule, Strategy
+from ir.layer_chain import LayerChain
+from planner.errors import UserError
+from planner.heterogeneous import GroupDataParallelPlan, device_map, plan_group_data_parallel, searching
+from planner.replan import PlanningSession
+from planner.search import SearchOptions
+from planner.search_space import Objective, SearchSpace
+
+TIER_FIELDS = ("bandwidth", "aggregate_bandwidth", "latency", "efficiency")
+GROUP_FIELDS = ("device", "num_nodes", "price_per_device_hour", "memory")
+SIMPLE_KEYS = ("device", "nodes", "batch", "seq", "cluster")
+KEY_FORMS = ("tier.NAME." + "|".join(TIER_FIELDS), "device", "nodes", "group.NAME." + "|".join(GROUP_FIELDS),
+             "speed.RANK", "batch", "seq", "cluster")
+
+
+class VaryKind(enum.StrEnum):
+    TIER = "tier"
+    DEVICE = "device"
+    NODES = "nodes"
+    GROUP = "group"
+    SPEED = "speed"
+    BATCH = "batch"
+    SEQ = "seq"
+    CLUSTER = "cluster"
+
+
+@dataclass(frozen=True, slots=True)
+class Variation:
+    """One `--vary KEY=V1,V2,...`."""
+
+    key: str
+    kind: VaryKind
+    target: str
+    """Tier or group name, or rank (TIER, GROUP, SPEED); '' otherwise."""
+    field: str
+    """Tier or group field (TIER, GROUP); '' otherwise."""
+    values: tuple[str, ...]
+
+
+def parse_vary(text: str) -> Variation:
+    """Parse `KEY=V1,V2,...` (module docstring); ValueError names the bad part and lists the valid keys."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    values = tuple(v.strip() for v in raw.split(",") if v.strip())
+    if not sep or not key or not values:
+        raise ValueError(f"--vary {text!r}: expected KEY=V1,V2,...; keys: {', '.join(KEY_FORMS)}")
+    if len(set(values)) != len(values):
+        raise ValueError(f"--vary {text!r}: a value is repeated")
+    parts = key.split(".")
+    head = parts[0].lower()
+    if head in SIMPLE_KEYS and len(parts) == 1:
+        kind = VaryKind(head)
+        if kind in (VaryKind.BATCH, VaryKind.SEQ, VaryKind.NODES):
+            for v in values:
+                if not v.isdigit() or int(v) < 1:
+                    raise ValueError(f"--vary {key}: {v!r} is not a positive integer")
+        return Variation(key, kind, "", "", values)
+    if head == "tier" and len(parts) == 3 and parts[2] in TIER_FIELDS:
+        return Variation(key, VaryKind.TIER, parts[1], parts[2], values)
+    if head == "group" and len(parts) == 3 and parts[2] in GROUP_FIELDS:
+        return Variation(key, VaryKind.GROUP, parts[1], parts[2], values)
+    if head == "speed" and len(parts) == 2 and parts[1].isdigit():
+        for v in values:
+            try:
+                ok = 0 <= float(v) <= 1
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"--vary {key}: speed {v!r} must be a number in [0, 1] (0: unavailable)")
+        return Variation(key, VaryKind.SPEED, parts[1], "", values)
+    raise ValueError(f"--vary {text!r}: unknown key {key!r}; keys: {', '.join(KEY_FORMS)}")
+
+
+# ---- scenarios ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scenario:
+    values: tuple[tuple[str, str], ...]
+    """(key, value) of every variation, in `--vary` order."""
+    cluster: Cluster
+    global_batch: int
+    seq: int | None
+
+
+def spec_mapping(spec: str) -> dict[str, Any]:
+    """The spec as a mutable mapping in YAML form: a YAML file's contents, or what a shorthand stands for."""
+    path = Path(spec)
+    if spec.lower().endswith((".yaml", ".yml")) or path.is_file():
+        import yaml
+
+        if not path.is_file():
+            raise ValueError(f"cluster spec file {spec!r} not found")
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError(f"cluster spec {path.name}: expected a mapping with 'groups'")
+        data.setdefault("name", path.stem)
+        return data
+    cluster = Cluster.parse(spec)
+    g = cluster.groups[0]
+    return {"name": cluster.name,
+            "groups": [{"device": g.device.name, "num_nodes": g.num_nodes, "devices_per_node": g.devices_per_node}]}
+
+
+def _tiers_of(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    if "tiers" not in spec:  # the defaults a spec without tiers gets (costmodel.cluster_yaml)
+        spec["tiers"] = [{"name": "node"}, {"name": "cluster"}]
+    return spec["tiers"]
+
+
+def _named(items: list[dict[str, Any]], name: str, what: str, default: Callable[[dict[str, Any], int], str]
+           ) -> dict[str, Any]:
+    names = [str(item.get("name", default(item, i))) for i, item in enumerate(items)]
+    if name not in names:
+        raise ValueError(f"no {what} {name!r}; {what}s: {', '.join(names)}")
+    return items[names.index(name)]
+
+
+def _group_default_name(group: dict[str, Any], _: int) -> str:
+    device = group.get("device")
+    return str(device.get("name") if isinstance(device, dict) else device)
+
+
+def _set_device(group: dict[str, Any], value: str) -> None:
+    name, at, price = value.partition("@")
+    group["device"] = name
+    if at:
+        try:
+            group["price_per_device_hour"] = float(price)
+        except ValueError:
+            raise ValueError(f"device {value!r}: the price after '@' must be a number") from None
+
+
+def _resize_last_tier(spec: dict[str, Any], old_total: int) -> None:
+    """A last tier sized to the whole old cluster keeps spanning the whole (resized) cluster."""
+    tiers = spec.get("tiers")
+    if tiers and len(tiers) > 1 and tiers[-1].get("size") == old_total:
+        del tiers[-1]["size"]
+
+
+def _total_devices(spec: Mapping[str, Any]) -> int:
+    return sum(int(g["num_nodes"]) * int(g["devices_per_node"]) for g in spec["groups"])
+
+
+def apply_variation(spec: dict[str, Any], variation: Variation, value: str) -> None:
+    """Edit `spec` (YAML form) in place for one value of a cluster variation."""
+    kind = variation.kind
+    if kind is VaryKind.TIER:
+        tier = _named(_tiers_of(spec), variation.target, "tier", lambda t, i: "node" if i == 0 else f"tier{i}")
+        other = {"bandwidth": "aggregate_bandwidth", "aggregate_bandwidth": "bandwidth"}.get(variation.field)
+        if other:
+            tier.pop(other, None)
+        tier[variation.field] = float(value) if variation.field == "efficiency" else value
+    elif kind is VaryKind.DEVICE:
+        for group in spec["groups"]:
+            _set_device(group, value)
+    elif kind is VaryKind.NODES:
+        if len(spec["groups"]) != 1:
+            names = ", ".join(_group_default_name(g, i) if "name" not in g else g["name"]
+                              for i, g in enumerate(spec["groups"]))
+            raise ValueError(f"nodes applies to a one-group cluster; use group.NAME.num_nodes (groups: {names})")
+        total = _total_devices(spec)
+        spec["groups"][0]["num_nodes"] = int(value)
+        _resize_last_tier(spec, total)
+    elif kind is VaryKind.GROUP:
+        group = _named(spec["groups"], variation.target, "group", _group_default_name)
+        if variation.field == "device":
+            _set_device(group, value)
+        elif variation.field == "num_nodes":
+            total = _total_devices(spec)
+            group["num_nodes"] = int(value)
+            _resize_last_tier(spec, total)
+        elif variation.field == "price_per_device_hour":
+            group["price_per_device_hour"] = float(value)
+        else:
+            group[variation.field] = value
+
+
+def scenarios(base_spec: str | None, global_batch: int | None, seq: int | None, variations: Sequence[Variation]
+              ) -> list[Scenario]:
+    """Every combination of the variations' values (first variation slowest), each a validated cluster.
+
+    `global_batch` may be None only when a variation sets the batch. Raises UserError naming the variation and
+    value that make an invalid cluster."""
+    keys = [v.key for v in variations]
+    if len(set(keys)) != len(keys):
+        raise UserError(f"--vary: a key is given twice ({', '.join(keys)})")
+    if global_batch is None and not any(v.kind is VaryKind.BATCH for v in variations):
+        raise UserError("give --batch B, or --vary batch=B1,B2,...")
+    if base_spec is None and not any(v.kind is VaryKind.CLUSTER for v in variations):
+        raise UserError("give --cluster SPEC, or --vary cluster=SPEC1,SPEC2,...")
+    if base_spec is not None and any(v.kind is VaryKind.CLUSTER for v in variations):
+        raise UserError("--vary cluster=... replaces --cluster; give one of them")
+    out = []
+    for combo in itertools.product(*(v.values for v in variations)):
+        chosen = list(zip(variations, combo, strict=True))
+        spec = base_spec
+        for v, value in chosen:
+            if v.kind is VaryKind.CLUSTER:
+                spec = value
+        assert spec is not None
+        batch, length = global_batch, seq
+        where = ", ".join(f"{v.key}={value}" for v, value in chosen)
+        try:
+            mapping = spec_mapping(spec)
+            for v, value in chosen:
+                if v.kind in (VaryKind.TIER, VaryKind.DEVICE, VaryKind.NODES, VaryKind.GROUP):
+                    apply_variation(mapping, v, value)
+            cluster = Cluster.from_dict(copy.deepcopy(mapping))
+            for v, value in chosen:
+                if v.kind is VaryKind.SPEED:
+                    cluster = cluster.with_speed(int(v.target), float(value))
+                elif v.kind is VaryKind.BATCH:
+                    batch = int(value)
+                elif v.kind is VaryKind.SEQ:
+                    length = int(value)
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            text = " ".join(str(e).split()) or type(e).__name__
+            raise UserError(f"--vary {where}: {text}") from None
+        assert batch is not None
+        out.append(Scenario(tuple((v.key, value) for v, value in chosen), cluster, batch, length))
+    return out
+
+
+# ---- planning one scenario ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WhatIfRow:
+    """The plan chosen for one scenario."""
+
+    values: tuple[tuple[str, str], ...]
+    cluster: str
+    global_batch: int
+    seq: int | None
+    summary: str
+    """What the plan does (degrees, micro-batching, schedule; or the groups' shares)."""
+    num_devices: int
+    step_time_s: float
+    samples_per_s: float
+    tokens_per_s: float | None
+    mfu: float
+    price_per_hour: float | None
+    """Hourly price of the devices the plan uses (None when the spec has no prices)."""
+    error: str = ""
+    """Why nothing was planned ('' when a plan was found)."""
+    meets_floor: bool | None = None
+    """Whether it reaches --min-throughput (None without a floor)."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens_per_s if self.tokens_per_s is not None else self.samples_per_s
+
+    @property
+    def cost_per_step(self) -> float | None:
+        return None if self.price_per_hour is None or not self.ok else self.price_per_hour / 3600 * self.step_time_s
+
+    @property
+    def cost_per_million(self) -> float | None:
+        """Cost per million tokens (per million samples for models without a sequence)."""
+        c = self.cost_per_step
+        if c is None:
+            return None
+        per_step = self.global_batch * (self.seq or 1)
+        return c / per_step * 1e6
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"values": dict(self.values), "cluster": self.cluster, "global_batch": self.global_batch,
+                "seq": self.seq, "summary": self.summary, "num_devices": self.num_devices,
+                "step_time_s": self.step_time_s if self.ok else None,
+                "samples_per_s": self.samples_per_s if self.ok else None,
+                "tokens_per_s": self.tokens_per_s if self.ok else None, "mfu": self.mfu if self.ok else None,
+                "price_per_hour": self.price_per_hour, "cost_per_step": self.cost_per_step,
+                "cost_per_million": self.cost_per_million, "meets_floor": self.meets_floor, "error": self.error}
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    summary: str
+    num_devices: int
+    step_time_s: float
+    samples_per_s: float
+    tokens_per_s: float | None
+    mfu: float
+    price_per_hour: float | None
+
+
+def _strategy_summary(s: Strategy) -> str:
+    sched = f"interleaved:{s.virtual_stages}" if s.schedule is Schedule.INTERLEAVED else s.schedule.value
+    extra = (f" cp={s.cp}" if s.cp > 1 else "") + (f" ep={s.ep}" if s.ep > 1 else "")
+    rc = sorted({st.recompute.value for st in s.stages}) or [s.recompute.value]
+    return (f"dp={s.dp} tp={s.tp} pp={s.pp}{extra} mbs={s.microbatch_size} m={s.num_microbatches} {sched} "
+            f"zero={s.zero_stage}{' sp' if s.sequence_parallel else ''} recompute={','.join(rc)}")
+
+
+def used_price_per_hour(cluster: Cluster, strategy: Strategy) -> float | None:
+    """Hourly price of the physical devices `strategy` runs on (None when one of them has no price)."""
+    total = 0.0
+    for placement in device_map(cluster, strategy):
+        for r in placement.ranks:
+            price = cluster.group_of(r).price_per_device_hour
+            if price is None:
+                return None
+            total += price
+    return total
+
+
+def _from_search(cluster: Cluster, ranked: Any) -> _Outcome:
+    e = ranked.estimate
+    return _Outcome(_strategy_summary(ranked.strategy), ranked.strategy.num_devices, e.step_time_s, e.samples_per_s,
+                    e.tokens_per_s, e.mfu, used_price_per_hour(cluster, ranked.strategy))
+
+
+def _from_groups(plan: GroupDataParallelPlan) -> _Outcome:
+    parts = [f"{s.group} {s.samples}/{plan.global_batch}: {_strategy_summary(s.strategy)}" for s in plan.shares
+             if s.samples]
+    return _Outcome("group dp [" + "; ".join(parts) + "]", plan.num_devices, plan.step_time_s, plan.samples_per_s,
+                    plan.tokens_per_s, plan.mfu, plan.price_per_hour)
+
+
+def _cost(o: _Outcome) -> float:
+    return math.inf if o.price_per_hour is None else o.price_per_hour * o.step_time_s
+
+
+@dataclass(frozen=True)
+class WhatIfOptions:
+    objective: Objective = Objective.TIME
+    min_throughput: float | None = None
+    """Tokens/s (samples/s for models without a sequence) a plan must reach; with objective cost."""
+    space: SearchSpace | None = None
+    top_k: int = 8
+    """Cost objective: how many of the cheapest strategies per scenario are checked against the floor."""
+    time_limit_s: float | None = None
+    """Per scenario and search."""
+    group_data_parallel: bool = True
+    """Also plan clusters of several device types with group data parallelism."""
+
+
+def plan_scenario(scenario: Scenario, session: PlanningSession, options: WhatIfOptions) -> WhatIfRow:
+    """The best plan of one scenario for the objective (module docstring); a row with `error` when none runs."""
+    outcomes: list[_Outcome] = []
+    cluster = scenario.cluster
+    floor = options.min_throughput
+
+    def meets(o: _Outcome) -> bool:
+        rate = o.tokens_per_s if o.tokens_per_s is not None else o.samples_per_s
+        return floor is None or rate >= floor
+
+    try:
+        if options.objective is Objective.COST:
+            if any(g.price_per_device_hour is None for g in cluster.groups):
+                raise UserError(f"--objective cost needs a price for every device group of {cluster.name!r}")
+            cheap = session.search(cluster, global_batch=scenario.global_batch, space=options.space,
+                                   options=SearchOptions(objective=Objective.COST, top_k=options.top_k,
+                                                         time_limit_s=options.time_limit_s))
+            outcomes += [_from_search(cluster, r) for r in cheap.ranked]
+        fast = session.search(cluster, global_batch=scenario.global_batch, space=options.space,
+                              options=SearchOptions(time_limit_s=options.time_limit_s))
+        outcomes.append(_from_search(cluster, fast.best))
+    except UserError as e:  # nothing fits / nothing valid: still a row, try group data parallelism below
+        error = str(e)
+    else:
+        error = ""
+    if options.group_data_parallel and not cluster.is_homogeneous:
+        try:
+            run = searching(options.space, dtype=session.dtype, time_limit_s=options.time_limit_s)
+            outcomes.append(_from_groups(plan_group_data_parallel(session.chain, cluster, scenario.global_batch, run,
+                                                                  dtype=session.dtype)))
+        except UserError as e:
+            error = error or str(e)
+    base = dict(values=scenario.values, cluster=cluster.name, global_batch=scenario.global_batch, seq=scenario.seq)
+    if not outcomes:
+        return WhatIfRow(**base, summary="", num_devices=0, step_time_s=math.nan, samples_per_s=math.nan,
+                         tokens_per_s=None, mfu=math.nan, price_per_hour=None, error=error or "no plan")
+    if options.objective is Objective.COST:
+        meeting = [o for o in outcomes if meets(o)]
+        pool = meeting or outcomes
+        best = min(pool, key=lambda o: (_cost(o), o.step_time_s))
+    else:
+        best = min(outcomes, key=lambda o: (o.step_time_s, _cost(o)))
+    return WhatIfRow(**base, summary=best.summary, num_devices=best.num_devices, step_time_s=best.step_time_s,
+                     samples_per_s=best.samples_per_s, tokens_per_s=best.tokens_per_s, mfu=best.mfu,
+                     price_per_hour=best.price_per_hour, meets_floor=None if floor is None else meets(best))
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    rows: tuple[WhatIfRow, ...]
+    keys: tuple[str, ...]
+    objective: Objective
+    min_throughput: float | None
+    best: int | None
+    """Index of the fastest row (time) or the cheapest row reaching the floor (cost); None when there is none."""
+    throughput_unit: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"keys": list(self.keys), "objective": self.objective.value, "min_throughput": self.min_throughput,
+                "throughput_unit": self.throughput_unit, "best": self.best, "rows": [r.to_dict() for r in self.rows]}
+
+
+def pick_best(rows: Sequence[WhatIfRow], objective: Objective) -> int | None:
+    """The fastest row, or the cheapest per sample among those reaching the floor (ties: faster, then first)."""
+    ok = [i for i, r in enumerate(rows) if r.ok and r.meets_floor is not False]
+    if objective is Objective.COST:
+        priced = [i for i in ok if rows[i].cost_per_million is not None]
+        if not priced:
+            return None
+        return min(priced, key=lambda i: (rows[i].cost_per_million, rows[i].step_time_s, i))
+    if not ok:
+        return None
+    return min(ok, key=lambda i: (rows[i].step_time_s / rows[i].global_batch, i))
+
+
+def whatif(chain_for: Callable[[int | None], LayerChain], scenario_list: Sequence[Scenario], *,
+           options: WhatIfOptions | None = None, dtype: str = "bfloat16",
+           progress: Callable[[int, int], None] | None = None) -> WhatIf:
+    """Plan every scenario (module docstring). `chain_for(seq)` traces the model at a sequence length (None: the
+    model's own); one `PlanningSession` per sequence length shares layer prices between scenarios."""
+    options = options or WhatIfOptions()
+    if options.min_throughput is not None and options.objective is not Objective.COST:
+        raise UserError("--min-throughput applies with --objective cost")
+    sessions: dict[int | None, PlanningSession] = {}
+    rows = []
+    for i, sc in enumerate(scenario_list):
+        if sc.seq not in sessions:
+            sessions[sc.seq] = PlanningSession(chain_for(sc.seq), dtype=dtype)
+        rows.append(plan_scenario(sc, sessions[sc.seq], options))
+        if progress:
+            progress(i + 1, len(scenario_list))
+    has_seq = any(s.chain.graph.seq_len for s in sessions.values())
+    keys = tuple(k for k, _ in scenario_list[0].values) if scenario_list else ()
+    return WhatIf(rows=tuple(rows), keys=keys, objective=options.objective, min_throughput=options.min_throughput,
+                  best=pick_best(rows, options.objective), throughput_unit="tokens/s" if has_seq else "samples/s")
+
+
+# ---- rendering ----------------------------------------------------------------------------------------------------
+
+
+def _money(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.4g}"
+
+
+def render_table(result: WhatIf) -> str:
+    """A fixed-width table, one row per scenario; '*' marks the best."""
+    unit = result.throughput_unit
+    per = "1M tokens" if unit == "tokens/s" else "1M samples"
+    head = [*result.keys, "devices", "step s", unit, "MFU", "$/h", f"$/{per}", "plan"]
+    body = []
+    for r in result.rows:
+        vals = [v for _, v in r.values]
+        if not r.ok:
+            body.append([*vals, "-", "-", "-", "-", "-", "-", f"no plan: {r.error}"])
+            continue
+        floor = "" if r.meets_floor is not False else " (below floor)"
+        body.append([*vals, str(r.num_devices), f"{r.step_time_s:.4g}", f"{r.throughput:,.0f}",
+                     f"{100 * r.mfu:.1f}%", _money(r.price_per_hour), _money(r.cost_per_million),
+                     r.summary + floor])
+    marks = ["*" if i == result.best else " " for i in range(len(body))]
+    widths = [max(len(str(row[c])) for row in [head, *body]) for c in range(len(head) - 1)]
+    lines = ["  " + "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=False)) + "  " + head[-1]]
+    for m, row in zip(marks, body, strict=True):
+        lines.append(f"{m} " + "  ".join(str(x).rjust(w) for x, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    if result.best is None:
+        what = ("no scenario reaches the throughput floor" if result.min_throughput is not None
+                else "no scenario has a plan" + (" with prices" if result.objective is Objective.COST else ""))
+        lines.append(what)
+    else:
+        what = "fastest" if result.objective is Objective.TIME else "cheapest"
+        if result.min_throughput is not None:
+            what += f" reaching {result.min_throughput:,.0f} {unit}"
+        lines.append(f"* {what}")
+    return "\n".join(lines)
+
+
+def plot_whatif(result: WhatIf, path: str | Path) -> None:
+    """Throughput and cost per scenario as bars (matplotlib's object-oriented API, no pyplot state)."""
+    from planner.plot import _matplotlib
+
+    path = Path(path)
+    Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=(max(6.0, 1.2 * len(result.rows) + 2), 6.5), dpi=100, layout="constrained")
+    canvas = FigureCanvasAgg(fig)
+    fmt = path.suffix.lstrip(".").lower()
+    if fmt not in canvas.get_supported_filetypes():
+        raise UserError(f"--plot {path}: unknown image type {fmt!r}; use one of "
+                        f"{', '.join(sorted(canvas.get_supported_filetypes()))}")
+    labels = ["\n".join(f"{k}={v}" for k, v in r.values) or r.cluster for r in result.rows]
+    has_cost = any(r.cost_per_million is not None for r in result.rows)
+    axes = fig.subplots(2 if has_cost else 1, 1, sharex=True, squeeze=False)[:, 0]
+    x = list(range(len(result.rows)))
+    colors = ["#2ca02c" if i == result.best else "#1f77b4" for i in x]
+    axes[0].bar(x, [r.throughput if r.ok else 0.0 for r in result.rows], color=colors)
+    axes[0].set_ylabel(result.throughput_unit)
+    if result.min_throughput is not None:
+        axes[0].axhline(result.min_throughput, color="#d62728", linestyle="--", label="floor")
+        axes[0].legend()
+    for i, r in enumerate(result.rows):
+        if r.ok:
+            axes[0].annotate(f"MFU {100 * r.mfu:.0f}%", (i, r.throughput), ha="center", va="bottom", fontsize=8)
+    if has_cost:
+        per = "1M tokens" if result.throughput_unit == "tokens/s" else "1M samples"
+        axes[1].bar(x, [r.cost_per_million or 0.0 for r in result.rows], color=colors)
+        axes[1].set_ylabel(f"cost per {per}")
+    axes[-1].set_xticks(x, labels, fontsize=8)
+    fig.suptitle("what-if: best plan per scenario (green: " +
+                 ("fastest" if result.objective is Objective.TIME else "cheapest") + ")")
+    if not path.parent.is_dir():
+        raise UserError(f"--plot {path}: folder {path.parent} does not exist")
+    fig.savefig(path)
