@@ -4,9 +4,11 @@ For a small GPT (the zoo's `gpt-tiny`) trained in float32 with AdamW on the CPU 
 (2 and 4 processes over gloo on this machine's cores):
 
 1. Profile (`planner.profiler`): the model's ops timed in as many concurrent processes as the cluster has ranks,
-   at every micro-batch size and tensor-parallel shard the planner prices, and the collectives of groups of every
-   size dividing the process count with all groups running at once; fitted alpha/beta calibrate the node tier
-   (`costmodel.collective_fit.calibrated_cluster`).
+   at every micro-batch size and tensor-parallel shard the planner prices (median of repeats: the speed of a rank
+   with a core to itself -- other users of this shared machine preempt single runs, not the median), and the
+   collectives of groups of every size dividing the process count with all groups running at once; fitted
+   alpha/beta calibrate the node tier (`costmodel.collective_fit.calibrated_cluster`). Ranks beyond the core
+   count share cores: each runs at speed cores / ranks (`shared_cores`, a `DeviceGroup.slowdown`).
 2. Enumerate every valid strategy: each search candidate (dp x tp x pp mesh, micro-batch size and count,
    schedule with interleaving, ZeRO stage, sequence parallelism; `planner.search.enumerate_candidates`) times each
    recomputation mode, priced by the planner's search with every dimension pinned (which also solves the stage
@@ -155,27 +157,37 @@ def profile_cluster(nproc: int, out_dir: Path) -> Any:
     """Ops timed in `nproc` concurrent processes + collectives of every group size dividing `nproc`."""
     from costmodel.collective_fit import CollectiveProfile
     from costmodel.profile_db import OpProfile
-    from planner.cli.profile_cmd import MEAN_WINDOW_S
     from planner.profiler import (
         CollectiveOptions,
         ModelRequest,
         ProfileOptions,
-        Statistic,
         measure_collectives,
         profile_concurrently,
     )
 
     tps = tuple(t for t in range(1, nproc + 1) if nproc % t == 0)
     mbs = tuple(m for m in (1, 2, 4, 8) if m <= GLOBAL_BATCH)
-    options = ProfileOptions(microbatch_sizes=mbs, tp_degrees=tps, dtype=DTYPE, warmup=2, repeats=7,
-                             statistic=Statistic.MEAN, min_window_s=MEAN_WINDOW_S)
+    options = ProfileOptions(microbatch_sizes=mbs, tp_degrees=tps, dtype=DTYPE, warmup=2, repeats=9)
     ops = profile_concurrently([ModelRequest(MODEL, SETS)], concurrent=nproc, device_name="cpu", options=options)
     samples = measure_collectives(CollectiveOptions(processes=nproc, sizes=(4096, 65536, 1 << 20, 4 << 20),
-                                                    repeats=9, statistic=Statistic.MEAN))
+                                                    repeats=9))
     profile = OpProfile(entries=ops.profile.entries, meta=ops.profile.meta,
                         collectives=CollectiveProfile.from_samples(samples))
     profile.save(out_dir / f"profile-{nproc}proc.json")
     return profile, ops
+
+
+def shared_cores(cluster: Any, cores: int | None = None) -> Any:
+    """The cluster as this machine runs it: N ranks on C cores, each rank at speed min(1, C / N) (a
+    `DeviceGroup.slowdown`, what a cluster YAML can say too). The profile's ops are medians, the speed of a rank
+    with a core to itself; `1x4xcpu` puts two ranks on each of the 2 cores."""
+    cores = cores or os.cpu_count() or 1
+    speed = min(1.0, cores / cluster.num_devices)
+    if speed >= 1.0:
+        return cluster
+    for rank in range(cluster.num_devices):
+        cluster = cluster.with_speed(rank, speed)
+    return cluster
 
 
 def _pinned_space(cand: Any, recompute: Any) -> Any:
@@ -220,7 +232,8 @@ def enumerate_cases(chain: Any, spec: str, profile: Any, limit: int | None) -> t
     from planner.search_space import Objective, SearchSpace
 
     base = Cluster.parse(spec)
-    models = {"profiled": (calibrated_cluster(base, profile.collectives), profile), "analytical": (base, None)}
+    models = {"profiled": (shared_cores(calibrated_cluster(base, profile.collectives)), profile),
+              "analytical": (base, None)}
     tables = {name: LayerCostTable(chain, cl, dtype=DTYPE, profile=prof) for name, (cl, prof) in models.items()}
     quiet = SearchOptions(num_alternatives=0)
     cands, _ = enumerate_candidates(chain, base, GLOBAL_BATCH, SearchSpace(), Objective.TIME)
@@ -272,8 +285,9 @@ def enumerate_cases(chain: Any, spec: str, profile: Any, limit: int | None) -> t
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def run_cases(cases: Sequence[Case], nproc: int, work: Path) -> dict[str, dict[str, Any]]:
-    """Measure every case; a launch that dies loses only the case it died on (the rest are relaunched)."""
+def run_cases(cases: Sequence[Case], nproc: int, work: Path, graph_json: str) -> dict[str, dict[str, Any]]:
+    """Measure every case; a launch that dies loses only the case it died on (the rest are relaunched).
+    `graph_json` is the traced graph the plans were made for: the workers use it rather than tracing again."""
     results: dict[str, dict[str, Any]] = {}
     pending = list(cases)
     launch = 0
@@ -281,7 +295,8 @@ def run_cases(cases: Sequence[Case], nproc: int, work: Path) -> dict[str, dict[s
         chunk = pending[:LAUNCH_CHUNK]
         plans_path = work / f"plans-{nproc}-{launch}.json"
         out_path = work / f"results-{nproc}-{launch}.jsonl"
-        plans_path.write_text(json.dumps([{"id": c.id, "plan": c.plan} for c in chunk]))
+        plans_path.write_text(json.dumps({"graph": graph_json, "cases": [{"id": c.id, "plan": c.plan}
+                                                                         for c in chunk]}))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                str(Path(__file__).resolve()), "--worker", str(plans_path), str(out_path)]
         log = work / f"launch-{nproc}-{launch}.log"
@@ -470,14 +485,13 @@ def worker(plans_path: str, out_path: str) -> int:
     import torch.distributed as dist
 
     import ir
-    from planner.cli.model_registry import build_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
     rank = dist.get_rank()
-    probe = build_model(MODEL, SETS, batch=1, device="meta")
-    chain = ir.build_layer_chain(ir.trace(probe.module, probe.example_inputs, model_name=MODEL, dtype=DTYPE))
-    cases = json.loads(Path(plans_path).read_text())
+    payload = json.loads(Path(plans_path).read_text())
+    chain = ir.build_layer_chain(ir.Graph.from_json(payload["graph"]))
+    cases = payload["cases"]
     # A separate group for agreeing on each strategy's outcome, with a short timeout: if a peer is stuck where
     # this rank cannot reach it, the exchange fails fast and the launch ends (the driver relaunches the rest).
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
@@ -701,7 +715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             t_profile = time.perf_counter() - t0
             cases, choices = enumerate_cases(chain, spec, profile, args.limit)
             t_enum = time.perf_counter() - t0 - t_profile
-            measured = run_cases(cases, nproc, work)
+            measured = run_cases(cases, nproc, work, chain.graph.to_json())
             t_run = time.perf_counter() - t0 - t_profile - t_enum
             total_runs += len(cases)
             failed += sum("error" in measured.get(c.id, {"error": 1}) for c in cases)

@@ -2,8 +2,10 @@
 
 It covers, per node in order: kind, target, module path, wiring as positions (not names), input/output/parameter
 specs, attributes, and which parameters are shared (as the index of their first use, so tied weights count).
-Node names, the model's display name and the front end that traced it are left out, so two traces of the same
-model with the same inputs agree, and a plan can check that it is applied to the model it was made for.
+Node names, the model's display name, the front end that traced it and the dtypes are left out, so two traces of
+the same model with the same inputs agree, and a plan made for bfloat16 training (the dtype is part of the plan's
+training config, not of the model) can check that it is applied to the model it was made for when that model is
+run in float32.
 """
 
 from __future__ import annotations
@@ -24,12 +26,12 @@ def fingerprint(graph: Graph) -> str:
             node.target,
             node.module_path,
             [graph.position(s) for s in node.inputs],
-            [[list(s.shape), s.dtype] for s in node.input_specs],
-            [[list(s.shape), s.dtype] for s in node.output_specs],
-            [[list(s.shape), s.dtype, param_index.setdefault(p, len(param_index))]
+            [list(s.shape) for s in node.input_specs],
+            [list(s.shape) for s in node.output_specs],
+            [[list(s.shape), param_index.setdefault(p, len(param_index))]
              for p, s in zip(node.param_names, node.param_specs, strict=True)],
             [[k, v] for k, v in node.attrs],
         ])
-    payload = {"dtype": graph.dtype, "param_count": graph.param_count, "nodes": records}
+    payload = {"param_count": graph.param_count, "nodes": records}
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()

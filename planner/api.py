@@ -25,6 +25,7 @@ from costmodel.strategy import Schedule, Strategy
 from ir.graph import Graph
 from ir.layer_chain import LayerChain
 from planner.errors import UserError
+from planner.heterogeneous import mixed_type_problem, with_device_groups
 from planner.layer_costs import LayerCostTable
 from planner.mesh_search import MeshCandidate
 from planner.plan import ModelInfo, ModuleSharding, Plan, SearchInfo, TrainingConfig
@@ -73,7 +74,7 @@ def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any
              progress: Progress | None = None, profile: Any = None) -> tuple[Plan, ...]:
     """The `top_k` best distinct strategies as plans, best first (each carries the same search information)."""
     name = model_name or getattr(model_or_chain, "model_name", None) or type(model_or_chain).__name__
-    chain = as_chain(model_or_chain, inputs_or_spec, model_name=name)
+    chain = as_chain(model_or_chain, inputs_or_spec, model_name=name, dtype=dtype)
     cluster = as_cluster(cluster)
     options = SearchOptions(objective=Objective(objective), top_k=top_k, time_limit_s=time_limit_s,
                             progress=progress)
@@ -120,7 +121,7 @@ def validate_strategy(chain: LayerChain, cluster: Cluster, strategy: Strategy, g
                         f"{strategy.microbatch_size}*{strategy.num_microbatches} = {strategy.global_batch}")
     from planner.search import head_problem
 
-    why = head_problem(chain, strategy.tp)
+    why = head_problem(chain, strategy.tp) or mixed_type_problem(cluster, strategy)  # issue 7: one type per group
     if why:
         raise UserError(why)
     segments = len(chain.segments)
@@ -175,6 +176,8 @@ def _search_info(result: SearchResult, step_time_s: float) -> SearchInfo:
 
 def _plan_of(chain: LayerChain, cluster: Cluster, info: ModelInfo, global_batch: int, dtype: str,
              strategy: Strategy, sharding: Sequence[ModuleSharding], est: Estimate, search_info: SearchInfo) -> Plan:
+    # Issue 7: every stage names the device group it runs on (planner/heterogeneous.py; no-op for one group).
+    strategy = with_device_groups(cluster, strategy)
     return Plan(model=info, cluster=cluster.to_dict(),
                 training=TrainingConfig(global_batch=global_batch, seq_len=chain.graph.seq_len, dtype=dtype),
                 strategy=strategy, sharding=tuple(sharding), predicted=est, search=search_info)

@@ -10,6 +10,10 @@ ZeRO stages (Rajbhandari et al. SC'20) map onto FSDP2 as follows:
 - ZeRO-0: `replicate` (DDP semantics on FSDP2's machinery, composes with DTensor tensor parallelism and with
   pipelining): every rank keeps everything, gradients all-reduced.
 Gradients are averaged over the dp ranks, so a mean loss per rank gives the global-batch mean gradient.
+
+With context parallelism the mesh is dp x cp flattened (`PlanMeshes.replicas`, see planner/apply_cp.py). With
+expert parallelism each experts module is wrapped first, on its own mesh (`PlanMeshes.expert_replicas`: the
+ranks that hold the same experts), so that the part's wrapper leaves its parameters alone.
 """
 
 from __future__ import annotations
@@ -20,17 +24,25 @@ from typing import Any
 from torch import nn
 
 
-def apply_data_parallel(part: nn.Module, layers: Sequence[nn.Module], dp_mesh: Any, *, zero_stage: int) -> nn.Module:
-    """Wrap one model part (the whole model or one pipeline stage) for data parallelism over `dp_mesh`."""
+def apply_data_parallel(part: nn.Module, layers: Sequence[nn.Module], dp_mesh: Any, *, zero_stage: int,
+                        experts: Sequence[nn.Module] = (), experts_mesh: Any = None) -> nn.Module:
+    """Wrap one model part (the whole model or one pipeline stage) for data parallelism over `dp_mesh`; the
+    `experts` modules inside it over `experts_mesh`."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
 
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if experts and experts_mesh is None:
+        raise ValueError("experts modules given without their data-parallel mesh")
     if zero_stage == 0:
+        for module in experts:
+            replicate(module, mesh=experts_mesh)
         replicate(part, mesh=dp_mesh)
         return part
     reshard = zero_stage == 3
+    for module in experts:
+        fully_shard(module, mesh=experts_mesh, reshard_after_forward=reshard)
     for layer in layers:  # one all-gather unit per layer, so only one layer's parameters are unsharded at a time
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
     fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard)

@@ -1,21 +1,34 @@
-"""The device mesh a plan runs on: one named axis per parallel dimension, outermost first.
+"""The device mesh a plan runs on: one named axis per parallel dimension, outermost first, and the 1-D meshes
+derived from it that `parallelize` communicates over.
 
 `Strategy.mesh_order` lists the axes innermost (fastest-varying rank, fastest network tier) first, as Megatron-LM
 orders ranks; `torch.distributed.device_mesh.init_device_mesh` takes dims outermost first (row-major), so the mesh
-is built from the reversed order and the innermost axis (tp by default) gets rank stride 1. Expert parallelism
-reuses data-parallel ranks and has no axis of its own.
+is built from the reversed order and the innermost axis (tp by default) gets rank stride 1.
+
+Expert parallelism reuses data-parallel ranks and has no axis of its own: the dp axis is split into
+(dp / ep, ep), ep innermost, so an ep group is `ep` consecutive dp coordinates -- the group
+`costmodel.estimate` prices (its ep stride is the dp stride). Derived meshes (`PlanMeshes`):
+- `replicas`: the ranks over which dense parameters are data-parallel: dp, or dp x cp flattened when cp > 1
+  (context-parallel ranks hold the same weights and see different tokens of the same samples);
+- `ep`: the expert-parallel group (all-to-all dispatch and combine);
+- `expert_replicas`: the ranks holding the same experts: (dp / ep) x cp.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from costmodel.strategy import MeshAxis, Strategy
 from planner.errors import PlanLoadError, UserError
 
-SUPPORTED_AXES: tuple[MeshAxis, ...] = (MeshAxis.TP, MeshAxis.DP, MeshAxis.PP)
-"""Axes `parallelize` can apply today; a plan with cp > 1 or ep > 1 is refused."""
+MESH_AXES: tuple[MeshAxis, ...] = (MeshAxis.TP, MeshAxis.CP, MeshAxis.DP, MeshAxis.PP)
+"""Axes of the root mesh; ep rides on dp."""
+
+EXPERT_REPLICA_AXIS = "edp"
+"""Name of the outer part of dp when ep > 1: ranks with the same ep coordinate hold the same experts
+("expert data parallel" in Megatron-Core)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,26 +58,46 @@ class MeshLayout:
 
 
 def mesh_layout(strategy: Strategy) -> MeshLayout:
-    """The mesh of `strategy`: tp, dp and pp axes (size 1 included) in `mesh_order`, outermost first."""
-    unsupported = [f"{a.value}={getattr(strategy, a.value)}" for a in (MeshAxis.CP, MeshAxis.EP)
-                   if getattr(strategy, a.value) > 1]
-    if unsupported:
-        raise UserError(f"parallelize cannot apply {', '.join(unsupported)} yet; "
-                        f"supported axes: {', '.join(a.value for a in SUPPORTED_AXES)}")
-    axes = [a for a in reversed(strategy.mesh_order) if a in SUPPORTED_AXES]
+    """The mesh of `strategy`: tp, cp, dp and pp axes (size 1 included) in `mesh_order`, outermost first."""
+    if strategy.dp % strategy.ep:
+        raise UserError(f"ep={strategy.ep} must divide dp={strategy.dp}: expert-parallel groups are data-parallel "
+                        f"ranks (valid ep: {', '.join(str(e) for e in _divisors(strategy.dp))})")
+    axes = [a for a in reversed(strategy.mesh_order) if a in MESH_AXES]
     return MeshLayout(names=tuple(a.value for a in axes), sizes=tuple(getattr(strategy, a.value) for a in axes))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_world_size(strategy: Strategy, world_size: int) -> None:
     if world_size != strategy.num_devices:
         raise PlanLoadError(
             f"the plan needs {strategy.num_devices} processes (dp={strategy.dp} x tp={strategy.tp} x "
-            f"pp={strategy.pp}) but the world size is {world_size}; launch with --nproc-per-node "
-            f"{strategy.num_devices} or make a plan for {world_size} devices")
+            f"pp={strategy.pp} x cp={strategy.cp}) but the world size is {world_size}; launch with "
+            f"--nproc-per-node {strategy.num_devices} or make a plan for {world_size} devices")
+
+
+@dataclass(frozen=True)
+class PlanMeshes:
+    """The root mesh and the 1-D meshes `parallelize` uses. Flattened meshes are kept here, not looked up by
+    name on the root (torch deprecates slicing flattened dims from the root mesh)."""
+
+    root: Any
+    tp: Any
+    cp: Any
+    dp: Any
+    pp: Any
+    replicas: Any
+    """Data-parallel mesh of dense parameters: dp, or dp x cp flattened."""
+    ep: Any = None
+    """Expert-parallel mesh (None when ep == 1)."""
+    expert_replicas: Any = None
+    """Data-parallel mesh of expert parameters: (dp / ep) x cp (None when ep == 1)."""
 
 
 def build_mesh(strategy: Strategy, device_type: str):  # -> DeviceMesh (torch import kept local: CLI start-up)
-    """Initialize this process's `DeviceMesh` for `strategy`; the default process group must exist."""
+    """Initialize this process's root `DeviceMesh` for `strategy`; the default process group must exist."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -73,3 +106,22 @@ def build_mesh(strategy: Strategy, device_type: str):  # -> DeviceMesh (torch im
     check_world_size(strategy, dist.get_world_size())
     layout = mesh_layout(strategy)
     return init_device_mesh(device_type, layout.sizes, mesh_dim_names=layout.names)
+
+
+def derive_meshes(root: Any, strategy: Strategy) -> PlanMeshes:
+    """The 1-D meshes of `strategy` on `root` (built by `build_mesh` or given by the caller). Every rank must call
+    this, in the same order: flattening and splitting axes create process groups."""
+    names = tuple(root.mesh_dim_names)
+    dp_cp = [n for n in names if n in (MeshAxis.DP.value, MeshAxis.CP.value)]  # root order
+    replicas = root[tuple(dp_cp)]._flatten("dp_cp") if strategy.cp > 1 else root[MeshAxis.DP.value]
+    ep = expert_replicas = None
+    if strategy.ep > 1:
+        split = root._unflatten(MeshAxis.DP.value, (strategy.dp // strategy.ep, strategy.ep),
+                                (EXPERT_REPLICA_AXIS, MeshAxis.EP.value))
+        ep = split[MeshAxis.EP.value]
+        outer = [n for n in split.mesh_dim_names if n in (EXPERT_REPLICA_AXIS, MeshAxis.CP.value)]
+        expert_replicas = (split[tuple(outer)]._flatten("edp_cp") if strategy.cp > 1
+                           else split[EXPERT_REPLICA_AXIS])
+    return PlanMeshes(root=root, tp=root[MeshAxis.TP.value], cp=root[MeshAxis.CP.value],
+                      dp=root[MeshAxis.DP.value], pp=root[MeshAxis.PP.value], replicas=replicas, ep=ep,
+                      expert_replicas=expert_replicas)

@@ -37,10 +37,10 @@ from typing import Any
 from costmodel.breakdown import Estimate
 from costmodel.cluster import Cluster
 from costmodel.collectives import Collective, CommGroup, collective_time
+from costmodel.estimate import axis_strides, dp_group, p2p_group, stage_ranks, tp_group
 from costmodel.estimate import estimate as costmodel_estimate
-from costmodel.estimate import stage_ranks
 from costmodel.layer_cost import LayerCost
-from costmodel.strategy import Schedule, Strategy
+from costmodel.strategy import MeshAxis, Schedule, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import UserError
 
@@ -90,6 +90,27 @@ def device_map(cluster: Cluster, strategy: Strategy) -> tuple[StagePlacement, ..
             devices=tuple(sorted({cluster.groups[g].device.name for g in group_ids})),
             speed=min(cluster.speed_of(r) for r in ranks)))
     return tuple(out)
+
+
+def axis_tiers(cluster: Cluster, strategy: Strategy) -> dict[str, str | None]:
+    """The outermost network tier that each parallel axis's traffic crosses, over all pipeline ranks and stage
+    boundaries: "tp" (tensor-parallel collectives), "cp", "dp" (the gradient reduction over dp x cp) and "pp"
+    (the sends between consecutive stages). None for an axis of one rank. Ranks are the cost model's (logical)
+    ones, so this is what the step time was priced with."""
+    st = axis_strides(strategy)
+    groups: dict[str, list[CommGroup]] = {"tp": [], "cp": [], "dp": [], "pp": []}
+    for k in range(strategy.pp):
+        base = k * st[MeshAxis.PP]
+        groups["tp"].append(tp_group(strategy, k))
+        groups["cp"].append(CommGroup(strategy.cp, stride=st[MeshAxis.CP], start=base))
+        groups["dp"].append(dp_group(strategy, k))
+    groups["pp"] = [p2p_group(strategy, j) for j in range(strategy.pp * strategy.virtual_stages - 1)]
+    out: dict[str, str | None] = {}
+    for axis, gs in groups.items():
+        spanned = [cluster.tier_index_spanned(g.size, g.stride, g.start) for g in gs if g.size > 1]
+        spanned = [t for t in spanned if t is not None]
+        out[axis] = cluster.tiers[max(spanned)].name if spanned else None
+    return out
 
 
 def mixed_type_problem(cluster: Cluster, strategy: Strategy) -> str:

@@ -87,7 +87,6 @@ class LayerCostTable:
 
     def _split(self, device: DeviceSpec, tp: int, tp_stride: int, sp: bool, mbs: int, split: AxisSplit
                ) -> dict[int, LayerCost]:
-        from costmodel.collectives import CommGroup
         from costmodel.context_parallel import context_parallel_cost
         from costmodel.expert_parallel import expert_parallel_cost
 
@@ -102,11 +101,11 @@ class LayerCostTable:
             segment = self.chain.representative(cid)
             nodes = self.chain.nodes_of(segment)
             cost = context_parallel_cost(cost, nodes, device, self.cluster, cp=split.cp,
-                                         group=CommGroup(split.cp, split.cp_stride),
+                                         group=_group_on(self.cluster, device, split.cp, split.cp_stride),
                                          concurrent=split.num_devices // split.cp, microbatch_size=mbs,
                                          traced_batch=batch, tp=tp, dtype=self.dtype, per_rank_base=per_rank)
             out[cid] = expert_parallel_cost(cost, nodes, self.cluster, ep=split.ep,
-                                            group=CommGroup(split.ep, split.ep_stride),
+                                            group=_group_on(self.cluster, device, split.ep, split.ep_stride),
                                             concurrent=split.num_devices // split.ep,
                                             segment_params=segment.param_count, microbatch_size=mbs,
                                             traced_batch=batch, traced_dtype=self.chain.graph.dtype,
@@ -124,18 +123,33 @@ class LayerCostTable:
                                            profile=self.profile)
                 sharding[cid] = ()
                 continue
-            from costmodel.collectives import CommGroup
             from planner.intra_op import ShardingCache, solve_layer_sharding
 
             if self._sharding_cache is None:
                 self._sharding_cache = ShardingCache()
             solved = solve_layer_sharding(
-                self.chain.nodes_of(segment), self.cluster, device, tp=tp, tp_group=CommGroup(tp, tp_stride),
+                self.chain.nodes_of(segment), self.cluster, device, tp=tp,
+                tp_group=_group_on(self.cluster, device, tp, tp_stride),
                 microbatch_size=mbs, traced_batch=self.chain.graph.batch_size, sequence_parallel=sp,
                 dtype=self.dtype, cache=self._sharding_cache, profile=self.profile)
             costs[cid] = solved.cost
             sharding[cid] = tuple(solved.module_styles())
         return ClassPrices(costs, sharding)
+
+
+def _group_on(cluster: Cluster, device: DeviceSpec, size: int, stride: int) -> Any:
+    """The communication group of `size` ranks `stride` apart that starts at the first device of this type
+    (issue 7): a type's collectives run over its own nodes' links (a V100 node's NVLink 2, not the NVLink 3 of
+    the A100 node at rank 0). From rank 0 when no group has the type or the group would not fit after it."""
+    from costmodel.collectives import CommGroup
+
+    for i, g in enumerate(cluster.groups):
+        if g.device.name == device.name:
+            start = cluster.group_ranks(i).start
+            if start + (size - 1) * stride < cluster.num_devices:
+                return CommGroup(size, stride, start)
+            break
+    return CommGroup(size, stride)
 
 
 def class_prefixes(chain: LayerChain) -> dict[int, str]:

@@ -85,11 +85,24 @@ def divisors(n: int) -> tuple[int, ...]:
     return tuple(sorted(set(small) | {n // d for d in small}))
 
 
-def _distinct_orders(dp: int, pp: int, orders: Sequence[tuple[MeshAxis, ...]]) -> list[tuple[MeshAxis, ...]]:
-    """Orders that give different rank layouts: with dp == 1 or pp == 1 the dp/pp order does not matter."""
+def _distinct_orders(dp: int, pp: int, orders: Sequence[tuple[MeshAxis, ...]], cp: int = 1
+                     ) -> list[tuple[MeshAxis, ...]]:
+    """Orders that give different rank layouts: with dp == 1 or pp == 1 the dp/pp order does not matter.
+
+    With cp > 1 only orders where cp and dp are neighbours (ep rides on dp and has no stride): the gradient
+    reduction spans the dp x cp ranks, which `costmodel.estimate.dp_group` prices as one regular group -- exact
+    only for neighbouring axes. Pipeline stages between them would be priced as if the reduction stayed inside
+    them (issue 7: a cross-datacenter gradient all-reduce priced as intra-node)."""
+    if cp > 1:
+        orders = [o for o in orders if _neighbours(o, MeshAxis.CP, MeshAxis.DP)] or [orders[0]]
     if dp == 1 or pp == 1:
         return [orders[0]]
     return list(orders)
+
+
+def _neighbours(order: Sequence[MeshAxis], a: MeshAxis, b: MeshAxis) -> bool:
+    strided = [x for x in order if x is not MeshAxis.EP]
+    return abs(strided.index(a) - strided.index(b)) == 1
 
 
 def enumerate_meshes(num_devices: int, *, devices_per_node: int, global_batch: int, max_pp: int,
@@ -119,7 +132,7 @@ def enumerate_meshes(num_devices: int, *, devices_per_node: int, global_batch: i
                     continue
                 if p > max_pp or global_batch % d:
                     continue
-                for order in _distinct_orders(d, p, orders):
+                for order in _distinct_orders(d, p, orders, cp):
                     # Issue 10: expert parallelism rides on the dp ranks (ep divides dp).
                     out.extend(MeshCandidate(dp=d, tp=t, pp=p, cp=cp, ep=e, mesh_order=order)
                                for e in sorted(set(ep_options)) if d % e == 0)

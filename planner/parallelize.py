@@ -1,9 +1,10 @@
 """Apply a `Plan` to a model on this rank: tensor parallelism, recomputation, pipeline stages, data parallelism.
 
 `parallelize(model, plan)` is called on every rank under torchrun with the same (identically initialized)
-model. The order follows torchtitan: tensor parallelism first (DTensor parameters), then activation
-checkpointing, then the pipeline split, then FSDP2 / replication over the dp axis per model part. The result is a
-`ParallelModel` that `planner.train_step.train_step` drives, pipelined or not.
+model. The order follows torchtitan: tensor parallelism first (DTensor parameters), expert parallelism (this
+rank's experts, all-to-all routing), context parallelism (attention over the cp ranks' keys), then activation
+checkpointing, the sequence split hooks, the pipeline split, and FSDP2 / replication over the dp (x cp) ranks per
+model part. The result is a `ParallelModel` that `planner.train_step.train_step` drives, pipelined or not.
 
 A plan is refused (`PlanLoadError`) when it was made for another world size, another parameter count or, when
 the layer chain is known, another traced graph (fingerprint).
@@ -20,6 +21,14 @@ from torch import nn
 
 from costmodel.strategy import StageSpec, Strategy
 from ir.layer_chain import LayerChain
+from planner.apply_cp import (
+    CpGroup,
+    SequenceShard,
+    apply_context_parallel,
+    install_gather_hook,
+    install_split_hook,
+)
+from planner.apply_ep import EpGroup, apply_expert_parallel
 from planner.apply_fsdp import apply_data_parallel
 from planner.apply_pipeline import (
     build_schedule,
@@ -35,7 +44,14 @@ from planner.apply_tp import (
     install_sequence_parallel_hooks,
     shared_parameters,
 )
-from planner.device_mesh import MeshLayout, build_mesh, check_world_size, mesh_layout
+from planner.device_mesh import (
+    MeshLayout,
+    PlanMeshes,
+    build_mesh,
+    check_world_size,
+    derive_meshes,
+    mesh_layout,
+)
 from planner.errors import PlanLoadError, UserError
 from planner.plan import Plan
 
@@ -87,6 +103,10 @@ class ParallelModel:
     microbatch_loss: MicrobatchLoss | None = None
     tied: tuple[TiedAcrossStages, ...] = ()
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    meshes: PlanMeshes | None = None
+    """The 1-D meshes of the plan (set by `parallelize`)."""
+    expert_params: frozenset[str] = frozenset()
+    """FQNs of parameters of which this rank holds a dim-0 slice over the ep group (expert parallelism)."""
 
     @property
     def strategy(self) -> Strategy:
@@ -111,7 +131,22 @@ class ParallelModel:
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank()
+        dp = self.meshes.dp if self.meshes is not None else self.mesh["dp"]
+        return dp.get_local_rank()
+
+    def full_tensor(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """The whole (unsharded) value of this rank's parameter `name`: DTensors gathered, expert slices
+        all-gathered over the ep group. A collective: every rank of the group must call it."""
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+            if name in self.expert_params and self.meshes is not None and self.meshes.ep is not None:
+                import torch.distributed._functional_collectives as funcol
+
+                group = self.meshes.ep.get_group()
+                full = funcol.wait_tensor(funcol.all_gather_single(full.contiguous(), 0, group))
+        return full
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters (DTensors when sharded) under the model's own names, each once."""
@@ -163,14 +198,15 @@ def check_plan_matches(model: nn.Module, plan: Plan, *, chain: LayerChain | None
                                 f"model's {found}; the plan was made for another model or configuration")
 
 
-def trace_chain(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> LayerChain:
-    """The layer chain of `model`, traced as `stratagem plan` traces it (one sample, shapes only)."""
+def trace_chain(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, dtype: str | None = None) -> LayerChain:
+    """The layer chain of `model`, traced as `stratagem plan` traces it (one sample, shapes only, in the plan's
+    training dtype so that the fingerprint is computed on the same graph)."""
     import ir
     from ir.graph import TensorSpec
 
     specs = tuple(TensorSpec(shape=(1, *t.shape[1:]), dtype=str(t.dtype).removeprefix("torch."))
                   for t in example_inputs)
-    return ir.build_layer_chain(ir.trace(model, specs))
+    return ir.build_layer_chain(ir.trace(model, specs, dtype=dtype))
 
 
 def _check_mesh(mesh: Any, layout: MeshLayout) -> None:
@@ -213,9 +249,9 @@ def _apply_recompute(model: nn.Module, stages: Sequence[StageSpec], chain: Layer
         apply_recompute(chosen, stage.recompute)
 
 
-def _layers_in(part: nn.Module, model: nn.Module) -> list[nn.Module]:
+def _layers_in(part: nn.Module, model: nn.Module) -> list[tuple[str, nn.Module]]:
     inside = {id(m) for m in part.modules()}
-    return [m for _, m in model_layers(model) if id(m) in inside]
+    return [(n, m) for n, m in model_layers(model) if id(m) in inside]
 
 
 def _tied_across_stages(model: nn.Module, stage_modules: Mapping[int, nn.Module], mesh: Any,
@@ -279,42 +315,82 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: Any = None,
     else:
         _check_mesh(mesh, layout)
     if chain is None and example_inputs is not None:
-        chain = trace_chain(model, example_inputs)
+        chain = trace_chain(model, example_inputs, dtype=plan.training.dtype)
     check_plan_matches(model, plan, chain=chain, world_size=dist.get_world_size())
     loss_fn = loss_fn or model_output_is_loss
     if strategy.pp > 1 and chain is None:
         raise UserError("a pipeline plan cuts the model's layer chain: pass example_inputs= (or chain=)")
     stages = plan_stages(strategy, len(chain)) if chain is not None else strategy.stages
 
-    if strategy.tp > 1:
-        apply_tensor_parallel(model, plan.sharding, mesh["tp"], sequence_parallel=strategy.sequence_parallel)
-    _apply_recompute(model, stages, chain if strategy.pp > 1 else None, strategy)
-    if strategy.sequence_parallel:
-        install_sequence_parallel_hooks(model, mesh["tp"])  # after recomputation: see its docstring
+    meshes = derive_meshes(mesh, strategy)
 
+    if strategy.tp > 1:
+        apply_tensor_parallel(model, plan.sharding, meshes.tp, sequence_parallel=strategy.sequence_parallel)
+    expert_params: tuple[str, ...] = ()
+    experts: tuple[nn.Module, ...] = ()
+    if strategy.ep > 1:
+        shards = apply_expert_parallel(model, EpGroup(strategy.ep, meshes.ep.get_local_rank(),
+                                                      meshes.ep.get_group()))
+        experts, expert_params = shards.modules, shards.param_names
+    cp = None
+    if strategy.cp > 1:
+        cp = CpGroup(SequenceShard(strategy.cp, meshes.cp.get_local_rank()), meshes.cp.get_group())
+        apply_context_parallel(model, cp)
+    _apply_recompute(model, stages, chain if strategy.pp > 1 else None, strategy)
+    # Sequence hooks after recomputation (see install_sequence_parallel_hooks); the first block's input is split
+    # over cp before tp, its last output gathered over tp before cp.
+    if cp is not None:
+        install_split_hook(model, cp)
+    if strategy.sequence_parallel:
+        install_sequence_parallel_hooks(model, meshes.tp)
+    if cp is not None:
+        install_gather_hook(model, cp)
+
+    sharded = _Sharded(meshes=meshes, experts=experts, expert_params=frozenset(expert_params))
     if strategy.pp == 1:
-        if strategy.dp > 1:
-            apply_data_parallel(model, [m for _, m in model_layers(model)], mesh["dp"], zero_stage=strategy.zero_stage)
-        return ParallelModel(plan=plan, mesh=mesh, parts={0: model}, loss_fn=loss_fn, device=device)
-    return _pipeline(model, plan, mesh, layout, chain, stages, loss_fn, device)
+        _data_parallel(model, model_layers(model), sharded, strategy)
+        return ParallelModel(plan=plan, mesh=mesh, parts={0: model}, loss_fn=loss_fn, device=device,
+                             meshes=meshes, expert_params=sharded.expert_params)
+    return _pipeline(model, plan, mesh, layout, chain, stages, loss_fn, device, sharded)
+
+
+@dataclass(frozen=True)
+class _Sharded:
+    """What the model-parallel steps left for data parallelism and the pipeline split."""
+
+    meshes: PlanMeshes
+    experts: Sequence[nn.Module]
+    expert_params: frozenset[str]
+
+
+def _data_parallel(part: nn.Module, layers: Sequence[tuple[str, nn.Module]], sharded: _Sharded,
+                   strategy: Strategy) -> None:
+    """FSDP2 / replicate `part` over the dp (x cp) ranks; its experts over their replicas."""
+    if strategy.dp * strategy.cp == 1:
+        return
+    inside = {id(m) for m in part.modules()}
+    experts = [m for m in sharded.experts if id(m) in inside]
+    apply_data_parallel(part, [m for _, m in layers], sharded.meshes.replicas, zero_stage=strategy.zero_stage,
+                        experts=experts, experts_mesh=sharded.meshes.expert_replicas)
 
 
 def _pipeline(model: nn.Module, plan: Plan, mesh: Any, layout: MeshLayout, chain: LayerChain,
-              stages: Sequence[StageSpec], loss_fn: LossFn, device: torch.device) -> ParallelModel:
+              stages: Sequence[StageSpec], loss_fn: LossFn, device: torch.device,
+              sharded: _Sharded) -> ParallelModel:
     from torch.distributed.pipelining import PipelineStage
 
     strategy = plan.strategy
     all_parts = build_stage_modules(model, chain, stages)
     tied = _tied_across_stages(model, all_parts, mesh, layout)
-    pp_rank = mesh["pp"].get_local_rank()
+    pp_rank = sharded.meshes.pp.get_local_rank()
     mine = stage_indices_of_rank(pp_rank, strategy.pp, len(stages))
     parts = {i: all_parts[i] for i in mine}
-    if strategy.dp > 1:
-        for part in parts.values():
-            apply_data_parallel(part, _layers_in(part, model), mesh["dp"], zero_stage=strategy.zero_stage)
-    pp_group = mesh["pp"].get_group()
+    for part in parts.values():
+        _data_parallel(part, _layers_in(part, model), sharded, strategy)
+    pp_group = sharded.meshes.pp.get_group()
     pipeline_stages = [PipelineStage(parts[i], i, len(stages), device, group=pp_group) for i in mine]
     microbatch_loss = MicrobatchLoss(loss_fn)
     schedule = build_schedule(pipeline_stages, strategy.schedule, strategy.num_microbatches, microbatch_loss)
     return ParallelModel(plan=plan, mesh=mesh, parts=parts, loss_fn=loss_fn, schedule=schedule,
-                         microbatch_loss=microbatch_loss, tied=tied, device=device)
+                         microbatch_loss=microbatch_loss, tied=tied, device=device, meshes=sharded.meshes,
+                         expert_params=sharded.expert_params)

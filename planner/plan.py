@@ -164,6 +164,7 @@ class Plan:
             strategy = dict(d["strategy"])
             sharding = tuple(ModuleSharding.from_dict(m) for m in strategy.pop("sharding", []))
             _check_keys(strategy, set(Strategy().to_dict()), "strategy")
+            _check_stages_tile(strategy["stages"])
             return cls(
                 model=ModelInfo.from_dict(d["model"]),
                 cluster=d["cluster"],
@@ -186,6 +187,21 @@ class Plan:
         except json.JSONDecodeError as e:
             raise PlanLoadError(f"plan file is not valid JSON (truncated or corrupt?): {e}") from None
         return cls.from_dict(data)
+
+
+def _check_stages_tile(stages: Any) -> None:
+    """Stages must cover consecutive segment ranges from segment 0, in pipeline order (a hand-edited plan with a
+    gap or an overlap would otherwise be explained or applied as if it were valid)."""
+    if not isinstance(stages, list):
+        raise PlanLoadError(f"strategy.stages must be a list, got {type(stages).__name__}")
+    expected = 0
+    for i, stage in enumerate(stages):
+        start = stage.get("start") if isinstance(stage, Mapping) else None
+        if start != expected:
+            where = "segment 0" if i == 0 else f"segment {expected}, where stage {i - 1} stops"
+            raise PlanLoadError(f"strategy.stages[{i}] starts at {start!r}; stages must cover consecutive segment "
+                                f"ranges, so it must start at {where}")
+        expected = stage.get("stop")
 
 
 def _check_keys(d: Mapping[str, Any], expected: set[str], where: str) -> None:

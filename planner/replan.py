@@ -1,6 +1,6 @@
 """Re-planning when the cluster changes: a device slows down or fails, a link gets faster, prices move (issue 7).
 
-`replan(old_plan, chain, new_cluster)` looks at three kinds of plan and picks one:
+`replan(old_plan, chain, new_cluster)` looks at four kinds of plan and picks one:
 
 - **keep**: the old strategy as it is, priced on the new cluster (when it still has the devices);
 - **re-partition**: the old mesh, micro-batching, schedule and ZeRO stage with the stage partition and the
@@ -10,6 +10,8 @@
   sequence parallelism -- and its schedule family, and is free in everything a slow or failed device calls for:
   data- and pipeline-parallel degrees, the rank order, micro-batching, ZeRO, stages and recomputation.
   `ReplanScope.FULL` searches the whole space.
+- **exclude** (on request): when some devices run below nominal speed, the same search on the cluster without
+  them (the plan then marks them unavailable: the job leaves them out rather than waiting for them).
 
 The fastest of them sets the bar; the plan chosen is the one closest to the old plan (`plan_distance`) among
 those at most `stickiness` slower than the fastest (ties: the faster). So a small gain does not reshuffle a
@@ -36,7 +38,7 @@ from costmodel.breakdown import Estimate
 from costmodel.cluster import Cluster
 from costmodel.estimate import estimate as costmodel_estimate
 from costmodel.layer_cost import LayerCost
-from costmodel.strategy import Recompute, Schedule, Strategy
+from costmodel.strategy import MeshAxis, Recompute, Schedule, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import PlanLoadError, UserError
 from planner.heterogeneous import with_device_groups
@@ -60,9 +62,10 @@ class ReplanScope(enum.StrEnum):
 
 
 class OptionKind(enum.StrEnum):
-    KEEP = "keep"
-    REPARTITION = "repartition"
-    SEARCH = "search"
+    KEEP = "keep"                # the old strategy as it is
+    REPARTITION = "repartition"  # the old strategy with its stages and recomputation solved again
+    SEARCH = "search"            # a search on the new cluster
+    EXCLUDE = "exclude"          # a search on the new cluster without its slowed devices
 
 
 # ---- sessions: reusable sub-results --------------------------------------------------------------------------
@@ -164,7 +167,11 @@ class ReplanOption:
         s = self.strategy
         sched = f"interleaved:{s.virtual_stages}" if s.schedule is Schedule.INTERLEAVED else s.schedule.value
         extra = (f" cp={s.cp}" if s.cp > 1 else "") + (f" ep={s.ep}" if s.ep > 1 else "")
-        return (f"{self.kind.value}: dp={s.dp} tp={s.tp} pp={s.pp}{extra} mbs={s.microbatch_size} "
+        order = ""
+        if s.dp > 1 and s.pp > 1:
+            order = " (pp inside dp)" if s.mesh_order.index(MeshAxis.PP) < s.mesh_order.index(MeshAxis.DP) \
+                else " (dp inside pp)"
+        return (f"{self.kind.value}: dp={s.dp} tp={s.tp} pp={s.pp}{extra}{order} mbs={s.microbatch_size} "
                 f"m={s.num_microbatches} {sched} zero={s.zero_stage}")
 
 
@@ -250,8 +257,13 @@ def neighbourhood(old: Strategy, space: SearchSpace | None = None) -> SearchSpac
 
 def replan(old: Plan, chain: LayerChain, cluster: Cluster, *, session: PlanningSession | None = None,
            stickiness: float = DEFAULT_STICKINESS, scope: ReplanScope | str = ReplanScope.NEIGHBOURHOOD,
-           space: SearchSpace | None = None, top_k: int = 8, time_limit_s: float | None = None) -> Replan:
+           space: SearchSpace | None = None, top_k: int = 1, time_limit_s: float | None = None,
+           exclude_slowed: bool = False) -> Replan:
     """Re-plan `old` (made for `chain`) on `cluster` (module docstring).
+
+    `top_k`: how many of the search's best strategies to consider (more: more choice for the stickiness, a
+    slower search). `exclude_slowed`: also plan without the devices that run below nominal speed (one more
+    search; the chosen plan's cluster then marks them unavailable: the job leaves them out).
 
     Raises PlanLoadError when the plan is for another model, UserError for a negative stickiness, and what the
     search raises (InfeasibleError, UserError) when nothing runs on the new cluster."""
@@ -274,13 +286,20 @@ def replan(old: Plan, chain: LayerChain, cluster: Cluster, *, session: PlanningS
     n = len(chain.segments)
 
     options: list[ReplanOption] = []
+    priced_on: dict[int, Cluster] = {}
+    """id(option) -> the cluster it was priced on (the new one, or the new one without its slowed devices)."""
 
-    def add(kind: OptionKind, strategy: Strategy) -> None:
-        priced = _priced(builder, cluster, strategy, batch, dtype, session.profile)
+    def add(kind: OptionKind, strategy: Strategy, on: Cluster = cluster,
+            on_builder: StageProblemBuilder = builder) -> None:
+        priced = _priced(on_builder, on, strategy, batch, dtype, session.profile)
         if priced is None or not priced[0].fits:
             return
-        strategy = with_device_groups(cluster, strategy)
-        options.append(ReplanOption(kind, strategy, priced[0], priced[1], plan_distance(old.strategy, strategy, n)))
+        strategy = with_device_groups(on, strategy)
+        if any(o.strategy == strategy and priced_on[id(o)] is on for o in options):
+            return  # found twice (the re-partition of a one-stage plan is the plan itself)
+        option = ReplanOption(kind, strategy, priced[0], priced[1], plan_distance(old.strategy, strategy, n))
+        priced_on[id(option)] = on
+        options.append(option)
 
     kept_strategy = old_strategy if old_strategy.num_devices <= cluster.num_available else None
     if kept_strategy is not None:
@@ -294,13 +313,26 @@ def replan(old: Plan, chain: LayerChain, cluster: Cluster, *, session: PlanningS
                             options=SearchOptions(top_k=top_k, time_limit_s=time_limit_s, explain_slack=0.0))
     for r in result.ranked:
         add(OptionKind.SEARCH, r.strategy)
+    slowed = [r for r in cluster.available_ranks() if cluster.speed_of(r) < 1.0]
+    if exclude_slowed and slowed and len(slowed) < cluster.num_available:
+        without = cluster
+        for r in slowed:
+            without = without.with_speed(r, 0.0)
+        try:
+            excluded = session.search(without, global_batch=batch, space=searched_space,
+                                      options=SearchOptions(time_limit_s=time_limit_s, explain_slack=0.0))
+        except UserError:  # nothing runs without them
+            excluded = None
+        if excluded is not None:
+            add(OptionKind.EXCLUDE, excluded.best.strategy, without,
+                StageProblemBuilder(chain, without, session.table_for(without), dtype))
     if not options:
         raise UserError("no plan fits on the new cluster")
     fastest = min(options, key=lambda o: (o.step_time_s, o.distance))
     near = [o for o in options if o.step_time_s <= fastest.step_time_s * (1 + stickiness)]
     chosen = min(near, key=lambda o: (o.distance, o.step_time_s))
     elapsed = time.monotonic() - started
-    plan = _plan(old, chain, cluster, chosen, fastest, options, result, scope, elapsed, dtype)
+    plan = _plan(old, chain, priced_on[id(chosen)], chosen, fastest, options, result, scope, elapsed, dtype)
     return Replan(plan=plan, chosen=chosen, fastest=fastest, kept=kept, options=tuple(options), scope=scope,
                   stickiness=stickiness, time_s=elapsed, warm_start=warm, search=result)
 

@@ -71,6 +71,7 @@ from costmodel.step_time import optimizer_step_time
 from costmodel.strategy import MeshAxis, Recompute, Schedule, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import InfeasibleError, UserError
+from planner.heterogeneous import mesh_type_problem
 from planner.layer_costs import LayerCostTable, module_sharding
 from planner.mesh_search import MeshCandidate, compute_lower_bound_s, divisors, enumerate_meshes
 from planner.plan import Alternative, ModuleSharding
@@ -82,6 +83,10 @@ REL_TOL = 1e-9
 """Relative tolerance when comparing the search objective with `costmodel.estimate` (float summation order)."""
 
 Progress = Callable[[int, int, float | None], None]
+
+FIRST_PLAN_FRACTION = 0.5
+"""With a time limit, once this fraction of it has passed without any plan, `_Search.first_plan` looks for one
+among the candidates that are cheap to solve, leaving the rest of the limit to improve on it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,8 +194,12 @@ def device_counts(cluster: Cluster, space: SearchSpace, objective: Objective) ->
 
     Always every available device. Also whole-node subsets: for `--objective cost` all of them (fewer devices can
     be cheaper); for time a power-of-two number of nodes, so that a mesh that does not divide the available
-    devices (after a failure, say) can still use most of them, and adding nodes never makes the best time worse.
-    Within one node (or with `SearchSpace.whole_nodes_only` False) every count up to the node size."""
+    devices (after a failure, say) can still use most of them, and every count up to the node size (the counts
+    one node is searched with). So a cluster's counts include those of any cluster with a power-of-two number of
+    its nodes, and going from such a cluster to this one never makes the best time worse (from 3 nodes to 4 it
+    can: 3 nodes' worth of devices is not searched on 4). With `--objective cost`, counts below a node only within
+    one node or with `SearchSpace.whole_nodes_only` False. The level-0 bound prunes the small counts unexpanded
+    whenever a larger one already does better, so they cost nothing for a model that needs the devices."""
     n = cluster.num_available
     per_node = _node_size(cluster)
     nodes = n // per_node
@@ -198,7 +207,7 @@ def device_counts(cluster: Cluster, space: SearchSpace, objective: Objective) ->
         counts = {n} | {k * per_node for k in range(1, nodes + 1)}
     else:
         counts = {n} | {(1 << i) * per_node for i in range(nodes.bit_length()) if (1 << i) <= nodes}
-    if not space.whole_nodes_only or n <= per_node:
+    if objective is not Objective.COST or not space.whole_nodes_only or n <= per_node:
         counts |= set(range(1, min(n, per_node) + 1))
     return tuple(sorted(counts, reverse=True))
 
@@ -250,7 +259,10 @@ def candidates_for(num_devices: int, chain: LayerChain, cluster: Cluster, global
                               max_pp=len(chain.segments), dp=space.dp, tp=space.tp, pp=space.pp,
                               tp_across_nodes=space.tp_across_nodes, cp_options=cps, ep_options=eps)
     for mesh in meshes:
-        why = head_problem(chain, mesh.tp)
+        # Issue 7 (planner/heterogeneous.py): a tp/dp group never mixes device types; replicas on different
+        # types are planned by group data parallelism, with batch shares that balance them.
+        why = head_problem(chain, mesh.tp) or mesh_type_problem(
+            cluster, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, ep=mesh.ep, mesh_order=mesh.mesh_order)
         if why:
             invalid[(mesh.dp, mesh.tp, mesh.pp)] = why
             continue
@@ -365,9 +377,28 @@ class _Search:
     def options_for(self) -> tuple[Recompute, ...]:
         return (self.space.recompute,) if self.space.recompute is not None else tuple(Recompute)
 
-    def out_of_time(self) -> bool:
+    def out_of_time(self, fraction: float = 1.0) -> bool:
+        """Whether `fraction` of the time limit has passed (never without a limit)."""
         limit = self.options.time_limit_s
-        return limit is not None and time.monotonic() - self.started > limit
+        return limit is not None and time.monotonic() - self.started > fraction * limit
+
+    def first_plan(self, heap: list[tuple[float, int, tuple, int]]) -> None:
+        """Find some plan fast, for a time limit that would otherwise pass before the first one.
+
+        Best-first order refines (solves the sharding ILPs of) many tensor-parallel candidates before it solves
+        any; within a short limit that can use up all the time. This visits, in bound order, only the candidates
+        that need no new sharding solve -- already refined, or tp == 1 -- until one fits. The rest go back to the
+        heap, so its smallest bound stays a valid lower bound on everything unexplored."""
+        kept = []
+        while heap and not self.found:
+            entry = heapq.heappop(heap)
+            _, level, _, payload = entry
+            if level == 2 or (level == 1 and self.candidates[payload].mesh.tp == 1):
+                self.visit(self.candidates[payload])
+            else:
+                kept.append(entry)
+        for entry in kept:
+            heapq.heappush(heap, entry)
 
     def bound(self, cand: Candidate) -> float:
         """Level-1 lower bound on the candidate's objective from tp == 1 prices (no sharding solve); inf when its
@@ -498,7 +529,13 @@ class _Search:
         heapq.heapify(heap)
         done = 0
         progress = self.options.progress
+        rushed = False
         while heap:
+            if not self.found and not rushed and self.out_of_time(FIRST_PLAN_FRACTION):
+                rushed = True
+                self.first_plan(heap)
+                if not heap:
+                    break
             lb, level, key, payload = heap[0]
             if not math.isfinite(lb) or lb >= self.kth_best():
                 break
@@ -559,6 +596,10 @@ def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: Sea
 
     Raises InfeasibleError when no strategy of the space fits in memory, UserError for an empty space (pins that
     contradict the cluster or batch)."""
+    if options is not None and options.time_limit_s is not None:
+        # Load the sharding solver (OR-Tools, about a second to import) before the clock starts: a time limit
+        # bounds the search, not the one-time loading of its libraries.
+        import planner.intra_op  # noqa: F401
     started = time.monotonic()
     space = space or SearchSpace()
     options = options or SearchOptions()

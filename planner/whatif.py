@@ -414,7 +414,8 @@ def plan_scenario(scenario: Scenario, session: PlanningSession, options: WhatIfO
                                                                   dtype=session.dtype)))
         except UserError as e:
             error = error or str(e)
-    base = dict(values=scenario.values, cluster=cluster.name, global_batch=scenario.global_batch, seq=scenario.seq)
+    base = dict(values=scenario.values, cluster=cluster.name, global_batch=scenario.global_batch,
+                seq=session.chain.graph.seq_len)
     if not outcomes:
         return WhatIfRow(**base, summary="", num_devices=0, step_time_s=math.nan, samples_per_s=math.nan,
                          tokens_per_s=None, mfu=math.nan, price_per_hour=None, error=error or "no plan")

@@ -153,7 +153,7 @@ BAD_INPUTS: tuple[BadInput, ...] = (
     _case("plan-missing", "plan file that does not exist", "explain nosuch.json", "plan file nosuch.json does not exist"),
     _case("plan-corrupt", "plan file that is not JSON", "explain corrupt.json",
           "corrupt.json", "not valid JSON (truncated or corrupt?)"),
-    _case("plan-truncated", "plan file cut off half way", "diff plan.json truncated.json",
+    _case("plan-truncated", "plan file cut off after its first lines", "diff plan.json truncated.json",
           "truncated.json", "not valid JSON (truncated or corrupt?)"),
     _case("plan-binary", "plan file that is not text", "explain binary.json", "binary.json", "not text"),
     _case("plan-newer-schema", "plan of a newer schema_version", "explain newer.json",
@@ -162,6 +162,8 @@ BAD_INPUTS: tuple[BadInput, ...] = (
           "unknown key(s) in plan: comment", "valid: cluster, model"),
     _case("plan-bad-value", "plan with a value of the wrong kind", "explain bad-value.json",
           "bad-value.json", "dp must be a positive integer, got 'two'"),
+    _case("plan-stage-gap", "plan whose stages skip a segment", "explain stage-gap.json",
+          "strategy.stages[0] starts at 1", "must start at segment 0"),
     _case("plan-other-model", "plan applied to another model", "run llama-tiny --plan plan.json --nproc 2",
           "the plan is for gpt-tiny with 867,072 parameters but this model has 918,656"),
     _case("plan-other-settings", "plan applied to the same model with other --set values",
@@ -177,10 +179,13 @@ BAD_INPUTS: tuple[BadInput, ...] = (
     _case("output-is-folder", "-o naming a folder", f"plan {TINY} --cluster 1x4xcpu --batch 8 -o .",
           "-o . is a directory"),
     _case("output-unwritable", "-o where nothing can be written",
-          f"plan {TINY} --cluster 1x4xcpu --batch 8 -o /proc/plan.json", "-o /proc/plan.json", "not writable"),
+          f"plan {TINY} --cluster 1x4xcpu --batch 8 -o /sys/plan.json", "-o /sys/plan.json: not writable"),
     _case("output-is-input", "-o naming the cluster YAML the command reads",
           f"plan {TINY} --cluster cluster.yaml --batch 8 -o cluster.yaml",
           "-o cluster.yaml is an input file", "refusing to overwrite it"),
+    _case("output-is-input-via-link", "-o naming a symbolic link to the cluster YAML",
+          f"plan {TINY} --cluster cluster.yaml --batch 8 -o cluster-link.yaml",
+          "-o cluster-link.yaml is an input file", "refusing to overwrite it"),
     _case("timeline-is-input", "--timeline naming the plan being explained", "explain plan.json --timeline plan.json",
           "--timeline plan.json is an input file", "refusing to overwrite it"),
     _case("outputs-collide", "-o and --timeline naming the same file",
@@ -191,10 +196,13 @@ BAD_INPUTS: tuple[BadInput, ...] = (
           "invalid choice: 'html'", "'text', 'md', 'json'"),
     _case("missing-required", "required flag left out", f"plan {TINY} --cluster 1x4xcpu",
           "the following arguments are required: --batch"),
+    _case("no-command", "no sub-command at all", "", "the following arguments are required: COMMAND"),
+    _case("profile-bad-tp", "malformed list of tensor-parallel degrees", "profile --tp 2,x",
+          "--tp", "expected comma-separated positive integers, got '2,x'"),
 )
 
 # Cases also run through the installed `stratagem` script, to check the forked driver is faithful.
-CONSOLE_SCRIPT_CASES = ("set-unknown-key", "yaml-unknown-group-key", "plan-newer-schema", "output-is-input")
+CONSOLE_SCRIPT_CASES = ("yaml-unknown-group-key", "plan-newer-schema")
 
 
 # ---- scratch files ---------------------------------------------------------------------------------------------
@@ -218,13 +226,17 @@ def scratch_files(plan_json: str) -> dict[str, bytes]:
     unknown = {**plan, "comment": "hand-edited"}
     bad_value = json.loads(plan_json)
     bad_value["strategy"]["dp"] = "two"
+    stage_gap = json.loads(plan_json)
+    stage_gap["strategy"]["stages"][0]["start"] = 1
     texts = {
         "plan.json": plan_json,
         "corrupt.json": "this is not a plan\n",
-        "truncated.json": plan_json[: len(plan_json) // 2],
+        # cut off inside its first key, so the JSON error (line, column) does not move when plans grow
+        "truncated.json": "\n".join(plan_json.splitlines()[:3]),
         "newer.json": json.dumps(newer, indent=2),
         "unknown-key.json": json.dumps(unknown, indent=2),
         "bad-value.json": json.dumps(bad_value, indent=2),
+        "stage-gap.json": json.dumps(stage_gap, indent=2),
         "cluster.yaml": _VALID_CLUSTER,
         "syntax.yaml": "name: broken\ngroups: [ {device: cpu,\n",
         "empty.yaml": "",
@@ -252,13 +264,21 @@ def make_valid_plan(folder: Path) -> str:
     return text
 
 
+LINKS = {"cluster-link.yaml": "cluster.yaml"}
+"""Symbolic links in the scratch folder: name -> target."""
+
+
 def populate(folder: Path, files: Mapping[str, bytes]) -> None:
     for name, data in files.items():
         (folder / name).write_bytes(data)
+    for name, target in LINKS.items():
+        (folder / name).symlink_to(target)
 
 
-def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+def snapshot(folder: Path) -> dict[str, bytes | str]:
+    """Every entry of the folder: file contents, or "-> target" for a symbolic link."""
+    return {str(p.relative_to(folder)): f"-> {os.readlink(p)}" if p.is_symlink() else p.read_bytes()
+            for p in sorted(folder.rglob("*"))}
 
 
 # ---- running the CLI ---------------------------------------------------------------------------------------------
@@ -376,7 +396,8 @@ def test_bad_inputs_write_nothing(scratch: tuple[Path, dict[str, bytes]],
     """No case created, changed or removed a file: inputs are never overwritten, failures leave no output."""
     folder, files = scratch
     assert outcomes  # every case has run
-    assert snapshot(folder) == dict(sorted(files.items()))
+    expected = {**files, **{name: f"-> {target}" for name, target in LINKS.items()}}
+    assert snapshot(folder) == dict(sorted(expected.items()))
 
 
 def test_forked_driver_matches_console_script(scratch: tuple[Path, dict[str, bytes]],
@@ -407,9 +428,9 @@ value and the valid choices or the rule it breaks; nothing is written. The table
 
 Commands run in a folder holding the files they name: `plan.json` is a valid two-process plan of `gpt-tiny`
 (`stratagem plan gpt-tiny --cluster 1x4xcpu --batch 8 --fix dp=2 --fix tp=1 --fix pp=1 -o plan.json`);
-`truncated.json`, `newer.json`, `unknown-key.json`, `bad-value.json`, `corrupt.json` and `binary.json` are
-damaged copies; `cluster.yaml` is a valid two-CPU cluster and the other `.yaml` files each hold one mistake
-(see `scratch_files` in the test).
+`truncated.json`, `newer.json`, `unknown-key.json`, `bad-value.json`, `stage-gap.json`, `corrupt.json` and
+`binary.json` are damaged copies; `cluster.yaml` is a valid two-CPU cluster and the other `.yaml` files each hold
+one mistake (see `scratch_files` in the test).
 
 | # | mistake | command (`stratagem ...`) | exit | message |
 |---|---|---|---|---|
@@ -417,7 +438,7 @@ damaged copies; `cluster.yaml` is a valid two-CPU cluster and the other `.yaml` 
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").strip()
+    return " ".join(text.split()).replace("|", "\\|")
 
 
 def render_docs(outcomes: Mapping[str, Mapping[str, Any]]) -> str:
@@ -425,7 +446,8 @@ def render_docs(outcomes: Mapping[str, Mapping[str, Any]]) -> str:
     for i, case in enumerate(BAD_INPUTS, 1):
         got = outcomes[case.id]
         message = got["stderr"].strip().removeprefix("stratagem: error: ")
-        rows.append(f"| {i} | {_cell(case.what)} | `{_cell(' '.join(case.argv))}` | {got['rc']} | {_cell(message)} |")
+        command = f"`{_cell(' '.join(case.argv))}`" if case.argv else "(no arguments)"
+        rows.append(f"| {i} | {_cell(case.what)} | {command} | {got['rc']} | {_cell(message)} |")
     return _DOCS_HEAD + "\n".join(rows) + "\n"
 
 

@@ -96,9 +96,10 @@ def test_plan_json_identical_across_runs_and_hash_seeds(runs: list[dict[str, Any
     first = runs[0]
     top = first["top3"]
     assert isinstance(top, list) and len(top) == 3
-    # the instance exercises what iteration order could disturb: several meshes and both device groups
-    assert len({(p["strategy"]["dp"], p["strategy"]["tp"], p["strategy"]["pp"]) for p in top}) >= 2
-    assert top[0]["search"]["alternatives"]
+    # the instance exercises what iteration order could disturb: distinct strategies, losing meshes to explain,
+    # two device groups
+    assert len({json.dumps(p["strategy"], sort_keys=True) for p in top}) == 3
+    assert len(top[0]["search"]["alternatives"]) >= 2
     assert {g["name"] for g in top[0]["cluster"]["groups"]} == {"fast", "slow"}
     times = [p["predicted"]["step_time_s"] for p in top]
     assert times == sorted(times)

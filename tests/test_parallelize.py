@@ -55,9 +55,10 @@ UPDATE_FLOOR = 1e-6
 CONFIGS_2 = ("dp2", "dp2_zero1", "fsdp2", "tp2", "tp2_sp", "tp2_sp_llama", "tp2_moe", "tp2_sp_moe",
              "pp2_gpipe", "pp2_1f1b", "pp2_1f1b_one_microbatch", "pp2_interleaved", "pp2_interleaved_m3",
              "pp2_interleaved_m1", "pp2_llama_uneven", "user_pp2", "user_dp2_recompute", "recompute_full_dp2",
-             "recompute_selective_tp2", "recompute_pp2")
+             "recompute_selective_tp2", "recompute_pp2", "cp2", "cp2_llama_recompute", "ep2", "ep2_fsdp")
 CONFIGS_4 = ("dp4_fsdp", "tp2_dp2", "tp2_sp_fsdp2", "pp2_dp2", "pp2_fsdp2", "pp2_tp2", "pp2_tp2_sp_recompute",
-             "pp4_1f1b", "pp2_interleaved_dp2", "user_pp2_fsdp2")
+             "pp4_1f1b", "pp2_interleaved_dp2", "user_pp2_fsdp2", "cp2_dp2", "cp2_fsdp2_selective", "cp2_tp2_sp",
+             "cp2_pp2", "ep2_dp4", "ep2_tp2", "cp2_ep2_moe")
 
 
 def tiny_gpt(**overrides: Any) -> nn.Module:
@@ -71,8 +72,8 @@ def tiny_gpt(**overrides: Any) -> nn.Module:
 
 def test_mesh_is_outermost_first_with_tp_fastest():
     layout = mesh_layout(Strategy(dp=2, tp=2, pp=2))
-    assert layout.names == ("pp", "dp", "tp")
-    assert layout.sizes == (2, 2, 2)
+    assert layout.names == ("pp", "dp", "cp", "tp")  # every axis, size 1 included
+    assert layout.sizes == (2, 2, 1, 2)
     # rank = pp*4 + dp*2 + tp: tp has stride 1, dp stride tp, pp stride tp*dp (Megatron-LM order)
     assert [tuple(layout.coordinates(r)[a] for a in ("pp", "dp", "tp")) for r in (0, 1, 2, 5, 7)] == [
         (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
@@ -81,18 +82,123 @@ def test_mesh_is_outermost_first_with_tp_fastest():
 def test_mesh_follows_a_custom_axis_order():
     order = (MeshAxis.DP, MeshAxis.TP, MeshAxis.CP, MeshAxis.EP, MeshAxis.PP)
     layout = mesh_layout(Strategy(dp=4, tp=2, mesh_order=order))
-    assert layout.names == ("pp", "tp", "dp")
+    assert layout.names == ("pp", "cp", "tp", "dp")
     assert layout.coordinates(1)["dp"] == 1 and layout.coordinates(4)["tp"] == 1
 
 
-def test_mesh_refuses_context_and_expert_parallelism():
-    with pytest.raises(UserError, match=r"cp=2.*supported axes: tp, dp, pp"):
-        mesh_layout(Strategy(cp=2))
+def test_mesh_has_a_cp_axis_between_dp_and_tp():
+    layout = mesh_layout(Strategy(dp=2, tp=2, cp=2, ep=2))
+    assert layout.names == ("pp", "dp", "cp", "tp") and layout.sizes == (1, 2, 2, 2)
+    # rank = dp*4 + cp*2 + tp (Megatron-LM's order tp, cp, dp, pp); ep has no axis: it splits dp
+    assert [tuple(layout.coordinates(r)[a] for a in ("dp", "cp", "tp")) for r in (1, 2, 5, 6)] == [
+        (0, 0, 1), (0, 1, 0), (1, 0, 1), (1, 1, 0)]
+
+
+def test_expert_parallelism_must_divide_dp():
+    # Strategy accepts ep | dp*cp; running it needs the ep group inside dp (as the cost model prices it)
+    with pytest.raises(UserError, match=r"ep=4 must divide dp=2.*valid ep: 1, 2"):
+        mesh_layout(Strategy(dp=2, cp=2, ep=4))
 
 
 def test_world_size_mismatch_is_refused_with_both_numbers():
     with pytest.raises(PlanLoadError, match=r"needs 8 processes .*world size is 4"):
         check_world_size(Strategy(dp=2, tp=2, pp=2), 4)
+    with pytest.raises(PlanLoadError, match=r"needs 4 processes \(dp=1 x tp=2 x pp=1 x cp=2\)"):
+        check_world_size(Strategy(tp=2, cp=2), 2)
+
+
+# --- context parallelism ---------------------------------------------------------------------------------
+
+def test_load_balanced_chunks():
+    # 2*cp chunks of T/(2cp): rank r holds chunks r and 2cp-1-r (Llama 3 sec. 3.3.2)
+    from planner.apply_cp import SequenceShard
+
+    assert SequenceShard(2, 0).positions(8).tolist() == [0, 1, 6, 7]
+    assert SequenceShard(2, 1).positions(8).tolist() == [2, 3, 4, 5]
+    assert SequenceShard(3, 1).positions(12).tolist() == [2, 3, 8, 9]
+    assert SequenceShard(2, 1).gathered_positions(8).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    # every rank does the same causal work: the sum over its queries of (position + 1) keys
+    work = [sum(p + 1 for p in SequenceShard(4, r).positions(64).tolist()) for r in range(4)]
+    assert len(set(work)) == 1
+    with pytest.raises(UserError, match="sequence length 10 does not split into 2.cp=4 equal chunks"):
+        SequenceShard(2, 0).positions(10)
+
+
+def test_split_and_restore_order_round_trip():
+    from planner.apply_cp import SequenceShard
+
+    x = torch.arange(2 * 12 * 3).reshape(2, 12, 3)
+    shards = [SequenceShard(3, r) for r in range(3)]
+    gathered = torch.cat([s.split(x, 1) for s in shards], dim=1)  # what an all-gather over the ranks returns
+    assert torch.equal(shards[0].split(x, 1)[:, :, 0] // 3 % 12, torch.tensor([[0, 1, 10, 11]] * 2))
+    assert torch.equal(shards[1].restore_order(gathered, 1), x)
+
+
+def test_local_queries_against_gathered_keys_equal_full_causal_attention():
+    import torch.nn.functional as F
+
+    from planner.apply_cp import SequenceShard, causal_mask
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, dtype=torch.float64) for _ in range(3))
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    cp = 4
+    shards = [SequenceShard(cp, r) for r in range(cp)]
+    keys = torch.cat([s.split(k, 2) for s in shards], dim=2)
+    values = torch.cat([s.split(v, 2) for s in shards], dim=2)
+    for s in shards:
+        local = F.scaled_dot_product_attention(s.split(q, 2), keys, values, attn_mask=causal_mask(s, 16, "cpu"))
+        torch.testing.assert_close(local, s.split(full, 2), rtol=1e-12, atol=1e-12)
+    # the first query of rank 1 (position 2) sees gathered keys 0, 1 (rank 0's positions 0, 1) and 4 (itself)
+    assert causal_mask(shards[1], 16, "cpu")[0].nonzero().flatten().tolist() == [0, 1, 4]
+
+
+def test_context_parallel_refuses_explicit_attention_and_models_without_blocks():
+    from planner.apply_cp import CpGroup, SequenceShard, apply_context_parallel
+
+    group = CpGroup(SequenceShard(2, 0), None)  # never used: both fail before communicating
+    model = tiny_gpt(attn_impl="math")
+    changed = apply_context_parallel(model, group)
+    assert changed == [f"blocks.{i}.attn" for i in range(4)]
+    with pytest.raises(UserError, match="blocks.0.attn computed attention without F.scaled_dot_product_attention"):
+        model.blocks[0].attn(torch.zeros(1, 4, 32))
+    with pytest.raises(UserError, match="transformer blocks"):
+        apply_context_parallel(worker.UserMLP(worker.UserMLPConfig()), group)
+
+
+def test_rotary_tables_read_global_positions():
+    from models import llama
+    from planner.apply_cp import CpGroup, SequenceShard, apply_context_parallel
+
+    model = llama.build(llama.LlamaConfig(**worker.TINY["llama"]), "cpu")
+    rotary = model.blocks[0].attn.rotary
+    x = torch.randn(1, 4, 8, rotary.head_dim)
+    full = rotary(x)
+    shard = SequenceShard(2, 1)
+    changed = apply_context_parallel(model, CpGroup(shard, None))
+    assert "blocks.0.attn.rotary" in changed
+    torch.testing.assert_close(rotary(shard.split(x, 2)), shard.split(full, 2), rtol=0, atol=0)
+    assert rotary.cos.shape[0] == worker.TINY["llama"]["seq"]  # the tables are put back after the call
+
+
+# --- expert parallelism ----------------------------------------------------------------------------------
+
+def test_expert_parallelism_keeps_this_ranks_experts():
+    from models import moe
+    from planner.apply_ep import EpGroup, apply_expert_parallel, scale_gradient
+
+    model = moe.build(moe.MoEConfig(**worker.TINY["moe"]), "cpu")
+    full = model.blocks[1].mlp.experts.up_proj.detach().clone()  # (4 experts, 32, 32)
+    shards = apply_expert_parallel(model, EpGroup(2, 1, None))
+    assert len(shards.modules) == 2 and "blocks.1.mlp.experts.up_proj" in shards.param_names
+    assert torch.equal(model.blocks[1].mlp.experts.up_proj, full[2:4])
+    with pytest.raises(UserError, match="ep=3 does not divide the 4 experts of blocks.0.mlp.experts; valid ep: 1, 2, 4"):
+        apply_expert_parallel(moe.build(moe.MoEConfig(**worker.TINY["moe"]), "cpu"), EpGroup(3, 0, None))
+    with pytest.raises(UserError, match="GPT has no experts module"):
+        apply_expert_parallel(tiny_gpt(), EpGroup(2, 0, None))
+    x = torch.ones(3, requires_grad=True)
+    (scale_gradient(x, 0.5) * 4).sum().backward()
+    assert x.grad.tolist() == [2.0, 2.0, 2.0]
 
 
 # --- pipeline cuts ---------------------------------------------------------------------------------------
@@ -362,9 +468,16 @@ def _check_config(name: str, ranks: list[dict[str, Any]]) -> None:
     # every parameter (under one of its names when tied) is trained somewhere...
     trained = set().union(*(r["params"] for r in ranks))
     assert all(trained & set(group) for group in ranks[0]["param_groups"]), f"{name}: a parameter is missing"
+    # ...attention sees this rank's share of the sequence (context parallelism splits it over cp)...
+    seq = worker.TINY[cfg.family].get("seq")
+    if seq is not None:
+        seen = [r["attention_tokens"] for r in ranks]  # [] on a pipeline rank without blocks
+        assert all(t in ([], [seq // strategy.cp]) for t in seen) and any(seen), (
+            f"{name}: attention saw {seen} tokens, expected {seq // strategy.cp}")
     # ...and sharding really splits the model over the ranks
     full = ranks[0]["model_numel"]
-    split = strategy.tp * strategy.pp * (strategy.dp if strategy.zero_stage else 1)
+    # cp ranks hold the same weights (ZeRO shards them over dp x cp); ep ranks hold different experts
+    split = strategy.tp * strategy.pp * strategy.ep * (strategy.dp * strategy.cp if strategy.zero_stage else 1)
     for r in ranks:
         assert r["local_numel"] == full if split == 1 else r["local_numel"] < full
 
@@ -406,6 +519,22 @@ def test_stratagem_plan_then_run_pp2_tp2_with_check(tmp_path):
     assert len(report["measured"]["peak_memory_bytes"]) == 2
 
 
+@pytest.mark.multiprocess
+def test_stratagem_plan_then_run_context_parallel_with_check(tmp_path):
+    # cp needs >= 1024 tokens per rank (costmodel.context_parallel.MIN_TOKENS_PER_RANK): a 2048-token gpt-tiny
+    plan_file = tmp_path / "plan.json"
+    model = ["gpt-tiny", "--set", "seq=2048"]
+    made = _stratagem("plan", *model, "--cluster", "1x4xcpu", "--batch", "2", "--fix", "cp=2", "-o", str(plan_file))
+    assert made.returncode == 0, made.stderr
+    assert json.loads(plan_file.read_text())["strategy"]["cp"] == 2
+    ran = _stratagem("run", *model, "--plan", str(plan_file), "--steps", "3", "--nproc", "4", "--check", "--json")
+    assert ran.returncode == 0, ran.stderr[-4000:]
+    report = json.loads(ran.stdout)
+    assert report["strategy"]["cp"] == 2 and report["world_size"] == 4
+    assert report["check"]["passed"] and report["check"]["max_rel_loss_diff"] <= 1e-4
+    assert report["steps"][2]["loss"] < report["steps"][0]["loss"]
+
+
 def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     """`stratagem ARGS` in this process (torch is already imported, so it is quick)."""
     from planner.cli.main import main
@@ -419,7 +548,7 @@ def test_run_refuses_a_wrong_process_count(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     plan.write_text(_plan_for(tiny_gpt(), dict(dp=2, tp=2)).to_json())
     code, _, err = _main(capsys, "run", "gpt", "--plan", str(plan), "--nproc", "2")
-    assert code == 2 and err.count("\n") == 1 and "--nproc 2 but the plan needs 4 processes" in err
+    assert code == 2 and err.count("\n") == 1 and "--nproc 2 but the plan needs 4 processes (dp=2 x tp=2" in err
     code, _, err = _main(capsys, "run", "gpt", "--plan", str(plan))
     assert code == 2 and "pass --nproc 4 or launch under torchrun" in err
     code, _, err = _main(capsys, "run", "gpt", "--plan", str(tmp_path / "missing.json"))

@@ -45,7 +45,7 @@ pytestmark = pytest.mark.slow
 REL = 1e-9
 """Relative slack for comparing step times computed along different float summation orders."""
 
-CLUSTERS = ("1x1xcpu", "1x2xcpu", "1x4xcpu", "1x2xa100-80gb", "1x4xa100-80gb", "2x2xa100-80gb", "1x4xt4")
+CLUSTERS = ("1x1xcpu", "1x2xcpu", "1x4xcpu", "1x2xa100-80gb", "2x2xa100-80gb", "1x4xt4")
 MORE_DEVICES = (("1x1xcpu", "1x2xcpu"), ("1x2xcpu", "1x4xcpu"), ("1x2xa100-80gb", "1x4xa100-80gb"),
                 ("1x2xa100-80gb", "2x2xa100-80gb"), ("1x4xt4", "2x4xt4"))
 """(smaller, larger) pairs: more devices in one node, or twice the nodes (DESIGN: the search plans for the whole
@@ -63,9 +63,10 @@ def model_configs(draw: st.DrawFn) -> tuple[str, tuple[str, ...]]:
     family = draw(st.sampled_from(("gpt", "llama")))
     hidden, heads = draw(st.sampled_from(((32, 2), (64, 4))))
     sets = {"layers": draw(st.integers(1, 3)), "hidden": hidden, "heads": heads,
-            "seq": draw(st.sampled_from((16, 32))), "vocab": 64,
-            "attn_impl": draw(st.sampled_from(("sdpa", "math")))}
-    if family == "llama":
+            "seq": draw(st.sampled_from((16, 32))), "vocab": 64}
+    if family == "gpt":  # the explicit attention ops (QK^T, softmax, AV) instead of the fused SDPA node
+        sets["attn_impl"] = draw(st.sampled_from(("sdpa", "math")))
+    else:
         sets["kv_heads"] = draw(st.sampled_from([k for k in (1, 2, 4) if heads % k == 0]))
         sets["ffn_hidden"] = 3 * hidden
     return family, tuple(sorted(f"{k}={v}" for k, v in sets.items()))
@@ -149,7 +150,7 @@ def plan_of(model: tuple[str, tuple[str, ...]], spec: str, batch: int, result: S
 
 # ---- properties ------------------------------------------------------------------------------------------------
 
-@_settings(160)
+@_settings(150)
 @given(model=model_configs(), spec=st.sampled_from(CLUSTERS), batch=batches)
 def test_plans_satisfy_their_invariants_and_round_trip(model, spec, batch) -> None:
     result = best_of(model, spec, batch)
@@ -190,7 +191,7 @@ def test_plans_satisfy_their_invariants_and_round_trip(model, spec, batch) -> No
         assert again.to_json() == text
 
 
-@_settings(90)
+@_settings(100)
 @given(model=model_configs(), spec=st.sampled_from(CLUSTERS), batch=batches,
        fractions=st.tuples(st.floats(0.0, 1.5), st.floats(0.0, 1.5)))
 def test_more_memory_never_makes_the_best_plan_slower(model, spec, batch, fractions) -> None:
@@ -224,7 +225,7 @@ def test_nothing_fits_names_the_least_memory_that_would(model, spec, batch, frac
     assert isinstance(best_of(model, spec, batch, int(need - step)), str), message
 
 
-@_settings(40)
+@_settings(25)
 @given(model=model_configs(), pair=st.sampled_from(MORE_DEVICES), batch=batches)
 def test_more_devices_never_make_the_best_plan_slower(model, pair, batch) -> None:
     fewer, more = pair

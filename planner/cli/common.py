@@ -48,6 +48,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=positive_int, default=None, help="sequence length (default: the model's)")
 
 
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                        help="training compute dtype: prices FLOPs at its peak and activations at its size "
+                             "(default bfloat16; use float32 for CPU runs)")
+
+
 def add_cluster_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", required=True, metavar="SPEC",
                         help="NODESxGPUSxDEVICE (e.g. 128x8xa100-80gb, 1x4xcpu) or a cluster YAML file")
@@ -104,12 +110,15 @@ def build_model(name: str, sets: Sequence[str], *, seq: int | None, batch: int =
         raise UserError(f"model {name}: {_one_line(e)}") from None
 
 
-def trace_chain(built: Any) -> Any:
-    """Trace a `BuiltModel` into a `LayerChain` (trace errors become user errors)."""
+def trace_chain(built: Any, *, dtype: str = "bfloat16") -> Any:
+    """Trace a `BuiltModel` into a `LayerChain` in the training dtype (trace errors become user errors).
+
+    The dtype matters: activation, boundary and saved bytes are priced from the traced tensors.
+    """
     import ir
 
     try:
-        graph = ir.trace(built.module, built.example_inputs, model_name=built.name)
+        graph = ir.trace(built.module, built.example_inputs, model_name=built.name, dtype=dtype)
         return ir.build_layer_chain(graph)
     except UserError:
         raise
@@ -122,31 +131,41 @@ def input_paths(*candidates: str | None) -> tuple[Path, ...]:
     return tuple(Path(c) for c in candidates if c and Path(c).is_file())
 
 
-def check_output_path(path: str, inputs: Sequence[Path] = ()) -> Path:
-    """Validate an output path before doing any work: never an input file, never a directory, writable folder."""
+def check_output_path(path: str, inputs: Sequence[Path] = (), *, flag: str = "-o") -> Path:
+    """Validate an output path before doing any work: never an input file, never a directory, writable folder.
+
+    Writability is tried, not inferred from permission bits: root passes every `os.access` check, yet cannot
+    write into /proc or a read-only mount."""
     out = Path(path)
     for src in inputs:
         if out.exists() and src.exists() and os.path.samefile(out, src):
-            raise UserError(f"-o {path} is an input file of this command; refusing to overwrite it")
+            raise UserError(f"{flag} {path} is an input file of this command; refusing to overwrite it")
     if out.is_dir():
-        raise UserError(f"-o {path} is a directory; give a file name")
+        raise UserError(f"{flag} {path} is a directory; give a file name")
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
-        raise UserError(f"-o {path}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise UserError(f"-o {path}: not writable")
+        raise UserError(f"{flag} {path}: folder {parent} does not exist")
+    if out.exists() and not os.access(out, os.W_OK):
+        raise UserError(f"{flag} {path}: not writable")
+    try:
+        with tempfile.NamedTemporaryFile(prefix=f".{out.name}.", dir=parent):
+            pass
+    except OSError as e:
+        raise UserError(f"{flag} {path}: not writable ({e.strerror or e})") from None
     return out
 
 
 def write_text(path: Path, text: str) -> None:
     """Write atomically (temporary file in the same folder, then rename) so a failed write leaves no half file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
+    tmp: str | None = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
     except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise UserError(f"cannot write {path}: {e.strerror or e}") from None
 
 

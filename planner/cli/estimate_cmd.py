@@ -14,6 +14,7 @@ from costmodel.strategy import Recompute, Schedule, Strategy
 from planner.api import estimate_plan
 from planner.cli.common import (
     add_cluster_argument,
+    add_dtype_argument,
     add_model_arguments,
     add_output_arguments,
     build_model,
@@ -50,6 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__.split("\n\n")[1])
     add_model_arguments(p)
     add_cluster_argument(p)
+    add_dtype_argument(p)
     p.add_argument("--batch", type=positive_int, required=True, metavar="B", help="global batch (samples per step)")
     p.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel degree")
     p.add_argument("--pp", type=positive_int, required=True, help="pipeline-parallel degree")
@@ -80,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UserError(f"invalid strategy: {e}") from None
     built = build_model(args.model, args.sets, seq=args.seq)
-    chain = trace_chain(built)
-    plan = estimate_plan(chain, cluster, strategy, global_batch=args.batch, model_name=built.name,
+    chain = trace_chain(built, dtype=args.dtype)
+    plan = estimate_plan(chain, cluster, strategy, global_batch=args.batch, dtype=args.dtype, model_name=built.name,
                          settings=built.settings)
     emit([plan], cluster, args.json, outputs)
     return 0

@@ -23,6 +23,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "planner.cli.diff_cmd",
     "planner.cli.run_cmd",
     "planner.cli.profile_cmd",
+    "planner.cli.replan_cmd",   # issue 7
+    "planner.cli.whatif_cmd",   # issue 7
 )
 
 

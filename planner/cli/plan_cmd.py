@@ -19,6 +19,7 @@ from costmodel.strategy import MeshAxis, Schedule
 from planner.api import plan_top
 from planner.cli.common import (
     add_cluster_argument,
+    add_dtype_argument,
     add_model_arguments,
     add_output_arguments,
     build_model,
@@ -41,6 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__.split("\n\n")[1])
     add_model_arguments(p)
     add_cluster_argument(p)
+    add_dtype_argument(p)
     p.add_argument("--batch", type=positive_int, required=True, metavar="B", help="global batch (samples per step)")
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
                    help=f"pin a dimension (repeatable); keys: {', '.join(sorted(set(FIX_KEYS)))}")
@@ -62,7 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     inputs = input_paths(args.cluster)
-    outputs = {flag: check_output_path(path, inputs) for flag, path in
+    outputs = {flag: check_output_path(path, inputs, flag=flag) for flag, path in
                (("-o", args.output), ("--timeline", args.timeline), ("--plot", args.plot)) if path}
     if len({str(p.resolve()) for p in outputs.values()}) < len(outputs):
         raise UserError("-o, --timeline and --plot must name different files")
@@ -73,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UserError(str(e)) from None
     built = build_model(args.model, args.sets, seq=args.seq)
-    chain = trace_chain(built)
-    plans = plan_top(chain, None, cluster, global_batch=args.batch, top_k=args.top, space=space,
+    chain = trace_chain(built, dtype=args.dtype)
+    plans = plan_top(chain, None, cluster, global_batch=args.batch, dtype=args.dtype, top_k=args.top, space=space,
                      objective=args.objective, time_limit_s=args.time_limit, model_name=built.name,
                      settings=built.settings, progress=progress_printer())
     emit(plans, cluster, args.json, outputs)

@@ -2,10 +2,11 @@
 
 Rebuilds the plan's model (its name and --set values), prices the old strategy on the new cluster, re-solves its
 stage partition, and searches the neighbourhood of the old plan (same tensor/context/expert parallelism and
-schedule family; `--scope full` searches everything). Among the plans found, the one closest to the old plan that
-is at most `--stickiness` percent slower than the fastest is chosen; the command prints what changed in the
-cluster, the three prices (old plan, fastest, chosen) and the plan diff. `-o FILE` writes the new plan;
-`--json` prints {"plan", "changes", "kept_step_time_s", "fastest_step_time_s", "chosen", "diff"}.
+schedule family; `--scope full` searches everything; `--exclude-slow` also tries leaving slowed devices out).
+Among the plans found, the one closest to the old plan that is at most `--stickiness` percent slower than the
+fastest is chosen; the command prints what changed in the cluster, the old plan's, the fastest and the chosen step
+times, and the plan diff. `-o FILE` writes the new plan; `--json` prints {"plan", "changes", "kept_step_time_s",
+"fastest_step_time_s", "chosen", "diff"}.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from planner.cli.common import (
     input_paths,
     parse_cluster,
     positive_float,
+    positive_int,
     trace_chain,
     write_text,
 )
@@ -53,6 +55,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                        "(default %(default)s; 0: always the fastest)")
     p.add_argument("--scope", choices=[s.value for s in ReplanScope], default=ReplanScope.NEIGHBOURHOOD.value,
                    help="neighbourhood (default): keep tp/cp/ep/sp and the schedule family; full: search everything")
+    p.add_argument("--exclude-slow", action="store_true",
+                   help="also plan without the devices running below nominal speed (leave them out of the job)")
+    p.add_argument("--top", type=positive_int, default=1, metavar="K",
+                   help="consider the search's K best strategies (more choice for --stickiness; default 1)")
     p.add_argument("--time-limit", type=positive_float, default=None, metavar="SEC",
                    help="stop the search after SEC seconds with the best found")
     p.add_argument("--format", choices=("text", "md"), default="text", help="diff rendering (default text)")
@@ -91,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"{args.plan}: its cluster does not load: {e}") from None
     chain = _model_chain(old)
-    result = replan(old, chain, cluster, stickiness=args.stickiness / 100.0, scope=args.scope,
-                    time_limit_s=args.time_limit)
+    result = replan(old, chain, cluster, stickiness=args.stickiness / 100.0, scope=args.scope, top_k=args.top,
+                    time_limit_s=args.time_limit, exclude_slowed=args.exclude_slow)
     changes = cluster_changes(old_cluster, cluster)
     if output is not None:
         write_text(output, result.plan.to_json())

@@ -83,8 +83,9 @@ def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     world = plan.strategy.num_devices
     if args.nproc is not None and args.nproc != world:
-        raise UserError(f"--nproc {args.nproc} but the plan needs {world} processes (dp={plan.strategy.dp} x "
-                        f"tp={plan.strategy.tp} x pp={plan.strategy.pp})")
+        s = plan.strategy
+        raise UserError(f"--nproc {args.nproc} but the plan needs {world} processes (dp={s.dp} x tp={s.tp} x "
+                        f"pp={s.pp} x cp={s.cp})")
     if _under_torchrun():
         return _run_rank(args, plan)
     if args.nproc is not None and args.nproc > 1:
@@ -106,7 +107,7 @@ def _preflight(args: argparse.Namespace, plan: Any) -> None:
     from planner.parallelize import check_plan_matches
 
     probe = build_model(args.model, args.sets, seq=args.seq if args.seq is not None else plan.training.seq_len)
-    _explain_mismatch(plan, lambda: check_plan_matches(probe.module, plan, chain=trace_chain(probe)))
+    _explain_mismatch(plan, lambda: check_plan_matches(probe.module, plan, chain=trace_chain(probe, dtype=plan.training.dtype)))
 
 
 def _explain_mismatch(plan: Any, check: Any) -> Any:
@@ -181,7 +182,7 @@ def _train_and_report(args: argparse.Namespace, plan: Any, device: Any) -> int:
     rank = dist.get_rank()
     reference = _reference(args, plan, device) if args.check and rank == 0 else None
     built, probe = _build(args, plan, device)
-    chain = trace_chain(probe)
+    chain = trace_chain(probe, dtype=plan.training.dtype)
     pm = _explain_mismatch(plan, lambda: _parallelize(built, plan, chain))
     measured = _train(args, pm, built, device)
     peaks = _peak_memory_per_stage(pm, device)
@@ -292,9 +293,9 @@ def _report(args: argparse.Namespace, plan: Any, measured: _Run, reference: _Run
     return {
         "model": plan.model.name,
         "world_size": s.num_devices,
-        "strategy": {"dp": s.dp, "tp": s.tp, "pp": s.pp, "microbatch_size": s.microbatch_size,
-                     "num_microbatches": s.num_microbatches, "schedule": s.schedule.value,
-                     "zero_stage": s.zero_stage},
+        "strategy": {"dp": s.dp, "tp": s.tp, "pp": s.pp, "cp": s.cp, "ep": s.ep,
+                     "microbatch_size": s.microbatch_size, "num_microbatches": s.num_microbatches,
+                     "schedule": s.schedule.value, "zero_stage": s.zero_stage},
         "dtype": args.dtype,
         "steps": steps,
         "predicted": {"step_time_s": plan.predicted.step_time_s,
@@ -307,7 +308,8 @@ def _report(args: argparse.Namespace, plan: Any, measured: _Run, reference: _Run
 
 def _text(report: dict[str, Any]) -> str:
     s = report["strategy"]
-    lines = [f"{report['model']}: dp={s['dp']} tp={s['tp']} pp={s['pp']} micro-batch {s['microbatch_size']} x "
+    extra = "".join(f" {k}={s[k]}" for k in ("cp", "ep") if s[k] > 1)
+    lines = [f"{report['model']}: dp={s['dp']} tp={s['tp']} pp={s['pp']}{extra} micro-batch {s['microbatch_size']} x "
              f"{s['num_microbatches']} ({s['schedule']}, ZeRO-{s['zero_stage']}) on {report['world_size']} "
              f"processes, {report['dtype']}"]
     has_ref = report["check"] is not None

@@ -160,6 +160,23 @@ CONFIGS: dict[str, Config] = {
     "user_pp2_fsdp2": Config("user", dict(pp=2, dp=2, microbatch_size=1, num_microbatches=4, zero_stage=3)),
     "pp2_interleaved_dp2": Config("llama", dict(pp=2, dp=2, virtual_stages=2, microbatch_size=1,
                                                 num_microbatches=4, schedule="interleaved")),
+    # context parallelism (seq 8 = 2*cp chunks of 2 tokens) and expert parallelism (issue 10)
+    "cp2": Config("gpt", dict(cp=2, microbatch_size=2, num_microbatches=2)),
+    "cp2_llama_recompute": Config("llama", dict(cp=2, microbatch_size=4, num_microbatches=1, recompute="full")),
+    "ep2": Config("moe", dict(dp=2, ep=2, microbatch_size=2, num_microbatches=2)),
+    "ep2_fsdp": Config("moe", dict(dp=2, ep=2, microbatch_size=4, num_microbatches=1, zero_stage=3)),
+    # 4 processes
+    "cp2_dp2": Config("llama", dict(cp=2, dp=2, microbatch_size=2, num_microbatches=1)),
+    "cp2_fsdp2_selective": Config("gpt", dict(cp=2, dp=2, microbatch_size=1, num_microbatches=2, zero_stage=3,
+                                              recompute="selective")),
+    "cp2_tp2_sp": Config("llama", dict(cp=2, tp=2, microbatch_size=2, num_microbatches=2, sequence_parallel=True),
+                         TP_LLAMA + SP_NORMS),
+    "cp2_pp2": Config("gpt", dict(cp=2, pp=2, microbatch_size=1, num_microbatches=4)),
+    "ep2_dp4": Config("moe", dict(dp=4, ep=2, microbatch_size=1, num_microbatches=2)),
+    "ep2_tp2": Config("moe", dict(dp=2, tp=2, ep=2, microbatch_size=2, num_microbatches=2),
+                      TP_ATTENTION + TP_EMBED_HEAD),
+    "cp2_ep2_moe": Config("moe", dict(dp=2, cp=2, ep=2, microbatch_size=2, num_microbatches=1, zero_stage=3),
+                          settings=dict(capacity_factor=2.0)),
 }
 
 
@@ -238,6 +255,7 @@ def run_config(name: str) -> dict[str, Any]:
     data = batches(cfg, plan.strategy.global_batch)
     ref_losses, ref_params, initial = reference(cfg, data)
 
+    seen = _record_attention_tokens(model)
     start = time.perf_counter()
     pm = parallelize(model, plan, chain=chain, loss_fn=family.loss)
     opt = torch.optim.SGD(list(pm.parameters()), lr=LR)
@@ -248,13 +266,27 @@ def run_config(name: str) -> dict[str, Any]:
     local_numel = 0
     for pname, p in pm.named_parameters():
         local_numel += p.to_local().numel() if isinstance(p, DTensor) else p.numel()
-        full = (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        full = pm.full_tensor(pname, p)
         ref, init = ref_params[pname], initial[pname]
         # [max |param - ref|, max |ref|, max |update - ref update|, max |ref update|]
         params[pname] = [_max_abs(full - ref), _max_abs(ref), _max_abs((full - init) - (ref - init)),
                          _max_abs(ref - init)]
     return {"losses": losses, "ref_losses": ref_losses, "params": params, "param_groups": _param_groups(cfg),
-            "local_numel": local_numel, "model_numel": count_trainable_params(build(cfg)[0]), "seconds": elapsed}
+            "local_numel": local_numel, "model_numel": count_trainable_params(build(cfg)[0]), "seconds": elapsed,
+            "attention_tokens": sorted(set(seen))}
+
+
+def _record_attention_tokens(model: nn.Module) -> list[int]:
+    """Sequence lengths the blocks' attention modules are called with on this rank (a test can tell that context
+    parallelism really split the sequence; a sequence-parallel DTensor input counts its tp shards together)."""
+    seen: list[int] = []
+
+    def record(_module: nn.Module, args: tuple[Any, ...]) -> None:
+        seen.append(args[0].shape[1])
+
+    for block in getattr(model, "blocks", ()):
+        block.attn.register_forward_pre_hook(record)
+    return seen
 
 
 def _param_groups(cfg: Config) -> list[list[str]]:

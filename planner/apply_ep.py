@@ -1,0 +1,139 @@
+"""Expert parallelism: the experts of every mixture-of-experts layer are split over the plan's ep ranks.
+
+Layout (GShard, Lepikhin et al. 2021, sec. 2.2-3; Megatron-LM's expert parallelism; priced by
+`costmodel.expert_parallel`): an ep group is `ep` data-parallel ranks (`PlanMeshes.ep`); rank j of the group
+keeps experts [j E/ep, (j+1) E/ep) of each layer. Every rank routes its own tokens as before; the experts module
+receives per-expert token buffers (E, N, h) -- the zoo's `Experts` layout (models/feedforward.py): a module with
+an integer `num_experts` whose parameters stack one matrix per expert on dim 0 -- and here
+1. an all-to-all *dispatch* sends each expert's buffer to the rank that holds the expert, which then holds
+   (E/ep, ep * N, h): its experts' tokens from every rank of the group;
+2. the module's own forward runs on its local experts (its parameters are this rank's E/ep slices);
+3. an all-to-all *combine* sends the results back, giving (E, N, h') in expert order.
+Both all-to-alls are differentiable (`torch.distributed._functional_collectives.all_to_all_single`, whose
+backward is the reverse all-to-all).
+
+Gradients: an expert's gradient on its owner sums the contributions of the ep ranks whose tokens it took, and
+the expert replicas ((dp / ep) x cp ranks, `PlanMeshes.expert_replicas`) then average it, which would be ep times
+the single-process gradient (dense parameters average over dp x cp ranks, each of which contributes once). So the
+gradient reaching the experts' output is divided by ep, and the gradient leaving their input multiplied by ep
+again: expert weights get 1/ep of the sum, tokens their exact gradient (exact in floating point for powers of 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner.errors import UserError
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by `factor` in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return _ScaleGradient.apply(x, factor)
+
+
+@dataclass(frozen=True, slots=True)
+class EpGroup:
+    """This rank's place in its expert-parallel group and the group's process group."""
+
+    size: int
+    rank: int
+    group: Any
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """Differentiable all-to-all of equal dim-0 chunks: chunk j goes to rank j; output chunk j came from
+        rank j."""
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), None, None, self.group))
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """The zoo's experts layout: an int `num_experts` and direct parameters that all stack `num_experts`
+    matrices on dim 0."""
+    experts = getattr(module, "num_experts", None)
+    params = list(module.parameters(recurse=False))
+    return (isinstance(experts, int) and experts > 0 and bool(params)
+            and all(p.dim() >= 2 and p.size(0) == experts for p in params))
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
+
+
+class ExpertParallelForward:
+    """An experts module's forward with all-to-all dispatch and combine around its local experts (set as the
+    instance's `forward`, so FQNs, hooks, FSDP2 and checkpointing see the module unchanged)."""
+
+    def __init__(self, forward: Callable[..., Any], ep: EpGroup, num_experts: int, path: str) -> None:
+        self.forward = forward
+        self.ep = ep
+        self.num_experts = num_experts
+        self.path = path
+
+    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        ep, experts = self.ep.size, self.num_experts
+        if x.dim() != 3 or x.size(0) != experts:
+            raise UserError(f"expert parallelism: {self.path} expects per-expert buffers (experts={experts}, "
+                            f"tokens, features), got shape {tuple(x.shape)}")
+        local, tokens = experts // ep, x.size(1)
+        received = self.ep.all_to_all(x)  # (ep [source rank], local, N, h) flattened on dim 0
+        mine = received.unflatten(0, (ep, local)).transpose(0, 1).flatten(1, 2)  # (local, ep * N, h)
+        out = self.forward(scale_gradient(mine, float(ep)), *args, **kwargs)  # (local, ep * N, h')
+        out = scale_gradient(out, 1.0 / ep)
+        back = out.unflatten(1, (ep, tokens)).transpose(0, 1).flatten(0, 1)  # (ep [owner], local, N, h')
+        return self.ep.all_to_all(back)  # (E, N, h') in expert order
+
+
+@dataclass(frozen=True)
+class ExpertShards:
+    """What `apply_expert_parallel` changed."""
+
+    modules: tuple[nn.Module, ...]
+    """The experts modules (their parameters are now this rank's slices)."""
+    param_names: tuple[str, ...]
+    """FQNs of the sliced parameters (each a slice of dim 0 over the ep group)."""
+
+
+def apply_expert_parallel(model: nn.Module, ep: EpGroup) -> ExpertShards:
+    """Keep this rank's slice of every experts module's parameters and route its tokens with all-to-alls."""
+    found = experts_modules(model)
+    if not found:
+        raise UserError(f"expert parallelism (ep={ep.size}): {type(model).__name__} has no experts module (a "
+                        "module with num_experts and parameters stacked per expert on dim 0); plan with ep=1")
+    shared = {id(p) for _, m in found for p in m.parameters(recurse=False)}
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in shared:
+            counts[id(p)] = counts.get(id(p), 0) + 1
+    names: list[str] = []
+    for path, module in found:
+        experts = module.num_experts
+        if experts % ep.size:
+            raise UserError(f"ep={ep.size} does not divide the {experts} experts of {path}; valid ep: "
+                            f"{', '.join(str(d) for d in range(1, experts + 1) if experts % d == 0)}")
+        local = experts // ep.size
+        for pname, p in list(module.named_parameters(recurse=False)):
+            if counts.get(id(p), 0) > 1:
+                raise UserError(f"expert parameter {path}.{pname} is shared with another module; untie it")
+            part = p.detach().narrow(0, ep.rank * local, local).clone()
+            setattr(module, pname, nn.Parameter(part, requires_grad=p.requires_grad))
+            names.append(f"{path}.{pname}" if path else pname)
+        module.forward = ExpertParallelForward(module.forward, ep, experts, path)
+    return ExpertShards(modules=tuple(m for _, m in found), param_names=tuple(names))

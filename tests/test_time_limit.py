@@ -1,0 +1,86 @@
+"""Time limits: `--time-limit 1` returns within 1.5 s with the best plan found so far and says it was cut short.
+
+The instance is GPT-3 175B on 128 DGX A100 nodes (1024 GPUs, global batch 1536, the Megatron-LM setting of
+Narayanan et al., SC'21, Table 1): thousands of candidates over meshes, micro-batch sizes, schedules and ZeRO
+stages, whose full search takes several seconds, so a one-second limit must cut it short. The model is traced
+on the meta device.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+import ir
+import planner
+import planner.intra_op  # noqa: F401  (the solver's one-time import is not search time; see planner.search)
+from costmodel.cluster import Cluster
+from ir.layer_chain import LayerChain
+from planner.cli.model_registry import build_model
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL, CLUSTER, BATCH = "gpt3-175b", "128x8xa100-80gb", 1536
+LIMIT_S = 1.0
+GRACE_S = 0.5
+"""The issue's bound: a one-second limit returns within 1.5 s."""
+
+
+@cache
+def gpt3_chain() -> LayerChain:
+    built = build_model(MODEL, batch=1, device="meta")
+    return ir.build_layer_chain(ir.trace(built.module, built.example_inputs, model_name=MODEL))
+
+
+@cache
+def limited_plan() -> tuple[planner.Plan, float]:
+    chain, cluster = gpt3_chain(), Cluster.parse(CLUSTER)
+    start = time.monotonic()
+    plan = planner.plan(chain, None, cluster, global_batch=BATCH, time_limit_s=LIMIT_S, model_name=MODEL)
+    return plan, time.monotonic() - start
+
+
+def test_one_second_limit_returns_in_time_with_a_plan() -> None:
+    plan, wall = limited_plan()
+    assert wall <= LIMIT_S + GRACE_S, f"a {LIMIT_S:g} s limit took {wall:.2f} s"
+    assert plan.search.time_s <= wall
+    # cut short, and it says so: not proven optimal, with the gap to the best unexplored bound
+    assert plan.search.status == "feasible"
+    assert 0 < plan.search.optimality_gap < 1
+    assert plan.search.lower_bound_s < plan.predicted.step_time_s
+    # the best plan so far is a real one: it fits and trains the whole batch on at most the 1024 GPUs
+    s = plan.strategy
+    assert plan.predicted.fits
+    assert s.dp * s.microbatch_size * s.num_microbatches == BATCH
+    assert s.num_devices <= 1024
+
+
+@pytest.mark.slow
+def test_full_search_takes_longer_and_is_no_worse() -> None:
+    """The instance is big enough: without a limit the search runs past the limit and proves optimality, and
+    the cut-short plan is never better than the optimum, nor below its own stated lower bound."""
+    limited, _ = limited_plan()
+    start = time.monotonic()
+    full = planner.plan(gpt3_chain(), None, Cluster.parse(CLUSTER), global_batch=BATCH, model_name=MODEL)
+    assert time.monotonic() - start > LIMIT_S + GRACE_S
+    assert full.search.status == "optimal" and full.search.optimality_gap == 0.0
+    assert full.predicted.step_time_s <= limited.predicted.step_time_s
+    assert limited.search.lower_bound_s <= full.predicted.step_time_s * (1 + 1e-9)
+
+
+def test_cli_says_it_was_cut_short(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "planner.cli.main", "plan", MODEL, "--cluster", CLUSTER, "--batch", str(BATCH),
+         "--time-limit", str(LIMIT_S), "-o", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "cut short by --time-limit" in proc.stdout
+    search = json.loads(out.read_text())["search"]
+    assert search["status"] == "feasible"
+    assert search["time_s"] <= LIMIT_S + GRACE_S
