@@ -62,7 +62,7 @@ LAUNCH_CHUNK = 48
 CASE_TIMEOUT_S = 75
 """A launch whose next strategy has not finished after this long (start-up included) is killed as hung."""
 PROCESS_GROUP_TIMEOUT_S = 60
-CONTROL_TIMEOUT_S = 20
+CONTROL_TIMEOUT_S = 8
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "fidelity.json"
 DOC = ROOT / "docs" / "fidelity.md"

@@ -77,6 +77,20 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
 
 
+def _takes_expert_buffers(module: nn.Module) -> bool:
+    """Whether the module's forward takes a single required argument (the per-expert buffers), as the zoo's
+    `Experts` does; token-choice experts (Hugging Face's Mixtral: tokens, top-k indices and weights) do not."""
+    import inspect
+
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    required = [p for p in params if p.default is inspect.Parameter.empty
+                and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    return len(required) == 1
+
+
 class ExpertParallelForward:
     """An experts module's forward with all-to-all dispatch and combine around its local experts (set as the
     instance's `forward`, so FQNs, hooks, FSDP2 and checkpointing see the module unchanged)."""
@@ -128,6 +142,10 @@ def apply_expert_parallel(model: nn.Module, ep: EpGroup) -> ExpertShards:
         if experts % ep.size:
             raise UserError(f"ep={ep.size} does not divide the {experts} experts of {path}; valid ep: "
                             f"{', '.join(str(d) for d in range(1, experts + 1) if experts % d == 0)}")
+        if not _takes_expert_buffers(module):
+            raise UserError(f"expert parallelism: {path} ({type(module).__name__}) is not called with per-expert "
+                            "token buffers (experts, tokens, features), the layout whose dispatch it implements; "
+                            "plan with ep=1")
         local = experts // ep.size
         for pname, p in list(module.named_parameters(recurse=False)):
             if counts.get(id(p), 0) > 1:

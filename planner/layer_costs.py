@@ -9,7 +9,8 @@ styles. `LayerCostTable` is the cache: one per search (or per `planner.estimate`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from costmodel.cluster import Cluster
 from costmodel.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import price_segment
+from ir.graph import Node
 from ir.layer_chain import LayerChain
 from planner.plan import ModuleSharding
 
@@ -132,9 +134,29 @@ class LayerCostTable:
                 tp_group=_group_on(self.cluster, device, tp, tp_stride),
                 microbatch_size=mbs, traced_batch=self.chain.graph.batch_size, sequence_parallel=sp,
                 dtype=self.dtype, cache=self._sharding_cache, profile=self.profile)
-            costs[cid] = solved.cost
+            costs[cid] = _without_earlier_params(solved.cost, segment.param_count, self.chain.nodes_of(segment))
             sharding[cid] = tuple(solved.module_styles())
         return ClassPrices(costs, sharding)
+
+
+def _without_earlier_params(cost: LayerCost, chain_params: int, nodes: Sequence[Node]) -> LayerCost:
+    """Drop parameters an earlier segment owns (a tied LM head reuses the embedding table).
+
+    The chain counts a shared parameter once, in the first segment that uses it, and `costmodel.estimate` adds the
+    copy the last pipeline stage keeps; the ILP sees only this segment's nodes and would count it again. Scaling
+    by the owned fraction is exact when, as for the tied head, the foreign parameter is the segment's only large
+    one."""
+    seen: dict[str, int] = {}
+    for node in nodes:
+        for name, spec in zip(node.param_names, node.param_specs, strict=False):
+            seen.setdefault(name, spec.numel)
+    used = sum(seen.values())
+    if used <= chain_params or used == 0:
+        return cost
+    keep = chain_params / used
+    return dataclasses.replace(cost, param_count=round(cost.param_count * keep),
+                               param_bytes=round(cost.param_bytes * keep),
+                               grad_sync_bytes=round(cost.grad_sync_bytes * keep))
 
 
 def _group_on(cluster: Cluster, device: DeviceSpec, size: int, stride: int) -> Any:

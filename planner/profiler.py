@@ -21,9 +21,11 @@ of `repeats` timed runs is stored -- or, with `Statistic.MEAN`, the mean over ru
 `min_window_s`. Ops whose tensors would exceed `memory_budget_bytes` are skipped and reported.
 
 `concurrent` > 1 runs the same measurement in that many processes at once and keeps the median over them: a
-cluster such as `1x4xcpu` runs four ranks on this machine's two cores. Use the mean there: one op takes far less
-than a scheduler time slice, so the median of its runs is its speed with a core to itself, while a training step
-spans many slices and pays for sharing the cores; the mean over a window of several slices pays for it too.
+cluster such as `1x4xcpu` runs four ranks on this machine's two cores, which also share caches and memory
+bandwidth. One op takes far less than a scheduler time slice, so the median of its runs is its speed with a core
+to itself (other processes preempt single runs, not the median); a training step spans many slices and pays for
+sharing the cores, which the cluster states as a device speed (`DeviceGroup.slowdown`). The mean over a window of
+several slices pays for the sharing directly -- but also for whatever else runs on the machine at that moment.
 
 Collectives (`measure_collectives`) are timed in a spawned gloo (CPU) or NCCL (GPU) process group of 2..K ranks at
 several sizes, and fitted with `costmodel.collective_fit`.

@@ -62,10 +62,10 @@ def register(subparsers: Any) -> None:
                    help="skip ops whose working set exceeds this many GiB (default 2)")
     p.add_argument("--concurrent", type=positive_int, default=1, metavar="K",
                    help="time the ops in K CPU processes at once (default 1)")
-    p.add_argument("--statistic", choices=("median", "mean"), default=None,
-                   help="per-op value: median of the runs, or their mean over a window of at least "
-                        f"{MEAN_WINDOW_S * 1e3:g} ms (default: median; mean with --concurrent > 1, where the "
-                        "processes share cores)")
+    p.add_argument("--statistic", choices=("median", "mean"), default="median",
+                   help="per-op value: median of the runs (default: a rank's speed with a core to itself), or "
+                        f"their mean over a window of at least {MEAN_WINDOW_S * 1e3:g} ms (also counts time lost to "
+                        "other processes sharing the cores, this profile's and anyone else's)")
     p.add_argument("--collectives", action="store_true", help="also measure and fit the local collectives")
     p.add_argument("--nproc", type=positive_int, default=2, metavar="K",
                    help="largest process group for --collectives: groups of 2..K (default 2)")
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     out = check_output_path(args.output)
     device_name = _catalog_device(args)
-    statistic = Statistic(args.statistic or ("mean" if args.concurrent > 1 else "median"))
+    statistic = Statistic(args.statistic)
     options = ProfileOptions(microbatch_sizes=microbatch_sizes(args.batch), tp_degrees=(1, *args.tp),
                              warmup=args.warmup, repeats=args.repeats,
                              memory_budget_bytes=int(args.memory_budget * 1024 ** 3), dtype=args.dtype,
