@@ -311,8 +311,8 @@ def run_cases(cases: Sequence[Case], nproc: int, work: Path, graph_json: str) ->
         if rest and rc != 0:  # the launch died on the first unfinished case: record it, go on with the others
             errors = [json.loads(p.read_text()) for p in sorted(work.glob(f"{out_path.name}.rank*.err"))]
             mine = [e["error"] for e in errors if e["id"] == rest[0].id]
-            results[rest[0].id] = {"id": rest[0].id,
-                                   "error": mine[0] if mine else f"launch exited with {rc} (hung or crashed)"}
+            results[rest[0].id] = {"id": rest[0].id, "error": primary_error(mine) if mine
+                                   else f"launch exited with {rc} (hung or crashed)"}
             rest = rest[1:]
         pending = rest + pending[LAUNCH_CHUNK:]
         launch += 1
@@ -463,6 +463,16 @@ def _timed_optimizer(params: list[Any]) -> Any:
     return opt
 
 
+SECONDARY_ERRORS = ("Could not resolve the process group", "Connection closed by peer", "Timed out waiting")
+"""Errors a rank gets because a peer failed first (and closed the strategy's process groups)."""
+
+
+def primary_error(errors: Sequence[str]) -> str:
+    """The error that caused the others: the first one that is not a consequence of a peer's failure."""
+    first = [e for e in errors if not any(s in e for s in SECONDARY_ERRORS)]
+    return (first or list(errors))[0]
+
+
 def _process_groups() -> set[Any]:
     """The process groups that exist now, the default one excluded (torch keeps them in its group registry)."""
     import torch.distributed as dist
@@ -514,7 +524,7 @@ def worker(plans_path: str, out_path: str) -> int:
             os._exit(3)
         errors = [e for e in outcome if e]
         if errors:
-            row = {"id": case["id"], "error": errors[0]}
+            row = {"id": case["id"], "error": primary_error(errors)}
         row["wall_s"] = time.perf_counter() - started
         if rank == 0:
             with open(out_path, "a") as f:

@@ -11,9 +11,9 @@ datacenters and a what-if sweep.
 - straggler: GPT-3 1.3B, batch 64, on 2 x 8 H100; one GPU drops to 0.5x. A search from scratch on the new cluster
   against `replan` from the old plan (neighbourhood, reusing the session's layer prices) and the full-scope
   replan: search seconds, speed-up, and step time against the scratch optimum.
-- datacenters: a 39B GPT (12 layers, hidden 16384) on examples/clusters/two-datacenters.yaml (128 H100, the
-  cross-datacenter link at 1/100): which network tier every axis's traffic crosses, and the same with the link as
-  fast as inside a datacenter.
+- datacenters: a 348B GPT (12 layers, hidden 49152: too big for one datacenter) on
+  examples/clusters/two-datacenters.yaml (128 H100, the cross-datacenter link at 1/100): which network tier every
+  axis's traffic crosses, and the same with the link as fast as inside a datacenter.
 - whatif: the interconnect bandwidth of two-datacenters swept (0.5, 5, 50 GB/s) for GPT-3 1.3B, and the cheapest
   device type for GPT-3 1.3B on 4 x 8 GPUs above a 400k tokens/s floor (illustrative list prices).
 
@@ -51,7 +51,9 @@ from planner.whatif import WhatIfOptions, parse_vary, render_table, scenarios, w
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "messy_clusters.json"
 CLUSTERS = ROOT / "examples" / "clusters"
-GPT_39B = ["layers=12", "hidden=16384", "heads=128", "vocab=51200", "seq=2048"]
+GPT_348B = ["layers=12", "hidden=49152", "heads=384", "vocab=51200", "seq=2048"]
+"""Few but very wide layers: 348B parameters, whose 5.6 TB of Adam state does not fit in one datacenter's 64 x 80 GB
+(so both must be used), in a layer chain short enough to search in seconds."""
 
 
 def chain_of(name: str, sets: list[str] | tuple[str, ...] = ()) -> ir.LayerChain:
@@ -175,7 +177,7 @@ def straggler() -> dict:
 
 
 def datacenters() -> dict:
-    chain = chain_of("gpt", GPT_39B)
+    chain = chain_of("gpt", GPT_348B)
     cluster = Cluster.parse(str(CLUSTERS / "two-datacenters.yaml"))
     fast = cluster.with_tier("interconnect", bandwidth=cluster.tiers[1].bandwidth, latency=cluster.tiers[1].latency)
     rows = {}
@@ -187,12 +189,12 @@ def datacenters() -> dict:
         rows[name] = {"step_time_s": result.best.estimate.step_time_s, "search_s": round(elapsed, 3),
                       "plan": _label(s), "mesh_order": [a.value for a in s.mesh_order],
                       "axis_tiers": axis_tiers(c, s), "candidates": result.candidates}
-    print(f"two datacenters: GPT 39B ({', '.join(GPT_39B)}), batch 256, {cluster.name} (2 x 64 H100)")
+    print(f"two datacenters: GPT 348B ({', '.join(GPT_348B)}), batch 256, {cluster.name} (2 x 64 H100)")
     for name, r in rows.items():
         crossing = [a for a, t in r["axis_tiers"].items() if t == "interconnect"]
         print(f"  {name:<24} {r['step_time_s']:.4f} s  in {r['search_s']:6.2f} s  {r['plan']}  tiers "
               f"{r['axis_tiers']}  crossing the interconnect: {crossing or 'nothing'}")
-    return {"model": "gpt 39B", "settings": GPT_39B, "cluster": cluster.name, "global_batch": 256, "runs": rows}
+    return {"model": "gpt 348B", "settings": GPT_348B, "cluster": cluster.name, "global_batch": 256, "runs": rows}
 
 
 def whatif_sweep() -> dict:

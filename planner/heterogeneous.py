@@ -400,18 +400,26 @@ def searching(space: Any = None, *, dtype: str = "bfloat16", tables: dict[str, A
     return run
 
 
-def _initial_samples(cluster: Cluster, global_batch: int, dtype: str) -> tuple[int, ...]:
-    """Samples per group proportional to its achievable FLOP/s (peak x best matmul efficiency x speed), in whole
-    multiples of the largest power of two that divides the batch and is at most the smallest group (so that
-    each group's share still splits evenly over data-parallel replicas)."""
-    weights = [sum(g.speed_of(i) for i in range(g.num_devices)) * g.device.flops(dtype) * g.device.matmul_efficiency
-               for g in cluster.groups]
+def _quantum(cluster: Cluster, global_batch: int) -> int:
+    """The largest power of two that divides the batch and is at most the smallest group: shares in multiples of
+    it still split evenly over the data-parallel replicas of a group."""
     quantum = 1
     smallest = min(g.num_available for g in cluster.groups)
     while global_batch % (2 * quantum) == 0 and 2 * quantum <= smallest:
         quantum *= 2
+    return quantum
+
+
+def _shares(global_batch: int, weights: Sequence[float], quantum: int) -> tuple[int, ...]:
+    """Samples per group proportional to `weights`, in whole multiples of `quantum`."""
     units = proportional_split(global_batch // quantum, weights)
     return tuple(u * quantum for u in units)
+
+
+def _initial_weights(cluster: Cluster, dtype: str) -> list[float]:
+    """Achievable FLOP/s of each group: peak x best matmul efficiency x the speeds of its devices."""
+    return [sum(g.speed_of(i) for i in range(g.num_devices)) * g.device.flops(dtype) * g.device.matmul_efficiency
+            for g in cluster.groups]
 
 
 def _cross_group(cluster: Cluster, active: Sequence[int]) -> CommGroup:
@@ -426,16 +434,18 @@ def plan_group_data_parallel(chain: LayerChain, cluster: Cluster, global_batch: 
     """Group data parallelism on a cluster of several device groups (module docstring).
 
     Start from shares proportional to each group's achievable FLOP/s; plan every group on its share with
-    `search_fn`, rebalance the shares exactly by changing each group's number of micro-batches
-    (`balance_shares`), and plan again on the new shares while they change (at most `rounds` plannings). The
-    best plan seen is returned. Raises UserError for a one-group cluster."""
+    `search_fn` and rebalance the shares exactly by changing each group's number of micro-batches
+    (`balance_shares`); then plan again on shares proportional to the throughput each group showed, on a grid
+    twice as fine, while they change (at most `rounds` plannings). The best plan seen is returned. Raises
+    UserError for a one-group cluster."""
     if len(cluster.groups) < 2:
         raise UserError(f"group data parallelism needs a cluster of several device groups; {cluster.name!r} has one")
     if global_batch < len(cluster.groups):
         raise UserError(f"global batch {global_batch} is smaller than the {len(cluster.groups)} device groups")
     subs = [group_cluster(cluster, i) for i in range(len(cluster.groups))]
     searched: dict[tuple[int, int], tuple[Strategy, Mapping[tuple[int, str], LayerCost]]] = {}
-    samples = _initial_samples(cluster, global_batch, dtype)
+    quantum = _quantum(cluster, global_batch)
+    samples = _shares(global_batch, _initial_weights(cluster, dtype), quantum)
     best: GroupDataParallelPlan | None = None
     seen: set[tuple[int, ...]] = set()
     for _ in range(rounds):
@@ -450,7 +460,12 @@ def plan_group_data_parallel(chain: LayerChain, cluster: Cluster, global_batch: 
         found = _balanced(chain, cluster, subs, global_batch, planned, dtype)
         if best is None or found.step_time_s < best.step_time_s:
             best = found
-        samples = tuple(s.samples for s in found.shares)
+        # Next: shares proportional to the throughput each group showed, on a finer grid (the strategies found
+        # may have split the batch in units too coarse to balance).
+        rates = [s.samples / s.step_time_s if s.samples else 0.0 for s in found.shares]
+        while quantum > 1 and samples in seen:
+            quantum //= 2
+            samples = _shares(global_batch, rates, quantum)
     assert best is not None
     return best
 

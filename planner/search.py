@@ -361,6 +361,7 @@ class _Search:
     _pipeline_bound: dict[tuple, float] = field(default_factory=dict)
     solved: int = 0
     pruned: int = 0
+    _expert_numel: int | None = None
 
     def kth_best(self) -> float:
         k = self.options.top_k
@@ -431,10 +432,17 @@ class _Search:
             self._replicated[key] = sum(c.fwd_compute_s + c.bwd_compute_s for c in costs)
         return self._replicated[key]
 
+    def expert_numel(self) -> int:
+        """Expert weights in the model, counted once per search (a pass over every graph node)."""
+        if self._expert_numel is None:
+            nodes = self.chain.graph.nodes
+            self._expert_numel = expert_param_numel(nodes, num_experts(nodes) or 0)
+        return self._expert_numel
+
     def _even_params(self, m: MeshCandidate) -> tuple[int, int]:
         """(parameters, of which expert weights) on a rank holding an even 1/(tp*pp) share, experts split ep ways
         (issue 10): the fullest rank holds at least that."""
-        experts = expert_param_numel(self.chain.graph.nodes, num_experts(self.chain.graph.nodes) or 0)
+        experts = self.expert_numel()
         local_experts = -(-experts // m.ep) if m.ep > 1 else 0
         total = self.chain.graph.param_count - experts + local_experts if m.ep > 1 else self.chain.graph.param_count
         return -(-total // (m.tp * m.pp)), local_experts // (m.tp * m.pp)

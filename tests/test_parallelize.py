@@ -58,7 +58,7 @@ CONFIGS_2 = ("dp2", "dp2_zero1", "fsdp2", "tp2", "tp2_sp", "tp2_sp_llama", "tp2_
              "recompute_selective_tp2", "recompute_pp2", "cp2", "cp2_llama_recompute", "ep2", "ep2_fsdp")
 CONFIGS_4 = ("dp4_fsdp", "tp2_dp2", "tp2_sp_fsdp2", "pp2_dp2", "pp2_fsdp2", "pp2_tp2", "pp2_tp2_sp_recompute",
              "pp4_1f1b", "pp2_interleaved_dp2", "user_pp2_fsdp2", "cp2_dp2", "cp2_fsdp2_selective", "cp2_tp2_sp",
-             "cp2_pp2", "ep2_dp4", "ep2_tp2", "cp2_ep2_moe")
+             "cp2_pp2", "ep2_dp4", "ep2_tp2", "ep2_pp2", "cp2_ep2_moe")
 
 
 def tiny_gpt(**overrides: Any) -> nn.Module:
@@ -196,6 +196,18 @@ def test_expert_parallelism_keeps_this_ranks_experts():
         apply_expert_parallel(moe.build(moe.MoEConfig(**worker.TINY["moe"]), "cpu"), EpGroup(3, 0, None))
     with pytest.raises(UserError, match="GPT has no experts module"):
         apply_expert_parallel(tiny_gpt(), EpGroup(2, 0, None))
+
+    class TokenChoiceExperts(nn.Module):  # Hugging Face Mixtral's layout: tokens plus their routing
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_experts = 4
+            self.down_proj = nn.Parameter(torch.zeros(4, 8, 8))
+
+        def forward(self, tokens, top_k_index, top_k_weights):
+            return tokens
+
+    with pytest.raises(UserError, match="TokenChoiceExperts. is not called with per-expert token buffers"):
+        apply_expert_parallel(nn.Sequential(TokenChoiceExperts()), EpGroup(2, 0, None))
     x = torch.ones(3, requires_grad=True)
     (scale_gradient(x, 0.5) * 4).sum().backward()
     assert x.grad.tolist() == [2.0, 2.0, 2.0]

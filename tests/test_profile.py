@@ -255,3 +255,35 @@ def test_peak_during_reconstructs_the_allocator_peak():
         d = torch.empty(mib // 2, dtype=torch.uint8)
         del c, d
     assert b.peak_during(prof, 5 * mib) == 5 * mib + 3 * mib
+
+
+def test_primary_error_is_the_cause_not_the_echo():
+    b = _bench()
+    errors = ["RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234",
+              "RuntimeError: The size of tensor a (32) must match the size of tensor b (64)",
+              "RuntimeError: Could not resolve the process group registered under the name 7"]
+    assert b.primary_error(errors) == errors[1]
+    assert b.primary_error(errors[:1]) == errors[0]  # only echoes: keep what there is
+
+
+def test_cli_profile_option_loads_and_calibrates(tmp_path):
+    from costmodel.cluster import Cluster
+    from costmodel.collective_fit import CollectiveProfile, CollectiveSample
+    from costmodel.collectives import Collective
+    from planner.cli.common import load_profile
+    from planner.errors import UserError
+
+    cluster = Cluster.parse("1x2xcpu")
+    assert load_profile(None, cluster) == (None, cluster)
+    samples = [CollectiveSample(Collective.ALL_REDUCE, 2, float(s), 1e-4 + s / 1e9) for s in (4096, 1 << 20)]
+    prof = OpProfile(collectives=CollectiveProfile.from_samples(samples))
+    path = tmp_path / "p.json"
+    prof.save(path)
+    loaded, calibrated = load_profile(str(path), cluster)
+    assert loaded == prof
+    assert calibrated.tiers[0].bandwidth == pytest.approx(1e9) and calibrated.tiers[0].latency == pytest.approx(5e-5)
+    with pytest.raises(UserError, match="does not exist"):
+        load_profile(str(tmp_path / "missing.json"), cluster)
+    path.write_text("{")
+    with pytest.raises(UserError, match="not valid JSON"):
+        load_profile(str(path), cluster)

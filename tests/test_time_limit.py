@@ -9,6 +9,7 @@ on the meta device.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -47,7 +48,7 @@ def limited_plan() -> tuple[planner.Plan, float]:
 
 def test_one_second_limit_returns_in_time_with_a_plan() -> None:
     plan, wall = limited_plan()
-    assert wall <= LIMIT_S + GRACE_S, f"a {LIMIT_S:g} s limit took {wall:.2f} s"
+    assert wall <= LIMIT_S + GRACE_S, f"a {LIMIT_S:g} s limit took {wall:.2f} s (load average {_load()})"
     assert plan.search.time_s <= wall
     # cut short, and it says so: not proven optimal, with the gap to the best unexplored bound
     assert plan.search.status == "feasible"
@@ -83,4 +84,9 @@ def test_cli_says_it_was_cut_short(tmp_path: Path) -> None:
     assert "cut short by --time-limit" in proc.stdout
     search = json.loads(out.read_text())["search"]
     assert search["status"] == "feasible"
-    assert search["time_s"] <= LIMIT_S + GRACE_S
+    assert search["time_s"] <= LIMIT_S + GRACE_S, f"search took {search['time_s']:.2f} s (load average {_load()})"
+
+
+def _load() -> str:
+    """The limit is wall-clock time: on a machine with more runnable processes than cores it stretches."""
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())

@@ -83,9 +83,10 @@ def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     world = plan.strategy.num_devices
     if args.nproc is not None and args.nproc != world:
-        s = plan.strategy
-        raise UserError(f"--nproc {args.nproc} but the plan needs {world} processes (dp={s.dp} x tp={s.tp} x "
-                        f"pp={s.pp} x cp={s.cp})")
+        from planner.device_mesh import describe_degrees
+
+        raise UserError(f"--nproc {args.nproc} but the plan needs {world} processes "
+                        f"({describe_degrees(plan.strategy)})")
     if _under_torchrun():
         return _run_rank(args, plan)
     if args.nproc is not None and args.nproc > 1:

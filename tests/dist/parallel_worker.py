@@ -175,6 +175,7 @@ CONFIGS: dict[str, Config] = {
     "ep2_dp4": Config("moe", dict(dp=4, ep=2, microbatch_size=1, num_microbatches=2)),
     "ep2_tp2": Config("moe", dict(dp=2, tp=2, ep=2, microbatch_size=2, num_microbatches=2),
                       TP_ATTENTION + TP_EMBED_HEAD),
+    "ep2_pp2": Config("moe", dict(pp=2, dp=2, ep=2, microbatch_size=1, num_microbatches=4)),
     "cp2_ep2_moe": Config("moe", dict(dp=2, cp=2, ep=2, microbatch_size=2, num_microbatches=1, zero_stage=3),
                           settings=dict(capacity_factor=2.0)),
 }
