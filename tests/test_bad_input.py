@@ -190,6 +190,11 @@ BAD_INPUTS: tuple[BadInput, ...] = (
           "--timeline plan.json is an input file", "refusing to overwrite it"),
     _case("outputs-collide", "-o and --timeline naming the same file",
           f"plan {TINY} --cluster 1x4xcpu --batch 8 -o out.json --timeline out.json", "must name different files"),
+    _case("replan-output-is-input", "replan -o naming the plan it starts from",
+          "replan plan.json --cluster 1x2xcpu -o plan.json", "-o plan.json is an input file", "refusing to overwrite"),
+    _case("whatif-unknown-key", "whatif --vary of something that cannot vary",
+          f"whatif {TINY} --cluster 1x4xcpu --batch 8 --vary gpus=4,8", "unknown key 'gpus'", "keys: tier.NAME.bandwidth",
+          "nodes"),
     # ---- command line ---------------------------------------------------------------------------------------------
     _case("unknown-command", "unknown sub-command", "optimize gpt", "invalid choice: 'optimize'", "plan", "trace"),
     _case("bad-choice", "value outside a flag's choices", "diff plan.json plan.json --format html",
