@@ -377,24 +377,6 @@ def peak_during(prof: Any, live_at_start: int) -> int:
     return live_at_start + peak
 
 
-def _release(pm: Any) -> None:
-    """Destroy the process groups the plan's mesh and tied parameters created (not the default group)."""
-    import torch.distributed as dist
-
-    default = dist.distributed_c10d._get_default_group()
-    groups = []
-    for name in pm.mesh.mesh_dim_names or ():
-        groups.append(pm.mesh[name].get_group())
-    groups += [t.group for t in pm.tied]
-    seen: set[int] = set()
-    dist.barrier()
-    for g in groups:
-        if g is None or g is default or id(g) in seen:
-            continue
-        seen.add(id(g))
-        dist.destroy_process_group(g)
-
-
 def _run_plan(plan_dict: Mapping[str, Any], chain: Any) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -440,7 +422,6 @@ def _run_plan(plan_dict: Mapping[str, Any], chain: Any) -> dict[str, Any]:
     per_stage = [0] * plan.strategy.pp
     for stage, value in gathered:
         per_stage[stage] = max(per_stage[stage], value)
-    _release(pm)
     return {"step_times_s": slowest.tolist(), "step_time_s": statistics.median(slowest.tolist()),
             "optimizer_s": optimizer_s, "cpu_s": cpu_s, "memory_bytes": per_stage, "load_avg": os.getloadavg()[0]}
 
@@ -473,23 +454,6 @@ def primary_error(errors: Sequence[str]) -> str:
     return (first or list(errors))[0]
 
 
-def _process_groups() -> set[Any]:
-    """The process groups that exist now, the default one excluded (torch keeps them in its group registry)."""
-    import torch.distributed as dist
-
-    default = dist.distributed_c10d._get_default_group()
-    return {g for g in dist.distributed_c10d._world.pg_map if g is not default}
-
-
-def _destroy_quietly(group: Any) -> None:
-    import torch.distributed as dist
-
-    try:
-        dist.destroy_process_group(group)
-    except Exception:  # noqa: BLE001, S110 -- already torn down by a failed collective
-        pass
-
-
 def worker(plans_path: str, out_path: str) -> int:
     import torch
     import torch.distributed as dist
@@ -507,14 +471,12 @@ def worker(plans_path: str, out_path: str) -> int:
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
     for case in cases:
         started = time.perf_counter()
-        before = _process_groups()
         try:
             row = {"id": case["id"], **_run_plan(case["plan"], chain)}
         except Exception as e:  # noqa: BLE001 -- recorded as the strategy's result
             row = {"id": case["id"], "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
-            # Close the groups this strategy opened: peers blocked in them get an error instead of waiting.
-            for g in _process_groups() - before:
-                _destroy_quietly(g)
+        # Process groups are never destroyed here: torch's DeviceMesh reuses the groups of an earlier mesh of the
+        # same shape, so a destroyed one would break a later strategy ("Could not resolve the process group").
         outcome: list[Any] = [None] * dist.get_world_size()
         try:
             dist.all_gather_object(outcome, row.get("error"), group=control)
@@ -596,8 +558,9 @@ def analyze(cases: Sequence[Case], measured: Mapping[str, Mapping[str, Any]], ch
       busiest rank -- the work the model knows about against the work the process did;
     - wait: measured wall - CPU seconds (time a rank spent blocked: communication, bubbles, other processes) against
       predicted communication + bubble;
-    - per class, the CPU the model misses per (micro-batch x layer): (measured CPU - predicted) / (m x layers),
-      the least-squares constant of a per-layer, per-micro-batch framework overhead (DTensor dispatch, FSDP hooks).
+    - per class, the forward/backward CPU the model misses per (micro-batch x layer on the rank):
+      (measured CPU - predicted work - the optimizer's miss) / (m x layers / pp), the least-squares constant of a
+      per-layer, per-micro-batch framework overhead (DTensor dispatch, FSDP2 hooks).
     """
     rows: dict[str, list[dict[str, float]]] = {}
     for c in cases:
@@ -613,7 +576,9 @@ def analyze(cases: Sequence[Case], measured: Mapping[str, Mapping[str, Any]], ch
             "optimizer_ratio": m["optimizer_s"] / b["optimizer_s"] if b["optimizer_s"] > 0 else math.nan,
             "optimizer_measured_s": m["optimizer_s"], "optimizer_predicted_s": b["optimizer_s"],
             "cpu_ratio": m["cpu_s"] / work if work > 0 else math.nan,
-            "cpu_extra_s": m["cpu_s"] - work, "calls": micro * chain_layers / c.key[2],
+            # forward/backward CPU the model misses, the optimizer's own miss taken out (it has its column)
+            "cpu_extra_s": m["cpu_s"] - work - (m["optimizer_s"] - b["optimizer_s"]),
+            "calls": micro * chain_layers / c.key[2],
             "wait_measured_s": max(m["step_time_s"] - m["cpu_s"], 0.0), "wait_predicted_s": comm,
         })
     out = {}

@@ -777,6 +777,14 @@ def least_memory(state: _Search) -> tuple[float, Candidate | None]:
     return best, arg
 
 
+def _digits_to_tell_apart(need: float, capacity: float) -> int:
+    """Decimals of GiB that show `need` and `capacity` as different numbers (2 unless they round together)."""
+    digits = 2
+    while digits < 6 and math.isfinite(need) and f"{need / GIB:.{digits}f}" == f"{capacity / GIB:.{digits}f}":
+        digits += 1
+    return digits
+
+
 def _nothing_fits_message(state: _Search, space: SearchSpace) -> str:
     need, cand = least_memory(state)
     capacity = max(g.device.memory_bytes for g in state.cluster.groups)
@@ -792,12 +800,14 @@ def _nothing_fits_message(state: _Search, space: SearchSpace) -> str:
     if pins:
         helps.append(f"remove or relax --fix {', '.join(sorted(pins))}")
     if sharded + framework_overhead_bytes(state.cluster.device_of(0).name) > capacity:
-        helps.append(f"more devices or devices with more memory (the parameter state alone, fully sharded over "
-                     f"all {n} devices, needs {sharded / GIB:.2f} GiB per device)")
+        spread = "on the one device" if n == 1 else f"fully sharded over all {n} devices"
+        helps.append(f"more devices or devices with more memory (the parameter state alone, {spread}, needs "
+                     f"{sharded / GIB:.2f} GiB per device)")
     else:
         helps.append("more devices to spread layers and activations over (a larger tp or pp), a shorter sequence "
                      "(--seq), or devices with more memory")
     where = f" ({cand.label}, recompute=full where needed)" if cand is not None else ""
-    need_text = f"{need / GIB:.2f} GiB" if math.isfinite(need) else "more than any device has"
-    return (f"nothing fits in {capacity / GIB:.2f} GiB per device: the least memory any strategy needs is "
+    digits = _digits_to_tell_apart(need, capacity)
+    need_text = f"{need / GIB:.{digits}f} GiB" if math.isfinite(need) else "more than any device has"
+    return (f"nothing fits in {capacity / GIB:.{digits}f} GiB per device: the least memory any strategy needs is "
             f"{need_text} per device{where}; what would help: {'; '.join(helps)}")
