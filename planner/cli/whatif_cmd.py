@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
+from ir.layer_chain import LayerChain
 from planner.cli.common import (
     add_model_arguments,
     build_model,
@@ -64,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
     if args.min_throughput is not None and args.objective != Objective.COST.value:
         raise UserError("--min-throughput needs --objective cost (the floor picks the cheapest plan reaching it)")
     scenario_list = scenarios(args.cluster, args.batch, args.seq, variations)
-    built_models: dict[int | None, object] = {}
+    built_models: dict[int | None, LayerChain] = {}
 
-    def chain_for(seq: int | None):  # noqa: ANN202 - a LayerChain
+    def chain_for(seq: int | None) -> LayerChain:
         if seq not in built_models:
             built_models[seq] = trace_chain(build_model(args.model, args.sets, seq=seq))
         return built_models[seq]
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress():  # noqa: ANN202
+def _progress() -> Callable[[int, int], None]:
     def show(done: int, total: int) -> None:
         sys.stderr.write(f"\rwhat-if: {done}/{total} scenarios planned   " + ("\n" if done >= total else ""))
         sys.stderr.flush()
