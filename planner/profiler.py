@@ -101,8 +101,8 @@ class ProfileOptions:
     repeats: int = 11
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
     dtype: str | None = None
-    """Run the ops in this dtype (floating parameters and inputs cast; None keeps the model's): the dtype the plan
-    is priced in. Keys are those of the model as built, as `stratagem plan` traces it."""
+    """The training dtype: the model is traced in it (the keys carry the traced dtypes, as `stratagem plan --dtype`
+    traces) and its ops run in it (floating parameters and inputs cast). None keeps the model's own."""
     threads: int | None = 1
     """torch intra-op threads (torchrun gives each rank one); None leaves torch's default."""
     statistic: Statistic = Statistic.MEDIAN
@@ -569,10 +569,11 @@ class _Accumulator:
         self.skipped[v.signature] = SkippedOp(node.name, v.signature, reason)
 
 
-def _trace(model: nn.Module, inputs: Sequence[torch.Tensor], name: str) -> tuple[Graph, LayerChain | None]:
+def _trace(model: nn.Module, inputs: Sequence[torch.Tensor], name: str, dtype: str | None
+           ) -> tuple[Graph, LayerChain | None]:
     import ir
 
-    graph = ir.trace(model, tuple(inputs), model_name=name)
+    graph = ir.trace(model, tuple(inputs), model_name=name, dtype=dtype)
     try:
         chain = ir.build_layer_chain(graph)
     except ValueError:
@@ -589,9 +590,9 @@ def profile_module(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, 
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         if device.type == "meta":
             raise ValueError("profile_module needs a model with real weights, not one on the meta device")
-        # Keys come from the model as built, which is how `stratagem plan` traces it (the plan's dtype is a
-        # pricing parameter, not part of the key); the ops then run in `options.dtype`, the dtype planned with.
-        graph, chain = _trace(model, example_inputs, name)
+        # Keys come from a trace in the training dtype, as `stratagem plan --dtype` traces (planner.cli.common.
+        # trace_chain); the ops then run in that dtype too.
+        graph, chain = _trace(model, example_inputs, name, options.dtype)
         model, example_inputs = _cast(model, example_inputs, options.dtype)
         gm = runnable_graph(model, len(example_inputs))
         missing = sorted(n.name for n in graph.nodes
@@ -624,6 +625,7 @@ def profile_module(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, 
         meta = {"model": name, "traced_batch": str(options.traced_batch),
                 "microbatch_sizes": ",".join(map(str, options.microbatch_sizes)),
                 "tp_degrees": ",".join(map(str, options.tp_degrees)), "dtype": options.dtype or graph.dtype,
+                "statistic": options.statistic.value, "min_window_s": f"{options.min_window_s:g}",
                 "backward_pass_overhead_s": f"{overhead:.6g}"}
     profile = OpProfile.from_timings(((device_name, s, t) for s, t in acc.timings.items()), meta=meta)
     return ProfileRun(profile=profile, skipped=tuple(acc.skipped[k] for k in sorted(acc.skipped)),

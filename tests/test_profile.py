@@ -156,12 +156,12 @@ def test_mean_statistic_times_a_window():
     x = torch.randn(1, 8, 32)
     run = profile_module(model, (x,), name="std", device_name="cpu",
                          options=ProfileOptions(statistic=Statistic.MEAN, min_window_s=0.005, **FAST))
-    overhead = float(run.profile.meta["backward_pass_overhead_s"])  # subtracted from the stored backward
+    assert run.profile.meta["statistic"] == "mean"
     for t in run.profile.entries.values():
-        # runs continue until they add up to the window (or the cap): never fewer than the repeats
-        raw = t.forward_s + (t.backward_s + overhead if t.backward_s > 0 else 0.0)
         assert t.samples >= 3
-        assert t.samples * raw >= 0.005 * 0.999 or t.samples == 5000
+        if t.forward_s + t.backward_s < 0.005 / 10:
+            # an op far shorter than the window is run until the window is full: well beyond the 3 repeats
+            assert t.samples >= 10
 
 
 def test_options_validate_their_values():
@@ -182,18 +182,17 @@ def test_microbatch_sizes_are_powers_of_two_and_the_batch():
 
 def test_cli_profiles_gpt_tiny(tmp_path, capsys):
     out = tmp_path / "profile.json"
-    assert main(["profile", "--model", "gpt-tiny", "--dtype", "float32", "--repeats", "3", "--warmup", "1",
-                 "-o", str(out), "--json"]) == 0
+    assert main(["profile", "--model", "gpt-tiny", "--repeats", "3", "--warmup", "1", "-o", str(out), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     prof = OpProfile.load(out)
-    from planner.cli.model_registry import build_model
+    # The keys are exactly what `stratagem plan gpt-tiny` (training dtype bfloat16, traced batch 1) looks up.
+    from planner.cli.common import build_model, trace_chain
 
-    built = build_model("gpt-tiny", batch=1, device="meta")
-    graph = ir.trace(built.module, built.example_inputs, model_name="gpt-tiny", dtype="float32")
-    expected = {op_signature(n, flops_scale=1, bytes_scale=1) for n in _work_nodes(graph)}
+    chain = trace_chain(build_model("gpt-tiny", [], seq=None), dtype="bfloat16")
+    expected = {op_signature(n, flops_scale=1, bytes_scale=1) for n in _work_nodes(chain.graph)}
     assert {sig for _, sig in prof.entries} == expected
     assert summary["entries"] == len(expected) and summary["skipped"] == []
-    assert prof.meta["dtype"] == "float32" and prof.meta["models"] == "gpt-tiny"
+    assert prof.meta["dtype"] == "bfloat16" and prof.meta["models"] == "gpt-tiny"
     assert all(dev == "cpu" for dev, _ in prof.entries)
 
 

@@ -17,9 +17,11 @@ from planner.cli.common import (
     add_dtype_argument,
     add_model_arguments,
     add_output_arguments,
+    add_profile_argument,
     build_model,
     check_output_path,
     input_paths,
+    load_profile,
     parse_cluster,
     positive_int,
     trace_chain,
@@ -52,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_arguments(p)
     add_cluster_argument(p)
     add_dtype_argument(p)
+    add_profile_argument(p)
     p.add_argument("--batch", type=positive_int, required=True, metavar="B", help="global batch (samples per step)")
     p.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel degree")
     p.add_argument("--pp", type=positive_int, required=True, help="pipeline-parallel degree")
@@ -71,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     inputs = input_paths(args.cluster)
     outputs = {"-o": check_output_path(args.output, inputs)} if args.output else {}
     cluster = parse_cluster(args.cluster)
+    profile, cluster = load_profile(args.profile, cluster)
     per_step = args.dp * args.mbs
     if args.batch % per_step:
         raise UserError(f"--batch {args.batch} is not a multiple of dp*mbs = {args.dp}*{args.mbs} = {per_step}")
@@ -83,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"invalid strategy: {e}") from None
     built = build_model(args.model, args.sets, seq=args.seq)
     chain = trace_chain(built, dtype=args.dtype)
-    plan = estimate_plan(chain, cluster, strategy, global_batch=args.batch, dtype=args.dtype, model_name=built.name,
+    plan = estimate_plan(chain, cluster, strategy, profile=profile, global_batch=args.batch, dtype=args.dtype,
+                         model_name=built.name,
                          settings=built.settings)
     emit([plan], cluster, args.json, outputs)
     return 0

@@ -22,9 +22,11 @@ from planner.cli.common import (
     add_dtype_argument,
     add_model_arguments,
     add_output_arguments,
+    add_profile_argument,
     build_model,
     check_output_path,
     input_paths,
+    load_profile,
     parse_cluster,
     positive_float,
     positive_int,
@@ -43,6 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_arguments(p)
     add_cluster_argument(p)
     add_dtype_argument(p)
+    add_profile_argument(p)
     p.add_argument("--batch", type=positive_int, required=True, metavar="B", help="global batch (samples per step)")
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
                    help=f"pin a dimension (repeatable); keys: {', '.join(sorted(set(FIX_KEYS)))}")
@@ -69,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if len({str(p.resolve()) for p in outputs.values()}) < len(outputs):
         raise UserError("-o, --timeline and --plot must name different files")
     cluster = parse_cluster(args.cluster)
+    profile, cluster = load_profile(args.profile, cluster)
     try:
         space = SearchSpace.from_fixes(args.fix, max_microbatch_size=args.max_mbs,
                                        tp_across_nodes=args.tp_across_nodes)
@@ -76,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(e)) from None
     built = build_model(args.model, args.sets, seq=args.seq)
     chain = trace_chain(built, dtype=args.dtype)
-    plans = plan_top(chain, None, cluster, global_batch=args.batch, dtype=args.dtype, top_k=args.top, space=space,
+    plans = plan_top(chain, None, cluster, profile=profile, global_batch=args.batch, dtype=args.dtype,
+                     top_k=args.top, space=space,
                      objective=args.objective, time_limit_s=args.time_limit, model_name=built.name,
                      settings=built.settings, progress=progress_printer())
     emit(plans, cluster, args.json, outputs)

@@ -6,8 +6,7 @@ to --batch and, with --tp, the per-device shards the tensor-parallel pricer look
 the collectives of a local process group of 2..--nproc processes at several sizes, fitted to alpha (latency) and
 beta (bandwidth). Writes the profile JSON (`costmodel.profile_db`) that `--profile FILE` makes the cost model use.
 
-Profile keys carry the traced shapes: profile with the --set / --seq you plan with, and run the ops in the --dtype
-the plan is priced in.
+Profile keys carry the traced shapes and dtypes: profile with the --set, --seq and --dtype you plan with.
 `--concurrent K` times the ops in K processes at once, as a K-process CPU cluster runs them (1x4xcpu: 4), and
 with --collectives measures every group size dividing K with all such groups of the K processes running at once
 (instead of groups of 2..--nproc processes alone).
@@ -55,7 +54,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--catalog-device", default=None, metavar="NAME",
                    help="catalog device the entries are for (default: cpu, or the GPU's catalog name)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16",
-                   help="run the ops in this dtype: the one you plan with (default bfloat16)")
+                   help="training dtype, as on `stratagem plan`: the model is traced and run in it (default "
+                        "bfloat16)")
     p.add_argument("--repeats", type=positive_int, default=11, help="timed runs per op, median kept (default 11)")
     p.add_argument("--warmup", type=positive_int, default=3, help="untimed runs per op first (default 3)")
     p.add_argument("--memory-budget", type=positive_float, default=2.0, metavar="GIB",
