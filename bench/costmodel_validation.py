@@ -1,7 +1,7 @@
 """Reproduce Korthikanti et al. 2022 with Stratagem's cost model: predicted against published iteration times.
 
 Source: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (arXiv 2205.05198,
-MLSys'23), Tables 3-5, transcribed in /work/shared/data/korthikanti2022_*.csv. GPT models on A100-80GB (Selene,
+MLSys'23), Tables 3-5, transcribed in shared/data/korthikanti2022_*.csv. GPT models on A100-80GB (Selene,
 8 per node, NVLink 3 + 8x200 Gb/s HDR InfiniBand), seq 2048, vocab 51200, fp16, math attention with dropout 0.1,
 tensor parallel 8, the published pipeline/data/batch/interleaving settings; two configurations per model:
 full activation recomputation, and selective recomputation + sequence parallelism.

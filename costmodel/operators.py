@@ -14,7 +14,7 @@ peak -- small GEMMs do not fill the machine (wave quantization, too few tiles). 
     s(tau) = 1 / (1 + (TAU_HALF / tau) ** ALPHA),    ALPHA = 0.763,  TAU_HALF = 6.85 us,
 
 fitted (least squares, rms error 0.028, max 0.071) on the 16 measured cuBLASLt GEMMs of
-/work/shared/data/measured_gemm_hbm_attention.csv (Azure/AI-benchmarking-guide: A100 FP16 1024^3 .. 16384^3 and
+shared/data/measured_gemm_hbm_attention.csv (Azure/AI-benchmarking-guide: A100 FP16 1024^3 .. 16384^3 and
 6144x12288x12288, H100 and H200 FP8 1024^3 .. 32768^3), each normalized by the best GEMM of its series. Expressing
 size as time-at-peak lets one curve serve devices of different speed (a 1024^3 GEMM reaches 47% of the best on
 A100 but 20% on H100, whose peak is 6x higher). Nothing was fitted to the Korthikanti et al. validation targets.

@@ -148,6 +148,7 @@ CONFIGS: dict[str, Config] = {
                                            recompute="selective"), TP_FULL + SP_NORMS),
     "tp2_sp_one_microbatch": Config("gpt", dict(tp=2, microbatch_size=4, num_microbatches=1,
                                                 sequence_parallel=True), TP_FULL + SP_NORMS),
+    "tp2_sp_unsharded": Config("gpt", dict(tp=2, microbatch_size=4, num_microbatches=1, sequence_parallel=True)),
     "recompute_pp2": Config("gpt", dict(pp=2, microbatch_size=2, num_microbatches=4), first_blocks=(2,),
                             stage_recompute=(Recompute.FULL, Recompute.SELECTIVE)),
     # 4 processes
