@@ -9,7 +9,9 @@ the pipeline split see the original module tree.
   checkpointing (`torch.utils.checkpoint.create_selective_checkpoint_contexts`) over each attention module of
   the layer (a module with a `q_proj` linear, the zoo's layout, or whose class name ends in "Attention"): the
   outputs of its projection GEMMs (`mm`/`addmm`) are saved and everything between them -- the core, RoPE,
-  head reshapes -- is recomputed. When a layer computes attention inline (no such module), the fallback
+  head reshapes -- is recomputed. The attention module's `forward` body is checkpointed, not the module call,
+  so tensor/sequence-parallel layout hooks on it stay outside the region; functional collectives inside it
+  (a rowwise o_proj's reduce-scatter) are always saved. When a layer computes attention inline (no such module), the fallback
   checkpoints the whole layer and recomputes only the attention-core ops by name (softmax, masking, dropout,
   batched matmuls, fused attention kernels) and free view ops. A layer without attention recomputes nothing.
 """
@@ -50,10 +52,20 @@ PROJECTION_OPS: frozenset[str] = frozenset({"mm", "addmm", "linear"})
 """2-D GEMMs: the q/k/v/o projections of an attention module, whose outputs selective recomputation keeps."""
 
 
+COLLECTIVE_NAMESPACE = "_c10d_functional"
+"""Functional collectives (all-gather, reduce-scatter, all-reduce, and their `wait_tensor`) that DTensor's
+tensor/sequence-parallel layouts run inside a region: their outputs are always saved, so recomputation sends
+nothing and never depends on the other ranks' recomputation."""
+
+
+def is_collective_op(op: Any) -> bool:
+    return getattr(op, "namespace", None) == COLLECTIVE_NAMESPACE or str(op).startswith(COLLECTIVE_NAMESPACE + ".")
+
+
 def _attention_module_policy(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if _op_name(op) in PROJECTION_OPS:
+    if _op_name(op) in PROJECTION_OPS or is_collective_op(op):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -61,7 +73,7 @@ def _attention_module_policy(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) ->
 def _inline_attention_policy(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if is_attention_core_op(op) or _op_name(op) in VIEW_OPS:
+    if (is_attention_core_op(op) or _op_name(op) in VIEW_OPS) and not is_collective_op(op):
         return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE
 
@@ -74,6 +86,26 @@ def attention_modules(layer: nn.Module) -> list[nn.Module]:
         if is_attention and not any(m in set(f.modules()) for f in found):
             found.append(m)
     return found
+
+
+def _checkpoint_forward(module: nn.Module, context_fn: Any) -> None:
+    """Checkpoint the body of `module.forward` only, not its hooks.
+
+    The composable `checkpoint` reruns `module(*args)` -- hooks included -- on the arguments its own pre-hook saw.
+    Tensor parallelism installs its input/output layout hooks on the attention module before recomputation is
+    applied, so in the forward they ran outside the region and in the recomputation they would run again, on
+    inputs they had already converted (gathering a gathered sequence twice, and a collective the selective
+    policy never recorded). Wrapping the bound `forward` (an instance attribute: parameter names are unchanged)
+    keeps every hook outside the region in both passes.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    inner = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    module.forward = forward
 
 
 def apply_recompute(layers: Sequence[nn.Module], mode: Recompute) -> int:
@@ -90,7 +122,7 @@ def apply_recompute(layers: Sequence[nn.Module], mode: Recompute) -> int:
             continue
         attention = attention_modules(layer)
         for module in attention:
-            checkpoint(module, context_fn=partial(create_selective_checkpoint_contexts, _attention_module_policy))
+            _checkpoint_forward(module, partial(create_selective_checkpoint_contexts, _attention_module_policy))
         if not attention:
             checkpoint(layer, context_fn=partial(create_selective_checkpoint_contexts, _inline_attention_policy))
     return len(layers)

@@ -194,13 +194,18 @@ def parallel_styles(model: nn.Module, styles: Mapping[str, ShardStyle], *,
 
 
 def replicated_islands(model: nn.Module, styles: Mapping[str, ShardStyle]) -> list[str]:
-    """Sub-layers of the blocks with parameters but no tensor-parallel module (an MoE feed-forward whose
-    experts are not sharded). Under sequence parallelism they run replicated on the gathered sequence and hand
-    back their sequence shard, so their weights see every token and get identical gradients on all tp ranks."""
+    """Sub-layers of the blocks with parameters but no colwise/rowwise pair and no sequence-sharded module (an
+    MoE feed-forward whose experts are not sharded, or an MLP whose up projection alone is colwise). Under
+    sequence parallelism they run replicated on the gathered sequence and hand back their sequence shard, so
+    their weights see every token and get identical gradients on all tp ranks. A colwise linear without a
+    rowwise partner gathers its output (`Replicate`), so it may sit in an island: it reads the gathered input
+    and returns full-sequence, full-width activations; left outside an island it would hand the residual
+    stream's sequence shard a full-sequence tensor."""
     blocks = getattr(model, BLOCKS_ATTR, None)
     if not isinstance(blocks, nn.ModuleList):
         return []
-    split = {ShardStyle.COLWISE, ShardStyle.ROWWISE, ShardStyle.SEQUENCE, ShardStyle.VOCAB}
+    # ROWWISE (and so its colwise partners) reduce-scatters onto the sequence shard itself; SEQUENCE runs on it.
+    split = {ShardStyle.ROWWISE, ShardStyle.SEQUENCE}
     islands = []
     for i, block in enumerate(blocks):
         for name, child in block.named_children():

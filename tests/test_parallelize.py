@@ -34,8 +34,14 @@ from planner.apply_pipeline import (
     segment_stage_index,
     stage_indices_of_rank,
 )
-from planner.apply_recompute import apply_recompute, attention_modules
-from planner.apply_tp import parallel_styles, resolve_styles, sequence_parallel_styles, shared_parameters
+from planner.apply_recompute import apply_recompute, attention_modules, is_collective_op
+from planner.apply_tp import (
+    parallel_styles,
+    replicated_islands,
+    resolve_styles,
+    sequence_parallel_styles,
+    shared_parameters,
+)
 from planner.device_mesh import check_world_size, mesh_layout
 from planner.errors import PlanLoadError, UserError
 from planner.plan import ModuleSharding, ShardStyle
@@ -55,7 +61,8 @@ UPDATE_FLOOR = 1e-6
 CONFIGS_2 = ("dp2", "dp2_zero1", "fsdp2", "tp2", "tp2_sp", "tp2_sp_llama", "tp2_moe", "tp2_sp_moe",
              "pp2_gpipe", "pp2_1f1b", "pp2_1f1b_one_microbatch", "pp2_interleaved", "pp2_interleaved_m3",
              "pp2_interleaved_m1", "pp2_llama_uneven", "user_pp2", "user_dp2_recompute", "recompute_full_dp2",
-             "recompute_selective_tp2", "recompute_pp2", "cp2", "cp2_llama_recompute", "ep2", "ep2_fsdp")
+             "recompute_selective_tp2", "tp2_sp_selective_island", "tp2_sp_unpaired_colwise", "recompute_pp2",
+             "cp2", "cp2_llama_recompute", "ep2", "ep2_fsdp")
 CONFIGS_4 = ("dp4_fsdp", "tp2_dp2", "tp2_sp_fsdp2", "pp2_dp2", "pp2_fsdp2", "pp2_tp2", "pp2_tp2_sp_recompute",
              "pp4_1f1b", "pp2_interleaved_dp2", "user_pp2_fsdp2", "cp2_dp2", "cp2_fsdp2_selective", "cp2_tp2_sp",
              "cp2_pp2", "ep2_dp4", "ep2_tp2", "ep2_pp2", "cp2_ep2_moe")
@@ -301,6 +308,34 @@ def test_layouts_follow_colwise_rowwise_pairs():
     assert isinstance(sp["blocks.0.attn_norm"], SequenceParallel)
     assert isinstance(sp["blocks.0.attn"], PrepareModuleInput)             # one all-gather per sub-layer
     assert isinstance(sp["blocks.0.mlp"], PrepareModuleInput)
+
+
+def test_sub_layers_without_a_colwise_rowwise_pair_run_replicated_under_sequence_parallelism():
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput
+
+    model = tiny_gpt()
+    # the up projection alone is colwise: it gathers its output, so the MLP must read and return full sequences
+    sharding = worker.TP_ATTENTION + (("blocks.*.mlp.up_proj", ShardStyle.COLWISE),)
+    styles = sequence_parallel_styles(model, resolve_styles(model, tuple(ModuleSharding(p, s) for p, s in sharding)))
+    assert replicated_islands(model, styles) == [f"blocks.{i}.mlp" for i in range(len(model.blocks))]
+    sp = parallel_styles(model, styles, sequence_parallel=True)
+    assert isinstance(sp["blocks.0.mlp"], PrepareModuleInputOutput)
+    assert isinstance(sp["blocks.0.attn"], PrepareModuleInput)             # paired: gathered once, reduce-scattered
+
+
+def test_selective_recompute_saves_collective_outputs():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from planner.apply_recompute import _attention_module_policy, _inline_attention_policy
+
+    functional = torch.ops._c10d_functional
+    for op in (functional.all_gather_into_tensor.default, functional.reduce_scatter_tensor.default,
+               functional.all_reduce.default, functional.wait_tensor.default):
+        assert is_collective_op(op)
+        assert _attention_module_policy(None, op) is CheckpointPolicy.MUST_SAVE
+        assert _inline_attention_policy(None, op) is CheckpointPolicy.MUST_SAVE
+    assert not is_collective_op(torch.ops.aten.bmm.default)
+    assert _attention_module_policy(None, torch.ops.aten.bmm.default) is CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def test_style_on_the_wrong_module_type_is_refused():

@@ -144,11 +144,14 @@ CONFIGS: dict[str, Config] = {
     "recompute_selective_tp2": Config("gpt", dict(tp=2, microbatch_size=4, num_microbatches=2,
                                                   recompute="selective"), TP_FULL,
                                       settings=dict(attn_impl="sdpa")),
-    "tp2_sp_selective": Config("gpt", dict(tp=2, microbatch_size=2, num_microbatches=2, sequence_parallel=True,
-                                           recompute="selective"), TP_FULL + SP_NORMS),
-    "tp2_sp_one_microbatch": Config("gpt", dict(tp=2, microbatch_size=4, num_microbatches=1,
-                                                sequence_parallel=True), TP_FULL + SP_NORMS),
-    "tp2_sp_unsharded": Config("gpt", dict(tp=2, microbatch_size=4, num_microbatches=1, sequence_parallel=True)),
+    # selective recomputation of a replicated attention under sp: the checkpointed module's layout hooks gather
+    "tp2_sp_selective_island": Config("gpt", dict(tp=2, microbatch_size=2, num_microbatches=2,
+                                                  sequence_parallel=True, recompute="selective"),
+                                      TP_MLP + TP_EMBED_HEAD + SP_NORMS),
+    # a colwise up projection without its rowwise partner under sp (and a reduce-scatter in a selective region)
+    "tp2_sp_unpaired_colwise": Config("gpt", dict(tp=2, microbatch_size=4, num_microbatches=1,
+                                                  sequence_parallel=True, recompute="selective"),
+                                      TP_ATTENTION + (("blocks.*.mlp.up_proj", C),) + TP_EMBED_HEAD),
     "recompute_pp2": Config("gpt", dict(pp=2, microbatch_size=2, num_microbatches=4), first_blocks=(2,),
                             stage_recompute=(Recompute.FULL, Recompute.SELECTIVE)),
     # 4 processes
