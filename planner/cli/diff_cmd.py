@@ -10,22 +10,12 @@ longer fits; 2 on a user error.
 from __future__ import annotations
 
 import argparse
-import math
 
+from planner.cli.common import percent
 from planner.errors import UserError
 
 EXIT_REGRESSION = 1
 """Exit status when `--fail-on-regression` trips (DESIGN.md: non-zero; 2 stays reserved for user errors)."""
-
-
-def _percent(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a percentage >= 0, got {text!r}") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a percentage >= 0, got {text}")
-    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=[f.value for f in DiffFormat], default=DiffFormat.TEXT.value,
                    help="text (default), md (GitHub markdown table for a PR comment) or json")
     p.add_argument("--json", action="store_true", help="same as --format json")
-    p.add_argument("--fail-on-regression", type=_percent, default=None, metavar="PCT",
+    p.add_argument("--fail-on-regression", type=percent, default=None, metavar="PCT",
                    help=f"exit {EXIT_REGRESSION} if step time or peak memory grows by more than PCT percent")
     p.set_defaults(func=run)
 

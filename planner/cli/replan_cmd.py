@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from typing import Any
 
 from planner.cli.common import (
@@ -22,6 +21,7 @@ from planner.cli.common import (
     check_output_path,
     input_paths,
     parse_cluster,
+    percent,
     positive_float,
     positive_int,
     trace_chain,
@@ -33,16 +33,6 @@ from planner.plan import Plan
 DEFAULT_STICKINESS_PCT = 2.0
 
 
-def _percent(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a percentage >= 0, got {text!r}") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a percentage >= 0, got {text}")
-    return value
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     from planner.replan import ReplanScope
 
@@ -50,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__.split("\n\n")[1])
     p.add_argument("plan", metavar="PLAN.json", help="the plan made for the old cluster")
     add_cluster_argument(p)
-    p.add_argument("--stickiness", "--max-change", dest="stickiness", type=_percent, default=DEFAULT_STICKINESS_PCT,
+    p.add_argument("--stickiness", "--max-change", dest="stickiness", type=percent, default=DEFAULT_STICKINESS_PCT,
                    metavar="PCT", help="keep closer to the old plan when at most PCT%% slower than the fastest "
                                        "(default %(default)s; 0: always the fastest)")
     p.add_argument("--scope", choices=[s.value for s in ReplanScope], default=ReplanScope.NEIGHBOURHOOD.value,
