@@ -153,10 +153,17 @@ def _trace_chain() -> Any:
     return ir.build_layer_chain(graph)
 
 
-def profile_cluster(nproc: int, out_dir: Path) -> Any:
-    """Ops timed in `nproc` concurrent processes + collectives of every group size dividing `nproc`."""
+def profile_path(nproc: int) -> Path:
+    """Where the profile of an `nproc`-rank cluster is kept beside the results (`--repredict` reads it back)."""
+    return RESULTS.parent / f"fidelity-profile-{nproc}proc.json"
+
+
+def profile_cluster(nproc: int) -> Any:
+    """Ops timed in `nproc` concurrent processes, collectives of every group size dividing `nproc`, and the
+    framework overheads (`planner.framework_profile`) on the same process count; saved to `profile_path`."""
     from costmodel.collective_fit import CollectiveProfile
     from costmodel.profile_db import OpProfile
+    from planner.framework_profile import FrameworkOptions, measure_framework
     from planner.profiler import (
         CollectiveOptions,
         ModelRequest,
@@ -171,9 +178,12 @@ def profile_cluster(nproc: int, out_dir: Path) -> Any:
     ops = profile_concurrently([ModelRequest(MODEL, SETS)], concurrent=nproc, device_name="cpu", options=options)
     samples = measure_collectives(CollectiveOptions(processes=nproc, sizes=(4096, 65536, 1 << 20, 4 << 20),
                                                     repeats=9))
-    profile = OpProfile(entries=ops.profile.entries, meta=ops.profile.meta,
+    framework = measure_framework(FrameworkOptions(processes=nproc))
+    profile = OpProfile(entries={**ops.profile.entries, **framework.entries("cpu")}, meta=ops.profile.meta,
                         collectives=CollectiveProfile.from_samples(samples))
-    profile.save(out_dir / f"profile-{nproc}proc.json")
+    path = profile_path(nproc)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(path)
     return profile, ops
 
 
@@ -664,12 +674,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--from-results", default=None, metavar="JSON",
                         help="recompute the metrics, the analysis and the doc table from an earlier run's JSON")
+    parser.add_argument("--repredict", action="store_true",
+                        help="with --from-results: price the earlier run's strategies again with the current model "
+                             "and the saved profiles (bench/results/fidelity-profile-*.json); nothing is rerun")
     parser.add_argument("--worker", nargs=2, metavar=("PLANS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(*args.worker)
     if args.from_results:
-        return report_again(Path(args.from_results), Path(args.output), doc=not args.no_doc)
+        return report_again(Path(args.from_results), Path(args.output), doc=not args.no_doc,
+                            repredict=args.repredict)
 
     started = time.perf_counter()
     chain = _trace_chain()
@@ -686,7 +700,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for spec in [s.strip() for s in args.clusters.split(",") if s.strip()]:
             nproc = int(spec.split("x")[0]) * int(spec.split("x")[1])
             t0 = time.perf_counter()
-            profile, ops = profile_cluster(nproc, work)
+            profile, ops = profile_cluster(nproc)
             t_profile = time.perf_counter() - t0
             cases, choices = enumerate_cases(chain, spec, profile, args.limit)
             t_enum = time.perf_counter() - t0 - t_profile
@@ -721,14 +735,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def report_again(source: Path, output: Path, *, doc: bool) -> int:
-    """Recompute every derived number of a results JSON from its per-strategy rows (no strategy is rerun)."""
+def report_again(source: Path, output: Path, *, doc: bool, repredict: bool = False) -> int:
+    """Recompute every derived number of a results JSON from its per-strategy rows (no strategy is rerun). With
+    `repredict`, the strategies are first priced again by the current model with the saved profiles (so a change
+    of the model can be judged against measurements already taken)."""
     report = json.loads(source.read_text())
-    layers = max(Counter(s.class_id for s in _trace_chain().segments).values())
+    chain = _trace_chain()
+    layers = max(Counter(s.class_id for s in chain.segments).values())
     for spec, per in report["clusters"].items():
-        cases = [Case(id=r["id"], cluster=spec, key=tuple(r["key"]), plan={}, predicted=r["predicted"],
-                      labels=tuple(r["labels"])) for r in per["cases"]]
         measured = {r["id"]: r["measured"] for r in per["cases"]}
+        if repredict:
+            from costmodel.profile_db import OpProfile
+
+            by_key = {tuple(r["key"]): r["measured"] for r in per["cases"]}
+            fresh, per["choices"] = enumerate_cases(chain, spec, OpProfile.load(profile_path(per["processes"])),
+                                                    None)
+            cases = [c for c in fresh if c.key in by_key]
+            measured = {c.id: by_key[c.key] for c in cases}
+            per["cases"] = [_case_row(c, measured[c.id]) for c in cases]
+        else:
+            cases = [Case(id=r["id"], cluster=spec, key=tuple(r["key"]), plan={}, predicted=r["predicted"],
+                          labels=tuple(r["labels"])) for r in per["cases"]]
         per["summary"] = {m: summarize(cases, measured, m) for m in ("profiled", "analytical")}
         per["analysis"] = {m: analyze(cases, measured, layers, m) for m in ("profiled", "analytical")}
         per["failures"] = _failures(cases, measured)

@@ -20,10 +20,18 @@ YAML format (every key but `groups` optional; see examples/clusters/README.md fo
         latency: 3us                 # per algorithm step; default: the link calibration
         efficiency: 0.77             # achievable fraction of bandwidth; default: the link calibration
         link: nvlink3                # a row of costmodel/data/links.csv to take the defaults from
+        per_collective:              # optional per-kind figures replacing latency and bandwidth x efficiency
+          reduce_scatter: {latency: 170us, bandwidth: 0.4GB/s}   # both keys required; bandwidth is achieved
       - name: rack
         size: 32
         aggregate_bandwidth: 1.6Tb/s # instead of bandwidth: one node's uplink, shared by its devices
       - name: cluster                # the last tier's size defaults to the whole cluster
+
+`per_collective` keys are collective kinds (all_reduce, all_gather, reduce_scatter, all_to_all, send_recv,
+broadcast); each gives the per-step `latency` and the *achieved* `bandwidth` per device of that kind (efficiency
+already included, as `stratagem profile --collectives` measures it), used instead of the tier's `latency` and
+`bandwidth` x `efficiency` for that kind only (in-network reduction figures are not overridden).
+`Cluster.to_dict()` writes the same mapping (seconds and bytes/s), and only for tiers that have overrides.
 
 Units: bandwidth "400Gbps", "400Gb/s", "50GB/s", "1.5TB/s" (or a number in bytes/s); latency "5us", "1.5ms",
 "200ns" (or seconds); memory "80GB", "80GiB" (or bytes). Unknown keys and bad values raise ValueError naming the
@@ -53,7 +61,7 @@ from costmodel.catalog import (
     intra_node_link_of,
     list_links,
 )
-from costmodel.cluster import Cluster, DeviceGroup, NetworkTier
+from costmodel.cluster import COLLECTIVE_KINDS, Cluster, CollectiveLink, DeviceGroup, NetworkTier
 from costmodel.device import DeviceSpec
 
 SHORTHAND_FORM = "NODESxGPUSxDEVICE (e.g. 128x8xa100-80gb or 1x4xcpu)"
@@ -65,7 +73,8 @@ _GROUP_KEYS = {"name": False, "device": True, "num_nodes": True, "devices_per_no
                "node_tier": False}
 _TIER_KEYS = {"name": False, "size": False, "bandwidth": False, "aggregate_bandwidth": False, "latency": False,
               "efficiency": False, "link": False, "in_network_reduction_efficiency": False,
-              "in_network_reduction_latency": False, "source": False}
+              "in_network_reduction_latency": False, "source": False, "per_collective": False}
+_COLLECTIVE_LINK_KEYS = {"latency": True, "bandwidth": True}
 _DEVICE_KEYS = {"name": True, "display_name": False, "peak_flops": True, "matmul_efficiency": True,
                 "memory_bytes": True, "memory_bandwidth": True, "memory_efficiency": True,
                 "intra_node_bandwidth": True, "inter_node_bandwidth": True, "sources": False,
@@ -463,7 +472,25 @@ def _apply_overrides(tier: NetworkTier, t: Mapping[str, Any], path: str) -> Netw
                                                                  f"{path}.in_network_reduction_latency")
     if "source" in t:
         changes["source"] = str(t["source"])
+    if t.get("per_collective") is not None:
+        changes["per_collective"] = _per_collective(t["per_collective"], f"{path}.per_collective")
     return dataclasses.replace(tier, **changes) if changes else tier
+
+
+def _per_collective(v: Any, path: str) -> tuple[CollectiveLink, ...]:
+    """`{kind: {latency: .., bandwidth: ..}}` -> links; kinds are mapping keys, so they are distinct."""
+    if not isinstance(v, Mapping):
+        raise ValueError(f"{path}: expected a mapping collective kind -> {{latency, bandwidth}}, e.g. "
+                         f"{{reduce_scatter: {{latency: 170us, bandwidth: 0.4GB/s}}}}; got {v!r}")
+    links = []
+    for kind, figures in v.items():
+        if kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"{path}: unknown collective kind {kind!r}; valid kinds: {', '.join(COLLECTIVE_KINDS)}")
+        where = f"{path}.{kind}"
+        _check_keys(figures, where, _COLLECTIVE_LINK_KEYS)
+        links.append(CollectiveLink(kind, latency=parse_duration(figures["latency"], f"{where}.latency"),
+                                    bandwidth=parse_bandwidth(figures["bandwidth"], f"{where}.bandwidth")))
+    return tuple(links)
 
 
 def _tier(t: Any, path: str, *, index: int, default_name: str, size: int, devices: Sequence[DeviceSpec],

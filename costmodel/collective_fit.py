@@ -20,9 +20,12 @@ small messages), with both coefficients kept non-negative (a coefficient that wo
 and the other refitted: the two-variable non-negative least squares solution). The fit reports its root mean
 square and largest relative residual.
 
-`fit_link` fits one (alpha, B) over every kind the step-time model uses -- what one network tier of
-`costmodel.cluster` can express -- and `calibrated_cluster` writes it into the node tier of a cluster whose devices
-were measured, so every collective the cost model prices on that node uses the measured latency and bandwidth.
+`fit_link` fits one (alpha, B) over every kind the step-time model uses, and `calibrated_cluster` writes it into
+the node tier of a cluster whose devices were measured as the tier's default latency and bandwidth, and each
+kind's own fit as that kind's `per_collective` override: the kinds differ (gloo, 2 ranks: 96 us per all-reduce
+step, 170 us per reduce-scatter step, and reduce-scatter ~3x slower per byte at 4 MB), so the joint fit alone
+under-prices reduce-scatter up to 5x. Every collective the cost model prices on that node then uses its own
+kind's measured latency and bandwidth, and the joint fit for kinds that were not measured.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from costmodel.cluster import Cluster
+from costmodel.cluster import Cluster, CollectiveLink, NetworkTier
 from costmodel.collectives import Collective
 
 COLLECTIVE_PROFILE_KEYS = frozenset({"samples", "fits"})
@@ -246,8 +249,10 @@ class CollectiveProfile:
 
 def calibrated_cluster(cluster: Cluster, collectives: CollectiveProfile | None) -> Cluster:
     """`cluster` with the node tier of every device group whose device has a link fit set to the fitted latency
-    and bandwidth (efficiency 1: the fit already is the achieved bandwidth). Outer tiers are left alone: a local
-    process group measures only the link inside one node. Returns `cluster` itself when nothing applies."""
+    and bandwidth (efficiency 1: the fit already is the achieved bandwidth), and with a `per_collective` override
+    for each kind the device has its own fit of (finite bandwidth, at least one sample); overrides the tier
+    already had for other kinds are kept. Outer tiers are left alone: a local process group measures only the
+    link inside one node. Returns `cluster` itself when nothing applies."""
     if collectives is None:
         return cluster
     groups = list(cluster.groups)
@@ -258,16 +263,37 @@ def calibrated_cluster(cluster: Cluster, collectives: CollectiveProfile | None) 
         fit = collectives.fit(g.device.name)
         if fit is None or not math.isfinite(fit.bandwidth_bytes_per_s):
             continue
-        changes = {"latency": fit.alpha_s, "bandwidth": fit.bandwidth_bytes_per_s, "efficiency": 1.0,
-                   "source": f"measured: `stratagem profile --collectives` {fit.backend} link fit "
-                             f"({fit.samples} samples, rms relative residual {fit.rms_rel_residual:.3f})"}
+        links = _kind_links(collectives, g.device.name)
         if g.node_tier is not None:
-            groups[i] = dataclasses.replace(g, node_tier=dataclasses.replace(g.node_tier, **changes))
+            groups[i] = dataclasses.replace(g, node_tier=_calibrated_tier(g.node_tier, fit, links))
         elif shared_tier_devices == {g.device.name}:
-            tiers[0] = dataclasses.replace(tiers[0], **changes)
+            tiers[0] = _calibrated_tier(tiers[0], fit, links)
         else:  # tiers[0] also serves another device type: give this group its own calibrated node tier
-            groups[i] = dataclasses.replace(g, node_tier=dataclasses.replace(tiers[0], **changes))
+            groups[i] = dataclasses.replace(g, node_tier=_calibrated_tier(tiers[0], fit, links))
         changed = True
     if not changed:
         return cluster
     return dataclasses.replace(cluster, groups=tuple(groups), tiers=tuple(tiers))
+
+
+def _kind_links(collectives: CollectiveProfile, device: str) -> tuple[CollectiveLink, ...]:
+    """One `CollectiveLink` per kind with a usable fit on `device` (a fit without size dependence has infinite
+    bandwidth and says nothing a link can hold)."""
+    out = []
+    for kind in Collective:
+        fit = collectives.fit(device, kind.value)
+        if fit is not None and fit.samples > 0 and math.isfinite(fit.bandwidth_bytes_per_s):
+            out.append(CollectiveLink(kind.value, latency=fit.alpha_s, bandwidth=fit.bandwidth_bytes_per_s))
+    return tuple(out)
+
+
+def _calibrated_tier(tier: NetworkTier, fit: CollectiveFit, links: tuple[CollectiveLink, ...]) -> NetworkTier:
+    """`tier` with the joint `fit` as its defaults and `links` replacing its overrides of the same kinds."""
+    measured = {x.kind for x in links}
+    kept = tuple(x for x in tier.per_collective if x.kind not in measured)
+    source = (f"measured: `stratagem profile --collectives` {fit.backend} link fit ({fit.samples} samples, rms "
+              f"relative residual {fit.rms_rel_residual:.3f})")
+    if links:
+        source += f"; per-kind fits of {', '.join(x.kind for x in links)}"
+    return dataclasses.replace(tier, latency=fit.alpha_s, bandwidth=fit.bandwidth_bytes_per_s, efficiency=1.0,
+                               per_collective=kept + links, source=source)

@@ -7,7 +7,10 @@ device sends in total; send/recv and broadcast: the message). For tier t (t = 0 
 tier-t domains the group touches (c_{-1} = n; the outermost tier has c = 1). The group *spans* tier t when
 c_{t-1} > c_t; then D_t = c_{t-1} / c_t tier-(t-1) domains talk through tier t, each holding P_t = n / c_{t-1} of
 the group's ranks (P_0 = 1). B_t is the tier's effective bandwidth per device (spec x calibrated efficiency, see
-`costmodel/data/links.csv`) and a_t its per-step latency.
+`costmodel/data/links.csv`) and a_t its per-step latency -- or, when the tier has a `per_collective` override for
+the collective's kind (`costmodel.cluster.CollectiveLink`, e.g. measured by `stratagem profile --collectives`),
+that kind's achieved bandwidth and step latency. The node tier of a group touching several device groups takes,
+per kind, the smallest bandwidth and largest latency of their node links.
 
 Per-device bytes through tier t, by collective (hierarchical forms: reduce-scatter inside each domain first, so
 the slower tier carries only 1/P_t of the buffer -- e.g. reduce-scatter in the node, all-reduce across nodes,
@@ -42,12 +45,13 @@ an alpha-beta model does not capture.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from costmodel.cluster import Cluster
+from costmodel.cluster import Cluster, CollectiveLink, NetworkTier
 
 
 class Collective(enum.StrEnum):
@@ -107,6 +111,15 @@ class TierSpan:
     in_network_bandwidth: float
     """Effective bytes/s of in-switch all-reduce; 0 when the tier has none."""
     in_network_latency: float
+    overrides: tuple[CollectiveLink, ...] = ()
+    """Per-kind `bandwidth` / `latency` replacing the two fields above for that kind (`for_kind`)."""
+
+    def for_kind(self, kind: Collective) -> TierSpan:
+        """This span with the link figures a `kind` collective gets (itself when the tier has no override)."""
+        for link in self.overrides:
+            if link.kind == kind:
+                return dataclasses.replace(self, bandwidth=link.bandwidth, latency=link.latency, overrides=())
+        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,25 +144,44 @@ def spans(group: CommGroup, cluster: Cluster) -> tuple[TierSpan, ...]:
         if counts[t] <= counts[t + 1]:
             continue
         if t == 0:
-            bw, lat, inb, inl = _node_link(group, cluster)
+            bw, lat, inb, inl, overrides = _node_link(group, cluster)
         else:
             tier = cluster.tiers[t]
             bw, lat = tier.effective_bandwidth, tier.latency
             inb = tier.bandwidth * tier.in_network_reduction_efficiency
             inl = tier.in_network_reduction_latency
+            overrides = tier.per_collective
         out.append(TierSpan(index=t, name=cluster.tiers[t].name, peers=counts[t] / counts[t + 1],
                             ranks_per_domain=group.size / counts[t], steps=counts[t] - counts[t + 1],
-                            bandwidth=bw, latency=lat, in_network_bandwidth=inb, in_network_latency=inl))
+                            bandwidth=bw, latency=lat, in_network_bandwidth=inb, in_network_latency=inl,
+                            overrides=overrides))
     return tuple(out)
 
 
-def _node_link(group: CommGroup, cluster: Cluster) -> tuple[float, float, float, float]:
+def _node_link(group: CommGroup, cluster: Cluster,
+               ) -> tuple[float, float, float, float, tuple[CollectiveLink, ...]]:
     """Node-tier figures for the device groups this communication group touches: the slowest of their nodes'
-    links bounds a pipelined collective; in-switch reduction only if every touched node has it."""
+    links bounds a pipelined collective; in-switch reduction only if every touched node has it. Per-kind
+    overrides likewise take, for each kind any touched node overrides, the slowest of the touched nodes' figures
+    for that kind (a node without an override for it contributes its defaults)."""
     tiers = [cluster.node_tier_of(g) for g in range(len(cluster.groups)) if _touches(group, cluster.group_ranks(g))]
     in_network = min(t.bandwidth * t.in_network_reduction_efficiency for t in tiers)
     return (min(t.effective_bandwidth for t in tiers), max(t.latency for t in tiers), in_network,
-            max(t.in_network_reduction_latency for t in tiers))
+            max(t.in_network_reduction_latency for t in tiers), _slowest_overrides(tiers))
+
+
+def _slowest_overrides(tiers: Sequence[NetworkTier]) -> tuple[CollectiveLink, ...]:
+    """Per kind overridden on any of `tiers`: the largest latency and smallest bandwidth over all of them (the
+    common single-tier and no-override cases return without building anything; spans are computed often)."""
+    if len(tiers) == 1 or not any(t.per_collective for t in tiers):
+        return tiers[0].per_collective
+    kinds = sorted({link.kind for t in tiers for link in t.per_collective})
+    out = []
+    for kind in kinds:
+        figures = [t.link_for(kind) for t in tiers]
+        out.append(CollectiveLink(kind, latency=max(lat for _, lat in figures),
+                                  bandwidth=min(bw for bw, _ in figures)))
+    return tuple(out)
 
 
 def _touches(group: CommGroup, ranks: range) -> bool:
@@ -212,6 +244,8 @@ def collective_cost(kind: Collective | str, nbytes: float, group: CommGroup, clu
     if not isinstance(concurrent, int) or isinstance(concurrent, bool) or concurrent < 1:
         raise ValueError(f"concurrent must be a positive integer, got {concurrent!r}")
     tiers = spans(group, cluster)
+    if any(s.overrides for s in tiers):
+        tiers = tuple(s.for_kind(kind) for s in tiers)
     if not tiers or nbytes == 0:
         return CollectiveCost(kind, Algorithm.DIRECT if kind is Collective.SEND_RECV else Algorithm.RING,
                               0.0, 0.0, 0.0, "", tiers[-1].name if tiers else "")

@@ -35,6 +35,7 @@ from costmodel.collectives import Collective, CommGroup, collective_time
 from costmodel.context_parallel import cp_problem
 from costmodel.device import DeviceSpec
 from costmodel.expert_parallel import dp_synced_params, ep_problem, optimizer_params
+from costmodel.framework import FrameworkCosts
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import price_segment, selective_recompute_region
 from costmodel.memory import GIB, PricedSegment, rank_memory
@@ -52,6 +53,12 @@ from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strateg
 from ir import build_layer_chain
 from ir.graph import Graph, dtype_bytes
 from ir.layer_chain import LayerChain
+
+
+def uses_dtensors(strategy: Strategy) -> bool:
+    """Whether the runtime holds the parameters as DTensors: FSDP2 / replicate over dp (x cp) ranks and tensor
+    parallelism do (`planner.parallelize`); the optimizer pays a framework cost per DTensor parameter."""
+    return strategy.dp * strategy.cp > 1 or strategy.tp > 1
 
 
 def axis_strides(strategy: Strategy) -> dict[MeshAxis, int]:
@@ -283,7 +290,8 @@ def estimate(chain: LayerChain | Graph, cluster: Cluster, strategy: Strategy, *,
     # Copies of weights shared across pipeline ranks (tied embeddings), vocabulary-sharded over tp like the head.
     shared = [-(-n // strategy.tp) for n in shared_parameter_copies(chain, stages, strategy.pp)]
 
-    stage_times, tails = _step_terms(priced, ranks, shared, strategy, cluster, dtype)
+    framework = {r.device.name: FrameworkCosts.from_profile(profile, r.device.name) for r in ranks}
+    stage_times, tails = _step_terms(priced, ranks, shared, strategy, cluster, dtype, framework)
     p2p = [p2p_time(strategy, j, priced[j][-1].cost.boundary_bytes, cluster) for j in range(len(priced) - 1)]
     breakdown = step_breakdown(stage_times, tails, schedule=strategy.schedule,
                                num_microbatches=strategy.num_microbatches, virtual_stages=strategy.virtual_stages,
@@ -294,9 +302,11 @@ def estimate(chain: LayerChain | Graph, cluster: Cluster, strategy: Strategy, *,
 
 
 def _step_terms(priced: Sequence[Sequence[PricedSegment]], ranks: Sequence[_Rank], shared: Sequence[int],
-                strategy: Strategy, cluster: Cluster, dtype: str) -> tuple[list[StageTime], list[RankTail]]:
+                strategy: Strategy, cluster: Cluster, dtype: str, framework: Mapping[str, FrameworkCosts]
+                ) -> tuple[list[StageTime], list[RankTail]]:
     """Per virtual stage: its `StageTime` (ZeRO per-micro-batch communication included); per pipeline rank: what
-    it does after its last backward (gradient reduction, syncs, optimizer, post-step gathers)."""
+    it does after its last backward (gradient reduction, syncs, optimizer, post-step gathers). `framework`: the
+    measured framework overheads of each device type (`costmodel.framework`)."""
     pp = strategy.pp
     wbytes = dtype_bytes(dtype)
     dp_size = strategy.dp * strategy.cp
@@ -312,7 +322,8 @@ def _step_terms(priced: Sequence[Sequence[PricedSegment]], ranks: Sequence[_Rank
             zero_stage=strategy.zero_stage, grad_bytes=params * wbytes, param_bytes=params * wbytes,
             num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
             bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=dp_group(strategy, rank.index),
-            cluster=cluster, concurrent=strategy.tp * pp)
+            cluster=cluster, concurrent=strategy.tp * pp,
+            unit_overhead=framework[rank.device.name].dp_unit_cost(strategy.zero_stage, dp_size), speed=rank.speed)
         stage_times.append(stage_time(segs, speed=rank.speed, dp_fwd_s=comm.per_microbatch_fwd_s,
                                       dp_bwd_s=comm.per_microbatch_bwd_s))
         post[j % pp] += comm.post_step_s
@@ -339,7 +350,10 @@ def _step_terms(priced: Sequence[Sequence[PricedSegment]], ranks: Sequence[_Rank
                                            CommGroup(2, stride=r * pp_stride), cluster,
                                            concurrent=strategy.num_devices // pp)
                            if shared[r] and r > 0 else 0.0),
-            optimizer_s=optimizer_step_time(local_params, rank.device, speed=rank.speed),
+            optimizer_s=optimizer_step_time(
+                local_params, rank.device, speed=rank.speed,
+                num_tensors=sum(s.cost.param_tensors for c in chunks for s in c),
+                per_tensor_s=framework[rank.device.name].optimizer_per_tensor(uses_dtensors(strategy))),
             post_step_s=post[r]))
     return stage_times, tails
 

@@ -39,3 +39,6 @@ class LayerCost:
     expert_param_count: int = 0
     """Of `param_count`, mixture-of-experts weights split over the expert-parallel axis (already divided by ep):
     data parallelism reduces and ZeRO shards them over dp*cp/ep ranks (`costmodel.expert_parallel`)."""
+    param_tensors: int = 0
+    """Parameter tensors this segment owns (a weight first used by an earlier segment is not counted): the
+    optimizer's per-tensor framework cost (`costmodel.framework`) counts tensors, not bytes."""

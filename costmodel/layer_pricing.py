@@ -72,6 +72,18 @@ def saved_bytes_by_recompute(nodes: Sequence[Node], input_bytes: int) -> tuple[i
     return none, selective, min(input_bytes, none)
 
 
+def owned_param_tensors(chain: LayerChain, segment: Segment) -> int:
+    """Parameter tensors first used in `segment` (as `Segment.param_count` counts a tied weight once, where it
+    is first used)."""
+    first: dict[str, int] = {}
+    for seg in chain.segments[:segment.index + 1]:
+        for node in chain.nodes_of(seg):
+            for i in range(len(node.param_specs)):
+                name = node.param_names[i] if i < len(node.param_names) else f"{node.name}.{i}"
+                first.setdefault(name, seg.index)
+    return sum(1 for index in first.values() if index == segment.index)
+
+
 def price_segment(chain: LayerChain, segment: Segment, device: DeviceSpec, *, microbatch_size: int,
                   dtype: str = "bfloat16", profile: OpProfile | None = None) -> LayerCost:
     """`LayerCost` of `segment` replicated on one `device` for a micro-batch of `microbatch_size` samples."""
@@ -105,4 +117,5 @@ def price_segment(chain: LayerChain, segment: Segment, device: DeviceSpec, *, mi
         boundary_bytes=round(segment.boundary_bytes * act),
         grad_sync_bytes=0,
         peak_temp_bytes=round(2 * largest * act),
+        param_tensors=owned_param_tensors(chain, segment),
     )

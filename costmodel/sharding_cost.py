@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from costmodel.cluster import Cluster
 from costmodel.collectives import Collective, CommGroup, collective_time
 from costmodel.device import DeviceSpec
+from costmodel.framework import NO_FRAMEWORK_COSTS, ZERO_PASS, FrameworkCosts, PassCost
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import selective_recompute_region
 from costmodel.operators import node_time, retype_ratio
@@ -72,6 +73,9 @@ class Pricer:
 
     node_time: NodeTimeFn
     move_time: MoveTimeFn
+    sharded_module: PassCost = ZERO_PASS
+    """Framework overhead of one call of a module that runs sharded (DTensor dispatch and layout hooks,
+    `costmodel.framework`): added to every node with parameters whose strategy is not replicated."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,6 +378,9 @@ def _price_option(node: Node, st: NodeStrategy, scale: float, cfg: _Setting) -> 
     param_scale = sum(locals_) / node.param_count if node.param_count else 1.0
     fwd, bwd = cfg.pricer.node_time(node, scale * st.work_fraction, scale * activation_fraction(node, st, cfg.tp),
                                     param_scale)
+    if node.param_specs and not st.is_replicated:
+        fwd += cfg.pricer.sharded_module.forward_s
+        bwd += cfg.pricer.sharded_module.backward_s
     extra = sum(cfg.pricer.move_time(m, nbytes * scale) for m, nbytes in st.extra_forward)
     local_bytes = tuple(n / max(spec.numel, 1) * cfg.bytes_of(spec)
                         for n, spec in zip(locals_, node.param_specs, strict=True))
@@ -606,7 +613,7 @@ def structural_key(nodes: Sequence[Node]) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 def make_pricer(cluster: Cluster, device: DeviceSpec, tp_group: CommGroup, *, dtype: str = "bfloat16",
-                profile: OpProfile | None = None) -> Pricer:
+                profile: OpProfile | None = None, framework: FrameworkCosts | None = None) -> Pricer:
     """Price nodes with `node_time` on `device` and moves with `collective_time` over `tp_group` of `cluster`.
 
     Collective byte conventions (`collective_time`'s): all-reduce the buffer, all-gather the gathered output,
@@ -633,5 +640,6 @@ def make_pricer(cluster: Cluster, device: DeviceSpec, tp_group: CommGroup, *, dt
         sent = nbytes / tp if move is Move.ALL_TO_ALL else nbytes
         return collective_time(collective_of[move], sent, tp_group, cluster)
 
-    return Pricer(node_time=node_cost, move_time=move_cost)
+    sharded = (framework or NO_FRAMEWORK_COSTS).tp_module_cost(tp)
+    return Pricer(node_time=node_cost, move_time=move_cost, sharded_module=sharded)
 

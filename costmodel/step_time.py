@@ -25,11 +25,15 @@ Data parallelism per rank (Rajbhandari et al. SC'20 for the ZeRO stages; PyTorch
   kept), plus the post-step weight all-gather;
 - ZeRO-3: weights are all-gathered before each segment's forward and again before its backward (prefetched, one
   chunk per segment), gradients reduce-scattered during every backward; no post-step gather.
+Under ZeRO >= 1 every collective is issued once per FSDP unit (one per segment, as `planner.apply_fsdp` wraps
+each layer), so each of the n pieces pays the collective's latency: n x time(S / n). Measured framework host work
+(`costmodel.framework`: FSDP2 / replicate hooks per unit and micro-batch) adds to the per-micro-batch terms.
 The end-of-step gradient reduction of rank r can also hide in the pipeline drain after rank r's last backward
 (`pipeline.drain_slack`); what is left is exposed. The optimizer step then starts on all ranks (the global gradient
 norm synchronizes them) and is memory-bound: Adam reads a 16-bit gradient, reads and writes the fp32 master
 weight, m and v, and writes the 16-bit weight: 2 + 3*8 + 2 = 28 bytes per local parameter (fp32 training: 4 + 24 =
-28 too), over the local shard (params / dp under ZeRO >= 1).
+28 too), over the local shard (params / dp under ZeRO >= 1), plus a measured framework cost per parameter tensor
+(`costmodel.framework`; a DTensor parameter costs far more than a plain one).
 
 Default gradient bucket: 25 MiB (torch.nn.parallel.DistributedDataParallel `bucket_cap_mb=25`).
 """
@@ -44,6 +48,7 @@ from costmodel.breakdown import TimeBreakdown
 from costmodel.cluster import Cluster
 from costmodel.collectives import Collective, CommGroup, collective_time
 from costmodel.device import DeviceSpec
+from costmodel.framework import ZERO_PASS, PassCost
 from costmodel.memory import PricedSegment
 from costmodel.operators import T_KERNEL_FLOOR_S
 from costmodel.pipeline import drain_slack, pipeline_times
@@ -61,12 +66,16 @@ def overlapped_exposed(comm_s: float, window_s: float, num_chunks: int) -> float
     return max(comm_s / n, comm_s - window_s + window_s / n)
 
 
-def optimizer_step_time(local_param_count: int, device: DeviceSpec, *, speed: float = 1.0) -> float:
-    """Seconds of one Adam step over `local_param_count` parameters (memory-bound, see module docstring)."""
+def optimizer_step_time(local_param_count: int, device: DeviceSpec, *, speed: float = 1.0, num_tensors: int = 0,
+                        per_tensor_s: float = 0.0) -> float:
+    """Seconds of one Adam step over `local_param_count` parameters held in `num_tensors` tensors: memory-bound
+    (module docstring) plus the framework's measured cost per tensor (`costmodel.framework`: a DTensor parameter
+    costs ~0.1 ms of host work per step on CPU whatever its size)."""
     if local_param_count <= 0:
         return 0.0
     nbytes = local_param_count * ADAM_BYTES_PER_PARAM
-    return max(nbytes / (device.memory_bandwidth * device.memory_efficiency), T_KERNEL_FLOOR_S) / speed
+    memory = max(nbytes / (device.memory_bandwidth * device.memory_efficiency), T_KERNEL_FLOOR_S)
+    return (memory + num_tensors * per_tensor_s) / speed
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,30 +142,44 @@ class DataParallelComm:
 
 def data_parallel_comm(*, zero_stage: int, grad_bytes: float, param_bytes: float, num_segments: int,
                        fwd_window_s: float, bwd_window_s: float, group: CommGroup, cluster: Cluster,
-                       concurrent: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> DataParallelComm:
+                       concurrent: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                       unit_overhead: PassCost = ZERO_PASS, speed: float = 1.0) -> DataParallelComm:
     """Price the data-parallel collectives of one stage (module docstring). Bytes are this rank's unsharded
-    gradient and weight bytes (after tensor parallelism)."""
+    gradient and weight bytes (after tensor parallelism).
+
+    Under ZeRO-1..3 every collective goes out once per FSDP unit (a unit per segment), and each piece pays the
+    collective's latency: n pieces of S / n bytes. ZeRO-0's gradient all-reduce is one collective over the whole
+    part (`replicate` keeps one unit; gradient buckets only pace its overlap with the backward). The runtime's
+    host work per unit and micro-batch (`unit_overhead`, `costmodel.framework`; one unit for ZeRO-0's replicated
+    part, one per segment under FSDP) is CPU work on the critical path, divided by `speed` like compute."""
     if group.size <= 1 or grad_bytes <= 0:
         return DataParallelComm()
 
-    def t(kind: Collective, nbytes: float) -> float:
-        return collective_time(kind, nbytes, group, cluster, concurrent=concurrent)
+    def t(kind: Collective, nbytes: float, pieces: int) -> float:
+        return pieces * collective_time(kind, nbytes / pieces, group, cluster, concurrent=concurrent)
 
     n_seg = max(num_segments, 1)
+    buckets = max(math.ceil(grad_bytes / bucket_bytes), 1)
+    units = 1 if zero_stage == 0 else n_seg
+    host_fwd = units * unit_overhead.forward_s / speed
+    host_bwd = units * unit_overhead.backward_s / speed
     if zero_stage == 0:
-        return DataParallelComm(end_reduce_s=t(Collective.ALL_REDUCE, grad_bytes),
-                                end_reduce_chunks=math.ceil(grad_bytes / bucket_bytes))
+        return DataParallelComm(per_microbatch_fwd_s=host_fwd, per_microbatch_bwd_s=host_bwd,
+                                end_reduce_s=t(Collective.ALL_REDUCE, grad_bytes, 1),
+                                end_reduce_chunks=buckets)
     if zero_stage == 1:
-        return DataParallelComm(end_reduce_s=t(Collective.REDUCE_SCATTER, grad_bytes),
-                                end_reduce_chunks=math.ceil(grad_bytes / bucket_bytes),
-                                post_step_s=t(Collective.ALL_GATHER, param_bytes))
-    reduce = t(Collective.REDUCE_SCATTER, grad_bytes)
+        return DataParallelComm(per_microbatch_fwd_s=host_fwd, per_microbatch_bwd_s=host_bwd,
+                                end_reduce_s=t(Collective.REDUCE_SCATTER, grad_bytes, n_seg),
+                                end_reduce_chunks=max(buckets, n_seg),
+                                post_step_s=t(Collective.ALL_GATHER, param_bytes, n_seg))
+    reduce = t(Collective.REDUCE_SCATTER, grad_bytes, n_seg)
     if zero_stage == 2:
-        return DataParallelComm(per_microbatch_bwd_s=overlapped_exposed(reduce, bwd_window_s, n_seg),
-                                post_step_s=t(Collective.ALL_GATHER, param_bytes))
-    gather = t(Collective.ALL_GATHER, param_bytes)
-    return DataParallelComm(per_microbatch_fwd_s=overlapped_exposed(gather, fwd_window_s, n_seg),
-                            per_microbatch_bwd_s=overlapped_exposed(gather + reduce, bwd_window_s, n_seg))
+        return DataParallelComm(per_microbatch_fwd_s=host_fwd,
+                                per_microbatch_bwd_s=host_bwd + overlapped_exposed(reduce, bwd_window_s, n_seg),
+                                post_step_s=t(Collective.ALL_GATHER, param_bytes, n_seg))
+    gather = t(Collective.ALL_GATHER, param_bytes, n_seg)
+    return DataParallelComm(per_microbatch_fwd_s=host_fwd + overlapped_exposed(gather, fwd_window_s, n_seg),
+                            per_microbatch_bwd_s=host_bwd + overlapped_exposed(gather + reduce, bwd_window_s, n_seg))
 
 
 @dataclass(frozen=True, slots=True)

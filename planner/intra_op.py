@@ -46,6 +46,7 @@ from ortools.sat.python import cp_model
 from costmodel.cluster import Cluster
 from costmodel.collectives import CommGroup
 from costmodel.device import DeviceSpec
+from costmodel.framework import FrameworkCosts
 from costmodel.layer_cost import LayerCost
 from costmodel.profile_db import OpProfile
 from costmodel.sharding import module_prefix, relative_module
@@ -404,7 +405,8 @@ def solve_layer_sharding(nodes: Sequence[Node], cluster: Cluster, device: Device
     solved = cache.get(key) if cache is not None else None
     if solved is not None:
         return _materialize(nodes, tp, solved, 0.0)
-    pricer = make_pricer(cluster, device, tp_group, dtype=dtype, profile=profile)
+    pricer = make_pricer(cluster, device, tp_group, dtype=dtype, profile=profile,
+                         framework=FrameworkCosts.from_profile(profile, device.name))
     build = dict(tp=tp, traced_batch=traced_batch, microbatch_size=microbatch_size, pricer=pricer,
                  memory_weight=memory_weight, num_microbatches=num_microbatches, dtype=dtype,
                  traced_dtype=traced_dtype)

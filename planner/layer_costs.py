@@ -17,7 +17,7 @@ from typing import Any
 from costmodel.cluster import Cluster
 from costmodel.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
-from costmodel.layer_pricing import price_segment
+from costmodel.layer_pricing import owned_param_tensors, price_segment
 from ir.graph import Node
 from ir.layer_chain import LayerChain
 from planner.plan import ModuleSharding
@@ -134,7 +134,9 @@ class LayerCostTable:
                 tp_group=_group_on(self.cluster, device, tp, tp_stride),
                 microbatch_size=mbs, traced_batch=self.chain.graph.batch_size, sequence_parallel=sp,
                 dtype=self.dtype, cache=self._sharding_cache, profile=self.profile)
-            costs[cid] = _without_earlier_params(solved.cost, segment.param_count, self.chain.nodes_of(segment))
+            costs[cid] = dataclasses.replace(
+                _without_earlier_params(solved.cost, segment.param_count, self.chain.nodes_of(segment)),
+                param_tensors=owned_param_tensors(self.chain, segment))
             sharding[cid] = tuple(solved.module_styles())
         return ClassPrices(costs, sharding)
 

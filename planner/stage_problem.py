@@ -46,8 +46,10 @@ from costmodel.estimate import (
     shared_parameter_copies,
     stage_ranks,
     tp_group,
+    uses_dtensors,
 )
 from costmodel.expert_parallel import dp_synced_params, optimizer_params
+from costmodel.framework import FrameworkCosts
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment, rank_memory
 from costmodel.pipeline import in_flight_per_chunk
@@ -185,6 +187,7 @@ class StageProblemBuilder:
     _strategies: dict[tuple, Strategy] = field(default_factory=dict, repr=False)
     _shared: dict[tuple, tuple[int, ...]] = field(default_factory=dict, repr=False)
     _p2p_sig: dict[tuple, tuple] = field(default_factory=dict, repr=False)
+    _framework: dict[str, FrameworkCosts] = field(default_factory=dict, repr=False)
     _dp_comm: dict[tuple, object] = field(default_factory=dict, repr=False)
     """`step_time.data_parallel_comm` results by what they depend on (the group through `collectives.spans`)."""
 
@@ -297,11 +300,20 @@ class StageProblemBuilder:
                      cand.microbatch_size, cand.zero_stage, self._sig(dpg), self._sig(tpg), self._sig(shared))
         return _RankContext(k, placement.device, placement.speed, dpg, tpg, shared, signature)
 
+    def framework(self, device: DeviceSpec) -> FrameworkCosts:
+        """The measured framework overheads of `device`'s type in the table's profile (cached)."""
+        hit = self._framework.get(device.name)
+        if hit is None:
+            hit = self._framework[device.name] = FrameworkCosts.from_profile(self.table.profile, device.name)
+        return hit
+
     def _rank_terms(self, cand: Candidate, ctx: _RankContext, chunks: Sequence[Sequence[PricedSegment]],
                     shared: int, in_flight: Sequence[int] | None) -> _Terms:
         """Terms of one pipeline rank holding `chunks`, composed exactly as `costmodel.estimate` does."""
         wbytes = dtype_bytes(self.dtype)
         m = cand.mesh
+        framework = self.framework(ctx.device)
+        unit_overhead = framework.dp_unit_cost(cand.zero_stage, m.dp * m.cp)
         num_devices = m.num_devices
         fwd, bwd = [], []
         end_reduce, end_chunks, post, window = 0.0, 0, 0.0, 0.0
@@ -310,14 +322,15 @@ class StageProblemBuilder:
             # Issue 10: expert weights are reduced over dp*cp/ep ranks (costmodel/expert_parallel.py).
             params = dp_synced_params((s.cost for s in segs), dp_size=m.dp * m.cp, ep=m.ep)
             comm_key = (cand.zero_stage, params * wbytes, len(segs), plain.compute_fwd_s,
-                        plain.compute_bwd_s + plain.recompute_s, self._sig(ctx.dp_group), m.tp * m.pp)
+                        plain.compute_bwd_s + plain.recompute_s, self._sig(ctx.dp_group), m.tp * m.pp,
+                        ctx.device.name, ctx.speed)
             comm = self._dp_comm.get(comm_key)
             if comm is None:
                 comm = self._dp_comm[comm_key] = data_parallel_comm(
                     zero_stage=cand.zero_stage, grad_bytes=params * wbytes, param_bytes=params * wbytes,
                     num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
                     bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=ctx.dp_group,
-                    cluster=self.cluster, concurrent=m.tp * m.pp)
+                    cluster=self.cluster, concurrent=m.tp * m.pp, unit_overhead=unit_overhead, speed=ctx.speed)
             st = stage_time(segs, speed=ctx.speed, dp_fwd_s=comm.per_microbatch_fwd_s,
                             dp_bwd_s=comm.per_microbatch_bwd_s)
             fwd.append(st.fwd_s)
@@ -346,8 +359,10 @@ class StageProblemBuilder:
             mem0, mem1 = memory([0]), memory([1])
         else:
             mem0 = mem1 = memory(in_flight)
-        return _Terms(tuple(fwd), tuple(bwd), tail, shared_sync,
-                      optimizer_step_time(local, ctx.device, speed=ctx.speed), post, mem0, mem1)
+        optimizer = optimizer_step_time(
+            local, ctx.device, speed=ctx.speed, num_tensors=sum(s.cost.param_tensors for c in chunks for s in c),
+            per_tensor_s=framework.optimizer_per_tensor(uses_dtensors(self.strategy_of(cand))))
+        return _Terms(tuple(fwd), tuple(bwd), tail, shared_sync, optimizer, post, mem0, mem1)
 
     def _p2p(self, cand: Candidate, boundary: int, nbytes: float) -> float:
         """`costmodel.estimate.p2p_time`, cached by what the send depends on."""

@@ -98,8 +98,10 @@ def test_zero_stages_communication_patterns():
                                   bwd_window_s=2.0, group=g, cluster=cluster)
 
     ar = collective_time(Collective.ALL_REDUCE, gb, g, cluster)
-    rs = collective_time(Collective.REDUCE_SCATTER, gb, g, cluster)
-    ag = collective_time(Collective.ALL_GATHER, gb, g, cluster)
+    # ZeRO-1..3: one collective per FSDP unit (10 segments), each paying the latency.
+    rs = 10 * collective_time(Collective.REDUCE_SCATTER, gb / 10, g, cluster)
+    ag = 10 * collective_time(Collective.ALL_GATHER, gb / 10, g, cluster)
+    assert rs > collective_time(Collective.REDUCE_SCATTER, gb, g, cluster)
     z0, z1, z2, z3 = (comm(z) for z in range(4))
     assert z0.end_reduce_s == pytest.approx(ar) and z0.post_step_s == 0 and z0.per_microbatch_bwd_s == 0
     assert z0.end_reduce_chunks == 153  # ceil(4e9 / 25 MiB)

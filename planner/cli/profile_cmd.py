@@ -1,15 +1,19 @@
-"""`stratagem profile [--model MODEL ...] [--device cpu|cuda] [--batch B] [--tp T,...] [--collectives] [-o FILE]`.
+"""`stratagem profile [--model MODEL ...] [--device cpu|cuda] [--batch B] [--tp T,...] [--collectives] [--framework]
+[-o FILE]`.
 
 Times the operators of the traced model(s) on this machine -- or, with no --model, a standard set of GEMM,
 normalization and elementwise shapes -- forward and backward, median over repeats, at every micro-batch size up
 to --batch and, with --tp, the per-device shards the tensor-parallel pricer looks up; with --collectives also
 the collectives of a local process group of 2..--nproc processes at several sizes, fitted to alpha (latency) and
-beta (bandwidth). Writes the profile JSON (`costmodel.profile_db`) that `--profile FILE` makes the cost model use.
+beta (bandwidth); with --framework also the runtime's host overheads (`costmodel.framework`: AdamW per plain and
+per DTensor parameter, per FSDP2 / replicate unit, per tensor-parallel module call) in a gloo group of
+--framework-processes CPU processes. Writes the profile JSON (`costmodel.profile_db`) that `--profile FILE` makes the cost model use.
 
 Profile keys carry the traced shapes and dtypes: profile with the --set, --seq and --dtype you plan with.
 `--concurrent K` times the ops in K processes at once, as a K-process CPU cluster runs them (1x4xcpu: 4), and
 with --collectives measures every group size dividing K with all such groups of the K processes running at once
-(instead of groups of 2..--nproc processes alone).
+(instead of groups of 2..--nproc processes alone); --framework measures in K processes too, unless
+--framework-processes says otherwise.
 """
 
 from __future__ import annotations
@@ -69,6 +73,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--collectives", action="store_true", help="also measure and fit the local collectives")
     p.add_argument("--nproc", type=positive_int, default=2, metavar="K",
                    help="largest process group for --collectives: groups of 2..K (default 2)")
+    p.add_argument("--framework", action="store_true",
+                   help="also measure the runtime's framework overheads (optimizer per tensor, FSDP2 / replicate per "
+                        "unit, tensor-parallel per module) on CPU ranks over gloo")
+    p.add_argument("--framework-processes", type=positive_int, default=None, metavar="N",
+                   help="processes for --framework; every group size >= 2 dividing N is measured, all groups at once "
+                        "(default: --concurrent K when K > 1, else 2)")
     p.add_argument("-o", "--output", default="profile.json", metavar="FILE",
                    help="profile JSON to write (default profile.json)")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
@@ -107,6 +117,8 @@ def _catalog_device(args: argparse.Namespace) -> str:
 def _check(args: argparse.Namespace) -> None:
     import torch
 
+    if args.framework and args.device != "cpu":
+        raise UserError("--framework measures CPU ranks over gloo; use --device cpu")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is available here; use --device cpu")
     if args.concurrent > 1 and args.device != "cpu":
@@ -115,12 +127,25 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--nproc {args.nproc}: only {torch.cuda.device_count()} GPUs here")
     if args.sets and not args.models:
         raise UserError("--set needs --model (the standard set has no config)")
+    if args.framework_processes is not None and not args.framework:
+        raise UserError("--framework-processes needs --framework")
+    if args.framework and framework_processes(args) < 2:
+        raise UserError(f"--framework-processes {args.framework_processes}: framework overheads are measured in "
+                        "process groups, so at least 2 processes are needed")
+
+
+def framework_processes(args: argparse.Namespace) -> int:
+    """--framework-processes, else the CPU cluster's process count (--concurrent), else 2."""
+    if args.framework_processes is not None:
+        return int(args.framework_processes)
+    return args.concurrent if args.concurrent > 1 else 2
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from costmodel.profile_db import OpProfile
+    from planner.framework_profile import FrameworkOptions, framework_meta, measure_framework
     from planner.profiler import (
         STANDARD_SET,
         CollectiveOptions,
@@ -158,15 +183,37 @@ def run(args: argparse.Namespace) -> int:
                                                            statistic=statistic, device_name=device_name,
                                                            use_cuda=args.device == "cuda"))
         profile = OpProfile(entries=profile.entries, meta=profile.meta, collectives=collectives)
+    framework = None
+    if args.framework:
+        try:
+            framework_options = FrameworkOptions(processes=framework_processes(args), warmup=args.warmup,
+                                                 repeats=args.repeats)
+        except ValueError as e:
+            raise UserError(f"--framework: {e}") from None
+        framework = measure_framework(framework_options)
+        profile = profile.merged(OpProfile(entries=framework.entries(device_name),
+                                           meta=framework_meta(framework_options)))
     write_text(out, json.dumps(profile.to_dict(), indent=1, sort_keys=True) + "\n")
-    summary = _summary(result, profile, str(out))
+    summary = _summary(result, profile, str(out), framework)
     print(json.dumps(summary, indent=2, sort_keys=True) if args.json else _text(summary))
     return 0
 
 
-def _summary(result: Any, profile: Any, path: str) -> dict[str, Any]:
+def _framework_summary(costs: Any) -> dict[str, Any] | None:
+    """Framework costs as JSON (seconds; [forward, backward] per group size), None when not measured."""
+    if costs is None:
+        return None
+    return {"optimizer_per_tensor_s": costs.optimizer_per_tensor_s,
+            "optimizer_per_dtensor_s": costs.optimizer_per_dtensor_s,
+            "dp_unit": {str(mode): {str(g): [c.forward_s, c.backward_s] for g, c in sorted(table.items())}
+                        for mode, table in costs.dp_unit.items()},
+            "tp_module": {str(g): [c.forward_s, c.backward_s] for g, c in sorted(costs.tp_module.items())}}
+
+
+def _summary(result: Any, profile: Any, path: str, framework: Any = None) -> dict[str, Any]:
     fits = profile.collectives.fits if profile.collectives is not None else ()
     return {
+        "framework": _framework_summary(framework),
         "output": path,
         "models": list(result.models),
         "entries": len(profile.entries),
@@ -174,6 +221,20 @@ def _summary(result: Any, profile: Any, path: str) -> dict[str, Any]:
         "collective_fits": [f.to_dict() for f in fits],
         "meta": dict(profile.meta),
     }
+
+
+def _framework_text(framework: dict[str, Any] | None, processes: str) -> list[str]:
+    if framework is None:
+        return []
+    lines = [f"framework overheads ({processes} processes), ms forward / backward per call:",
+             f"  optimizer per tensor: plain {framework['optimizer_per_tensor_s'] * 1e3:.4f}, "
+             f"DTensor {framework['optimizer_per_dtensor_s'] * 1e3:.4f}"]
+    for mode, table in framework["dp_unit"].items():
+        lines.append(f"  {mode + ' unit':<18}" + "  ".join(f"g={g}: {f * 1e3:.3f} / {b * 1e3:.3f}"
+                                                         for g, (f, b) in table.items()))
+    lines.append(f"  {'tp module':<18}" + "  ".join(f"g={g}: {f * 1e3:.3f} / {b * 1e3:.3f}"
+                                                   for g, (f, b) in framework["tp_module"].items()))
+    return lines
 
 
 def _text(summary: dict[str, Any]) -> str:
@@ -194,5 +255,6 @@ def _text(summary: dict[str, Any]) -> str:
             bw_text = f"{bw / 1e9:.3f}" if bw else "inf"
             lines.append(f"  {f['kind']:<15} {f['alpha_s'] * 1e6:>11.1f} {bw_text:>17} "
                          f"{f['rms_rel_residual']:>10.3f} {f['samples']:>8}")
+    lines += _framework_text(summary["framework"], summary["meta"].get("framework_processes", "?"))
     lines.append(f"wrote {summary['output']}")
     return "\n".join(lines)

@@ -1,0 +1,174 @@
+"""Framework overheads: what the training runtime costs around the operators and the wire, measured per device.
+
+The operator model (`costmodel.operators`, or a profile's op timings) prices the math; the collective model
+(`costmodel.collectives`) prices the bytes and the latency of each collective. Neither prices the machinery
+the strategy runs on: DTensor dispatch around a tensor-parallel module, the hooks, copy-in/copy-out and
+bookkeeping of an FSDP2 / replicate unit, the optimizer's per-tensor work over DTensor parameters. On a GPU with a
+large model that host work hides behind the kernels; on CPU ranks or with small layers it is the step time --
+`bench/fidelity.py` measured 3-9 ms per layer and micro-batch of it on `gpt-tiny`, against 0.1-1 ms of math.
+
+`stratagem profile --framework` (`planner.framework_profile`) measures these terms on the local device with the
+local process group and stores them as profile entries (`costmodel.profile_db.OpProfile`) under the signatures
+below; `FrameworkCosts.from_profile` reads them back. Without entries every term is 0: the analytical model
+assumes the host keeps ahead of the device (true for large layers on GPUs, where kernels run asynchronously).
+
+Terms, seconds, all host CPU work (the step-time model divides them by the rank's speed like compute):
+
+- optimizer per parameter tensor, plain tensors and DTensors (FSDP2, replicate and tensor-parallel parameters
+  are DTensors), on top of Adam's bytes at memory bandwidth (`step_time.optimizer_step_time`);
+- per data-parallel unit and micro-batch, forward and backward, for each wrapping mode (`DataParallelMode`) and
+  data-parallel group size: the unit's overhead net of its collectives, which `step_time.data_parallel_comm`
+  prices one per unit;
+- per tensor-parallel-sharded module call and micro-batch, forward and backward, per tensor-parallel group size:
+  DTensor dispatch and the layout hooks around the module, net of the module's collectives
+  (`costmodel.sharding_cost` adds it to every node that runs a sharded strategy with parameters).
+
+Entries: ``device = <device type>``, ``forward_s`` / ``backward_s`` as below (`backward_s` 0 where there is
+none), signatures::
+
+    framework|optimizer|plain            forward_s = seconds per plain parameter tensor per step
+    framework|optimizer|dtensor          forward_s = seconds per DTensor parameter tensor per step
+    framework|dp_unit|<mode>|g=<n>       per unit and micro-batch (mode: replicate, fsdp, fsdp_reshard)
+    framework|tp_module|g=<n>            per sharded module call and micro-batch
+
+A group size that was not measured uses the nearest measured one below it (else the smallest measured).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from costmodel.profile_db import OpProfile, OpTiming
+
+SIGNATURE_PREFIX = "framework|"
+
+
+class DataParallelMode(enum.StrEnum):
+    """How the runtime wraps a data-parallel unit (`planner.apply_fsdp`)."""
+
+    REPLICATE = "replicate"
+    """ZeRO-0: FSDP2-style `replicate` (parameters whole, gradients all-reduced)."""
+    FSDP = "fsdp"
+    """ZeRO-1/2: `fully_shard(reshard_after_forward=False)`."""
+    FSDP_RESHARD = "fsdp_reshard"
+    """ZeRO-3: `fully_shard(reshard_after_forward=True)`."""
+
+
+def dp_mode(zero_stage: int) -> DataParallelMode:
+    if zero_stage == 0:
+        return DataParallelMode.REPLICATE
+    return DataParallelMode.FSDP_RESHARD if zero_stage == 3 else DataParallelMode.FSDP
+
+
+def optimizer_signature(dtensor: bool) -> str:
+    return f"{SIGNATURE_PREFIX}optimizer|{'dtensor' if dtensor else 'plain'}"
+
+
+def dp_unit_signature(mode: DataParallelMode, group_size: int) -> str:
+    return f"{SIGNATURE_PREFIX}dp_unit|{DataParallelMode(mode).value}|g={group_size}"
+
+
+def tp_module_signature(group_size: int) -> str:
+    return f"{SIGNATURE_PREFIX}tp_module|g={group_size}"
+
+
+@dataclass(frozen=True, slots=True)
+class PassCost:
+    """Seconds of forward and backward of one call (one micro-batch)."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.forward_s >= 0 and self.backward_s >= 0):
+            raise ValueError(f"framework costs must be >= 0 seconds, got {self.forward_s}, {self.backward_s}")
+
+    def __bool__(self) -> bool:
+        return self.forward_s > 0 or self.backward_s > 0
+
+
+ZERO_PASS = PassCost()
+
+
+def _by_group(table: Mapping[int, PassCost], group_size: int) -> PassCost:
+    """The entry of `group_size`, else of the nearest measured size below it, else of the smallest."""
+    if not table or group_size <= 1:
+        return ZERO_PASS
+    if group_size in table:
+        return table[group_size]
+    below = [g for g in table if g <= group_size]
+    return table[max(below)] if below else table[min(table)]
+
+
+@dataclass(frozen=True)
+class FrameworkCosts:
+    """Measured framework overheads of one device type (module docstring); all zero when nothing was measured."""
+
+    optimizer_per_tensor_s: float = 0.0
+    optimizer_per_dtensor_s: float = 0.0
+    dp_unit: Mapping[DataParallelMode, Mapping[int, PassCost]] = field(default_factory=dict)
+    """Mode -> data-parallel group size -> overhead per unit and micro-batch."""
+    tp_module: Mapping[int, PassCost] = field(default_factory=dict)
+    """Tensor-parallel group size -> overhead per sharded module call and micro-batch."""
+
+    def __post_init__(self) -> None:
+        if not (self.optimizer_per_tensor_s >= 0 and self.optimizer_per_dtensor_s >= 0):
+            raise ValueError("optimizer per-tensor costs must be >= 0 seconds")
+
+    @property
+    def is_zero(self) -> bool:
+        return (self.optimizer_per_tensor_s == 0 and self.optimizer_per_dtensor_s == 0
+                and not any(any(v) for v in self.dp_unit.values()) and not any(self.tp_module.values()))
+
+    def optimizer_per_tensor(self, dtensor: bool) -> float:
+        return self.optimizer_per_dtensor_s if dtensor else self.optimizer_per_tensor_s
+
+    def dp_unit_cost(self, zero_stage: int, group_size: int) -> PassCost:
+        return _by_group(self.dp_unit.get(dp_mode(zero_stage), {}), group_size)
+
+    def tp_module_cost(self, group_size: int) -> PassCost:
+        return _by_group(self.tp_module, group_size)
+
+    def entries(self, device: str) -> dict[tuple[str, str], OpTiming]:
+        """Profile entries holding these costs for `device` (the inverse of `from_profile`)."""
+        out: dict[tuple[str, str], OpTiming] = {}
+        if self.optimizer_per_tensor_s:
+            out[(device, optimizer_signature(False))] = OpTiming(self.optimizer_per_tensor_s, 0.0)
+        if self.optimizer_per_dtensor_s:
+            out[(device, optimizer_signature(True))] = OpTiming(self.optimizer_per_dtensor_s, 0.0)
+        for mode, table in self.dp_unit.items():
+            for g, c in table.items():
+                out[(device, dp_unit_signature(mode, g))] = OpTiming(c.forward_s, c.backward_s)
+        for g, c in self.tp_module.items():
+            out[(device, tp_module_signature(g))] = OpTiming(c.forward_s, c.backward_s)
+        return out
+
+    @classmethod
+    def from_profile(cls, profile: OpProfile | None, device: str) -> FrameworkCosts:
+        """The costs `profile` holds for `device` (zero for what it does not hold)."""
+        if profile is None:
+            return NO_FRAMEWORK_COSTS
+        plain = profile.lookup(device, optimizer_signature(False))
+        dtensor = profile.lookup(device, optimizer_signature(True))
+        dp_unit: dict[DataParallelMode, dict[int, PassCost]] = {}
+        tp_module: dict[int, PassCost] = {}
+        for (dev, sig), t in sorted(profile.entries.items()):
+            if dev != device or not sig.startswith(SIGNATURE_PREFIX):
+                continue
+            parts = sig.split("|")
+            if parts[1] == "dp_unit" and len(parts) == 4 and parts[3].startswith("g="):
+                dp_unit.setdefault(DataParallelMode(parts[2]), {})[int(parts[3][2:])] = \
+                    PassCost(t.forward_s, t.backward_s)
+            elif parts[1] == "tp_module" and len(parts) == 3 and parts[2].startswith("g="):
+                tp_module[int(parts[2][2:])] = PassCost(t.forward_s, t.backward_s)
+        if plain is None and dtensor is None and not dp_unit and not tp_module:
+            return NO_FRAMEWORK_COSTS
+        return cls(optimizer_per_tensor_s=plain.forward_s if plain else 0.0,
+                   optimizer_per_dtensor_s=dtensor.forward_s if dtensor else 0.0,
+                   dp_unit=dp_unit, tp_module=tp_module)
+
+
+NO_FRAMEWORK_COSTS = FrameworkCosts()
+"""The analytical model's assumption: the host keeps ahead of the device."""

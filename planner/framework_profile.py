@@ -1,0 +1,428 @@
+"""Measure the runtime's framework overheads on this machine: what `costmodel.framework.FrameworkCosts` prices.
+
+The operator profile prices the math and the collective fit prices the wire; neither sees the host work of the
+machinery a strategy runs on (`costmodel.framework`). This module times that machinery in a spawned gloo process
+group on CPU, one torch thread per rank (as `stratagem run` launches CPU ranks), and subtracts what the other
+models already price, so the remainder is the framework's own cost.
+
+Layout. `FrameworkOptions.processes` ranks are spawned once. For each group size g, the ranks are cut into
+processes / g groups of consecutive ranks that all measure at once (as `planner.profiler.measure_collectives`
+does with `processes`): that is how the data- and tensor-parallel groups of a CPU cluster share its cores.
+Every timed repeat starts after a barrier over all ranks, takes the slowest rank's time (a step waits for its
+last rank) and the value kept is the median over repeats after `warmup` untimed ones.
+
+What is measured, per group size g (the g-rank 1-D mesh of the rank's group):
+
+- optimizer: `AdamW.step` (foreach, torch's default) over K tensors, plain and as DTensors (`Replicate` on the
+  mesh), at two tensor sizes. Adam's time is linear in the bytes it touches, t = a + c * bytes; the intercept a
+  is what does not scale with bytes, and a / K is the per-tensor cost (`step_time.optimizer_step_time` prices the
+  bytes). Measured at the largest group size only: the DTensor cost is local dispatch, it does not depend on g.
+- data-parallel unit: a stack of `units` reference blocks (LayerNorm, Linear h->4h, GELU, Linear 4h->h,
+  residual) and a root LayerNorm, forward and backward timed separately, plain and wrapped as
+  `planner.apply_fsdp` wraps a part: `replicate` on the root (ZeRO-0), or `fully_shard` per block and on the
+  root with reshard_after_forward False (ZeRO-1/2) / True (ZeRO-3). Overhead per unit
+  = (wrapped - plain - raw collectives) / units, where the raw collectives are the ones the wrapper issues,
+  timed bare (`all_gather_into_tensor` / `reduce_scatter_tensor` / `all_reduce` of the same float32 byte
+  counts, FSDP2's dim-0 padding included) in the same group right there:
+    replicate: 1 unit (the root holds every parameter); backward: one all-reduce of all gradients;
+    fsdp: units = blocks + root; forward: one all-gather per unit; backward: one reduce-scatter per unit;
+    fsdp_reshard: as fsdp, plus one all-gather per unit in backward (an explicit reshard_after_forward=True
+    reshards the root too).
+- tensor-parallel module: the MLP Linear(h, 4h) -> GELU -> Linear(4h, h) with `ColwiseParallel` on the first
+  and `RowwiseParallel` on the second (`planner.apply_tp`'s pair), input requiring grad as inside a network,
+  against the plain MLP; minus the raw all-reduce of the output (forward) and of the input gradient (backward)
+  at the same bytes; per sharded module = the difference / 2.
+
+Differences are clamped at 0: where the framework costs less than the noise, the model should price nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from costmodel.framework import DataParallelMode, FrameworkCosts, PassCost
+
+FLOAT32_BYTES = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrameworkOptions:
+    """What `measure_framework` runs and how often."""
+
+    processes: int = 2
+    """Ranks spawned (gloo, CPU); every group size measured must divide it."""
+    group_sizes: tuple[int, ...] = ()
+    """Data- / tensor-parallel group sizes to measure (each >= 2, dividing `processes`); empty: every such size."""
+    warmup: int = 3
+    """Untimed runs before each measurement (FSDP2 initializes lazily in its first forward)."""
+    repeats: int = 11
+    """Timed runs per measurement; the median of the slowest rank's times is kept."""
+    hidden: int = 128
+    """Hidden size of the reference block and MLP."""
+    seq: int = 64
+    """Sequence length of the reference input (batch, seq, hidden)."""
+    batch: int = 1
+    """Micro-batch size of the reference input."""
+    units: int = 4
+    """Reference blocks in the data-parallel stack (each its own FSDP2 unit), plus the root."""
+    optimizer_tensors: int = 48
+    """K: parameter tensors the optimizer steps over."""
+    optimizer_sides: tuple[int, int] = (32, 128)
+    """Side of the square optimizer tensors at the two sizes that separate the per-tensor and per-byte terms."""
+
+    def __post_init__(self) -> None:
+        for name in ("processes", "warmup", "repeats", "hidden", "seq", "batch", "units", "optimizer_tensors"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "warmup" else 1):
+                raise ValueError(f"{name} must be a {'non-negative' if name == 'warmup' else 'positive'} integer, "
+                                 f"got {v!r}")
+        if self.processes < 2:
+            raise ValueError(f"framework overheads need at least 2 processes, got {self.processes}")
+        sides = tuple(self.optimizer_sides)
+        if len(sides) != 2 or any(not isinstance(s, int) or s < 1 for s in sides) or sides[0] == sides[1]:
+            raise ValueError(f"optimizer_sides must be two different positive integers, got {sides!r}")
+        object.__setattr__(self, "optimizer_sides", tuple(sorted(sides)))
+        valid = divisor_group_sizes(self.processes)
+        sizes = tuple(sorted(set(self.group_sizes))) or valid
+        bad = [g for g in sizes if g not in valid]
+        if bad:
+            raise ValueError(f"group sizes {bad} do not divide {self.processes} processes into groups of >= 2; "
+                             f"valid: {', '.join(map(str, valid))}")
+        object.__setattr__(self, "group_sizes", sizes)
+
+
+def divisor_group_sizes(processes: int) -> tuple[int, ...]:
+    """Every group size >= 2 that divides `processes` (all groups of that size run at once)."""
+    return tuple(g for g in range(2, processes + 1) if processes % g == 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference modules
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class ReferenceBlock(nn.Module):
+    """A transformer-like block without attention: the parameters and calls of one FSDP2 unit."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.mlp = ReferenceMLP(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, h)
+        return x + self.mlp(self.norm(x))
+
+
+class ReferenceMLP(nn.Module):
+    """Linear h->4h, GELU, Linear 4h->h: the colwise/rowwise pair of tensor parallelism."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.act = nn.GELU()
+        self.down = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, h)
+        return self.down(self.act(self.up(x)))
+
+
+class ReferenceStack(nn.Module):
+    """`units` blocks and a root LayerNorm: the root keeps parameters of its own, as a model's final norm does."""
+
+    def __init__(self, hidden: int, units: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ReferenceBlock(hidden) for _ in range(units))
+        self.norm = nn.LayerNorm(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Timing in lockstep, the variants of one measurement interleaved
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Pass:
+    """One timed variant: `forward()`, then `backward(forward's result)` if any; `reset` runs untimed first."""
+
+    forward: Callable[[], Any]
+    backward: Callable[[Any], Any] | None = None
+    reset: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Timer:
+    """Times variants on every rank at once, each pass started after a barrier over all ranks.
+
+    The variants of one measurement (plain, wrapped, bare collectives) run one after the other within every
+    repeat, so a slow spell of the machine (other processes on the shared cores) hits all of them alike and
+    cancels in their per-repeat difference; the median is taken over those differences."""
+
+    warmup: int
+    repeats: int
+
+    def rounds(self, passes: Sequence[_Pass]) -> torch.Tensor:
+        """Slowest-rank seconds, shape (repeats, len(passes), 2): forward, backward (0 without one)."""
+        import torch.distributed as dist
+
+        times = torch.zeros(self.repeats, len(passes), 2, dtype=torch.float64)
+        for i in range(self.warmup + self.repeats):
+            for j, p in enumerate(passes):
+                row = _run_pass(p)
+                if i >= self.warmup:
+                    times[i - self.warmup, j] = torch.tensor(row, dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step waits for its slowest rank
+        return times
+
+
+def _run_pass(p: _Pass) -> tuple[float, float]:
+    import torch.distributed as dist
+
+    if p.reset is not None:
+        p.reset()
+    dist.barrier()
+    start = time.perf_counter()
+    out = p.forward()
+    forward_s = time.perf_counter() - start
+    if p.backward is None:
+        return forward_s, 0.0
+    dist.barrier()
+    start = time.perf_counter()
+    p.backward(out)
+    return forward_s, time.perf_counter() - start
+
+
+def _median_clamped(values: torch.Tensor) -> float:
+    """Median over repeats (dim 0), clamped at 0: a framework cost below the noise is priced as none."""
+    return max(statistics.median(values.tolist()), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bare collectives at the wrapper's byte counts
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def fsdp_padded_numel(module: nn.Module, g: int, recurse: bool) -> int:
+    """Float32 elements FSDP2 all-gathers for `module`'s parameters: each padded on dim 0 to a multiple of g."""
+    total = 0
+    for p in module.parameters(recurse=recurse):
+        rows = p.shape[0] if p.dim() else 1
+        total += math.ceil(rows / g) * g * (p.numel() // max(rows, 1))
+    return total
+
+
+def _all_gathers(numels: Sequence[int], group: Any, g: int) -> Callable[[], None]:
+    """One all-gather per unit, back to back (FSDP2 gathers unit after unit)."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    buffers = [(torch.empty(n), torch.ones(n // g)) for n in numels]
+
+    def run() -> None:
+        for out, shard in buffers:
+            gather(out, shard, group=group)
+    return run
+
+
+def _reduce_scatters(numels: Sequence[int], group: Any, g: int) -> Callable[[], None]:
+    """One reduce-scatter per unit, back to back."""
+    import torch.distributed as dist
+
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    buffers = [(torch.empty(n // g), torch.ones(n)) for n in numels]
+
+    def run() -> None:
+        for out, full in buffers:
+            scatter(out, full, group=group)
+    return run
+
+
+def _all_reduce(numel: int, group: Any) -> Callable[[], None]:
+    import torch.distributed as dist
+
+    x = torch.ones(numel)
+    return lambda: dist.all_reduce(x, group=group)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The three measurements
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _adam_step(params: Sequence[nn.Parameter]) -> _Pass:
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    return _Pass(torch.optim.AdamW(params, lr=1e-3).step)
+
+
+def per_tensor_intercept(small: tuple[int, float], large: tuple[int, float], tensors: int) -> float:
+    """Per-tensor seconds from step times at two tensor sizes (elements, seconds): the zero-bytes intercept of
+    the line through them, divided by the K tensors stepped (unclamped: a repeat's value, medians come later)."""
+    (n1, t1), (n2, t2) = small, large
+    return (t1 * n2 - t2 * n1) / (n2 - n1) / tensors
+
+
+def measure_optimizer(mesh: Any, options: FrameworkOptions, timer: _Timer) -> tuple[float, float]:
+    """(plain, DTensor) seconds per parameter tensor of one AdamW step."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    passes, numels = [], []
+    for side in options.optimizer_sides:
+        tensors = [torch.randn(side, side) for _ in range(options.optimizer_tensors)]
+        passes += [_adam_step([nn.Parameter(t) for t in tensors]),
+                   _adam_step([nn.Parameter(distribute_tensor(t, mesh, [Replicate()])) for t in tensors])]
+        numels.append(side * side)
+    t = timer.rounds(passes)[:, :, 0]  # (repeats, [plain small, dtensor small, plain large, dtensor large])
+    k = options.optimizer_tensors
+    plain = [per_tensor_intercept((numels[0], r[0]), (numels[1], r[2]), k) for r in t.tolist()]
+    dtensor = [per_tensor_intercept((numels[0], r[1]), (numels[1], r[3]), k) for r in t.tolist()]
+    return _median_clamped(torch.tensor(plain)), _median_clamped(torch.tensor(dtensor))
+
+
+def _train_pass(model: nn.Module, x: torch.Tensor) -> _Pass:
+    def reset() -> None:
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+
+    return _Pass(lambda: model(x), lambda out: out.sum().backward(), reset)
+
+
+def _wrap(stack: ReferenceStack, mesh: Any, mode: DataParallelMode) -> nn.Module:
+    """Wrap a copy of `stack` as `planner.apply_fsdp.apply_data_parallel` wraps a part in `mode`."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import fully_shard
+
+    model = copy.deepcopy(stack)
+    if mode is DataParallelMode.REPLICATE:
+        return replicate(model, mesh=mesh)
+    reshard = mode is DataParallelMode.FSDP_RESHARD
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+
+
+_DP_MODES = (DataParallelMode.REPLICATE, DataParallelMode.FSDP, DataParallelMode.FSDP_RESHARD)
+
+
+def measure_dp_units(mesh: Any, options: FrameworkOptions, timer: _Timer) -> dict[DataParallelMode, PassCost]:
+    """Overhead per data-parallel unit and micro-batch, forward and backward, of every wrapping mode."""
+    g, group = mesh.size(), mesh.get_group()
+    stack = ReferenceStack(options.hidden, options.units)
+    x = torch.randn(options.batch, options.seq, options.hidden)
+    unit_numels = [fsdp_padded_numel(b, g, recurse=True) for b in stack.blocks]
+    unit_numels.append(fsdp_padded_numel(stack, g, recurse=False))
+    passes = [_train_pass(stack, x), *(_train_pass(_wrap(stack, mesh, m), x) for m in _DP_MODES),
+              _Pass(_all_gathers(unit_numels, group, g)), _Pass(_reduce_scatters(unit_numels, group, g)),
+              _Pass(_all_reduce(sum(p.numel() for p in stack.parameters()), group))]
+    t = timer.rounds(passes)
+    plain, ag, rs, ar = t[:, 0], t[:, 4, 0], t[:, 5, 0], t[:, 6, 0]
+    units = len(unit_numels)
+    # (wrapped - plain - bare collectives) per repeat; the collectives each mode issues (module docstring)
+    net = {DataParallelMode.REPLICATE: (t[:, 1, 0] - plain[:, 0], t[:, 1, 1] - plain[:, 1] - ar, 1),
+           DataParallelMode.FSDP: (t[:, 2, 0] - plain[:, 0] - ag, t[:, 2, 1] - plain[:, 1] - rs, units),
+           DataParallelMode.FSDP_RESHARD: (t[:, 3, 0] - plain[:, 0] - ag, t[:, 3, 1] - plain[:, 1] - rs - ag, units)}
+    return {mode: PassCost(_median_clamped(fwd) / n, _median_clamped(bwd) / n) for mode, (fwd, bwd, n) in net.items()}
+
+
+def measure_tp_module(mesh: Any, options: FrameworkOptions, timer: _Timer) -> PassCost:
+    """Overhead per tensor-parallel sharded module call and micro-batch, forward and backward."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mlp = ReferenceMLP(options.hidden)
+    x = torch.randn(options.batch, options.seq, options.hidden, requires_grad=True)
+    sharded = parallelize_module(copy.deepcopy(mlp), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    # the output (forward) and the input gradient (backward) are all-reduced; both have x's shape
+    t = timer.rounds([_train_pass(mlp, x), _train_pass(sharded, x), _Pass(_all_reduce(x.numel(), mesh.get_group()))])
+    fwd = t[:, 1, 0] - t[:, 0, 0] - t[:, 2, 0]
+    bwd = t[:, 1, 1] - t[:, 0, 1] - t[:, 2, 0]
+    return PassCost(_median_clamped(fwd) / 2, _median_clamped(bwd) / 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Processes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _group_mesh(world: int, g: int) -> Any:
+    """This rank's g-rank 1-D mesh; the world is cut into world / g groups of consecutive ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world // g, g), mesh_dim_names=("replica", "group"))["group"]
+
+
+def _framework_worker(rank: int, world: int, port: int, options: FrameworkOptions, result_path: str) -> None:
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    timer = _Timer(options.warmup, options.repeats)
+    try:
+        meshes = {g: _group_mesh(world, g) for g in options.group_sizes}
+        plain, dtensor = measure_optimizer(meshes[max(meshes)], options, timer)
+        dp: dict[str, dict[int, list[float]]] = {}
+        tp: dict[int, list[float]] = {}
+        for g, mesh in meshes.items():
+            for mode, cost in measure_dp_units(mesh, options, timer).items():
+                dp.setdefault(mode.value, {})[g] = [cost.forward_s, cost.backward_s]
+            cost = measure_tp_module(mesh, options, timer)
+            tp[g] = [cost.forward_s, cost.backward_s]
+        if rank == 0:
+            Path(result_path).write_text(json.dumps({"optimizer": [plain, dtensor], "dp_unit": dp, "tp_module": tp}))
+        dist.barrier()  # no rank tears the group down while another still uses it
+    finally:
+        dist.destroy_process_group()
+
+
+def _costs_from_json(d: Mapping[str, Any]) -> FrameworkCosts:
+    plain, dtensor = d["optimizer"]
+    return FrameworkCosts(
+        optimizer_per_tensor_s=float(plain), optimizer_per_dtensor_s=float(dtensor),
+        dp_unit={DataParallelMode(mode): {int(g): PassCost(*map(float, c)) for g, c in table.items()}
+                 for mode, table in d["dp_unit"].items()},
+        tp_module={int(g): PassCost(*map(float, c)) for g, c in d["tp_module"].items()})
+
+
+def measure_framework(options: FrameworkOptions) -> FrameworkCosts:
+    """Spawn `options.processes` gloo ranks and measure the framework overheads (module docstring)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "framework.json")
+        mp.spawn(_framework_worker, args=(options.processes, _free_port(), options, path),
+                 nprocs=options.processes, join=True)
+        return _costs_from_json(json.loads(Path(path).read_text()))
+
+
+def framework_meta(options: FrameworkOptions) -> dict[str, str]:
+    """Profile meta describing a framework measurement (what a reader needs to reproduce it)."""
+    return {"framework_processes": str(options.processes),
+            "framework_group_sizes": ",".join(map(str, options.group_sizes)),
+            "framework_reference": f"hidden={options.hidden},seq={options.seq},batch={options.batch},"
+                                   f"units={options.units},optimizer_tensors={options.optimizer_tensors}",
+            "framework_repeats": str(options.repeats), "framework_warmup": str(options.warmup)}

@@ -1,0 +1,172 @@
+"""Framework overheads (`costmodel.framework`): profile round trip, closed forms in the step-time terms and the
+sharding pricer, and the search's objective still equal to `costmodel.estimate` when a profile holds them."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+
+import pytest
+from test_search_bruteforce import GPT_INTERLEAVE, GPT_MEMORY, GPT_TINY, chain_of
+
+from costmodel.cluster import Cluster
+from costmodel.collectives import Collective, CommGroup, collective_time
+from costmodel.estimate import estimate, uses_dtensors
+from costmodel.framework import (
+    NO_FRAMEWORK_COSTS,
+    ZERO_PASS,
+    DataParallelMode,
+    FrameworkCosts,
+    PassCost,
+    dp_mode,
+)
+from costmodel.layer_pricing import owned_param_tensors
+from costmodel.profile_db import OpProfile, OpTiming
+from costmodel.step_time import data_parallel_comm, optimizer_step_time
+from costmodel.strategy import Recompute, Schedule, Strategy
+from planner.layer_costs import LayerCostTable
+from planner.search import enumerate_candidates, layer_cost_map
+from planner.search_space import SearchSpace
+from planner.stage_partition import Partition, StageChoice, evaluate
+from planner.stage_problem import StageProblemBuilder
+
+COSTS = FrameworkCosts(
+    optimizer_per_tensor_s=20e-6, optimizer_per_dtensor_s=150e-6,
+    dp_unit={DataParallelMode.REPLICATE: {2: PassCost(1e-3, 2e-3)},
+             DataParallelMode.FSDP: {2: PassCost(1.5e-3, 2.5e-3), 4: PassCost(2e-3, 3e-3)},
+             DataParallelMode.FSDP_RESHARD: {2: PassCost(2e-3, 4e-3), 4: PassCost(3e-3, 5e-3)}},
+    tp_module={2: PassCost(0.4e-3, 0.8e-3), 4: PassCost(0.6e-3, 1.2e-3)})
+
+
+def test_profile_round_trip_and_lookup_by_group_size() -> None:
+    profile = OpProfile(entries={**COSTS.entries("cpu"), ("cpu", "torch.nn.Linear|in=..."): OpTiming(1e-4, 2e-4)})
+    back = FrameworkCosts.from_profile(OpProfile.from_dict(profile.to_dict()), "cpu")
+    assert back == COSTS
+    assert FrameworkCosts.from_profile(profile, "a100-80gb") is NO_FRAMEWORK_COSTS
+    assert FrameworkCosts.from_profile(None, "cpu").is_zero and not COSTS.is_zero
+    assert back.dp_unit_cost(3, 4) == PassCost(3e-3, 5e-3)
+    assert back.dp_unit_cost(3, 8) == PassCost(3e-3, 5e-3)      # nearest measured size below
+    assert back.dp_unit_cost(0, 8) == PassCost(1e-3, 2e-3)
+    assert back.dp_unit_cost(1, 1) == PassCost()                  # no data parallelism, no unit
+    assert back.tp_module_cost(3) == PassCost(0.4e-3, 0.8e-3)
+    assert back.optimizer_per_tensor(True) == 150e-6 and back.optimizer_per_tensor(False) == 20e-6
+    assert [dp_mode(z) for z in range(4)] == [DataParallelMode.REPLICATE, DataParallelMode.FSDP,
+                                              DataParallelMode.FSDP, DataParallelMode.FSDP_RESHARD]
+    with pytest.raises(ValueError, match=">= 0"):
+        PassCost(-1.0, 0.0)
+
+
+def test_optimizer_pays_per_tensor() -> None:
+    cpu = Cluster.parse("1x2xcpu").device_of(0)
+    base = optimizer_step_time(10_000, cpu)
+    assert optimizer_step_time(10_000, cpu, num_tensors=50, per_tensor_s=1e-4) == pytest.approx(base + 5e-3)
+    assert optimizer_step_time(10_000, cpu, speed=0.5, num_tensors=50, per_tensor_s=1e-4) == \
+        pytest.approx(2 * (base + 5e-3))
+
+
+def test_data_parallel_units_pay_host_overhead_and_latency_each() -> None:
+    cluster = Cluster.parse("1x4xcpu")
+    group = CommGroup(4)
+    nbytes = 4e6
+
+    def comm(zero: int, overhead: PassCost = ZERO_PASS, speed: float = 1.0):
+        return data_parallel_comm(zero_stage=zero, grad_bytes=nbytes, param_bytes=nbytes, num_segments=5,
+                                  fwd_window_s=0.0, bwd_window_s=0.0, group=group, cluster=cluster,
+                                  unit_overhead=overhead, speed=speed)
+
+    unit = PassCost(1e-3, 3e-3)
+    for zero in range(4):
+        plain, loaded = comm(zero), comm(zero, unit, speed=0.5)
+        units = 1 if zero == 0 else 5
+        assert loaded.per_microbatch_fwd_s - plain.per_microbatch_fwd_s == pytest.approx(units * 1e-3 / 0.5)
+        assert loaded.per_microbatch_bwd_s - plain.per_microbatch_bwd_s == pytest.approx(units * 3e-3 / 0.5)
+    # One gather and one reduce-scatter per unit, each with its latency; ZeRO-0: one all-reduce.
+    ag = 5 * collective_time(Collective.ALL_GATHER, nbytes / 5, group, cluster)
+    rs = 5 * collective_time(Collective.REDUCE_SCATTER, nbytes / 5, group, cluster)
+    assert comm(3).per_microbatch_fwd_s == pytest.approx(ag)          # no window: all exposed
+    assert comm(3).per_microbatch_bwd_s == pytest.approx(ag + rs)
+    assert comm(1).end_reduce_s == pytest.approx(rs) and comm(1).post_step_s == pytest.approx(ag)
+    assert comm(0).end_reduce_s == pytest.approx(collective_time(Collective.ALL_REDUCE, nbytes, group, cluster))
+
+
+def test_owned_param_tensors_count_a_tied_weight_once() -> None:
+    chain = chain_of("gpt", GPT_TINY)
+    counts = [owned_param_tensors(chain, s) for s in chain.segments]
+    total = len({name for n in chain.graph.nodes for name in n.param_names})
+    assert sum(counts) == total
+    assert counts[-1] == sum(1 for n in chain.nodes_of(chain.segments[-1]) for name in n.param_names
+                             if name.startswith("norm"))  # the tied head owns only the final norm
+
+
+def test_estimate_adds_the_framework_terms_in_closed_form() -> None:
+    chain = chain_of("gpt", GPT_TINY)
+    cluster = Cluster.parse("1x2xcpu")
+    profile = OpProfile(entries=COSTS.entries("cpu"))
+    tensors = len({name for n in chain.graph.nodes for name in n.param_names})
+    units = len(chain.segments)
+    for zero in range(4):
+        strategy = Strategy(dp=2, microbatch_size=1, num_microbatches=2, zero_stage=zero)
+        plain = estimate(chain, cluster, strategy, dtype="float32")
+        loaded = estimate(chain, cluster, strategy, dtype="float32", profile=profile)
+        unit = COSTS.dp_unit_cost(zero, 2)
+        per_mb = (1 if zero == 0 else units) * (unit.forward_s + unit.backward_s)
+        assert loaded.breakdown.optimizer_s - plain.breakdown.optimizer_s == pytest.approx(tensors * 150e-6)
+        assert loaded.step_time_s - plain.step_time_s == pytest.approx(2 * per_mb + tensors * 150e-6, rel=1e-6)
+    # A single device holds plain tensors.
+    one = Strategy(microbatch_size=1, num_microbatches=4)
+    assert not uses_dtensors(one)
+    delta = (estimate(chain, cluster, one, dtype="float32", profile=profile).step_time_s
+             - estimate(chain, cluster, one, dtype="float32").step_time_s)
+    assert delta == pytest.approx(tensors * 20e-6)
+
+
+def test_sharded_modules_pay_the_dispatch_overhead() -> None:
+    chain = chain_of("gpt", GPT_MEMORY)  # large enough that the GPU shards it in Megatron's layout
+    cluster = Cluster.parse("1x2xa100-80gb")
+    device = cluster.device_of(0)
+    small = FrameworkCosts(tp_module={2: PassCost(0.4e-6, 0.8e-6)})
+    plain = LayerCostTable(chain, cluster)
+    loaded = LayerCostTable(chain, cluster, profile=OpProfile(entries=small.entries(device.name)))
+    block = chain.segments[1].class_id
+    a = plain.prices(device, tp=2, tp_stride=1, sequence_parallel=False, microbatch_size=1)
+    b = loaded.prices(device, tp=2, tp_stride=1, sequence_parallel=False, microbatch_size=1)
+    # The block's four linears (qkv, out, fc1, fc2) are sharded in Megatron's layout: at least those pay.
+    extra_fwd = b.costs[block].fwd_compute_s - a.costs[block].fwd_compute_s
+    extra_bwd = b.costs[block].bwd_compute_s - a.costs[block].bwd_compute_s
+    assert b.sharding[block] == a.sharding[block]
+    assert extra_fwd >= 4 * 0.4e-6 - 1e-15
+    assert math.isclose(extra_fwd / 0.4e-6, round(extra_fwd / 0.4e-6), abs_tol=1e-6)
+    assert extra_bwd == pytest.approx(2 * extra_fwd)
+
+
+@pytest.mark.slow
+def test_search_objective_equals_estimate_with_framework_costs() -> None:
+    """The partition problem prices the framework terms exactly as `costmodel.estimate` does."""
+    rng = random.Random(5)
+    checked = 0
+    for sets, spec in ((GPT_TINY, "1x4xcpu"), (GPT_INTERLEAVE, "1x4xcpu")):
+        chain, cluster = chain_of("gpt", sets), Cluster.parse(spec)
+        profile = OpProfile(entries=COSTS.entries("cpu"))
+        builder = StageProblemBuilder(chain, cluster, LayerCostTable(chain, cluster, profile=profile))
+        cands, _ = enumerate_candidates(chain, cluster, 8, SearchSpace(max_microbatch_size=2))
+        cands += [replace(c, schedule=Schedule.GPIPE) for c in cands
+                  if c.schedule is Schedule.ONE_F_ONE_B and c.mesh.pp > 1]
+        for cand in rng.sample(cands, min(30, len(cands))):
+            built = builder.build(cand, tuple(Recompute))
+            problem = built.problem
+            if built.chunks:
+                stages = [StageChoice(k, k + 1, rng.choice(problem.options)) for k in range(problem.num_stages)]
+            else:
+                cuts = sorted(rng.sample(range(1, problem.num_segments), problem.num_stages - 1))
+                bounds = [0, *cuts, problem.num_segments]
+                stages = [StageChoice(bounds[i], bounds[i + 1], rng.choice(problem.options))
+                          for i in range(problem.num_stages)]
+            value = evaluate(problem, stages)[0]
+            strategy = cand.strategy(built.stages(Partition(tuple(stages), value, (), (), 0)))
+            est = estimate(chain, cluster, strategy, layer_costs=layer_cost_map(builder, cand, built.placements),
+                           global_batch=8, profile=profile)
+            if est.fits:
+                assert value == pytest.approx(est.step_time_s, rel=1e-9), cand.label
+                checked += 1
+    assert checked > 30

@@ -1,0 +1,111 @@
+"""`planner.framework_profile` and `stratagem profile --framework`: the runtime's framework overheads measured in a
+gloo process group, net of the collectives the other models price, stored as profile entries that
+`costmodel.framework.FrameworkCosts.from_profile` reads back."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from torch import nn
+
+from costmodel.framework import DataParallelMode, FrameworkCosts
+from costmodel.profile_db import OpProfile
+from planner.cli.main import main
+from planner.framework_profile import (
+    FrameworkOptions,
+    ReferenceBlock,
+    divisor_group_sizes,
+    fsdp_padded_numel,
+    measure_framework,
+    per_tensor_intercept,
+)
+
+
+def test_group_sizes_default_to_every_divisor_of_at_least_two():
+    assert divisor_group_sizes(2) == (2,)
+    assert divisor_group_sizes(6) == (2, 3, 6)
+    assert FrameworkOptions(processes=4).group_sizes == (2, 4)
+    assert FrameworkOptions(processes=4, group_sizes=(4, 2, 4)).group_sizes == (2, 4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"processes": 1}, "at least 2 processes"),
+    ({"processes": 4, "group_sizes": (3,)}, "valid: 2, 4"),
+    ({"repeats": 0}, "repeats must be a positive integer"),
+    ({"optimizer_sides": (16, 16)}, "two different"),
+])
+def test_options_reject_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FrameworkOptions(**kwargs)
+
+
+def test_per_tensor_intercept_recovers_the_constant_of_a_line():
+    # K tensors of n elements: t(n) = K * a + K * c * n; the intercept over K is a whatever c is.
+    k, a, c = 48, 1.1e-4, 3e-9
+    step = {n: k * a + k * c * n for n in (32 * 32, 128 * 128)}
+    assert math.isclose(per_tensor_intercept((1024, step[1024]), (16384, step[16384]), k), a, rel_tol=1e-12)
+
+
+def test_fsdp_padding_rounds_dim_zero_up_to_the_group():
+    linear = nn.Linear(5, 3)  # weight (3, 5), bias (3,)
+    assert fsdp_padded_numel(linear, 2, recurse=True) == 4 * 5 + 4
+    assert fsdp_padded_numel(linear, 3, recurse=True) == 3 * 5 + 3
+    block = ReferenceBlock(8)  # norm 8 + 8, up (32, 8) + 32, down (8, 32) + 8: all divisible by 2
+    assert fsdp_padded_numel(block, 2, recurse=True) == sum(p.numel() for p in block.parameters())
+    assert fsdp_padded_numel(block, 2, recurse=False) == 0
+
+
+def _check_measured(costs: FrameworkCosts, group_sizes: set[int]) -> None:
+    assert 0 < costs.optimizer_per_tensor_s < costs.optimizer_per_dtensor_s < 0.01
+    assert set(costs.dp_unit) == set(DataParallelMode)
+    for table in costs.dp_unit.values():
+        assert set(table) == group_sizes
+        assert all(c.forward_s >= 0 and c.backward_s >= 0 and c.forward_s + c.backward_s < 0.5
+                   for c in table.values())
+    assert any(c for table in costs.dp_unit.values() for c in table.values())  # the wrappers cost something
+    reshard = costs.dp_unit[DataParallelMode.FSDP_RESHARD][2]
+    assert reshard.forward_s + reshard.backward_s >= 0
+    assert set(costs.tp_module) == group_sizes
+
+
+@pytest.mark.multiprocess
+def test_two_processes_measure_every_term_and_round_trip():
+    options = FrameworkOptions(processes=2, warmup=1, repeats=3, hidden=32, seq=16, units=2, optimizer_tensors=32)
+    costs = measure_framework(options)
+    _check_measured(costs, {2})
+    entries = costs.entries("cpu")
+    assert len(entries) == 2 + 3 + 1  # optimizer plain and DTensor, one per mode, one tp module
+    back = FrameworkCosts.from_profile(OpProfile.from_dict(OpProfile(entries=entries).to_dict()), "cpu")
+    assert back == costs
+    assert back.dp_unit_cost(3, 2) == costs.dp_unit[DataParallelMode.FSDP_RESHARD][2]
+
+
+@pytest.mark.multiprocess
+def test_cli_framework_merges_the_entries_into_the_profile(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--framework", "--framework-processes", "2", "--repeats", "3", "--warmup", "1",
+                 "-o", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    prof = OpProfile.load(out)
+    costs = FrameworkCosts.from_profile(prof, "cpu")
+    _check_measured(costs, {2})
+    assert summary["framework"]["optimizer_per_dtensor_s"] == costs.optimizer_per_dtensor_s
+    assert prof.meta["framework_processes"] == "2" and prof.meta["framework_group_sizes"] == "2"
+    ops = [sig for _, sig in prof.entries if not sig.startswith("framework|")]
+    assert ops and summary["entries"] == len(prof.entries) == len(ops) + 6
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["profile", "--framework-processes", "2"], "--framework-processes needs --framework"),
+    (["profile", "--framework", "--framework-processes", "1"], "at least 2 processes"),
+    (["profile", "--framework", "--device", "cuda"], "CPU ranks over gloo"),
+    (["profile", "--framework", "--framework-processes", "0"], "positive"),
+])
+def test_cli_framework_user_errors_are_one_line(argv, message, capsys, tmp_path):
+    assert main([*argv, "-o", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err
+    assert not (tmp_path / "p.json").exists()
+
