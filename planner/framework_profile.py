@@ -8,8 +8,10 @@ models already price, so the remainder is the framework's own cost.
 Layout. `FrameworkOptions.processes` ranks are spawned once. For each group size g, the ranks are cut into
 processes / g groups of consecutive ranks that all measure at once (as `planner.profiler.measure_collectives`
 does with `processes`): that is how the data- and tensor-parallel groups of a CPU cluster share its cores.
-Every timed repeat starts after a barrier over all ranks, takes the slowest rank's time (a step waits for its
-last rank) and the value kept is the median over repeats after `warmup` untimed ones.
+Every timed pass starts after a barrier over all ranks and counts the slowest rank's time (a step waits for its
+last rank). The variants of one measurement (plain, wrapped, bare collectives) run one after the other inside
+every repeat, so a slow spell of the shared machine hits them alike; each repeat yields one difference, and the
+value kept is the median of those differences over `repeats` (after `warmup` untimed repeats).
 
 What is measured, per group size g (the g-rank 1-D mesh of the rank's group):
 
@@ -55,8 +57,6 @@ import torch
 from torch import nn
 
 from costmodel.framework import DataParallelMode, FrameworkCosts, PassCost
-
-FLOAT32_BYTES = 4
 
 
 @dataclass(frozen=True, kw_only=True)
