@@ -26,7 +26,7 @@ the cluster has, tp > 1 without layer costs) raises ValueError.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from costmodel.breakdown import Estimate, StageEstimate, TimeBreakdown
@@ -48,6 +48,7 @@ from costmodel.step_time import (
     optimizer_step_time,
     stage_time,
     step_breakdown,
+    tp_grad_sync_time,
 )
 from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
 from ir import build_layer_chain
@@ -55,10 +56,16 @@ from ir.graph import Graph, dtype_bytes
 from ir.layer_chain import LayerChain
 
 
-def uses_dtensors(strategy: Strategy) -> bool:
-    """Whether the runtime holds the parameters as DTensors: FSDP2 / replicate over dp (x cp) ranks and tensor
-    parallelism do (`planner.parallelize`); the optimizer pays a framework cost per DTensor parameter."""
-    return strategy.dp * strategy.cp > 1 or strategy.tp > 1
+def param_tensor_kinds(strategy: Strategy, costs: Iterable[LayerCost]) -> tuple[int, int]:
+    """(plain, DTensor) parameter tensors of a rank holding segments priced `costs`: FSDP2 / replicate over the
+    dp (x cp) ranks turn every parameter into a DTensor; tensor parallelism alone only those of the modules
+    that run sharded (`planner.parallelize`). The optimizer pays a framework cost per tensor of each kind."""
+    costs = list(costs)
+    total = sum(c.param_tensors for c in costs)
+    if strategy.dp * strategy.cp > 1:
+        return 0, total
+    dtensors = sum(c.dtensor_param_tensors for c in costs) if strategy.tp > 1 else 0
+    return total - dtensors, dtensors
 
 
 def axis_strides(strategy: Strategy) -> dict[MeshAxis, int]:
@@ -323,7 +330,7 @@ def _step_terms(priced: Sequence[Sequence[PricedSegment]], ranks: Sequence[_Rank
             num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
             bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=dp_group(strategy, rank.index),
             cluster=cluster, concurrent=strategy.tp * pp,
-            unit_overhead=framework[rank.device.name].dp_unit_cost(strategy.zero_stage, dp_size), speed=rank.speed)
+            unit_overhead=framework[rank.device.name].dp_unit_cost(strategy.zero_stage, dp_size))
         stage_times.append(stage_time(segs, speed=rank.speed, dp_fwd_s=comm.per_microbatch_fwd_s,
                                       dp_bwd_s=comm.per_microbatch_bwd_s))
         post[j % pp] += comm.post_step_s
@@ -342,9 +349,10 @@ def _step_terms(priced: Sequence[Sequence[PricedSegment]], ranks: Sequence[_Rank
         tails.append(RankTail(
             end_reduce_s=end_reduce[r], end_reduce_chunks=max(end_chunks[r], 1),
             last_bwd_window_s=sum(t.compute_bwd_s + t.recompute_s + t.tp_bwd_s for t in stage_times[r::pp]),
-            tp_grad_sync_s=(collective_time(Collective.ALL_REDUCE, sync_bytes, tp_group(strategy, r), cluster,
-                                            concurrent=strategy.num_devices // strategy.tp)
-                            if sync_bytes and strategy.tp > 1 else 0.0),
+            tp_grad_sync_s=tp_grad_sync_time(
+                sync_bytes, sum(s.cost.grad_sync_tensors for c in chunks for s in c), tp_group(strategy, r),
+                cluster, concurrent=strategy.num_devices // strategy.tp,
+                per_tensor_s=framework[rank.device.name].grad_sync_per_tensor(strategy.tp)),
             # The copy's gradient is all-reduced with the owner (the first rank, for a tied embedding).
             shared_sync_s=(collective_time(Collective.ALL_REDUCE, shared[r] * wbytes,
                                            CommGroup(2, stride=r * pp_stride), cluster,
@@ -352,8 +360,8 @@ def _step_terms(priced: Sequence[Sequence[PricedSegment]], ranks: Sequence[_Rank
                            if shared[r] and r > 0 else 0.0),
             optimizer_s=optimizer_step_time(
                 local_params, rank.device, speed=rank.speed,
-                num_tensors=sum(s.cost.param_tensors for c in chunks for s in c),
-                per_tensor_s=framework[rank.device.name].optimizer_per_tensor(uses_dtensors(strategy))),
+                host_s=framework[rank.device.name].optimizer_host_s(
+                    *param_tensor_kinds(strategy, (s.cost for c in chunks for s in c)))),
             post_step_s=post[r]))
     return stage_times, tails
 

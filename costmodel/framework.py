@@ -12,13 +12,19 @@ local process group and stores them as profile entries (`costmodel.profile_db.Op
 below; `FrameworkCosts.from_profile` reads them back. Without entries every term is 0: the analytical model
 assumes the host keeps ahead of the device (true for large layers on GPUs, where kernels run asynchronously).
 
-Terms, seconds, all host CPU work (the step-time model divides them by the rank's speed like compute):
+Terms, seconds, all host CPU work measured as the ranks run it -- `planner.framework_profile` runs as many
+processes as the cluster has ranks, so cores shared by several ranks are in the figures, and the step-time model
+does not divide them by the device's speed factor (the tensor-parallel term, which joins the node's compute in
+the sharding model, is the exception: it is divided with the compute):
 
 - optimizer per parameter tensor, plain tensors and DTensors (FSDP2, replicate and tensor-parallel parameters
   are DTensors), on top of Adam's bytes at memory bandwidth (`step_time.optimizer_step_time`);
 - per data-parallel unit and micro-batch, forward and backward, for each wrapping mode (`DataParallelMode`) and
   data-parallel group size: the unit's overhead net of its collectives, which `step_time.data_parallel_comm`
   prices one per unit;
+- per parameter tensor whose gradient is partial over the tensor-parallel group (a replicated weight applied to
+  sequence-sharded tokens), per group size: the optimizer step's redistribution of that gradient (all-reduce
+  and DTensor dispatch), which replaces the collective model's price of that sync (`step_time.tp_grad_sync_time`);
 - per tensor-parallel-sharded module call and micro-batch, forward and backward, per tensor-parallel group size:
   DTensor dispatch and the layout hooks around the module, net of the module's collectives
   (`costmodel.sharding_cost` adds it to every node that runs a sharded strategy with parameters).
@@ -30,6 +36,7 @@ none), signatures::
     framework|optimizer|dtensor          forward_s = seconds per DTensor parameter tensor per step
     framework|dp_unit|<mode>|g=<n>       per unit and micro-batch (mode: replicate, fsdp, fsdp_reshard)
     framework|tp_module|g=<n>            per sharded module call and micro-batch
+    framework|grad_sync|g=<n>            forward_s = seconds per partial-gradient tensor per step
 
 A group size that was not measured uses the nearest measured one below it (else the smallest measured).
 """
@@ -74,6 +81,10 @@ def tp_module_signature(group_size: int) -> str:
     return f"{SIGNATURE_PREFIX}tp_module|g={group_size}"
 
 
+def grad_sync_signature(group_size: int) -> str:
+    return f"{SIGNATURE_PREFIX}grad_sync|g={group_size}"
+
+
 @dataclass(frozen=True, slots=True)
 class PassCost:
     """Seconds of forward and backward of one call (one micro-batch)."""
@@ -112,6 +123,8 @@ class FrameworkCosts:
     """Mode -> data-parallel group size -> overhead per unit and micro-batch."""
     tp_module: Mapping[int, PassCost] = field(default_factory=dict)
     """Tensor-parallel group size -> overhead per sharded module call and micro-batch."""
+    grad_sync: Mapping[int, float] = field(default_factory=dict)
+    """Tensor-parallel group size -> seconds per partial-gradient tensor synchronized in the optimizer step."""
 
     def __post_init__(self) -> None:
         if not (self.optimizer_per_tensor_s >= 0 and self.optimizer_per_dtensor_s >= 0):
@@ -120,16 +133,23 @@ class FrameworkCosts:
     @property
     def is_zero(self) -> bool:
         return (self.optimizer_per_tensor_s == 0 and self.optimizer_per_dtensor_s == 0
-                and not any(any(v) for v in self.dp_unit.values()) and not any(self.tp_module.values()))
+                and not any(any(v) for v in self.dp_unit.values()) and not any(self.tp_module.values())
+                and not any(self.grad_sync.values()))
 
-    def optimizer_per_tensor(self, dtensor: bool) -> float:
-        return self.optimizer_per_dtensor_s if dtensor else self.optimizer_per_tensor_s
+    def optimizer_host_s(self, plain_tensors: int, dtensors: int) -> float:
+        """Host seconds of one optimizer step over that many plain and DTensor parameter tensors."""
+        return plain_tensors * self.optimizer_per_tensor_s + dtensors * self.optimizer_per_dtensor_s
 
     def dp_unit_cost(self, zero_stage: int, group_size: int) -> PassCost:
         return _by_group(self.dp_unit.get(dp_mode(zero_stage), {}), group_size)
 
     def tp_module_cost(self, group_size: int) -> PassCost:
         return _by_group(self.tp_module, group_size)
+
+    def grad_sync_per_tensor(self, group_size: int) -> float:
+        """Measured seconds per partial-gradient tensor over `group_size` ranks; 0 when not measured."""
+        table = {g: PassCost(v) for g, v in self.grad_sync.items()}
+        return _by_group(table, group_size).forward_s
 
     def entries(self, device: str) -> dict[tuple[str, str], OpTiming]:
         """Profile entries holding these costs for `device` (the inverse of `from_profile`)."""
@@ -143,6 +163,8 @@ class FrameworkCosts:
                 out[(device, dp_unit_signature(mode, g))] = OpTiming(c.forward_s, c.backward_s)
         for g, c in self.tp_module.items():
             out[(device, tp_module_signature(g))] = OpTiming(c.forward_s, c.backward_s)
+        for g, v in self.grad_sync.items():
+            out[(device, grad_sync_signature(g))] = OpTiming(v, 0.0)
         return out
 
     @classmethod
@@ -154,6 +176,7 @@ class FrameworkCosts:
         dtensor = profile.lookup(device, optimizer_signature(True))
         dp_unit: dict[DataParallelMode, dict[int, PassCost]] = {}
         tp_module: dict[int, PassCost] = {}
+        grad_sync: dict[int, float] = {}
         for (dev, sig), t in sorted(profile.entries.items()):
             if dev != device or not sig.startswith(SIGNATURE_PREFIX):
                 continue
@@ -163,11 +186,13 @@ class FrameworkCosts:
                     PassCost(t.forward_s, t.backward_s)
             elif parts[1] == "tp_module" and len(parts) == 3 and parts[2].startswith("g="):
                 tp_module[int(parts[2][2:])] = PassCost(t.forward_s, t.backward_s)
-        if plain is None and dtensor is None and not dp_unit and not tp_module:
+            elif parts[1] == "grad_sync" and len(parts) == 3 and parts[2].startswith("g="):
+                grad_sync[int(parts[2][2:])] = t.forward_s
+        if plain is None and dtensor is None and not dp_unit and not tp_module and not grad_sync:
             return NO_FRAMEWORK_COSTS
         return cls(optimizer_per_tensor_s=plain.forward_s if plain else 0.0,
                    optimizer_per_dtensor_s=dtensor.forward_s if dtensor else 0.0,
-                   dp_unit=dp_unit, tp_module=tp_module)
+                   dp_unit=dp_unit, tp_module=tp_module, grad_sync=grad_sync)
 
 
 NO_FRAMEWORK_COSTS = FrameworkCosts()

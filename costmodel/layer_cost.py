@@ -42,3 +42,8 @@ class LayerCost:
     param_tensors: int = 0
     """Parameter tensors this segment owns (a weight first used by an earlier segment is not counted): the
     optimizer's per-tensor framework cost (`costmodel.framework`) counts tensors, not bytes."""
+    dtensor_param_tensors: int = 0
+    """Of `param_tensors`, those of nodes that run a sharded strategy (tp > 1): the runtime holds them as
+    DTensors even without data parallelism (`estimate.dtensor_param_tensors`)."""
+    grad_sync_tensors: int = 0
+    """Tensors whose gradients make up `grad_sync_bytes` (each is synchronized on its own)."""

@@ -47,7 +47,7 @@ from costmodel.sharding import (
 )
 from costmodel.sharding_dims import DimLabel, Labels, input_labels, is_float, op_name, propagate_labels
 from costmodel.sharding_problem import FIXED, NO_GRAD, ProblemFlow, ShardingProblem, to_units
-from costmodel.sharding_rules import NodeStrategy, StrategyContext, node_strategies
+from costmodel.sharding_rules import NodeStrategy, StrategyContext, Style, node_strategies
 from ir.graph import Node, OpKind, TensorSpec
 
 BYTES_PER_PARAM_MIXED_ADAM = 16
@@ -76,6 +76,9 @@ class Pricer:
     sharded_module: PassCost = ZERO_PASS
     """Framework overhead of one call of a module that runs sharded (DTensor dispatch and layout hooks,
     `costmodel.framework`): added to every node with parameters whose strategy is not replicated."""
+    grad_sync_per_tensor_s: float = 0.0
+    """Measured seconds per partial-gradient tensor synchronized in the optimizer step (`costmodel.framework`);
+    when set it prices a node's gradient sync instead of `move_time` (as `step_time.tp_grad_sync_time` does)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +268,7 @@ class ShardingModel:
         kept = sum(b * local_fraction(chosen[n].strategy.inputs[k], self.tp) for n, k, b in self.region_reads)
         selective = kept + sum(o.saved_bytes - shards.get(n, 0.0) for n, o in enumerate(chosen)
                                if n not in self.recompute_region)
+        dtensors, syncs = _tensor_counts(self.nodes, chosen)
         return LayerCost(
             fwd_compute_s=fwd, bwd_compute_s=sum(o.bwd_s for o in chosen),
             fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm,
@@ -277,6 +281,7 @@ class ShardingModel:
             boundary_bytes=self.boundary_bytes,
             grad_sync_bytes=sum(o.grad_sync_bytes for o in chosen),
             peak_temp_bytes=max((o.out_bytes for o in chosen), default=0),
+            dtensor_param_tensors=dtensors, grad_sync_tensors=syncs,
         )
 
 
@@ -286,6 +291,23 @@ def _flow_layouts(f: Flow) -> list[Layout]:
         found.extend(r.layouts)
         found.extend(g for g in r.grads if g is not None)
     return found
+
+
+def _tensor_counts(nodes: Sequence[Node], chosen: Sequence[NodeOption]) -> tuple[int, int]:
+    """(parameter tensors of nodes running a sharded strategy -- DTensors at run time --, tensors whose
+    gradients are partial over the group and need the sync); a tied parameter counts once."""
+    dtensors: set[str] = set()
+    syncs: set[str] = set()
+    for node, opt in zip(nodes, chosen, strict=True):
+        st = opt.strategy
+        if st.is_replicated:
+            continue
+        for i, dim in enumerate(st.param_dims):
+            key = node.param_names[i] if i < len(node.param_names) else f"{node.name}.{i}"
+            dtensors.add(key)
+            if dim is None and st.output.is_shard:
+                syncs.add(key)
+    return len(dtensors), len(syncs)
 
 
 def _unique_param_totals(nodes: Sequence[Node], chosen: Sequence[NodeOption]) -> tuple[int, int]:
@@ -387,7 +409,11 @@ def _price_option(node: Node, st: NodeStrategy, scale: float, cfg: _Setting) -> 
     partial_grads = st.output.is_shard  # replicated weights applied to a sharded token dim: partial gradients
     sync = round(sum(cfg.bytes_of(spec) for spec, d in zip(node.param_specs, st.param_dims, strict=True)
                      if d is None and partial_grads))
-    sync_s = cfg.pricer.move_time(Move.ALL_REDUCE, float(sync)) / cfg.num_microbatches if sync else 0.0
+    if sync and cfg.pricer.grad_sync_per_tensor_s > 0:
+        synced = sum(1 for d in st.param_dims if d is None)
+        sync_s = synced * cfg.pricer.grad_sync_per_tensor_s / cfg.num_microbatches
+    else:
+        sync_s = cfg.pricer.move_time(Move.ALL_REDUCE, float(sync)) / cfg.num_microbatches if sync else 0.0
     # the largest transient: an output and its gradient alive together in backward (as layer_pricing counts it)
     out_bytes = 2 * sum(cfg.bytes_of(s) for s in node.output_specs) * scale * local_fraction(st.output, cfg.tp)
     specs = node.output_specs or node.input_specs
@@ -446,11 +472,25 @@ def _needs_grad(nodes: Sequence[Node], index: Mapping[str, int]) -> dict[str, bo
     return needs
 
 
+def _runtime_strategies(node: Node, strategies: Sequence[NodeStrategy], sequence_parallel: bool
+                        ) -> Sequence[NodeStrategy]:
+    """The strategies the runtime can run: under sequence parallelism `planner.apply_tp` runs every norm on its
+    sequence shard (a replicated norm fed a shard would leave its weight gradients unreduced), so a norm with
+    parameters that has a sequence-sharded strategy gets only those -- with their partial-gradient sync."""
+    if not (sequence_parallel and node.op_kind is OpKind.NORM and node.param_specs):
+        return strategies
+    sequence = [s for s in strategies if s.style is Style.SEQUENCE]
+    return sequence or strategies
+
+
 def build_sharding_model(nodes: Sequence[Node], *, tp: int, sequence_parallel: bool, traced_batch: int,
                          microbatch_size: int, pricer: Pricer, memory_weight: float = DEFAULT_MEMORY_WEIGHT,
                          outputs: Sequence[str] | None = None, num_microbatches: int = 1,
-                         dtype: str = "bfloat16", traced_dtype: str | None = None) -> ShardingModel:
-    """Price every strategy of every node and every move of every tensor of a segment (see module docstring)."""
+                         dtype: str = "bfloat16", traced_dtype: str | None = None,
+                         sequence_norms: bool = True) -> ShardingModel:
+    """Price every strategy of every node and every move of every tensor of a segment (see module docstring).
+    `sequence_norms`: under sequence parallelism, give norms only their sequence-sharded strategies, as the
+    runtime runs them (`_runtime_strategies`); False offers every strategy (when forcing leaves none feasible)."""
     _validate(nodes, tp, sequence_parallel, traced_batch, microbatch_size, memory_weight, num_microbatches)
     nodes = tuple(nodes)
     index = {n.name: i for i, n in enumerate(nodes)}
@@ -468,7 +508,9 @@ def build_sharding_model(nodes: Sequence[Node], *, tp: int, sequence_parallel: b
         out_labels = labels.get(node.name, ())
         ctx = StrategyContext(tp, sequence_parallel, in_labels, out_labels)
         scale = cfg.batch_scale if _has_batch((*in_labels, out_labels)) else 1.0
-        options.append(tuple(_price_option(node, st, scale, cfg) for st in node_strategies(node, ctx)))
+        options.append(tuple(_price_option(node, st, scale, cfg)
+                             for st in _runtime_strategies(node, node_strategies(node, ctx),
+                                                           sequence_parallel and sequence_norms)))
         in_scales.append(tuple(cfg.batch_scale if DimLabel.BATCH in labs else 1.0 for labs in in_labels))
     flows, inputs_saved, boundary = _build_flows(nodes, index, options, labels, set(out_names), cfg, traced_batch)
     region = selective_recompute_region(nodes)
@@ -640,6 +682,7 @@ def make_pricer(cluster: Cluster, device: DeviceSpec, tp_group: CommGroup, *, dt
         sent = nbytes / tp if move is Move.ALL_TO_ALL else nbytes
         return collective_time(collective_of[move], sent, tp_group, cluster)
 
-    sharded = (framework or NO_FRAMEWORK_COSTS).tp_module_cost(tp)
-    return Pricer(node_time=node_cost, move_time=move_cost, sharded_module=sharded)
+    framework = framework or NO_FRAMEWORK_COSTS
+    return Pricer(node_time=node_cost, move_time=move_cost, sharded_module=framework.tp_module_cost(tp),
+                  grad_sync_per_tensor_s=framework.grad_sync_per_tensor(tp))
 

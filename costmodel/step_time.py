@@ -66,16 +66,30 @@ def overlapped_exposed(comm_s: float, window_s: float, num_chunks: int) -> float
     return max(comm_s / n, comm_s - window_s + window_s / n)
 
 
-def optimizer_step_time(local_param_count: int, device: DeviceSpec, *, speed: float = 1.0, num_tensors: int = 0,
-                        per_tensor_s: float = 0.0) -> float:
-    """Seconds of one Adam step over `local_param_count` parameters held in `num_tensors` tensors: memory-bound
-    (module docstring) plus the framework's measured cost per tensor (`costmodel.framework`: a DTensor parameter
-    costs ~0.1 ms of host work per step on CPU whatever its size)."""
+def optimizer_step_time(local_param_count: int, device: DeviceSpec, *, speed: float = 1.0,
+                        host_s: float = 0.0) -> float:
+    """Seconds of one Adam step over `local_param_count` parameters: memory-bound (module docstring) plus
+    `host_s`, the framework's measured host work for the rank's parameter tensors
+    (`costmodel.framework.FrameworkCosts.optimizer_host_s`: a DTensor parameter costs ~0.1 ms per step on CPU
+    whatever its size). The host work is measured as the ranks run it, so the device speed does not scale it."""
     if local_param_count <= 0:
         return 0.0
     nbytes = local_param_count * ADAM_BYTES_PER_PARAM
-    memory = max(nbytes / (device.memory_bandwidth * device.memory_efficiency), T_KERNEL_FLOOR_S)
-    return (memory + num_tensors * per_tensor_s) / speed
+    return max(nbytes / (device.memory_bandwidth * device.memory_efficiency), T_KERNEL_FLOOR_S) / speed + host_s
+
+
+def tp_grad_sync_time(sync_bytes: float, sync_tensors: int, group: CommGroup, cluster: Cluster, *,
+                      concurrent: int = 1, per_tensor_s: float = 0.0) -> float:
+    """Seconds to all-reduce, over the tensor-parallel `group`, the gradients of replicated weights that
+    sequence parallelism leaves partial: the runtime syncs each tensor on its own (a DTensor `Partial` gradient
+    is redistributed by the optimizer step), so each of the n tensors pays the latency -- n all-reduces of
+    S / n bytes -- or, when the profile measured it (`costmodel.framework`), n x the measured per-tensor cost."""
+    if sync_bytes <= 0 or group.size <= 1:
+        return 0.0
+    n = max(sync_tensors, 1)
+    if per_tensor_s > 0:
+        return n * per_tensor_s
+    return n * collective_time(Collective.ALL_REDUCE, sync_bytes / n, group, cluster, concurrent=concurrent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +157,7 @@ class DataParallelComm:
 def data_parallel_comm(*, zero_stage: int, grad_bytes: float, param_bytes: float, num_segments: int,
                        fwd_window_s: float, bwd_window_s: float, group: CommGroup, cluster: Cluster,
                        concurrent: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                       unit_overhead: PassCost = ZERO_PASS, speed: float = 1.0) -> DataParallelComm:
+                       unit_overhead: PassCost = ZERO_PASS) -> DataParallelComm:
     """Price the data-parallel collectives of one stage (module docstring). Bytes are this rank's unsharded
     gradient and weight bytes (after tensor parallelism).
 
@@ -151,7 +165,8 @@ def data_parallel_comm(*, zero_stage: int, grad_bytes: float, param_bytes: float
     collective's latency: n pieces of S / n bytes. ZeRO-0's gradient all-reduce is one collective over the whole
     part (`replicate` keeps one unit; gradient buckets only pace its overlap with the backward). The runtime's
     host work per unit and micro-batch (`unit_overhead`, `costmodel.framework`; one unit for ZeRO-0's replicated
-    part, one per segment under FSDP) is CPU work on the critical path, divided by `speed` like compute."""
+    part, one per segment under FSDP) is on the critical path; it is host time measured as the ranks run it, so
+    the device's speed factor does not scale it."""
     if group.size <= 1 or grad_bytes <= 0:
         return DataParallelComm()
 
@@ -161,8 +176,8 @@ def data_parallel_comm(*, zero_stage: int, grad_bytes: float, param_bytes: float
     n_seg = max(num_segments, 1)
     buckets = max(math.ceil(grad_bytes / bucket_bytes), 1)
     units = 1 if zero_stage == 0 else n_seg
-    host_fwd = units * unit_overhead.forward_s / speed
-    host_bwd = units * unit_overhead.backward_s / speed
+    host_fwd = units * unit_overhead.forward_s
+    host_bwd = units * unit_overhead.backward_s
     if zero_stage == 0:
         return DataParallelComm(per_microbatch_fwd_s=host_fwd, per_microbatch_bwd_s=host_bwd,
                                 end_reduce_s=t(Collective.ALL_REDUCE, grad_bytes, 1),

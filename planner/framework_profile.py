@@ -30,6 +30,10 @@ What is measured, per group size g (the g-rank 1-D mesh of the rank's group):
     fsdp: units = blocks + root; forward: one all-gather per unit; backward: one reduce-scatter per unit;
     fsdp_reshard: as fsdp, plus one all-gather per unit in backward (an explicit reshard_after_forward=True
     reshards the root too).
+- gradient sync: an AdamW step over K DTensor parameters whose gradients are `Partial` over the g-rank mesh
+  (what sequence parallelism leaves on a replicated weight) against one over replicated gradients; per tensor =
+  the difference / K. The step redistributes each partial gradient itself (all-reduce plus dispatch), which
+  `step_time.tp_grad_sync_time` prices per tensor with this figure.
 - tensor-parallel module: the MLP Linear(h, 4h) -> GELU -> Linear(4h, h) with `ColwiseParallel` on the first
   and `RowwiseParallel` on the second (`planner.apply_tp`'s pair), input requiring grad as inside a network,
   against the plain MLP; minus the raw all-reduce of the output (forward) and of the input gradient (backward)
@@ -342,6 +346,34 @@ def measure_dp_units(mesh: Any, options: FrameworkOptions, timer: _Timer) -> dic
     return {mode: PassCost(_median_clamped(fwd) / n, _median_clamped(bwd) / n) for mode, (fwd, bwd, n) in net.items()}
 
 
+def _partial_grad_step(params: Sequence[nn.Parameter], mesh: Any) -> _Pass:
+    """AdamW step over DTensor parameters whose gradients are `Partial` (what sequence parallelism leaves on a
+    replicated weight applied to sequence-sharded tokens); the gradients are set again before every step."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    def reset() -> None:
+        for p in params:
+            p.grad = DTensor.from_local(torch.full_like(p.to_local(), 1e-3), mesh, [Partial()])
+
+    reset()
+    return _Pass(torch.optim.AdamW(params, lr=1e-3).step, reset=reset)
+
+
+def measure_grad_sync(mesh: Any, options: FrameworkOptions, timer: _Timer) -> float:
+    """Seconds per parameter tensor that an AdamW step over `Partial` gradients costs beyond one over replicated
+    gradients: the redistribution (all-reduce over the group and its DTensor dispatch) the step performs."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    side = options.optimizer_sides[0]
+    tensors = [torch.randn(side) for _ in range(options.optimizer_tensors)]
+
+    def params() -> list[nn.Parameter]:
+        return [nn.Parameter(distribute_tensor(t, mesh, [Replicate()])) for t in tensors]
+
+    t = timer.rounds([_adam_step(params()), _partial_grad_step(params(), mesh)])[:, :, 0]
+    return _median_clamped(t[:, 1] - t[:, 0]) / options.optimizer_tensors
+
+
 def measure_tp_module(mesh: Any, options: FrameworkOptions, timer: _Timer) -> PassCost:
     """Overhead per tensor-parallel sharded module call and micro-batch, forward and backward."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -387,13 +419,16 @@ def _framework_worker(rank: int, world: int, port: int, options: FrameworkOption
         plain, dtensor = measure_optimizer(meshes[max(meshes)], options, timer)
         dp: dict[str, dict[int, list[float]]] = {}
         tp: dict[int, list[float]] = {}
+        sync: dict[int, float] = {}
         for g, mesh in meshes.items():
+            sync[g] = measure_grad_sync(mesh, options, timer)
             for mode, cost in measure_dp_units(mesh, options, timer).items():
                 dp.setdefault(mode.value, {})[g] = [cost.forward_s, cost.backward_s]
             cost = measure_tp_module(mesh, options, timer)
             tp[g] = [cost.forward_s, cost.backward_s]
         if rank == 0:
-            Path(result_path).write_text(json.dumps({"optimizer": [plain, dtensor], "dp_unit": dp, "tp_module": tp}))
+            Path(result_path).write_text(json.dumps({"optimizer": [plain, dtensor], "dp_unit": dp, "tp_module": tp,
+                                                      "grad_sync": sync}))
         dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
@@ -405,7 +440,8 @@ def _costs_from_json(d: Mapping[str, Any]) -> FrameworkCosts:
         optimizer_per_tensor_s=float(plain), optimizer_per_dtensor_s=float(dtensor),
         dp_unit={DataParallelMode(mode): {int(g): PassCost(*map(float, c)) for g, c in table.items()}
                  for mode, table in d["dp_unit"].items()},
-        tp_module={int(g): PassCost(*map(float, c)) for g, c in d["tp_module"].items()})
+        tp_module={int(g): PassCost(*map(float, c)) for g, c in d["tp_module"].items()},
+        grad_sync={int(g): float(v) for g, v in d.get("grad_sync", {}).items()})
 
 
 def measure_framework(options: FrameworkOptions) -> FrameworkCosts:

@@ -348,7 +348,14 @@ def _module_styles(nodes: Sequence[Node], model: ShardingModel, assignment: Sequ
 def _solve_setting(nodes: Sequence[Node], sp: bool, outputs: Sequence[str], build: dict[str, Any],
                    time_limit: float) -> tuple[_Solved, int]:
     model = build_sharding_model(nodes, sequence_parallel=sp, outputs=outputs, **build)
-    solution = solve_problem(model.problem(), time_limit=time_limit)
+    try:
+        solution = solve_problem(model.problem(), time_limit=time_limit)
+    except IntraOpInfeasibleError:
+        if not sp:
+            raise
+        # Norms forced onto the sequence shard (as the runtime runs them) left no feasible layout: offer all.
+        model = build_sharding_model(nodes, sequence_parallel=sp, outputs=outputs, sequence_norms=False, **build)
+        solution = solve_problem(model.problem(), time_limit=time_limit)
     names = _positional_names(nodes)
     position = {name: i for i, name in enumerate(names)}
     colls = tuple((position[t], d, str(m)) for t, d, m in model.comm_moves(solution.assignment))

@@ -134,9 +134,10 @@ class LayerCostTable:
                 tp_group=_group_on(self.cluster, device, tp, tp_stride),
                 microbatch_size=mbs, traced_batch=self.chain.graph.batch_size, sequence_parallel=sp,
                 dtype=self.dtype, cache=self._sharding_cache, profile=self.profile)
+            owned = owned_param_tensors(self.chain, segment)
             costs[cid] = dataclasses.replace(
                 _without_earlier_params(solved.cost, segment.param_count, self.chain.nodes_of(segment)),
-                param_tensors=owned_param_tensors(self.chain, segment))
+                param_tensors=owned, dtensor_param_tensors=min(solved.cost.dtensor_param_tensors, owned))
             sharding[cid] = tuple(solved.module_styles())
         return ClassPrices(costs, sharding)
 

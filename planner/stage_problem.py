@@ -43,10 +43,10 @@ from costmodel.estimate import (
     even_stages,
     p2p_group,
     p2p_time,
+    param_tensor_kinds,
     shared_parameter_copies,
     stage_ranks,
     tp_group,
-    uses_dtensors,
 )
 from costmodel.expert_parallel import dp_synced_params, optimizer_params
 from costmodel.framework import FrameworkCosts
@@ -58,6 +58,7 @@ from costmodel.step_time import (
     optimizer_step_time,
     overlapped_exposed,
     stage_time,
+    tp_grad_sync_time,
 )
 from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
 from ir.graph import dtype_bytes
@@ -330,7 +331,7 @@ class StageProblemBuilder:
                     zero_stage=cand.zero_stage, grad_bytes=params * wbytes, param_bytes=params * wbytes,
                     num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
                     bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=ctx.dp_group,
-                    cluster=self.cluster, concurrent=m.tp * m.pp, unit_overhead=unit_overhead, speed=ctx.speed)
+                    cluster=self.cluster, concurrent=m.tp * m.pp, unit_overhead=unit_overhead)
             st = stage_time(segs, speed=ctx.speed, dp_fwd_s=comm.per_microbatch_fwd_s,
                             dp_bwd_s=comm.per_microbatch_bwd_s)
             fwd.append(st.fwd_s)
@@ -343,8 +344,9 @@ class StageProblemBuilder:
         experts = sum(s.cost.expert_param_count for c in chunks for s in c)  # issue 10: ZeRO over dp*cp/ep
         local = optimizer_params(local, experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp, ep=m.ep)
         sync = sum(s.cost.grad_sync_bytes for c in chunks for s in c)
-        tp_sync = (collective_time(Collective.ALL_REDUCE, sync, ctx.tp_group, self.cluster,
-                                   concurrent=num_devices // m.tp) if sync and m.tp > 1 else 0.0)
+        tp_sync = tp_grad_sync_time(sync, sum(s.cost.grad_sync_tensors for c in chunks for s in c), ctx.tp_group,
+                                    self.cluster, concurrent=num_devices // m.tp,
+                                    per_tensor_s=framework.grad_sync_per_tensor(m.tp))
         shared_sync = (collective_time(Collective.ALL_REDUCE, shared * wbytes, ctx.shared_group, self.cluster,
                                        concurrent=num_devices // m.pp)
                        if shared and ctx.shared_group is not None else 0.0)
@@ -360,8 +362,8 @@ class StageProblemBuilder:
         else:
             mem0 = mem1 = memory(in_flight)
         optimizer = optimizer_step_time(
-            local, ctx.device, speed=ctx.speed, num_tensors=sum(s.cost.param_tensors for c in chunks for s in c),
-            per_tensor_s=framework.optimizer_per_tensor(uses_dtensors(self.strategy_of(cand))))
+            local, ctx.device, speed=ctx.speed, host_s=framework.optimizer_host_s(
+                *param_tensor_kinds(self.strategy_of(cand), (s.cost for c in chunks for s in c))))
         return _Terms(tuple(fwd), tuple(bwd), tail, shared_sync, optimizer, post, mem0, mem1)
 
     def _p2p(self, cand: Candidate, boundary: int, nbytes: float) -> float:

@@ -12,7 +12,7 @@ from test_search_bruteforce import GPT_INTERLEAVE, GPT_MEMORY, GPT_TINY, chain_o
 
 from costmodel.cluster import Cluster
 from costmodel.collectives import Collective, CommGroup, collective_time
-from costmodel.estimate import estimate, uses_dtensors
+from costmodel.estimate import estimate, param_tensor_kinds
 from costmodel.framework import (
     NO_FRAMEWORK_COSTS,
     ZERO_PASS,
@@ -21,9 +21,9 @@ from costmodel.framework import (
     PassCost,
     dp_mode,
 )
-from costmodel.layer_pricing import owned_param_tensors
+from costmodel.layer_pricing import owned_param_tensors, price_segment
 from costmodel.profile_db import OpProfile, OpTiming
-from costmodel.step_time import data_parallel_comm, optimizer_step_time
+from costmodel.step_time import data_parallel_comm, optimizer_step_time, tp_grad_sync_time
 from costmodel.strategy import Recompute, Schedule, Strategy
 from planner.layer_costs import LayerCostTable
 from planner.search import enumerate_candidates, layer_cost_map
@@ -36,7 +36,8 @@ COSTS = FrameworkCosts(
     dp_unit={DataParallelMode.REPLICATE: {2: PassCost(1e-3, 2e-3)},
              DataParallelMode.FSDP: {2: PassCost(1.5e-3, 2.5e-3), 4: PassCost(2e-3, 3e-3)},
              DataParallelMode.FSDP_RESHARD: {2: PassCost(2e-3, 4e-3), 4: PassCost(3e-3, 5e-3)}},
-    tp_module={2: PassCost(0.4e-3, 0.8e-3), 4: PassCost(0.6e-3, 1.2e-3)})
+    tp_module={2: PassCost(0.4e-3, 0.8e-3), 4: PassCost(0.6e-3, 1.2e-3)},
+    grad_sync={2: 2e-3})
 
 
 def test_profile_round_trip_and_lookup_by_group_size() -> None:
@@ -50,19 +51,29 @@ def test_profile_round_trip_and_lookup_by_group_size() -> None:
     assert back.dp_unit_cost(0, 8) == PassCost(1e-3, 2e-3)
     assert back.dp_unit_cost(1, 1) == PassCost()                  # no data parallelism, no unit
     assert back.tp_module_cost(3) == PassCost(0.4e-3, 0.8e-3)
-    assert back.optimizer_per_tensor(True) == 150e-6 and back.optimizer_per_tensor(False) == 20e-6
+    assert back.optimizer_host_s(10, 2) == pytest.approx(10 * 20e-6 + 2 * 150e-6)
+    assert back.grad_sync_per_tensor(4) == 2e-3 and back.grad_sync_per_tensor(1) == 0.0
     assert [dp_mode(z) for z in range(4)] == [DataParallelMode.REPLICATE, DataParallelMode.FSDP,
                                               DataParallelMode.FSDP, DataParallelMode.FSDP_RESHARD]
     with pytest.raises(ValueError, match=">= 0"):
         PassCost(-1.0, 0.0)
 
 
-def test_optimizer_pays_per_tensor() -> None:
+def test_optimizer_pays_host_work_unscaled_by_speed() -> None:
     cpu = Cluster.parse("1x2xcpu").device_of(0)
     base = optimizer_step_time(10_000, cpu)
-    assert optimizer_step_time(10_000, cpu, num_tensors=50, per_tensor_s=1e-4) == pytest.approx(base + 5e-3)
-    assert optimizer_step_time(10_000, cpu, speed=0.5, num_tensors=50, per_tensor_s=1e-4) == \
-        pytest.approx(2 * (base + 5e-3))
+    assert optimizer_step_time(10_000, cpu, host_s=5e-3) == pytest.approx(base + 5e-3)
+    # host work per tensor is measured as the ranks run, not at the device's speed
+    assert optimizer_step_time(10_000, cpu, speed=0.5, host_s=5e-3) == pytest.approx(2 * base + 5e-3)
+
+
+def test_tp_gradient_sync_per_tensor() -> None:
+    cluster = Cluster.parse("1x4xcpu")
+    group = CommGroup(4)
+    one = collective_time(Collective.ALL_REDUCE, 1e5, group, cluster)
+    assert tp_grad_sync_time(1e6, 10, group, cluster) == pytest.approx(10 * one)
+    assert tp_grad_sync_time(1e6, 10, group, cluster, per_tensor_s=2e-3) == pytest.approx(20e-3)
+    assert tp_grad_sync_time(0, 10, group, cluster) == 0 and tp_grad_sync_time(1e6, 10, CommGroup(1), cluster) == 0
 
 
 def test_data_parallel_units_pay_host_overhead_and_latency_each() -> None:
@@ -70,17 +81,17 @@ def test_data_parallel_units_pay_host_overhead_and_latency_each() -> None:
     group = CommGroup(4)
     nbytes = 4e6
 
-    def comm(zero: int, overhead: PassCost = ZERO_PASS, speed: float = 1.0):
+    def comm(zero: int, overhead: PassCost = ZERO_PASS):
         return data_parallel_comm(zero_stage=zero, grad_bytes=nbytes, param_bytes=nbytes, num_segments=5,
                                   fwd_window_s=0.0, bwd_window_s=0.0, group=group, cluster=cluster,
-                                  unit_overhead=overhead, speed=speed)
+                                  unit_overhead=overhead)
 
     unit = PassCost(1e-3, 3e-3)
     for zero in range(4):
-        plain, loaded = comm(zero), comm(zero, unit, speed=0.5)
+        plain, loaded = comm(zero), comm(zero, unit)
         units = 1 if zero == 0 else 5
-        assert loaded.per_microbatch_fwd_s - plain.per_microbatch_fwd_s == pytest.approx(units * 1e-3 / 0.5)
-        assert loaded.per_microbatch_bwd_s - plain.per_microbatch_bwd_s == pytest.approx(units * 3e-3 / 0.5)
+        assert loaded.per_microbatch_fwd_s - plain.per_microbatch_fwd_s == pytest.approx(units * 1e-3)
+        assert loaded.per_microbatch_bwd_s - plain.per_microbatch_bwd_s == pytest.approx(units * 3e-3)
     # One gather and one reduce-scatter per unit, each with its latency; ZeRO-0: one all-reduce.
     ag = 5 * collective_time(Collective.ALL_GATHER, nbytes / 5, group, cluster)
     rs = 5 * collective_time(Collective.REDUCE_SCATTER, nbytes / 5, group, cluster)
@@ -115,7 +126,11 @@ def test_estimate_adds_the_framework_terms_in_closed_form() -> None:
         assert loaded.step_time_s - plain.step_time_s == pytest.approx(2 * per_mb + tensors * 150e-6, rel=1e-6)
     # A single device holds plain tensors.
     one = Strategy(microbatch_size=1, num_microbatches=4)
-    assert not uses_dtensors(one)
+    seg = price_segment(chain, chain.segments[1], cluster.device_of(0), microbatch_size=1)
+    costs = [replace(seg, param_tensors=12, dtensor_param_tensors=8)] * 2
+    assert param_tensor_kinds(one, costs) == (24, 0)
+    assert param_tensor_kinds(Strategy(tp=2, microbatch_size=1, num_microbatches=4), costs) == (8, 16)
+    assert param_tensor_kinds(Strategy(dp=2, tp=2, microbatch_size=1, num_microbatches=4), costs) == (0, 24)
     delta = (estimate(chain, cluster, one, dtype="float32", profile=profile).step_time_s
              - estimate(chain, cluster, one, dtype="float32").step_time_s)
     assert delta == pytest.approx(tensors * 20e-6)

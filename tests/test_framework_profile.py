@@ -68,6 +68,9 @@ def _check_measured(costs: FrameworkCosts, group_sizes: set[int]) -> None:
     reshard = costs.dp_unit[DataParallelMode.FSDP_RESHARD][2]
     assert reshard.forward_s + reshard.backward_s >= 0
     assert set(costs.tp_module) == group_sizes
+    # a partial gradient is redistributed inside the step: far dearer than a replicated one (~2 ms on gloo)
+    assert set(costs.grad_sync) == group_sizes and all(v > costs.optimizer_per_dtensor_s
+                                                       for v in costs.grad_sync.values())
 
 
 @pytest.mark.multiprocess
@@ -76,7 +79,7 @@ def test_two_processes_measure_every_term_and_round_trip():
     costs = measure_framework(options)
     _check_measured(costs, {2})
     entries = costs.entries("cpu")
-    assert len(entries) == 2 + 3 + 1  # optimizer plain and DTensor, one per mode, one tp module
+    assert len(entries) == 2 + 3 + 1 + 1  # optimizer plain and DTensor, one per mode, tp module, grad sync
     back = FrameworkCosts.from_profile(OpProfile.from_dict(OpProfile(entries=entries).to_dict()), "cpu")
     assert back == costs
     assert back.dp_unit_cost(3, 2) == costs.dp_unit[DataParallelMode.FSDP_RESHARD][2]
@@ -94,7 +97,7 @@ def test_cli_framework_merges_the_entries_into_the_profile(tmp_path, capsys):
     assert summary["framework"]["optimizer_per_dtensor_s"] == costs.optimizer_per_dtensor_s
     assert prof.meta["framework_processes"] == "2" and prof.meta["framework_group_sizes"] == "2"
     ops = [sig for _, sig in prof.entries if not sig.startswith("framework|")]
-    assert ops and summary["entries"] == len(prof.entries) == len(ops) + 6
+    assert ops and summary["entries"] == len(prof.entries) == len(ops) + 7
 
 
 @pytest.mark.parametrize("argv, message", [

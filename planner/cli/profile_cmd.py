@@ -207,7 +207,8 @@ def _framework_summary(costs: Any) -> dict[str, Any] | None:
             "optimizer_per_dtensor_s": costs.optimizer_per_dtensor_s,
             "dp_unit": {str(mode): {str(g): [c.forward_s, c.backward_s] for g, c in sorted(table.items())}
                         for mode, table in costs.dp_unit.items()},
-            "tp_module": {str(g): [c.forward_s, c.backward_s] for g, c in sorted(costs.tp_module.items())}}
+            "tp_module": {str(g): [c.forward_s, c.backward_s] for g, c in sorted(costs.tp_module.items())},
+            "grad_sync": {str(g): v for g, v in sorted(costs.grad_sync.items())}}
 
 
 def _summary(result: Any, profile: Any, path: str, framework: Any = None) -> dict[str, Any]:
@@ -234,6 +235,8 @@ def _framework_text(framework: dict[str, Any] | None, processes: str) -> list[st
                                                          for g, (f, b) in table.items()))
     lines.append(f"  {'tp module':<18}" + "  ".join(f"g={g}: {f * 1e3:.3f} / {b * 1e3:.3f}"
                                                    for g, (f, b) in framework["tp_module"].items()))
+    lines.append(f"  {'partial grad sync':<18}" + "  ".join(f"g={g}: {v * 1e3:.3f} per tensor"
+                                                           for g, v in framework["grad_sync"].items()))
     return lines
 
 
