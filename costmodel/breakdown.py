@@ -21,18 +21,21 @@ class TimeBreakdown:
     """Exposed data-parallel gradient reduction and ZeRO parameter gathers (the part not hidden by backward)."""
     bubble_s: float
     optimizer_s: float
+    framework_s: float = 0.0
+    """Framework host work on the bottleneck rank (`costmodel.framework`: data-parallel unit hooks, pipeline
+    actions, checkpoint machinery); 0 unless a profile measured it. Optional in plan JSON (older plans)."""
 
     @property
     def total_s(self) -> float:
         return (self.compute_s + self.recompute_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s
-                + self.bubble_s + self.optimizer_s)
+                + self.bubble_s + self.optimizer_s + self.framework_s)
 
     def to_dict(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TimeBreakdown:
-        return cls(**{k: float(d[k]) for k in cls.__dataclass_fields__})
+        return cls(**{k: float(d[k]) for k in cls.__dataclass_fields__ if k in d or k != "framework_s"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ the cluster has, tp > 1 without layer costs) raises ValueError.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from costmodel.breakdown import Estimate, StageEstimate, TimeBreakdown
@@ -42,9 +42,11 @@ from costmodel.memory import GIB, PricedSegment, rank_memory
 from costmodel.pipeline import in_flight_per_chunk
 from costmodel.profile_db import OpProfile
 from costmodel.step_time import (
+    DataParallelComm,
     RankTail,
     StageTime,
     data_parallel_comm,
+    host_time,
     optimizer_step_time,
     stage_time,
     step_breakdown,
@@ -297,8 +299,7 @@ def estimate(chain: LayerChain | Graph, cluster: Cluster, strategy: Strategy, *,
     # Copies of weights shared across pipeline ranks (tied embeddings), vocabulary-sharded over tp like the head.
     shared = [-(-n // strategy.tp) for n in shared_parameter_copies(chain, stages, strategy.pp)]
 
-    framework = {r.device.name: FrameworkCosts.from_profile(profile, r.device.name) for r in ranks}
-    stage_times, tails = _step_terms(priced, ranks, shared, strategy, cluster, dtype, framework)
+    stage_times, tails = _step_terms(priced, ranks, shared, strategy, cluster, dtype, profile)
     p2p = [p2p_time(strategy, j, priced[j][-1].cost.boundary_bytes, cluster) for j in range(len(priced) - 1)]
     breakdown = step_breakdown(stage_times, tails, schedule=strategy.schedule,
                                num_microbatches=strategy.num_microbatches, virtual_stages=strategy.virtual_stages,
@@ -308,62 +309,89 @@ def estimate(chain: LayerChain | Graph, cluster: Cluster, strategy: Strategy, *,
                             tuple(problems), dtype)
 
 
-def _step_terms(priced: Sequence[Sequence[PricedSegment]], ranks: Sequence[_Rank], shared: Sequence[int],
-                strategy: Strategy, cluster: Cluster, dtype: str, framework: Mapping[str, FrameworkCosts]
-                ) -> tuple[list[StageTime], list[RankTail]]:
-    """Per virtual stage: its `StageTime` (ZeRO per-micro-batch communication included); per pipeline rank: what
-    it does after its last backward (gradient reduction, syncs, optimizer, post-step gathers). `framework`: the
-    measured framework overheads of each device type (`costmodel.framework`)."""
+@dataclass(frozen=True, slots=True)
+class RankSetting:
+    """What prices pipeline rank `index` besides its segments: its device, speed and measured framework costs."""
+
+    index: int
+    device: DeviceSpec
+    speed: float
+    framework: FrameworkCosts
+
+
+def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: int, strategy: Strategy,
+                    rank: RankSetting, cluster: Cluster, dtype: str, *,
+                    dp_comm: Callable[..., DataParallelComm] = data_parallel_comm
+                    ) -> tuple[list[StageTime], RankTail]:
+    """One pipeline rank holding `chunks` (its virtual stages, in order) and `shared_params` copied weights:
+    each chunk's `StageTime` (ZeRO per-micro-batch communication and framework work included) and what the rank
+    does after its last backward (gradient reduction, syncs, optimizer, post-step gathers). Framework host work
+    (`step_time.host_time`) joins each chunk's forward and backward.
+
+    This is the one per-rank composition of the model: `estimate` calls it for every rank and the planner's
+    partition problem (`planner.stage_problem`) for every candidate stage, so the search's objective is the
+    estimate. `dp_comm` is `step_time.data_parallel_comm` or a cache of it."""
     pp = strategy.pp
     wbytes = dtype_bytes(dtype)
     dp_size = strategy.dp * strategy.cp
-    stage_times: list[StageTime] = []
-    post, end_reduce, end_chunks = [0.0] * pp, [0.0] * pp, [0] * pp
-    for j, segs in enumerate(priced):
-        rank = ranks[j % pp]
+    group = dp_group(strategy, rank.index)
+    times: list[StageTime] = []
+    post = end_reduce = 0.0
+    end_chunks = 0
+    for segs in chunks:
         plain = stage_time(segs, speed=rank.speed)
         # Issue 10: expert weights are reduced over dp*cp/ep ranks (costmodel/expert_parallel.py).
         params = dp_synced_params((s.cost for s in segs), dp_size=dp_size, ep=strategy.ep)
         # Every (tp, pp) coordinate runs its own data-parallel reduction at the same time.
-        comm = data_parallel_comm(
-            zero_stage=strategy.zero_stage, grad_bytes=params * wbytes, param_bytes=params * wbytes,
-            num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
-            bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=dp_group(strategy, rank.index),
-            cluster=cluster, concurrent=strategy.tp * pp,
-            unit_overhead=framework[rank.device.name].dp_unit_cost(strategy.zero_stage, dp_size))
-        stage_times.append(stage_time(segs, speed=rank.speed, dp_fwd_s=comm.per_microbatch_fwd_s,
-                                      dp_bwd_s=comm.per_microbatch_bwd_s))
-        post[j % pp] += comm.post_step_s
-        end_reduce[j % pp] += comm.end_reduce_s
-        end_chunks[j % pp] += comm.end_reduce_chunks
+        comm = dp_comm(zero_stage=strategy.zero_stage, grad_bytes=params * wbytes, param_bytes=params * wbytes,
+                       num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
+                       bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=group, cluster=cluster,
+                       concurrent=strategy.tp * pp)
+        host = host_time(segs, rank.framework, zero_stage=strategy.zero_stage, dp_size=dp_size, pipeline_size=pp)
+        times.append(stage_time(segs, speed=rank.speed, dp_fwd_s=comm.per_microbatch_fwd_s,
+                                dp_bwd_s=comm.per_microbatch_bwd_s, host=host))
+        post += comm.post_step_s
+        end_reduce += comm.end_reduce_s
+        end_chunks += comm.end_reduce_chunks
+    costs = [s.cost for c in chunks for s in c]
+    experts = sum(c.expert_param_count for c in costs)  # issue 10: ZeRO over dp*cp/ep
+    local_params = optimizer_params(sum(c.param_count for c in costs) + shared_params, experts,
+                                    zero_stage=strategy.zero_stage, dp_size=dp_size, ep=strategy.ep)
+    r = rank.index
+    shared_sync = 0.0
+    if shared_params and r > 0:
+        # The copy's gradient is all-reduced with the owner (the first rank, for a tied embedding).
+        shared_sync = collective_time(Collective.ALL_REDUCE, shared_params * wbytes,
+                                      CommGroup(2, stride=r * axis_strides(strategy)[MeshAxis.PP]), cluster,
+                                      concurrent=strategy.num_devices // pp)
+    return times, RankTail(
+        end_reduce_s=end_reduce, end_reduce_chunks=max(end_chunks, 1),
+        last_bwd_window_s=sum(t.compute_bwd_s + t.recompute_s + t.tp_bwd_s for t in times),
+        tp_grad_sync_s=tp_grad_sync_time(
+            sum(c.grad_sync_bytes for c in costs), sum(c.grad_sync_tensors for c in costs), tp_group(strategy, r),
+            cluster, concurrent=strategy.num_devices // strategy.tp,
+            per_tensor_s=rank.framework.grad_sync_per_tensor(strategy.tp)),
+        shared_sync_s=shared_sync,
+        optimizer_s=optimizer_step_time(
+            local_params, rank.device, speed=rank.speed,
+            host_s=rank.framework.optimizer_host_s(*param_tensor_kinds(strategy, costs))),
+        post_step_s=post)
 
-    pp_stride = axis_strides(strategy)[MeshAxis.PP]
+
+def _step_terms(priced: Sequence[Sequence[PricedSegment]], ranks: Sequence[_Rank], shared: Sequence[int],
+                strategy: Strategy, cluster: Cluster, dtype: str, profile: OpProfile | None
+                ) -> tuple[list[StageTime], list[RankTail]]:
+    """Per virtual stage its `StageTime`, per pipeline rank its `RankTail` (`rank_step_terms` of each rank)."""
+    pp = strategy.pp
+    framework = {r.device.name: FrameworkCosts.from_profile(profile, r.device.name) for r in ranks}
+    stage_times: list[StageTime | None] = [None] * len(priced)
     tails = []
     for r, rank in enumerate(ranks):
-        chunks = priced[r::pp]
-        local_params = sum(s.cost.param_count for c in chunks for s in c) + shared[r]
-        experts = sum(s.cost.expert_param_count for c in chunks for s in c)  # issue 10: ZeRO over dp*cp/ep
-        local_params = optimizer_params(local_params, experts, zero_stage=strategy.zero_stage, dp_size=dp_size,
-                                        ep=strategy.ep)
-        sync_bytes = sum(s.cost.grad_sync_bytes for c in chunks for s in c)
-        tails.append(RankTail(
-            end_reduce_s=end_reduce[r], end_reduce_chunks=max(end_chunks[r], 1),
-            last_bwd_window_s=sum(t.compute_bwd_s + t.recompute_s + t.tp_bwd_s for t in stage_times[r::pp]),
-            tp_grad_sync_s=tp_grad_sync_time(
-                sync_bytes, sum(s.cost.grad_sync_tensors for c in chunks for s in c), tp_group(strategy, r),
-                cluster, concurrent=strategy.num_devices // strategy.tp,
-                per_tensor_s=framework[rank.device.name].grad_sync_per_tensor(strategy.tp)),
-            # The copy's gradient is all-reduced with the owner (the first rank, for a tied embedding).
-            shared_sync_s=(collective_time(Collective.ALL_REDUCE, shared[r] * wbytes,
-                                           CommGroup(2, stride=r * pp_stride), cluster,
-                                           concurrent=strategy.num_devices // pp)
-                           if shared[r] and r > 0 else 0.0),
-            optimizer_s=optimizer_step_time(
-                local_params, rank.device, speed=rank.speed,
-                host_s=framework[rank.device.name].optimizer_host_s(
-                    *param_tensor_kinds(strategy, (s.cost for c in chunks for s in c)))),
-            post_step_s=post[r]))
-    return stage_times, tails
+        setting = RankSetting(r, rank.device, rank.speed, framework[rank.device.name])
+        times, tail = rank_step_terms(priced[r::pp], shared[r], strategy, setting, cluster, dtype)
+        stage_times[r::pp] = times
+        tails.append(tail)
+    return [t for t in stage_times if t is not None], tails
 
 
 def _stage_estimates(priced: Sequence[Sequence[PricedSegment]], stage_times: Sequence[StageTime],

@@ -25,6 +25,12 @@ the sharding model, is the exception: it is divided with the compute):
 - per parameter tensor whose gradient is partial over the tensor-parallel group (a replicated weight applied to
   sequence-sharded tokens), per group size: the optimizer step's redistribution of that gradient (all-reduce
   and DTensor dispatch), which replaces the collective model's price of that sync (`step_time.tp_grad_sync_time`);
+- per pipeline action (one stage's forward or backward of one micro-batch under `torch.distributed.pipelining`),
+  per pipeline size: the schedule's host work around the stage call, net of the send/recv on the wire
+  (`pp_action`);
+- per recomputed (checkpointed) layer and micro-batch, forward and backward, selective and full: the
+  checkpoint machinery's own cost beyond rerunning the forward (`recompute`; selective checkpointing calls a
+  Python policy per op);
 - per tensor-parallel-sharded module call and micro-batch, forward and backward, per tensor-parallel group size:
   DTensor dispatch and the layout hooks around the module, net of the module's collectives
   (`costmodel.sharding_cost` adds it to every node that runs a sharded strategy with parameters).
@@ -37,6 +43,8 @@ none), signatures::
     framework|dp_unit|<mode>|g=<n>       per unit and micro-batch (mode: replicate, fsdp, fsdp_reshard)
     framework|tp_module|g=<n>            per sharded module call and micro-batch
     framework|grad_sync|g=<n>            forward_s = seconds per partial-gradient tensor per step
+    framework|pp_action|g=<p>            per pipeline stage action (forward, backward) of one micro-batch
+    framework|recompute|<mode>           per checkpointed layer and micro-batch (mode: selective, full)
 
 A group size that was not measured uses the nearest measured one below it (else the smallest measured).
 """
@@ -85,6 +93,20 @@ def grad_sync_signature(group_size: int) -> str:
     return f"{SIGNATURE_PREFIX}grad_sync|g={group_size}"
 
 
+def pp_action_signature(pipeline_size: int) -> str:
+    return f"{SIGNATURE_PREFIX}pp_action|g={pipeline_size}"
+
+
+RECOMPUTE_MODES = ("selective", "full")
+"""`costmodel.strategy.Recompute` values that checkpoint (the values of `FrameworkCosts.recompute`'s keys)."""
+
+
+def recompute_signature(mode: str) -> str:
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute mode {mode!r} has no framework cost; valid: {', '.join(RECOMPUTE_MODES)}")
+    return f"{SIGNATURE_PREFIX}recompute|{mode}"
+
+
 @dataclass(frozen=True, slots=True)
 class PassCost:
     """Seconds of forward and backward of one call (one micro-batch)."""
@@ -125,6 +147,10 @@ class FrameworkCosts:
     """Tensor-parallel group size -> overhead per sharded module call and micro-batch."""
     grad_sync: Mapping[int, float] = field(default_factory=dict)
     """Tensor-parallel group size -> seconds per partial-gradient tensor synchronized in the optimizer step."""
+    pp_action: Mapping[int, PassCost] = field(default_factory=dict)
+    """Pipeline size -> host seconds per stage action (forward, backward) of one micro-batch."""
+    recompute: Mapping[str, PassCost] = field(default_factory=dict)
+    """"selective" / "full" -> checkpoint machinery seconds per recomputed layer and micro-batch."""
 
     def __post_init__(self) -> None:
         if not (self.optimizer_per_tensor_s >= 0 and self.optimizer_per_dtensor_s >= 0):
@@ -134,7 +160,8 @@ class FrameworkCosts:
     def is_zero(self) -> bool:
         return (self.optimizer_per_tensor_s == 0 and self.optimizer_per_dtensor_s == 0
                 and not any(any(v) for v in self.dp_unit.values()) and not any(self.tp_module.values())
-                and not any(self.grad_sync.values()))
+                and not any(self.grad_sync.values()) and not any(self.pp_action.values())
+                and not any(self.recompute.values()))
 
     def optimizer_host_s(self, plain_tensors: int, dtensors: int) -> float:
         """Host seconds of one optimizer step over that many plain and DTensor parameter tensors."""
@@ -145,6 +172,13 @@ class FrameworkCosts:
 
     def tp_module_cost(self, group_size: int) -> PassCost:
         return _by_group(self.tp_module, group_size)
+
+    def pp_action_cost(self, pipeline_size: int) -> PassCost:
+        return _by_group(self.pp_action, pipeline_size)
+
+    def recompute_cost(self, mode: str) -> PassCost:
+        """Per checkpointed layer and micro-batch; zero for "none" and for modes not measured."""
+        return self.recompute.get(mode, ZERO_PASS)
 
     def grad_sync_per_tensor(self, group_size: int) -> float:
         """Measured seconds per partial-gradient tensor over `group_size` ranks; 0 when not measured."""
@@ -165,6 +199,10 @@ class FrameworkCosts:
             out[(device, tp_module_signature(g))] = OpTiming(c.forward_s, c.backward_s)
         for g, v in self.grad_sync.items():
             out[(device, grad_sync_signature(g))] = OpTiming(v, 0.0)
+        for g, c in self.pp_action.items():
+            out[(device, pp_action_signature(g))] = OpTiming(c.forward_s, c.backward_s)
+        for mode, c in self.recompute.items():
+            out[(device, recompute_signature(mode))] = OpTiming(c.forward_s, c.backward_s)
         return out
 
     @classmethod
@@ -177,6 +215,8 @@ class FrameworkCosts:
         dp_unit: dict[DataParallelMode, dict[int, PassCost]] = {}
         tp_module: dict[int, PassCost] = {}
         grad_sync: dict[int, float] = {}
+        pp_action: dict[int, PassCost] = {}
+        recompute: dict[str, PassCost] = {}
         for (dev, sig), t in sorted(profile.entries.items()):
             if dev != device or not sig.startswith(SIGNATURE_PREFIX):
                 continue
@@ -188,11 +228,16 @@ class FrameworkCosts:
                 tp_module[int(parts[2][2:])] = PassCost(t.forward_s, t.backward_s)
             elif parts[1] == "grad_sync" and len(parts) == 3 and parts[2].startswith("g="):
                 grad_sync[int(parts[2][2:])] = t.forward_s
-        if plain is None and dtensor is None and not dp_unit and not tp_module and not grad_sync:
+            elif parts[1] == "pp_action" and len(parts) == 3 and parts[2].startswith("g="):
+                pp_action[int(parts[2][2:])] = PassCost(t.forward_s, t.backward_s)
+            elif parts[1] == "recompute" and len(parts) == 3 and parts[2] in RECOMPUTE_MODES:
+                recompute[parts[2]] = PassCost(t.forward_s, t.backward_s)
+        if plain is None and dtensor is None and not (dp_unit or tp_module or grad_sync or pp_action or recompute):
             return NO_FRAMEWORK_COSTS
         return cls(optimizer_per_tensor_s=plain.forward_s if plain else 0.0,
                    optimizer_per_dtensor_s=dtensor.forward_s if dtensor else 0.0,
-                   dp_unit=dp_unit, tp_module=tp_module, grad_sync=grad_sync)
+                   dp_unit=dp_unit, tp_module=tp_module, grad_sync=grad_sync, pp_action=pp_action,
+                   recompute=recompute)
 
 
 NO_FRAMEWORK_COSTS = FrameworkCosts()

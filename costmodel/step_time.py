@@ -48,7 +48,7 @@ from costmodel.breakdown import TimeBreakdown
 from costmodel.cluster import Cluster
 from costmodel.collectives import Collective, CommGroup, collective_time
 from costmodel.device import DeviceSpec
-from costmodel.framework import ZERO_PASS, PassCost
+from costmodel.framework import ZERO_PASS, FrameworkCosts, PassCost
 from costmodel.memory import PricedSegment
 from costmodel.operators import T_KERNEL_FLOOR_S
 from costmodel.pipeline import drain_slack, pipeline_times
@@ -103,14 +103,18 @@ class StageTime:
     tp_bwd_s: float = 0.0
     dp_fwd_s: float = 0.0
     dp_bwd_s: float = 0.0
+    host_fwd_s: float = 0.0
+    """Framework host work of the micro-batch's forward (`costmodel.framework`: data-parallel unit hooks,
+    pipeline actions, checkpoint machinery), not scaled by the device speed."""
+    host_bwd_s: float = 0.0
 
     @property
     def fwd_s(self) -> float:
-        return self.compute_fwd_s + self.tp_fwd_s + self.dp_fwd_s
+        return self.compute_fwd_s + self.tp_fwd_s + self.dp_fwd_s + self.host_fwd_s
 
     @property
     def bwd_s(self) -> float:
-        return self.compute_bwd_s + self.recompute_s + self.tp_bwd_s + self.dp_bwd_s
+        return self.compute_bwd_s + self.recompute_s + self.tp_bwd_s + self.dp_bwd_s + self.host_bwd_s
 
 
 def recompute_time(segment: PricedSegment) -> float:
@@ -122,9 +126,38 @@ def recompute_time(segment: PricedSegment) -> float:
     return 0.0
 
 
+def host_time(segments: Sequence[PricedSegment], framework: FrameworkCosts, *, zero_stage: int, dp_size: int,
+              pipeline_size: int) -> PassCost:
+    """Framework host work of one micro-batch on a virtual stage made of `segments` (`costmodel.framework`):
+    - data parallelism: one unit for ZeRO-0's replicated part, one FSDP2 unit per segment under ZeRO >= 1;
+    - pipelining (pp > 1): one schedule action forward and one backward;
+    - recomputation: the checkpoint machinery per checkpointed segment (selective: segments with an attention
+      core to recompute, as `planner.apply_recompute` checkpoints only those)."""
+    if framework.is_zero:
+        return ZERO_PASS
+    fwd = bwd = 0.0
+    if dp_size > 1:
+        unit = framework.dp_unit_cost(zero_stage, dp_size)
+        units = 1 if zero_stage == 0 else len(segments)
+        fwd += units * unit.forward_s
+        bwd += units * unit.backward_s
+    if pipeline_size > 1:
+        action = framework.pp_action_cost(pipeline_size)
+        fwd += action.forward_s
+        bwd += action.backward_s
+    for s in segments:
+        mode = Recompute(s.recompute)
+        if mode is Recompute.FULL or (mode is Recompute.SELECTIVE and s.cost.recompute_selective_s > 0):
+            c = framework.recompute_cost(mode.value)
+            fwd += c.forward_s
+            bwd += c.backward_s
+    return PassCost(fwd, bwd)
+
+
 def stage_time(segments: Sequence[PricedSegment], *, speed: float = 1.0, dp_fwd_s: float = 0.0,
-               dp_bwd_s: float = 0.0) -> StageTime:
-    """`StageTime` of a virtual stage made of `segments` (LayerCosts + recompute choices)."""
+               dp_bwd_s: float = 0.0, host: PassCost = ZERO_PASS) -> StageTime:
+    """`StageTime` of a virtual stage made of `segments` (LayerCosts + recompute choices); `host` is its
+    framework host work (`host_time`)."""
     if speed <= 0:
         raise ValueError(f"speed factor must be positive, got {speed}")
     # Full recomputation reruns the forward communication too; it is part of recompute_full_s (LayerCost).
@@ -136,6 +169,8 @@ def stage_time(segments: Sequence[PricedSegment], *, speed: float = 1.0, dp_fwd_
         tp_bwd_s=sum(s.cost.bwd_comm_s for s in segments),
         dp_fwd_s=dp_fwd_s,
         dp_bwd_s=dp_bwd_s,
+        host_fwd_s=host.forward_s,
+        host_bwd_s=host.backward_s,
     )
 
 
@@ -156,17 +191,14 @@ class DataParallelComm:
 
 def data_parallel_comm(*, zero_stage: int, grad_bytes: float, param_bytes: float, num_segments: int,
                        fwd_window_s: float, bwd_window_s: float, group: CommGroup, cluster: Cluster,
-                       concurrent: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                       unit_overhead: PassCost = ZERO_PASS) -> DataParallelComm:
+                       concurrent: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> DataParallelComm:
     """Price the data-parallel collectives of one stage (module docstring). Bytes are this rank's unsharded
     gradient and weight bytes (after tensor parallelism).
 
     Under ZeRO-1..3 every collective goes out once per FSDP unit (a unit per segment), and each piece pays the
     collective's latency: n pieces of S / n bytes. ZeRO-0's gradient all-reduce is one collective over the whole
-    part (`replicate` keeps one unit; gradient buckets only pace its overlap with the backward). The runtime's
-    host work per unit and micro-batch (`unit_overhead`, `costmodel.framework`; one unit for ZeRO-0's replicated
-    part, one per segment under FSDP) is on the critical path; it is host time measured as the ranks run it, so
-    the device's speed factor does not scale it."""
+    part (`replicate` keeps one unit; gradient buckets only pace its overlap with the backward). The units' host
+    work is `host_time`'s."""
     if group.size <= 1 or grad_bytes <= 0:
         return DataParallelComm()
 
@@ -175,26 +207,20 @@ def data_parallel_comm(*, zero_stage: int, grad_bytes: float, param_bytes: float
 
     n_seg = max(num_segments, 1)
     buckets = max(math.ceil(grad_bytes / bucket_bytes), 1)
-    units = 1 if zero_stage == 0 else n_seg
-    host_fwd = units * unit_overhead.forward_s
-    host_bwd = units * unit_overhead.backward_s
     if zero_stage == 0:
-        return DataParallelComm(per_microbatch_fwd_s=host_fwd, per_microbatch_bwd_s=host_bwd,
-                                end_reduce_s=t(Collective.ALL_REDUCE, grad_bytes, 1),
+        return DataParallelComm(end_reduce_s=t(Collective.ALL_REDUCE, grad_bytes, 1),
                                 end_reduce_chunks=buckets)
     if zero_stage == 1:
-        return DataParallelComm(per_microbatch_fwd_s=host_fwd, per_microbatch_bwd_s=host_bwd,
-                                end_reduce_s=t(Collective.REDUCE_SCATTER, grad_bytes, n_seg),
+        return DataParallelComm(end_reduce_s=t(Collective.REDUCE_SCATTER, grad_bytes, n_seg),
                                 end_reduce_chunks=max(buckets, n_seg),
                                 post_step_s=t(Collective.ALL_GATHER, param_bytes, n_seg))
     reduce = t(Collective.REDUCE_SCATTER, grad_bytes, n_seg)
     if zero_stage == 2:
-        return DataParallelComm(per_microbatch_fwd_s=host_fwd,
-                                per_microbatch_bwd_s=host_bwd + overlapped_exposed(reduce, bwd_window_s, n_seg),
+        return DataParallelComm(per_microbatch_bwd_s=overlapped_exposed(reduce, bwd_window_s, n_seg),
                                 post_step_s=t(Collective.ALL_GATHER, param_bytes, n_seg))
     gather = t(Collective.ALL_GATHER, param_bytes, n_seg)
-    return DataParallelComm(per_microbatch_fwd_s=host_fwd + overlapped_exposed(gather, fwd_window_s, n_seg),
-                            per_microbatch_bwd_s=host_bwd + overlapped_exposed(gather + reduce, bwd_window_s, n_seg))
+    return DataParallelComm(per_microbatch_fwd_s=overlapped_exposed(gather, fwd_window_s, n_seg),
+                            per_microbatch_bwd_s=overlapped_exposed(gather + reduce, bwd_window_s, n_seg))
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +260,7 @@ def step_breakdown(stages: Sequence[StageTime], tails: Sequence[RankTail], *, sc
     recompute = m * sum(s.recompute_s for s in mine)
     tp = m * sum(s.tp_fwd_s + s.tp_bwd_s for s in mine)
     dp = m * sum(s.dp_fwd_s + s.dp_bwd_s for s in mine)
+    host = m * sum(s.host_fwd_s + s.host_bwd_s for s in mine)
     # End of step: gradient reduction hidden by the last backward and the drain, then optimizer, then gathers.
     slack = drain_slack(bwd, pp, p2p_time)
     tail_tp = tail_dp = 0.0
@@ -246,4 +273,5 @@ def step_breakdown(stages: Sequence[StageTime], tails: Sequence[RankTail], *, sc
     optimizer = max(t.optimizer_s for t in tails)
     post = max(t.post_step_s for t in tails)
     return TimeBreakdown(compute_s=compute, recompute_s=recompute, tp_comm_s=tp + tail_tp, pp_comm_s=pipe.p2p_s,
-                         dp_comm_s=dp + tail_dp + post, bubble_s=pipe.bubble_s, optimizer_s=optimizer)
+                         dp_comm_s=dp + tail_dp + post, bubble_s=pipe.bubble_s, optimizer_s=optimizer,
+                         framework_s=host)

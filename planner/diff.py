@@ -163,7 +163,7 @@ _NAMED_PATHS: frozenset[str] = frozenset(
     + [f"predicted.{k}" for k in ("step_time_s", "tokens_per_s", "samples_per_s", "tflops_per_device",
                                   "hardware_tflops_per_device", "mfu", "hfu", "fits")]
     + [f"predicted.breakdown.{k}" for k in ("compute_s", "recompute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s",
-                                            "bubble_s", "optimizer_s")]
+                                            "bubble_s", "optimizer_s", "framework_s")]
     + [f"search.{k}" for k in ("status", "candidates", "optimality_gap")])
 
 _NAMED_PREFIXES: tuple[str, ...] = (
@@ -262,8 +262,10 @@ def _prediction_pairs(o: Mapping[str, Any], n: Mapping[str, Any]) -> Iterator[tu
                Unit.BYTES)
     yield "fits", o["fits"], n["fits"], Unit.NONE
     yield "problems", "; ".join(o["problems"]), "; ".join(n["problems"]), Unit.NONE
-    for key in ("compute_s", "recompute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "bubble_s", "optimizer_s"):
-        yield f"breakdown.{key}", o["breakdown"][key], n["breakdown"][key], Unit.SECONDS
+    for key in ("compute_s", "recompute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "bubble_s", "optimizer_s",
+                "framework_s"):
+        # framework_s is absent from plans written before it existed: 0 there
+        yield f"breakdown.{key}", o["breakdown"].get(key, 0.0), n["breakdown"].get(key, 0.0), Unit.SECONDS
 
 
 def _leaf_changes(a: Any, b: Any, path: str) -> Iterator[tuple[str, Any, Any]]:

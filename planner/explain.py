@@ -32,6 +32,7 @@ _BREAKDOWN_TERMS: tuple[tuple[str, str], ...] = (
     ("dp_comm_s", "data-parallel comm (exposed)"),
     ("bubble_s", "pipeline bubble"),
     ("optimizer_s", "optimizer step"),
+    ("framework_s", "framework host work"),
 )
 _COMM_TERMS = ("tp_comm_s", "pp_comm_s", "dp_comm_s")
 _LEADING_MARGIN = re.compile(r"^[+-]?\d+(\.\d+)?% step time[:;,]?\s*")

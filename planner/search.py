@@ -655,6 +655,7 @@ _PHRASES = {
     "dp_comm_s": "more exposed data-parallel communication",
     "bubble_s": "a larger pipeline bubble",
     "optimizer_s": "a longer optimizer step",
+    "framework_s": "more framework host work (FSDP2 / DTensor / pipeline / checkpoint machinery)",
 }
 
 

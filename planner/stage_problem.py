@@ -36,32 +36,25 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from costmodel.cluster import Cluster
-from costmodel.collectives import Collective, CommGroup, collective_time, spans
+from costmodel.collectives import CommGroup, spans
 from costmodel.device import DeviceSpec
 from costmodel.estimate import (
+    RankSetting,
     dp_group,
     even_stages,
     p2p_group,
     p2p_time,
-    param_tensor_kinds,
+    rank_step_terms,
     shared_parameter_copies,
     stage_ranks,
     tp_group,
 )
-from costmodel.expert_parallel import dp_synced_params, optimizer_params
 from costmodel.framework import FrameworkCosts
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment, rank_memory
 from costmodel.pipeline import in_flight_per_chunk
-from costmodel.step_time import (
-    data_parallel_comm,
-    optimizer_step_time,
-    overlapped_exposed,
-    stage_time,
-    tp_grad_sync_time,
-)
+from costmodel.step_time import DataParallelComm, data_parallel_comm, overlapped_exposed
 from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
-from ir.graph import dtype_bytes
 from ir.layer_chain import LayerChain
 from planner.layer_costs import AxisSplit, LayerCostTable
 from planner.mesh_search import MeshCandidate
@@ -189,7 +182,7 @@ class StageProblemBuilder:
     _shared: dict[tuple, tuple[int, ...]] = field(default_factory=dict, repr=False)
     _p2p_sig: dict[tuple, tuple] = field(default_factory=dict, repr=False)
     _framework: dict[str, FrameworkCosts] = field(default_factory=dict, repr=False)
-    _dp_comm: dict[tuple, object] = field(default_factory=dict, repr=False)
+    _dp_comm_cache: dict[tuple, DataParallelComm] = field(default_factory=dict, repr=False)
     """`step_time.data_parallel_comm` results by what they depend on (the group through `collectives.spans`)."""
 
     # -- placement -------------------------------------------------------------------------------------------
@@ -308,49 +301,24 @@ class StageProblemBuilder:
             hit = self._framework[device.name] = FrameworkCosts.from_profile(self.table.profile, device.name)
         return hit
 
+    def _dp_comm(self, **kw) -> DataParallelComm:
+        """`step_time.data_parallel_comm`, cached by what it depends on (the group through `collectives.spans`)."""
+        key = (kw["zero_stage"], kw["grad_bytes"], kw["param_bytes"], kw["num_segments"], kw["fwd_window_s"],
+               kw["bwd_window_s"], self._sig(kw["group"]), kw["concurrent"])
+        hit = self._dp_comm_cache.get(key)
+        if hit is None:
+            hit = self._dp_comm_cache[key] = data_parallel_comm(**kw)
+        return hit
+
     def _rank_terms(self, cand: Candidate, ctx: _RankContext, chunks: Sequence[Sequence[PricedSegment]],
                     shared: int, in_flight: Sequence[int] | None) -> _Terms:
-        """Terms of one pipeline rank holding `chunks`, composed exactly as `costmodel.estimate` does."""
-        wbytes = dtype_bytes(self.dtype)
+        """Terms of one pipeline rank holding `chunks`: `costmodel.estimate.rank_step_terms`, the composition
+        `estimate` uses, plus the memory terms."""
         m = cand.mesh
-        framework = self.framework(ctx.device)
-        unit_overhead = framework.dp_unit_cost(cand.zero_stage, m.dp * m.cp)
-        num_devices = m.num_devices
-        fwd, bwd = [], []
-        end_reduce, end_chunks, post, window = 0.0, 0, 0.0, 0.0
-        for segs in chunks:
-            plain = stage_time(segs, speed=ctx.speed)
-            # Issue 10: expert weights are reduced over dp*cp/ep ranks (costmodel/expert_parallel.py).
-            params = dp_synced_params((s.cost for s in segs), dp_size=m.dp * m.cp, ep=m.ep)
-            comm_key = (cand.zero_stage, params * wbytes, len(segs), plain.compute_fwd_s,
-                        plain.compute_bwd_s + plain.recompute_s, self._sig(ctx.dp_group), m.tp * m.pp,
-                        ctx.device.name, ctx.speed)
-            comm = self._dp_comm.get(comm_key)
-            if comm is None:
-                comm = self._dp_comm[comm_key] = data_parallel_comm(
-                    zero_stage=cand.zero_stage, grad_bytes=params * wbytes, param_bytes=params * wbytes,
-                    num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
-                    bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=ctx.dp_group,
-                    cluster=self.cluster, concurrent=m.tp * m.pp, unit_overhead=unit_overhead)
-            st = stage_time(segs, speed=ctx.speed, dp_fwd_s=comm.per_microbatch_fwd_s,
-                            dp_bwd_s=comm.per_microbatch_bwd_s)
-            fwd.append(st.fwd_s)
-            bwd.append(st.bwd_s)
-            end_reduce += comm.end_reduce_s
-            end_chunks += comm.end_reduce_chunks
-            post += comm.post_step_s
-            window += st.compute_bwd_s + st.recompute_s + st.tp_bwd_s
-        local = sum(s.cost.param_count for c in chunks for s in c) + shared
-        experts = sum(s.cost.expert_param_count for c in chunks for s in c)  # issue 10: ZeRO over dp*cp/ep
-        local = optimizer_params(local, experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp, ep=m.ep)
-        sync = sum(s.cost.grad_sync_bytes for c in chunks for s in c)
-        tp_sync = tp_grad_sync_time(sync, sum(s.cost.grad_sync_tensors for c in chunks for s in c), ctx.tp_group,
-                                    self.cluster, concurrent=num_devices // m.tp,
-                                    per_tensor_s=framework.grad_sync_per_tensor(m.tp))
-        shared_sync = (collective_time(Collective.ALL_REDUCE, shared * wbytes, ctx.shared_group, self.cluster,
-                                       concurrent=num_devices // m.pp)
-                       if shared and ctx.shared_group is not None else 0.0)
-        tail = overlapped_exposed(end_reduce, window, max(end_chunks, 1)) + tp_sync
+        setting = RankSetting(ctx.index, ctx.device, ctx.speed, self.framework(ctx.device))
+        times, tail = rank_step_terms(chunks, shared, self.strategy_of(cand), setting, self.cluster, self.dtype,
+                                      dp_comm=self._dp_comm)
+        exposed = overlapped_exposed(tail.end_reduce_s, tail.last_bwd_window_s, tail.end_reduce_chunks)
         dp = m.dp * m.cp
 
         def memory(counts: Sequence[int]) -> float:
@@ -361,10 +329,8 @@ class StageProblemBuilder:
             mem0, mem1 = memory([0]), memory([1])
         else:
             mem0 = mem1 = memory(in_flight)
-        optimizer = optimizer_step_time(
-            local, ctx.device, speed=ctx.speed, host_s=framework.optimizer_host_s(
-                *param_tensor_kinds(self.strategy_of(cand), (s.cost for c in chunks for s in c))))
-        return _Terms(tuple(fwd), tuple(bwd), tail, shared_sync, optimizer, post, mem0, mem1)
+        return _Terms(tuple(t.fwd_s for t in times), tuple(t.bwd_s for t in times), exposed + tail.tp_grad_sync_s,
+                      tail.shared_sync_s, tail.optimizer_s, tail.post_step_s, mem0, mem1)
 
     def _p2p(self, cand: Candidate, boundary: int, nbytes: float) -> float:
         """`costmodel.estimate.p2p_time`, cached by what the send depends on."""

@@ -27,7 +27,7 @@ def test_shares_add_up_and_name_every_term():
     step = plan.predicted.step_time_s
     terms = {t.key: t for t in e.terms}
     assert list(terms) == ["compute_s", "recompute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "bubble_s",
-                           "optimizer_s", "comm_total"]
+                           "optimizer_s", "framework_s", "comm_total"]
     assert sum(t.share for t in e.terms if t.key != "comm_total") == pytest.approx(1.0, rel=1e-12)
     bd = plan.predicted.breakdown
     assert terms["bubble_s"].share == pytest.approx(bd.bubble_s / step, rel=1e-12)

@@ -15,15 +15,15 @@ from costmodel.collectives import Collective, CommGroup, collective_time
 from costmodel.estimate import estimate, param_tensor_kinds
 from costmodel.framework import (
     NO_FRAMEWORK_COSTS,
-    ZERO_PASS,
     DataParallelMode,
     FrameworkCosts,
     PassCost,
     dp_mode,
 )
 from costmodel.layer_pricing import owned_param_tensors, price_segment
+from costmodel.memory import PricedSegment
 from costmodel.profile_db import OpProfile, OpTiming
-from costmodel.step_time import data_parallel_comm, optimizer_step_time, tp_grad_sync_time
+from costmodel.step_time import data_parallel_comm, host_time, optimizer_step_time, tp_grad_sync_time
 from costmodel.strategy import Recompute, Schedule, Strategy
 from planner.layer_costs import LayerCostTable
 from planner.search import enumerate_candidates, layer_cost_map
@@ -76,22 +76,15 @@ def test_tp_gradient_sync_per_tensor() -> None:
     assert tp_grad_sync_time(0, 10, group, cluster) == 0 and tp_grad_sync_time(1e6, 10, CommGroup(1), cluster) == 0
 
 
-def test_data_parallel_units_pay_host_overhead_and_latency_each() -> None:
+def test_data_parallel_units_pay_latency_each() -> None:
     cluster = Cluster.parse("1x4xcpu")
     group = CommGroup(4)
     nbytes = 4e6
 
-    def comm(zero: int, overhead: PassCost = ZERO_PASS):
+    def comm(zero: int):
         return data_parallel_comm(zero_stage=zero, grad_bytes=nbytes, param_bytes=nbytes, num_segments=5,
-                                  fwd_window_s=0.0, bwd_window_s=0.0, group=group, cluster=cluster,
-                                  unit_overhead=overhead)
+                                  fwd_window_s=0.0, bwd_window_s=0.0, group=group, cluster=cluster)
 
-    unit = PassCost(1e-3, 3e-3)
-    for zero in range(4):
-        plain, loaded = comm(zero), comm(zero, unit)
-        units = 1 if zero == 0 else 5
-        assert loaded.per_microbatch_fwd_s - plain.per_microbatch_fwd_s == pytest.approx(units * 1e-3)
-        assert loaded.per_microbatch_bwd_s - plain.per_microbatch_bwd_s == pytest.approx(units * 3e-3)
     # One gather and one reduce-scatter per unit, each with its latency; ZeRO-0: one all-reduce.
     ag = 5 * collective_time(Collective.ALL_GATHER, nbytes / 5, group, cluster)
     rs = 5 * collective_time(Collective.REDUCE_SCATTER, nbytes / 5, group, cluster)
@@ -99,6 +92,29 @@ def test_data_parallel_units_pay_host_overhead_and_latency_each() -> None:
     assert comm(3).per_microbatch_bwd_s == pytest.approx(ag + rs)
     assert comm(1).end_reduce_s == pytest.approx(rs) and comm(1).post_step_s == pytest.approx(ag)
     assert comm(0).end_reduce_s == pytest.approx(collective_time(Collective.ALL_REDUCE, nbytes, group, cluster))
+
+
+def test_host_time_counts_units_actions_and_checkpointed_layers() -> None:
+    chain = chain_of("gpt", GPT_TINY)
+    device = Cluster.parse("1x2xcpu").device_of(0)
+    costs = [price_segment(chain, s, device, microbatch_size=1) for s in chain.segments]
+    framework = replace(COSTS, pp_action={2: PassCost(0.3e-3, 0.5e-3)},
+                        recompute={"selective": PassCost(1e-3, 4e-3), "full": PassCost(0.5e-3, 2e-3)})
+    segs = [PricedSegment(c, Recompute.NONE) for c in costs]
+    assert host_time(segs, framework, zero_stage=3, dp_size=2, pipeline_size=1) == \
+        PassCost(len(segs) * 2e-3, len(segs) * 4e-3)
+    assert host_time(segs, framework, zero_stage=0, dp_size=2, pipeline_size=2) == PassCost(1e-3 + 0.3e-3,
+                                                                                           2e-3 + 0.5e-3)
+    # selective checkpoints only the segments with an attention core (the blocks); full every segment
+    blocks = sum(1 for c in costs if c.recompute_selective_s > 0)
+    assert 0 < blocks < len(costs)
+    sel = host_time([PricedSegment(c, Recompute.SELECTIVE) for c in costs], framework, zero_stage=0, dp_size=1,
+                    pipeline_size=1)
+    full = host_time([PricedSegment(c, Recompute.FULL) for c in costs], framework, zero_stage=0, dp_size=1,
+                     pipeline_size=1)
+    assert sel == PassCost(blocks * 1e-3, blocks * 4e-3)
+    assert full == PassCost(len(costs) * 0.5e-3, len(costs) * 2e-3)
+    assert host_time(segs, NO_FRAMEWORK_COSTS, zero_stage=3, dp_size=8, pipeline_size=4) == PassCost()
 
 
 def test_owned_param_tensors_count_a_tied_weight_once() -> None:
@@ -123,7 +139,9 @@ def test_estimate_adds_the_framework_terms_in_closed_form() -> None:
         unit = COSTS.dp_unit_cost(zero, 2)
         per_mb = (1 if zero == 0 else units) * (unit.forward_s + unit.backward_s)
         assert loaded.breakdown.optimizer_s - plain.breakdown.optimizer_s == pytest.approx(tensors * 150e-6)
+        assert loaded.breakdown.framework_s == pytest.approx(2 * per_mb) and plain.breakdown.framework_s == 0
         assert loaded.step_time_s - plain.step_time_s == pytest.approx(2 * per_mb + tensors * 150e-6, rel=1e-6)
+        assert loaded.breakdown.total_s == pytest.approx(loaded.step_time_s)
     # A single device holds plain tensors.
     one = Strategy(microbatch_size=1, num_microbatches=4)
     seg = price_segment(chain, chain.segments[1], cluster.device_of(0), microbatch_size=1)
@@ -162,7 +180,9 @@ def test_search_objective_equals_estimate_with_framework_costs() -> None:
     checked = 0
     for sets, spec in ((GPT_TINY, "1x4xcpu"), (GPT_INTERLEAVE, "1x4xcpu")):
         chain, cluster = chain_of("gpt", sets), Cluster.parse(spec)
-        profile = OpProfile(entries=COSTS.entries("cpu"))
+        full = replace(COSTS, pp_action={2: PassCost(0.3e-3, 0.5e-3), 4: PassCost(0.4e-3, 0.6e-3)},
+                       recompute={"selective": PassCost(1e-3, 4e-3), "full": PassCost(0.5e-3, 2e-3)})
+        profile = OpProfile(entries=full.entries("cpu"))
         builder = StageProblemBuilder(chain, cluster, LayerCostTable(chain, cluster, profile=profile))
         cands, _ = enumerate_candidates(chain, cluster, 8, SearchSpace(max_microbatch_size=2))
         cands += [replace(c, schedule=Schedule.GPIPE) for c in cands
