@@ -7,8 +7,11 @@ For a small GPT (the zoo's `gpt-tiny`) trained in float32 with AdamW on the CPU 
    at every micro-batch size and tensor-parallel shard the planner prices (median of repeats: the speed of a rank
    with a core to itself -- other users of this shared machine preempt single runs, not the median), and the
    collectives of groups of every size dividing the process count with all groups running at once; fitted
-   alpha/beta calibrate the node tier (`costmodel.collective_fit.calibrated_cluster`). Ranks beyond the core
-   count share cores: each runs at speed cores / ranks (`shared_cores`, a `DeviceGroup.slowdown`).
+   alpha/beta calibrate the node tier, per collective kind (`costmodel.collective_fit.calibrated_cluster`); and
+   the framework overheads (`planner.framework_profile`: optimizer per tensor, FSDP2 / replicate units, pipeline
+   actions, checkpointing, tensor-parallel modules, partial-gradient syncs) in as many processes. The profile is
+   saved as `bench/results/fidelity-profile-<N>proc.json`. Ranks beyond the core count share cores: each runs
+   at speed cores / ranks (`shared_cores`, a `DeviceGroup.slowdown`).
 2. Enumerate every valid strategy: each search candidate (dp x tp x pp mesh, micro-batch size and count,
    schedule with interleaving, ZeRO stage, sequence parallelism; `planner.search.enumerate_candidates`) times each
    recomputation mode, priced by the planner's search with every dimension pinned (which also solves the stage
@@ -24,7 +27,8 @@ For a small GPT (the zoo's `gpt-tiny`) trained in float32 with AdamW on the CPU 
    against measured step time, mean absolute relative error of peak memory, and the regret of the planner's choice
    (measured time of the plan `planner.search.search` picks with that model / best measured time).
 
-Usage: python bench/fidelity.py [--clusters 1x2xcpu,1x4xcpu] [--batch 8] [--limit N] [--json]
+Usage: python bench/fidelity.py [--clusters 1x2xcpu,1x4xcpu] [--limit N] [--json]
+       python bench/fidelity.py --from-results RESULTS.json [--repredict] [--output OUT.json] [--no-doc]
 Writes bench/results/fidelity.json and the table in docs/fidelity.md (the numbers in that doc are this output).
 Internal: `python -m torch.distributed.run ... bench/fidelity.py --worker PLANS.json RESULTS.jsonl`.
 """

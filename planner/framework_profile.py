@@ -38,6 +38,24 @@ What is measured, per group size g (the g-rank 1-D mesh of the rank's group):
   and `RowwiseParallel` on the second (`planner.apply_tp`'s pair), input requiring grad as inside a network,
   against the plain MLP; minus the raw all-reduce of the output (forward) and of the input gradient (backward)
   at the same bytes; per sharded module = the difference / 2.
+- pipeline action, per pipeline size p (the p-rank group as the pipeline): a real `torch.distributed.pipelining`
+  pipeline of p stages, each a Linear(h, h) on (batch, seq, h) micro-batches, driven by the 1F1B schedule and
+  loss that `planner.parallelize` builds (`apply_pipeline.build_schedule`, `parallelize.MicrobatchLoss`).
+  1F1B takes (m + p - 1)(F + B) plus a fixed per-step cost for m micro-batches, F and B one stage action's
+  forward and backward (compute, host work, send/recv), so the slope between m1 = p and m2 = 3p micro-batches,
+  (t2 - t1) / (m2 - m1), is F + B. Minus the plain Linear's forward and backward and the send/recv the cost
+  model prices per micro-batch on the slowest stage, it is the host work per forward-backward action pair. The
+  wire is timed bare right there (every rank sends the activation to its next stage, then the gradient to its
+  previous one) and priced as `costmodel.pipeline` prices it: each hop adds to the receiving stage's forward and
+  the sending stage's backward, so an inner stage pays two hops per micro-batch and an end stage one, and the
+  slowest stage of p >= 3 pays two, of p = 2 one (`priced_wire_s`). A 1F1B step cannot separate the forward's
+  share from the backward's (it always runs both), so the pair is split half and half.
+- recompute (no communication; every rank measures at once, the figures are the slowest rank's): a GPT block
+  (`models.gpt.GPTBlock`: LayerNorm, attention, LayerNorm, MLP) plain, and checkpointed by
+  `planner.apply_recompute` SELECTIVE (the attention module's body, under a per-op Python policy) and FULL (the
+  whole block). Forward overhead = checkpointed forward - plain forward; backward overhead = checkpointed
+  backward - plain backward - the rerun work the cost model already prices: FULL, the plain forward; SELECTIVE,
+  the forward of the attention core (`models.attention.attention_core` on the block's q/k/v shapes), timed alone.
 
 Differences are clamped at 0: where the framework costs less than the noise, the model should price nothing.
 """
@@ -45,6 +63,7 @@ Differences are clamped at 0: where the framework costs less than the noise, the
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
 import os
@@ -87,9 +106,12 @@ class FrameworkOptions:
     """K: parameter tensors the optimizer steps over."""
     optimizer_sides: tuple[int, int] = (32, 128)
     """Side of the square optimizer tensors at the two sizes that separate the per-tensor and per-byte terms."""
+    heads: int = 8
+    """Attention heads of the recomputation reference block (a GPT block); must divide `hidden`."""
 
     def __post_init__(self) -> None:
-        for name in ("processes", "warmup", "repeats", "hidden", "seq", "batch", "units", "optimizer_tensors"):
+        for name in ("processes", "warmup", "repeats", "hidden", "seq", "batch", "units", "optimizer_tensors",
+                     "heads"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "warmup" else 1):
                 raise ValueError(f"{name} must be a {'non-negative' if name == 'warmup' else 'positive'} integer, "
@@ -100,6 +122,8 @@ class FrameworkOptions:
         if len(sides) != 2 or any(not isinstance(s, int) or s < 1 for s in sides) or sides[0] == sides[1]:
             raise ValueError(f"optimizer_sides must be two different positive integers, got {sides!r}")
         object.__setattr__(self, "optimizer_sides", tuple(sorted(sides)))
+        if self.hidden % self.heads:
+            raise ValueError(f"heads must divide hidden ({self.hidden}), got {self.heads}")
         valid = divisor_group_sizes(self.processes)
         sizes = tuple(sorted(set(self.group_sizes))) or valid
         bad = [g for g in sizes if g not in valid]
@@ -388,6 +412,121 @@ def measure_tp_module(mesh: Any, options: FrameworkOptions, timer: _Timer) -> Pa
     return PassCost(_median_clamped(fwd) / 2, _median_clamped(bwd) / 2)
 
 
+PIPELINE_MICROBATCHES = (1, 3)
+"""Micro-batch counts of the two pipeline steps, in multiples of the pipeline size p (m1 = p, m2 = 3p): 1F1B's
+steady state needs m >= p, and the slope between them is one forward-backward action pair."""
+
+
+def _mean_loss(output: torch.Tensor, _batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return output.mean()
+
+
+def _pipeline_step(mesh: Any, module: nn.Module, x: torch.Tensor, microbatches: int) -> _Pass:
+    """One `schedule.step` over `x` cut into `microbatches`, built as `planner.parallelize` builds a pipeline."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from costmodel.strategy import Schedule
+    from planner.apply_pipeline import build_schedule
+    from planner.parallelize import MicrobatchLoss
+
+    stage = PipelineStage(module, mesh.get_local_rank(), mesh.size(), torch.device("cpu"), group=mesh.get_group())
+    loss = MicrobatchLoss(_mean_loss)
+    loss.batch = (x,)
+    schedule = build_schedule([stage], Schedule.ONE_F_ONE_B, microbatches, loss)
+    sample_ids = torch.arange(x.shape[0])
+
+    def step() -> None:
+        schedule.step(x, target=sample_ids, losses=[], return_outputs=False)
+
+    return _Pass(step, reset=lambda: module.zero_grad(set_to_none=True))
+
+
+def _p2p_chain(x: torch.Tensor, mesh: Any, downstream: bool) -> Callable[[], None]:
+    """Every rank of the pipeline group sends `x` to its next stage and receives one from its previous stage
+    (`downstream`, an activation) or the reverse (a gradient), batched as the schedule batches them."""
+    import torch.distributed as dist
+
+    group, rank, p = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+    send_to, recv_from = (rank + 1, rank - 1) if downstream else (rank - 1, rank + 1)
+    ops = []
+    if 0 <= send_to < p:
+        ops.append(dist.P2POp(dist.isend, x, dist.get_global_rank(group, send_to), group))
+    if 0 <= recv_from < p:
+        ops.append(dist.P2POp(dist.irecv, torch.empty_like(x), dist.get_global_rank(group, recv_from), group))
+
+    def run() -> None:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return run
+
+
+def priced_wire_s(pipeline_size: int, activation_s: float, gradient_s: float) -> float:
+    """Send/recv seconds per micro-batch that `costmodel.pipeline` puts on the busiest 1F1B stage: it adds one
+    hop (of the activation, and of its gradient back) to the forward of the receiving stage and the backward of
+    the sending one, so an inner stage carries two hops and, for p = 2, each end stage one."""
+    hops = min(pipeline_size - 1, 2)
+    return hops * (activation_s + gradient_s) / 2
+
+
+def action_pair_overhead(step_times: tuple[float, float], microbatches: tuple[int, int], compute_s: float,
+                         p2p_s: float) -> float:
+    """Host seconds of one forward-backward action pair: the 1F1B step's slope per micro-batch, (t2 - t1) /
+    (m2 - m1) = F + B, less the stage's compute and its priced send/recv (unclamped: a repeat's value)."""
+    (t1, t2), (m1, m2) = step_times, microbatches
+    return (t2 - t1) / (m2 - m1) - compute_s - p2p_s
+
+
+def measure_pp_action(mesh: Any, options: FrameworkOptions, timer: _Timer) -> PassCost:
+    """Host overhead per pipeline stage action and micro-batch (forward, backward; half of a pair each)."""
+    h = options.hidden
+    module = nn.Linear(h, h)
+    x = torch.randn(options.batch, options.seq, h)
+    counts = tuple(k * mesh.size() for k in PIPELINE_MICROBATCHES)
+    batch = torch.randn(counts[1] * options.batch, options.seq, h)
+    plain_x = x.clone().requires_grad_(True)  # a stage's received input requires grad
+    grad = torch.ones_like(x)
+    activations, gradients = _p2p_chain(x, mesh, downstream=True), _p2p_chain(grad, mesh, downstream=False)
+    passes = [_Pass(lambda: module(plain_x), lambda out: out.backward(grad),
+                    lambda: module.zero_grad(set_to_none=True)),
+              *(_pipeline_step(mesh, module, batch[:m * options.batch], m) for m in counts),
+              _Pass(activations, lambda _: gradients())]
+    t = timer.rounds(passes)
+    pair = [action_pair_overhead((r[1][0], r[2][0]), counts, r[0][0] + r[0][1],
+                                 priced_wire_s(mesh.size(), r[3][0], r[3][1])) for r in t.tolist()]
+    net = _median_clamped(torch.tensor(pair))
+    return PassCost(net / 2, net / 2)
+
+
+def _attention_core_pass(options: FrameworkOptions) -> _Pass:
+    """The attention core alone on a (batch, heads, seq, hidden / heads) q, k, v: what SELECTIVE recomputes."""
+    from models.attention import AttnImpl, attention_core
+
+    head_dim = options.hidden // options.heads
+    q, k, v = (torch.randn(options.batch, options.heads, options.seq, head_dim) for _ in range(3))
+    return _Pass(lambda: attention_core(q, k, v, impl=AttnImpl.SDPA, causal=True, scale=head_dim ** -0.5,
+                                        dropout=0.0))
+
+
+def measure_recompute(options: FrameworkOptions, timer: _Timer) -> dict[str, PassCost]:
+    """Checkpoint machinery per recomputed layer and micro-batch, "selective" and "full" (module docstring)."""
+    from costmodel.strategy import Recompute
+    from models.gpt import GPTBlock, GPTConfig
+    from planner.apply_recompute import apply_recompute
+
+    block = GPTBlock(GPTConfig(vocab=1, hidden=options.hidden, layers=1, heads=options.heads, seq=options.seq))
+    wrapped = {mode: copy.deepcopy(block) for mode in (Recompute.SELECTIVE, Recompute.FULL)}
+    for mode, layer in wrapped.items():
+        apply_recompute([layer], mode)
+    x = torch.randn(options.batch, options.seq, options.hidden, requires_grad=True)
+    t = timer.rounds([_train_pass(block, x), *(_train_pass(m, x) for m in wrapped.values()),
+                      _attention_core_pass(options)])
+    plain_f, plain_b, core = t[:, 0, 0], t[:, 0, 1], t[:, 3, 0]
+    rerun = {Recompute.SELECTIVE: core, Recompute.FULL: plain_f}
+    return {mode.value: PassCost(_median_clamped(t[:, j, 0] - plain_f),
+                                 _median_clamped(t[:, j, 1] - plain_b - rerun[mode]))
+            for j, mode in enumerate(wrapped, start=1)}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Processes
 # ---------------------------------------------------------------------------------------------------------------
@@ -406,6 +545,28 @@ def _group_mesh(world: int, g: int) -> Any:
     return init_device_mesh("cpu", (world // g, g), mesh_dim_names=("replica", "group"))["group"]
 
 
+def _pass_json(cost: PassCost) -> list[float]:
+    return [cost.forward_s, cost.backward_s]
+
+
+def _measure_all(meshes: Mapping[int, Any], options: FrameworkOptions, timer: _Timer) -> dict[str, Any]:
+    """Every measurement, as the JSON `_costs_from_json` reads (group sizes as keys; [forward, backward])."""
+    plain, dtensor = measure_optimizer(meshes[max(meshes)], options, timer)
+    dp: dict[str, dict[int, list[float]]] = {}
+    tp: dict[int, list[float]] = {}
+    sync: dict[int, float] = {}
+    pp: dict[int, list[float]] = {}
+    for g, mesh in meshes.items():
+        sync[g] = measure_grad_sync(mesh, options, timer)
+        for mode, cost in measure_dp_units(mesh, options, timer).items():
+            dp.setdefault(mode.value, {})[g] = _pass_json(cost)
+        tp[g] = _pass_json(measure_tp_module(mesh, options, timer))
+        pp[g] = _pass_json(measure_pp_action(mesh, options, timer))
+    recompute = {mode: _pass_json(cost) for mode, cost in measure_recompute(options, timer).items()}
+    return {"optimizer": [plain, dtensor], "dp_unit": dp, "tp_module": tp, "grad_sync": sync, "pp_action": pp,
+            "recompute": recompute}
+
+
 def _framework_worker(rank: int, world: int, port: int, options: FrameworkOptions, result_path: str) -> None:
     import torch.distributed as dist
 
@@ -415,23 +576,16 @@ def _framework_worker(rank: int, world: int, port: int, options: FrameworkOption
     dist.init_process_group("gloo", rank=rank, world_size=world)
     timer = _Timer(options.warmup, options.repeats)
     try:
-        meshes = {g: _group_mesh(world, g) for g in options.group_sizes}
-        plain, dtensor = measure_optimizer(meshes[max(meshes)], options, timer)
-        dp: dict[str, dict[int, list[float]]] = {}
-        tp: dict[int, list[float]] = {}
-        sync: dict[int, float] = {}
-        for g, mesh in meshes.items():
-            sync[g] = measure_grad_sync(mesh, options, timer)
-            for mode, cost in measure_dp_units(mesh, options, timer).items():
-                dp.setdefault(mode.value, {})[g] = [cost.forward_s, cost.backward_s]
-            cost = measure_tp_module(mesh, options, timer)
-            tp[g] = [cost.forward_s, cost.backward_s]
+        result = _measure_all({g: _group_mesh(world, g) for g in options.group_sizes}, options, timer)
         if rank == 0:
-            Path(result_path).write_text(json.dumps({"optimizer": [plain, dtensor], "dp_unit": dp, "tp_module": tp,
-                                                      "grad_sync": sync}))
+            Path(result_path).write_text(json.dumps(result))
+        gc.collect()    # pipeline schedules and stages hold the groups: drop them before the teardown
         dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
+    # The interpreter's own teardown can abort in torch's C++ threads ("terminate called without an active
+    # exception", seen 3 times in ~20 runs after the pipeline measurement); the result is written, so leave now.
+    os._exit(0)
 
 
 def _costs_from_json(d: Mapping[str, Any]) -> FrameworkCosts:
@@ -441,7 +595,9 @@ def _costs_from_json(d: Mapping[str, Any]) -> FrameworkCosts:
         dp_unit={DataParallelMode(mode): {int(g): PassCost(*map(float, c)) for g, c in table.items()}
                  for mode, table in d["dp_unit"].items()},
         tp_module={int(g): PassCost(*map(float, c)) for g, c in d["tp_module"].items()},
-        grad_sync={int(g): float(v) for g, v in d.get("grad_sync", {}).items()})
+        grad_sync={int(g): float(v) for g, v in d.get("grad_sync", {}).items()},
+        pp_action={int(g): PassCost(*map(float, c)) for g, c in d.get("pp_action", {}).items()},
+        recompute={str(mode): PassCost(*map(float, c)) for mode, c in d.get("recompute", {}).items()})
 
 
 def measure_framework(options: FrameworkOptions) -> FrameworkCosts:
@@ -450,8 +606,12 @@ def measure_framework(options: FrameworkOptions) -> FrameworkCosts:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "framework.json")
-        mp.spawn(_framework_worker, args=(options.processes, _free_port(), options, path),
-                 nprocs=options.processes, join=True)
+        try:
+            mp.spawn(_framework_worker, args=(options.processes, _free_port(), options, path),
+                     nprocs=options.processes, join=True)
+        except mp.ProcessExitedException:
+            if not Path(path).exists():  # a rank died before the measurement was complete
+                raise
         return _costs_from_json(json.loads(Path(path).read_text()))
 
 
@@ -460,5 +620,6 @@ def framework_meta(options: FrameworkOptions) -> dict[str, str]:
     return {"framework_processes": str(options.processes),
             "framework_group_sizes": ",".join(map(str, options.group_sizes)),
             "framework_reference": f"hidden={options.hidden},seq={options.seq},batch={options.batch},"
-                                   f"units={options.units},optimizer_tensors={options.optimizer_tensors}",
+                                   f"units={options.units},optimizer_tensors={options.optimizer_tensors},"
+                                   f"heads={options.heads}",
             "framework_repeats": str(options.repeats), "framework_warmup": str(options.warmup)}

@@ -10,16 +10,18 @@ import math
 import pytest
 from torch import nn
 
-from costmodel.framework import DataParallelMode, FrameworkCosts
+from costmodel.framework import RECOMPUTE_MODES, DataParallelMode, FrameworkCosts
 from costmodel.profile_db import OpProfile
 from planner.cli.main import main
 from planner.framework_profile import (
     FrameworkOptions,
     ReferenceBlock,
+    action_pair_overhead,
     divisor_group_sizes,
     fsdp_padded_numel,
     measure_framework,
     per_tensor_intercept,
+    priced_wire_s,
 )
 
 
@@ -35,6 +37,7 @@ def test_group_sizes_default_to_every_divisor_of_at_least_two():
     ({"processes": 4, "group_sizes": (3,)}, "valid: 2, 4"),
     ({"repeats": 0}, "repeats must be a positive integer"),
     ({"optimizer_sides": (16, 16)}, "two different"),
+    ({"hidden": 32, "heads": 5}, "heads must divide hidden"),
 ])
 def test_options_reject_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -46,6 +49,26 @@ def test_per_tensor_intercept_recovers_the_constant_of_a_line():
     k, a, c = 48, 1.1e-4, 3e-9
     step = {n: k * a + k * c * n for n in (32 * 32, 128 * 128)}
     assert math.isclose(per_tensor_intercept((1024, step[1024]), (16384, step[16384]), k), a, rel_tol=1e-12)
+
+
+def test_action_pair_overhead_is_the_1f1b_slope_less_compute_and_wire():
+    # 1F1B over p stages: t(m) = c + (m + p - 1) * (compute + wire + host) for m micro-batches.
+    p, c, compute, wire, host = 4, 2e-3, 3e-4, 1e-4, 7e-4
+    step = {m: c + (m + p - 1) * (compute + wire + host) for m in (p, 3 * p)}
+    assert math.isclose(action_pair_overhead((step[p], step[3 * p]), (p, 3 * p), compute, wire), host,
+                        rel_tol=1e-9)
+
+
+def test_priced_wire_matches_the_pipeline_model_on_its_busiest_stage():
+    from costmodel.pipeline import pipeline_step_time
+    from costmodel.strategy import Schedule
+
+    # the wire's share of the 1F1B slope per micro-batch in costmodel.pipeline, equal stages, one hop = 1 ms
+    for p in (2, 3, 4, 8):
+        def step(m, p2p, p=p):
+            return pipeline_step_time([1.0] * p, [2.0] * p, Schedule.ONE_F_ONE_B, m, 1, p2p)
+        slope = (step(3 * p, 1e-3) - step(p, 1e-3)) / (2 * p) - (step(3 * p, 0.0) - step(p, 0.0)) / (2 * p)
+        assert math.isclose(priced_wire_s(p, 1e-3, 1e-3), slope, rel_tol=1e-9)
 
 
 def test_fsdp_padding_rounds_dim_zero_up_to_the_group():
@@ -71,6 +94,14 @@ def _check_measured(costs: FrameworkCosts, group_sizes: set[int]) -> None:
     # a partial gradient is redistributed inside the step: far dearer than a replicated one (~2 ms on gloo)
     assert set(costs.grad_sync) == group_sizes and all(v > costs.optimizer_per_dtensor_s
                                                        for v in costs.grad_sync.values())
+    # one pipeline size per group size; forward and backward share the action pair half and half
+    assert set(costs.pp_action) == group_sizes
+    assert all(c.forward_s == c.backward_s and c.forward_s < 0.05 for c in costs.pp_action.values())
+    assert set(costs.recompute) == set(RECOMPUTE_MODES)
+    assert all(c.forward_s >= 0 and c.backward_s >= 0 and c.forward_s + c.backward_s < 0.05
+               for c in costs.recompute.values())
+    # selective checkpointing calls a Python policy per op of the attention body: it costs something
+    assert costs.recompute["selective"]
 
 
 @pytest.mark.multiprocess
@@ -79,10 +110,12 @@ def test_two_processes_measure_every_term_and_round_trip():
     costs = measure_framework(options)
     _check_measured(costs, {2})
     entries = costs.entries("cpu")
-    assert len(entries) == 2 + 3 + 1 + 1  # optimizer plain and DTensor, one per mode, tp module, grad sync
+    # optimizer plain and DTensor, one per mode, tp module, grad sync, pp action, selective and full recompute
+    assert len(entries) == 2 + 3 + 1 + 1 + 1 + 2
     back = FrameworkCosts.from_profile(OpProfile.from_dict(OpProfile(entries=entries).to_dict()), "cpu")
     assert back == costs
     assert back.dp_unit_cost(3, 2) == costs.dp_unit[DataParallelMode.FSDP_RESHARD][2]
+    assert back.pp_action_cost(4) == costs.pp_action[2] and back.recompute_cost("full") == costs.recompute["full"]
 
 
 @pytest.mark.multiprocess
@@ -95,9 +128,12 @@ def test_cli_framework_merges_the_entries_into_the_profile(tmp_path, capsys):
     costs = FrameworkCosts.from_profile(prof, "cpu")
     _check_measured(costs, {2})
     assert summary["framework"]["optimizer_per_dtensor_s"] == costs.optimizer_per_dtensor_s
+    assert summary["framework"]["pp_action"] == {"2": [costs.pp_action[2].forward_s, costs.pp_action[2].backward_s]}
+    assert set(summary["framework"]["recompute"]) == set(RECOMPUTE_MODES)
     assert prof.meta["framework_processes"] == "2" and prof.meta["framework_group_sizes"] == "2"
     ops = [sig for _, sig in prof.entries if not sig.startswith("framework|")]
-    assert ops and summary["entries"] == len(prof.entries) == len(ops) + 7
+    # 7 as above, plus the pipeline action of the one group size and the two recompute modes
+    assert ops and summary["entries"] == len(prof.entries) == len(ops) + 7 + 1 + 2
 
 
 @pytest.mark.parametrize("argv, message", [

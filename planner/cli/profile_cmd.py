@@ -6,7 +6,8 @@ normalization and elementwise shapes -- forward and backward, median over repeat
 to --batch and, with --tp, the per-device shards the tensor-parallel pricer looks up; with --collectives also
 the collectives of a local process group of 2..--nproc processes at several sizes, fitted to alpha (latency) and
 beta (bandwidth); with --framework also the runtime's host overheads (`costmodel.framework`: AdamW per plain and
-per DTensor parameter, per FSDP2 / replicate unit, per tensor-parallel module call) in a gloo group of
+per DTensor parameter, per FSDP2 / replicate unit, per tensor-parallel module call, per pipeline stage action,
+per recomputed layer) in a gloo group of
 --framework-processes CPU processes. Writes the profile JSON (`costmodel.profile_db`) that `--profile FILE` makes the cost model use.
 
 Profile keys carry the traced shapes and dtypes: profile with the --set, --seq and --dtype you plan with.
@@ -75,7 +76,8 @@ def register(subparsers: Any) -> None:
                    help="largest process group for --collectives: groups of 2..K (default 2)")
     p.add_argument("--framework", action="store_true",
                    help="also measure the runtime's framework overheads (optimizer per tensor, FSDP2 / replicate per "
-                        "unit, tensor-parallel per module) on CPU ranks over gloo")
+                        "unit, tensor-parallel per module, pipeline per stage action, recomputation per layer) on "
+                        "CPU ranks over gloo")
     p.add_argument("--framework-processes", type=positive_int, default=None, metavar="N",
                    help="processes for --framework; every group size >= 2 dividing N is measured, all groups at once "
                         "(default: --concurrent K when K > 1, else 2)")
@@ -208,7 +210,9 @@ def _framework_summary(costs: Any) -> dict[str, Any] | None:
             "dp_unit": {str(mode): {str(g): [c.forward_s, c.backward_s] for g, c in sorted(table.items())}
                         for mode, table in costs.dp_unit.items()},
             "tp_module": {str(g): [c.forward_s, c.backward_s] for g, c in sorted(costs.tp_module.items())},
-            "grad_sync": {str(g): v for g, v in sorted(costs.grad_sync.items())}}
+            "grad_sync": {str(g): v for g, v in sorted(costs.grad_sync.items())},
+            "pp_action": {str(g): [c.forward_s, c.backward_s] for g, c in sorted(costs.pp_action.items())},
+            "recompute": {mode: [c.forward_s, c.backward_s] for mode, c in costs.recompute.items()}}
 
 
 def _summary(result: Any, profile: Any, path: str, framework: Any = None) -> dict[str, Any]:
@@ -237,6 +241,10 @@ def _framework_text(framework: dict[str, Any] | None, processes: str) -> list[st
                                                    for g, (f, b) in framework["tp_module"].items()))
     lines.append(f"  {'partial grad sync':<18}" + "  ".join(f"g={g}: {v * 1e3:.3f} per tensor"
                                                            for g, v in framework["grad_sync"].items()))
+    lines.append(f"  {'pipeline action':<18}" + "  ".join(f"p={g}: {f * 1e3:.3f} / {b * 1e3:.3f}"
+                                                         for g, (f, b) in framework["pp_action"].items()))
+    lines.append(f"  {'recompute layer':<18}" + "  ".join(f"{mode}: {f * 1e3:.3f} / {b * 1e3:.3f}"
+                                                         for mode, (f, b) in framework["recompute"].items()))
     return lines
 
 
