@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from costmodel.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.operators import node_time, retype_ratio
-from costmodel.profile_db import OpProfile
+from costmodel.profile_db import OpProfile, OpTiming, segment_signature
 from ir.graph import Node
 from ir.layer_chain import LayerChain, Segment
 
@@ -84,6 +84,15 @@ def owned_param_tensors(chain: LayerChain, segment: Segment) -> int:
     return sum(1 for index in first.values() if index == segment.index)
 
 
+def segment_glue(segment: Segment, device: DeviceSpec, *, microbatch_size: int, dtype: str,
+                 profile: OpProfile | None) -> OpTiming:
+    """Measured seconds of running the segment's layer whole beyond its ops' own times (`profile_db.
+    segment_signature`: module calls and Python between the ops), or zero when the profile has none."""
+    found = profile.lookup(device.name, segment_signature(segment.structural_hash, microbatch_size, dtype)) \
+        if profile is not None else None
+    return found or OpTiming(0.0, 0.0)
+
+
 def price_segment(chain: LayerChain, segment: Segment, device: DeviceSpec, *, microbatch_size: int,
                   dtype: str = "bfloat16", profile: OpProfile | None = None) -> LayerCost:
     """`LayerCost` of `segment` replicated on one `device` for a micro-batch of `microbatch_size` samples."""
@@ -95,8 +104,9 @@ def price_segment(chain: LayerChain, segment: Segment, device: DeviceSpec, *, mi
     nodes = chain.nodes_of(segment)
     times = [node_time(n, device, flops_scale=scale, bytes_scale=scale, dtype=dtype, profile=profile)
              for n in nodes]
-    fwd = sum(t[0] for t in times)
-    bwd = sum(t[1] for t in times)
+    glue = segment_glue(segment, device, microbatch_size=microbatch_size, dtype=dtype, profile=profile)
+    fwd = sum(t[0] for t in times) + glue.forward_s
+    bwd = sum(t[1] for t in times) + glue.backward_s
     region = selective_recompute_region(nodes)
     recompute_selective = sum(t[0] for n, t in zip(nodes, times, strict=True) if n.name in region)
     none, selective, full = saved_bytes_by_recompute(nodes, segment.input_bytes)

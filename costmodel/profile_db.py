@@ -138,6 +138,12 @@ def _spec_text(shape: tuple[int, ...], dtype: str) -> str:
     return f"({','.join(str(d) for d in shape)}):{dtype}"
 
 
+def segment_signature(structural_hash: str, microbatch_size: int, dtype: str) -> str:
+    """The profile key of a whole layer's glue: what running the layer's module costs beyond its ops' own
+    profiled times (module calls, Python between the ops, autograd bookkeeping), per micro-batch size."""
+    return f"segment|{structural_hash}|mbs={microbatch_size}|{dtype}"
+
+
 def op_signature(node: Node, *, flops_scale: float = 1.0, bytes_scale: float = 1.0,
                  param_scale: float = 1.0) -> str:
     """The profile key of `node` priced at the given scales (see module docstring)."""

@@ -17,7 +17,7 @@ from typing import Any
 from costmodel.cluster import Cluster
 from costmodel.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
-from costmodel.layer_pricing import owned_param_tensors, price_segment
+from costmodel.layer_pricing import owned_param_tensors, price_segment, segment_glue
 from ir.graph import Node
 from ir.layer_chain import LayerChain
 from planner.plan import ModuleSharding
@@ -135,9 +135,13 @@ class LayerCostTable:
                 microbatch_size=mbs, traced_batch=self.chain.graph.batch_size, sequence_parallel=sp,
                 dtype=self.dtype, cache=self._sharding_cache, profile=self.profile)
             owned = owned_param_tensors(self.chain, segment)
+            cost = _without_earlier_params(solved.cost, segment.param_count, self.chain.nodes_of(segment))
+            # The layer's glue between its ops (module calls, Python) is paid whole on every tp rank.
+            glue = segment_glue(segment, device, microbatch_size=mbs, dtype=self.dtype, profile=self.profile)
             costs[cid] = dataclasses.replace(
-                _without_earlier_params(solved.cost, segment.param_count, self.chain.nodes_of(segment)),
-                param_tensors=owned, dtensor_param_tensors=min(solved.cost.dtensor_param_tensors, owned))
+                cost, param_tensors=owned, dtensor_param_tensors=min(cost.dtensor_param_tensors, owned),
+                fwd_compute_s=cost.fwd_compute_s + glue.forward_s, bwd_compute_s=cost.bwd_compute_s + glue.backward_s,
+                recompute_full_s=cost.recompute_full_s + glue.forward_s)
             sharding[cid] = tuple(solved.module_styles())
         return ClassPrices(costs, sharding)
 

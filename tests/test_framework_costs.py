@@ -205,3 +205,29 @@ def test_search_objective_equals_estimate_with_framework_costs() -> None:
                 assert value == pytest.approx(est.step_time_s, rel=1e-9), cand.label
                 checked += 1
     assert checked > 30
+
+
+def test_profiled_segment_glue_is_added_to_the_layer_price() -> None:
+    import torch
+
+    from costmodel.layer_pricing import segment_glue
+    from costmodel.profile_db import segment_signature
+    from planner.profiler import ModelRequest, ProfileOptions, profile_requests
+
+    run = profile_requests([ModelRequest("gpt", ("layers=2", "hidden=64", "heads=4", "vocab=128", "seq=32"))],
+                           device=torch.device("cpu"), device_name="cpu",
+                           options=ProfileOptions(microbatch_sizes=(1,), dtype="float32", warmup=1, repeats=3))
+    glue = {sig: t for (_, sig), t in run.profile.entries.items() if sig.startswith("segment|")}
+    assert len(glue) == 1  # the block class: embedding and head are not one module each
+    assert all(t.forward_s >= 0 and t.backward_s >= 0 for t in glue.values())
+    chain = chain_of("gpt", ("layers=2", "hidden=64", "heads=4", "vocab=128", "seq=32"))
+    block = chain.segments[1]
+    device = Cluster.parse("1x2xcpu").device_of(0)
+    key = segment_signature(block.structural_hash, 1, "float32")
+    assert key in glue  # the meta-device trace and the profiled model agree on the layer's structure
+    fake = OpProfile(entries={("cpu", key): OpTiming(1e-3, 2e-3)})
+    assert segment_glue(block, device, microbatch_size=1, dtype="float32", profile=fake) == OpTiming(1e-3, 2e-3)
+    plain = price_segment(chain, block, device, microbatch_size=1, dtype="float32")
+    loaded = price_segment(chain, block, device, microbatch_size=1, dtype="float32", profile=fake)
+    assert loaded.fwd_compute_s - plain.fwd_compute_s == pytest.approx(1e-3)
+    assert loaded.bwd_compute_s - plain.bwd_compute_s == pytest.approx(2e-3)
