@@ -632,7 +632,7 @@ def profile_module(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, 
                 "backward_pass_overhead_s": f"{overhead:.6g}"}
     profile = OpProfile.from_timings(((device_name, s, t) for s, t in acc.timings.items()), meta=meta)
     return ProfileRun(profile=profile, skipped=tuple(acc.skipped[k] for k in sorted(acc.skipped)),
-                      measured_ops=len(acc.timings), seconds=time.perf_counter() - started, models=(name,))
+                      measured_ops=sum(1 for k in acc.timings if not k.startswith("segment|")), seconds=time.perf_counter() - started, models=(name,))
 
 
 def _segment_module(model: nn.Module, name: str) -> nn.Module | None:
@@ -683,12 +683,12 @@ def _measure_segment_glue(model: nn.Module, chain: LayerChain, inputs: Sequence[
 
 def _time_module(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], options: ProfileOptions
                  ) -> tuple[float, float, int]:
-    """Median forward and backward seconds of `module` on leaf copies of `args` (random output gradients)."""
+    """Forward and backward seconds of `module` on leaf copies of `args` (random output gradients), with the
+    options' statistic as `_Runner.measure` applies it to single ops."""
     def leaf(v: Any) -> Any:
         return v.detach().requires_grad_(_is_float(v)) if isinstance(v, torch.Tensor) else v
 
-    fwd, bwd = [], []
-    for i in range(options.warmup + options.repeats):
+    def run_once() -> tuple[float, float]:
         a = tuple(leaf(v) for v in args)
         k = {n: leaf(v) for n, v in kwargs.items()}
         t0 = time.perf_counter()
@@ -702,10 +702,16 @@ def _time_module(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         _sync(a)
         t3 = time.perf_counter()
         module.zero_grad(set_to_none=True)
-        if i >= options.warmup:
-            fwd.append(t1 - t0)
-            bwd.append(t3 - t2)
-    return statistics.median(fwd), statistics.median(bwd), len(fwd)
+        return t1 - t0, t3 - t2
+
+    for _ in range(options.warmup):
+        run_once()
+    runs = [run_once() for _ in range(options.repeats)]
+    if options.statistic is Statistic.MEDIAN:
+        return statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs), len(runs)
+    while sum(f + b for f, b in runs) < options.min_window_s and len(runs) < MAX_TIMED_RUNS:
+        runs.append(run_once())
+    return statistics.fmean(f for f, _ in runs), statistics.fmean(b for _, b in runs), len(runs)
 
 
 @contextlib.contextmanager

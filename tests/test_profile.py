@@ -17,7 +17,7 @@ import ir
 from costmodel.catalog import get_device
 from costmodel.layer_pricing import price_segment
 from costmodel.operators import node_time
-from costmodel.profile_db import OpProfile, op_signature
+from costmodel.profile_db import OpProfile, OpTiming, op_signature, segment_signature
 from costmodel.sharding_cost import build_sharding_model
 from ir.graph import OpKind
 from planner.cli.main import main
@@ -74,11 +74,17 @@ def test_fx_graph_has_the_ir_node_names(tiny):
 def test_every_priced_key_is_measured(tiny):
     _, _, graph, run = tiny
     expected = {op_signature(n, flops_scale=m, bytes_scale=m) for n in _work_nodes(graph) for m in (1, 2)}
-    measured = {sig for (_, sig) in run.profile.entries}
+    measured = {sig for (_, sig) in run.profile.entries if not sig.startswith("segment|")}
     assert measured == expected  # identical blocks share keys: one entry per distinct signature
     assert run.measured_ops == len(expected) and not run.skipped
-    for t in run.profile.entries.values():
-        assert 0 < t.forward_s < 0.1 and 0 <= t.backward_s < 0.1 and t.samples == 3
+    for (_, sig), t in run.profile.entries.items():
+        if sig.startswith("segment|"):  # a layer's glue beyond its ops: small, possibly 0
+            assert 0 <= t.forward_s < 0.1 and 0 <= t.backward_s < 0.1
+        else:
+            assert 0 < t.forward_s < 0.1 and 0 <= t.backward_s < 0.1 and t.samples == 3
+    glue = [sig for (_, sig) in run.profile.entries if sig.startswith("segment|")]
+    # one per layer class that is one module (blocks, head), at micro-batches 1 and 2
+    assert glue and len(glue) % 2 == 0 and {s.rsplit("|", 2)[1] for s in glue} == {"mbs=1", "mbs=2"}
 
 
 def test_node_time_uses_the_entry_and_falls_back(tiny):
@@ -106,8 +112,10 @@ def test_price_segment_sums_the_measured_entries(tiny, tmp_path):
         nodes = chain.nodes_of(seg)
         entries = [prof.lookup("cpu", op_signature(n, flops_scale=2, bytes_scale=2)) for n in nodes
                    if n.op_kind not in (OpKind.PLACEHOLDER, OpKind.OUTPUT)]
-        assert cost.fwd_compute_s == pytest.approx(sum(e.forward_s for e in entries), rel=1e-12)
-        assert cost.bwd_compute_s == pytest.approx(sum(e.backward_s for e in entries), rel=1e-12)
+        glue = prof.lookup("cpu", segment_signature(seg.structural_hash, 2, "float32")) or OpTiming(0.0, 0.0)
+        assert cost.fwd_compute_s == pytest.approx(sum(e.forward_s for e in entries) + glue.forward_s, rel=1e-12)
+        assert cost.bwd_compute_s == pytest.approx(sum(e.backward_s for e in entries) + glue.backward_s,
+                                                   rel=1e-12)
 
 
 def test_tensor_parallel_shards_are_measured():
@@ -190,6 +198,9 @@ def test_cli_profiles_gpt_tiny(tmp_path, capsys):
 
     chain = trace_chain(build_model("gpt-tiny", [], seq=None), dtype="bfloat16")
     expected = {op_signature(n, flops_scale=1, bytes_scale=1) for n in _work_nodes(chain.graph)}
+    # plus the glue of every layer class that is one module (the blocks), keyed as `price_segment` looks it up
+    expected |= {segment_signature(s.structural_hash, 1, "bfloat16") for s in chain.segments
+                 if s.name.startswith("blocks.")}
     assert {sig for _, sig in prof.entries} == expected
     assert summary["entries"] == len(expected) and summary["skipped"] == []
     assert prof.meta["dtype"] == "bfloat16" and prof.meta["models"] == "gpt-tiny"
