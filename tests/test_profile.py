@@ -253,6 +253,23 @@ def test_spearman_and_mape_closed_forms():
     assert b.mape([1.1, 0.9], [1.0, 1.0]) == pytest.approx(0.1)
 
 
+def test_regret_uses_the_side_by_side_confirmation():
+    b = _bench()
+    key_a = (1, 1, 2, 2, 2, "1f1b", 1, 0, False, "none")
+    key_b = (1, 1, 2, 1, 4, "1f1b", 1, 0, False, "none")
+    cases = [b.Case(id="a", cluster="1x2xcpu", key=key_a, plan={}, labels=("choice:profiled",),
+                    predicted={"profiled": {"step_time_s": 0.010, "memory_bytes": [100]}}),
+             b.Case(id="b", cluster="1x2xcpu", key=key_b, plan={},
+                    predicted={"profiled": {"step_time_s": 0.011, "memory_bytes": [100]}})]
+    measured = {"a": {"step_time_s": 0.031, "memory_bytes": [110]}, "b": {"step_time_s": 0.026, "memory_bytes": [90]}}
+    first = b.summarize(cases, measured, "profiled")
+    assert first["regret"] == pytest.approx(0.031 / 0.026) == first["regret_first_pass"]
+    confirmed = {b.describe(key_a): 0.027, b.describe(key_b): 0.028}
+    again = b.summarize(cases, measured, "profiled", confirmed)
+    assert again["regret"] == pytest.approx(1.0) and again["regret_first_pass"] == first["regret"]
+    assert again["memory_error"] == pytest.approx((0.1 / 1.1 + 0.1 / 0.9) / 2)
+
+
 def test_peak_during_reconstructs_the_allocator_peak():
     from torch.profiler import ProfilerActivity, profile
 
