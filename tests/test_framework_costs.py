@@ -8,7 +8,7 @@ import random
 from dataclasses import replace
 
 import pytest
-from test_search_bruteforce import GPT_INTERLEAVE, GPT_MEMORY, GPT_TINY, chain_of
+from test_search_bruteforce import GPT_INTERLEAVE, GPT_MEMORY, GPT_TINY, chain_of, random_partition
 
 from costmodel.cluster import Cluster
 from costmodel.collectives import Collective, CommGroup, collective_time
@@ -28,7 +28,6 @@ from costmodel.strategy import Recompute, Schedule, Strategy
 from planner.layer_costs import LayerCostTable
 from planner.search import enumerate_candidates, layer_cost_map
 from planner.search_space import SearchSpace
-from planner.stage_partition import Partition, StageChoice, evaluate
 from planner.stage_problem import StageProblemBuilder
 
 COSTS = FrameworkCosts(
@@ -189,16 +188,7 @@ def test_search_objective_equals_estimate_with_framework_costs() -> None:
                   if c.schedule is Schedule.ONE_F_ONE_B and c.mesh.pp > 1]
         for cand in rng.sample(cands, min(30, len(cands))):
             built = builder.build(cand, tuple(Recompute))
-            problem = built.problem
-            if built.chunks:
-                stages = [StageChoice(k, k + 1, rng.choice(problem.options)) for k in range(problem.num_stages)]
-            else:
-                cuts = sorted(rng.sample(range(1, problem.num_segments), problem.num_stages - 1))
-                bounds = [0, *cuts, problem.num_segments]
-                stages = [StageChoice(bounds[i], bounds[i + 1], rng.choice(problem.options))
-                          for i in range(problem.num_stages)]
-            value = evaluate(problem, stages)[0]
-            strategy = cand.strategy(built.stages(Partition(tuple(stages), value, (), (), 0)))
+            value, strategy = random_partition(built, cand, rng)
             est = estimate(chain, cluster, strategy, layer_costs=layer_cost_map(builder, cand, built.placements),
                            global_batch=8, profile=profile)
             if est.fits:

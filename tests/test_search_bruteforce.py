@@ -108,13 +108,13 @@ from pathlib import Path  # noqa: E402
 import ir  # noqa: E402
 from costmodel.cluster import Cluster  # noqa: E402
 from costmodel.estimate import estimate, even_stages  # noqa: E402
-from costmodel.strategy import StageSpec  # noqa: E402
+from costmodel.strategy import StageSpec, Strategy  # noqa: E402
 from planner.cli.model_registry import build_model  # noqa: E402
 from planner.errors import InfeasibleError, UserError  # noqa: E402
 from planner.layer_costs import LayerCostTable  # noqa: E402
 from planner.search import SearchOptions, enumerate_candidates, layer_cost_map, search  # noqa: E402
 from planner.stage_partition import Partition, StageChoice, evaluate  # noqa: E402
-from planner.stage_problem import StageProblemBuilder  # noqa: E402
+from planner.stage_problem import Candidate, StageProblem, StageProblemBuilder  # noqa: E402
 
 GPT_TINY = ("layers=3", "hidden=256", "heads=8", "vocab=1000", "seq=128")
 GPT_INTERLEAVE = ("layers=4", "hidden=256", "heads=8", "vocab=1000", "seq=128")
@@ -290,6 +290,20 @@ def test_fixed_dimensions_are_respected_and_optimal() -> None:
     assert result.best.estimate.step_time_s == pytest.approx(brute_force(chain, cluster, 8, space).best, rel=1e-9)
 
 
+def random_partition(built: StageProblem, cand: Candidate, rng: random.Random) -> tuple[float, Strategy]:
+    """A random partition of a built problem (random cuts and recomputation): its objective and strategy."""
+    problem = built.problem
+    if built.chunks:
+        stages = [StageChoice(k, k + 1, rng.choice(problem.options)) for k in range(problem.num_stages)]
+    else:
+        cuts = sorted(rng.sample(range(1, problem.num_segments), problem.num_stages - 1))
+        bounds = [0, *cuts, problem.num_segments]
+        stages = [StageChoice(bounds[i], bounds[i + 1], rng.choice(problem.options))
+                  for i in range(problem.num_stages)]
+    value = evaluate(problem, stages)[0]
+    return value, cand.strategy(built.stages(Partition(tuple(stages), value, (), (), 0)))
+
+
 def test_search_objective_equals_estimate_on_random_partitions(tmp_path: Path) -> None:
     """The partition problem's objective for any partition is `costmodel.estimate` of that strategy."""
     rng = random.Random(11)
@@ -317,17 +331,8 @@ tiers:
                   if c.schedule is Schedule.ONE_F_ONE_B and c.mesh.pp > 1]
         for cand in rng.sample(cands, min(40, len(cands))):
             built = builder.build(cand, tuple(Recompute))
-            problem = built.problem
             for _ in range(3):
-                if built.chunks:
-                    stages = [StageChoice(k, k + 1, rng.choice(problem.options)) for k in range(problem.num_stages)]
-                else:
-                    cuts = sorted(rng.sample(range(1, problem.num_segments), problem.num_stages - 1))
-                    bounds = [0, *cuts, problem.num_segments]
-                    stages = [StageChoice(bounds[i], bounds[i + 1], rng.choice(problem.options))
-                              for i in range(problem.num_stages)]
-                value = evaluate(problem, stages)[0]
-                strategy = cand.strategy(built.stages(Partition(tuple(stages), value, (), (), 0)))
+                value, strategy = random_partition(built, cand, rng)
                 est = estimate(chain, cluster, strategy, layer_costs=layer_cost_map(builder, cand, built.placements),
                                global_batch=16)
                 assert est.fits == math.isfinite(value), (cand.label, est.problems)
