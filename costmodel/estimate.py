@@ -383,7 +383,7 @@ def _step_terms(priced: Sequence[Sequence[PricedSegment]], ranks: Sequence[_Rank
                 ) -> tuple[list[StageTime], list[RankTail]]:
     """Per virtual stage its `StageTime`, per pipeline rank its `RankTail` (`rank_step_terms` of each rank)."""
     pp = strategy.pp
-    framework = {r.device.name: FrameworkCosts.from_profile(profile, r.device.name) for r in ranks}
+    framework = {name: FrameworkCosts.from_profile(profile, name) for name in {r.device.name for r in ranks}}
     stage_times: list[StageTime | None] = [None] * len(priced)
     tails = []
     for r, rank in enumerate(ranks):

@@ -54,10 +54,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from costmodel.profile_db import OpProfile, OpTiming
 
 SIGNATURE_PREFIX = "framework|"
+T = TypeVar("T")
 
 
 class DataParallelMode(enum.StrEnum):
@@ -125,10 +127,11 @@ class PassCost:
 ZERO_PASS = PassCost()
 
 
-def _by_group(table: Mapping[int, PassCost], group_size: int) -> PassCost:
-    """The entry of `group_size`, else of the nearest measured size below it, else of the smallest."""
+def _by_group(table: Mapping[int, T], group_size: int, default: T) -> T:
+    """The entry of `group_size`, else of the nearest measured size below it, else of the smallest; `default`
+    when nothing was measured or there is no group."""
     if not table or group_size <= 1:
-        return ZERO_PASS
+        return default
     if group_size in table:
         return table[group_size]
     below = [g for g in table if g <= group_size]
@@ -168,13 +171,13 @@ class FrameworkCosts:
         return plain_tensors * self.optimizer_per_tensor_s + dtensors * self.optimizer_per_dtensor_s
 
     def dp_unit_cost(self, zero_stage: int, group_size: int) -> PassCost:
-        return _by_group(self.dp_unit.get(dp_mode(zero_stage), {}), group_size)
+        return _by_group(self.dp_unit.get(dp_mode(zero_stage), {}), group_size, ZERO_PASS)
 
     def tp_module_cost(self, group_size: int) -> PassCost:
-        return _by_group(self.tp_module, group_size)
+        return _by_group(self.tp_module, group_size, ZERO_PASS)
 
     def pp_action_cost(self, pipeline_size: int) -> PassCost:
-        return _by_group(self.pp_action, pipeline_size)
+        return _by_group(self.pp_action, pipeline_size, ZERO_PASS)
 
     def recompute_cost(self, mode: str) -> PassCost:
         """Per checkpointed layer and micro-batch; zero for "none" and for modes not measured."""
@@ -182,8 +185,7 @@ class FrameworkCosts:
 
     def grad_sync_per_tensor(self, group_size: int) -> float:
         """Measured seconds per partial-gradient tensor over `group_size` ranks; 0 when not measured."""
-        table = {g: PassCost(v) for g, v in self.grad_sync.items()}
-        return _by_group(table, group_size).forward_s
+        return _by_group(self.grad_sync, group_size, 0.0)
 
     def entries(self, device: str) -> dict[tuple[str, str], OpTiming]:
         """Profile entries holding these costs for `device` (the inverse of `from_profile`)."""
@@ -217,9 +219,10 @@ class FrameworkCosts:
         grad_sync: dict[int, float] = {}
         pp_action: dict[int, PassCost] = {}
         recompute: dict[str, PassCost] = {}
-        for (dev, sig), t in sorted(profile.entries.items()):
-            if dev != device or not sig.startswith(SIGNATURE_PREFIX):
-                continue
+        # Only this device's framework entries (a profile holds thousands of op entries), in a fixed order.
+        mine = sorted((sig, t) for (dev, sig), t in profile.entries.items()
+                      if dev == device and sig.startswith(SIGNATURE_PREFIX))
+        for sig, t in mine:
             parts = sig.split("|")
             if parts[1] == "dp_unit" and len(parts) == 4 and parts[3].startswith("g="):
                 dp_unit.setdefault(DataParallelMode(parts[2]), {})[int(parts[3][2:])] = \

@@ -67,7 +67,6 @@ import gc
 import json
 import math
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -80,6 +79,7 @@ import torch
 from torch import nn
 
 from costmodel.framework import DataParallelMode, FrameworkCosts, PassCost
+from planner.profiler import divisor_group_sizes, free_port
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,11 +131,6 @@ class FrameworkOptions:
             raise ValueError(f"group sizes {bad} do not divide {self.processes} processes into groups of >= 2; "
                              f"valid: {', '.join(map(str, valid))}")
         object.__setattr__(self, "group_sizes", sizes)
-
-
-def divisor_group_sizes(processes: int) -> tuple[int, ...]:
-    """Every group size >= 2 that divides `processes` (all groups of that size run at once)."""
-    return tuple(g for g in range(2, processes + 1) if processes % g == 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -532,12 +527,6 @@ def measure_recompute(options: FrameworkOptions, timer: _Timer) -> dict[str, Pas
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _group_mesh(world: int, g: int) -> Any:
     """This rank's g-rank 1-D mesh; the world is cut into world / g groups of consecutive ranks."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -607,7 +596,7 @@ def measure_framework(options: FrameworkOptions) -> FrameworkCosts:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "framework.json")
         try:
-            mp.spawn(_framework_worker, args=(options.processes, _free_port(), options, path),
+            mp.spawn(_framework_worker, args=(options.processes, free_port(), options, path),
                      nprocs=options.processes, join=True)
         except mp.ProcessExitedException:
             if not Path(path).exists():  # a rank died before the measurement was complete

@@ -382,16 +382,23 @@ class _Runner:
                 raise
             self.inplace = True
             self.run_once()
-        for _ in range(max(warmup - 1, 0)):
-            self.run_once()
-        runs = [self.run_once() for _ in range(repeats)]
-        if statistic is Statistic.MEDIAN:
-            return statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs), len(runs)
-        total = sum(f + b for f, b in runs)
-        while total < min_window_s and len(runs) < MAX_TIMED_RUNS:
-            runs.append(self.run_once())
-            total += sum(runs[-1])
-        return statistics.fmean(f for f, _ in runs), statistics.fmean(b for _, b in runs), len(runs)
+        return timed_runs(self.run_once, max(warmup - 1, 0), repeats, statistic, min_window_s)
+
+
+def timed_runs(run_once: Callable[[], tuple[float, float]], warmup: int, repeats: int, statistic: Statistic,
+               min_window_s: float) -> tuple[float, float, int]:
+    """(forward s, backward s, timed runs) of `run_once` after `warmup` untimed runs: the median of `repeats`
+    runs, or the mean over at least `repeats` runs that add up to at least `min_window_s`."""
+    for _ in range(warmup):
+        run_once()
+    runs = [run_once() for _ in range(repeats)]
+    if statistic is Statistic.MEDIAN:
+        return statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs), len(runs)
+    total = sum(f + b for f, b in runs)
+    while total < min_window_s and len(runs) < MAX_TIMED_RUNS:
+        runs.append(run_once())
+        total += sum(runs[-1])
+    return statistics.fmean(f for f, _ in runs), statistics.fmean(b for _, b in runs), len(runs)
 
 
 def _map_values(obj: Any, value: Callable[[fx.Node], Any]) -> Any:
@@ -704,14 +711,7 @@ def _time_module(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         module.zero_grad(set_to_none=True)
         return t1 - t0, t3 - t2
 
-    for _ in range(options.warmup):
-        run_once()
-    runs = [run_once() for _ in range(options.repeats)]
-    if options.statistic is Statistic.MEDIAN:
-        return statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs), len(runs)
-    while sum(f + b for f, b in runs) < options.min_window_s and len(runs) < MAX_TIMED_RUNS:
-        runs.append(run_once())
-    return statistics.fmean(f for f, _ in runs), statistics.fmean(b for _, b in runs), len(runs)
+    return timed_runs(run_once, options.warmup, options.repeats, options.statistic, options.min_window_s)
 
 
 @contextlib.contextmanager
@@ -801,7 +801,8 @@ class CollectiveOptions:
         object.__setattr__(self, "statistic", parse_statistic(self.statistic))
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free local TCP port for a spawned process group's rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -838,10 +839,15 @@ def _collective_call(kind: Collective, nbytes: int, group: Any, ranks: Sequence[
     return send_recv
 
 
+def divisor_group_sizes(processes: int) -> tuple[int, ...]:
+    """Every group size >= 2 that divides `processes` (all groups of that size run at once)."""
+    return tuple(g for g in range(2, processes + 1) if processes % g == 0)
+
+
 def _group_sizes(world: int, options: CollectiveOptions) -> tuple[int, ...]:
     if options.processes is None:
         return (world,)
-    return tuple(n for n in range(2, world + 1) if world % n == 0)
+    return divisor_group_sizes(world)
 
 
 def _collective_worker(rank: int, world: int, port: int, options: CollectiveOptions, result_path: str) -> None:
@@ -909,7 +915,7 @@ def measure_collectives(options: CollectiveOptions) -> list[CollectiveSample]:
     for world in worlds:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "collectives.json")
-            mp.spawn(_collective_worker, args=(world, _free_port(), options, path), nprocs=world, join=True)
+            mp.spawn(_collective_worker, args=(world, free_port(), options, path), nprocs=world, join=True)
             rows = json.loads(Path(path).read_text())
         for r in rows:
             samples.append(CollectiveSample(kind=Collective(r["kind"]), group_size=int(r["group_size"]),

@@ -131,16 +131,14 @@ class StageProblem:
 
 @dataclass(frozen=True, slots=True)
 class _RankContext:
-    """What prices pipeline rank k besides its segments: device, speed and its communication groups."""
+    """What prices pipeline rank k besides its segments: device, speed, and the signature of its prices."""
 
     index: int
     device: DeviceSpec
     speed: float
-    dp_group: CommGroup
-    tp_group: CommGroup
-    shared_group: CommGroup | None
     signature: tuple
-    """Everything above that changes a price, with groups replaced by what their collectives depend on."""
+    """Everything that changes the rank's prices: device, speed, degrees, and its communication groups (data,
+    tensor parallel, shared-weight sync) replaced by what their collectives depend on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,7 +290,7 @@ class StageProblemBuilder:
         m = cand.mesh
         signature = (placement.device.name, placement.speed, m.tp, m.pp, m.dp, m.cp, m.ep, cand.sequence_parallel,
                      cand.microbatch_size, cand.zero_stage, self._sig(dpg), self._sig(tpg), self._sig(shared))
-        return _RankContext(k, placement.device, placement.speed, dpg, tpg, shared, signature)
+        return _RankContext(k, placement.device, placement.speed, signature)
 
     def framework(self, device: DeviceSpec) -> FrameworkCosts:
         """The measured framework overheads of `device`'s type in the table's profile (cached)."""
