@@ -10,8 +10,9 @@ For a small GPT (the zoo's `gpt-tiny`) trained in float32 with AdamW on the CPU 
    alpha/beta calibrate the node tier, per collective kind (`costmodel.collective_fit.calibrated_cluster`); and
    the framework overheads (`planner.framework_profile`: optimizer per tensor, FSDP2 / replicate units, pipeline
    actions, checkpointing, tensor-parallel modules, partial-gradient syncs) in as many processes. The profile is
-   saved as `bench/results/fidelity-profile-<N>proc.json`. Ranks beyond the core count share cores: each runs
-   at speed cores / ranks (`shared_cores`, a `DeviceGroup.slowdown`).
+   saved as `bench/results/fidelity-profile-<N>proc.json`. The ranks share this machine's cores
+   (`shared_cores`, a `DeviceGroup.host_cores`): a rank runs at min(1, cores / ranks busy at once), which
+   pipeline bubbles lower.
 2. Enumerate every valid strategy: each search candidate (dp x tp x pp mesh, micro-batch size and count,
    schedule with interleaving, ZeRO stage, sequence parallelism; `planner.search.enumerate_candidates`) times each
    recomputation mode, priced by the planner's search with every dimension pinned (which also solves the stage
@@ -196,16 +197,13 @@ def profile_cluster(nproc: int) -> Any:
 
 
 def shared_cores(cluster: Any, cores: int | None = None) -> Any:
-    """The cluster as this machine runs it: N ranks on C cores, each rank at speed min(1, C / N) (a
-    `DeviceGroup.slowdown`, what a cluster YAML can say too). The profile's ops are medians, the speed of a rank
-    with a core to itself; `1x4xcpu` puts two ranks on each of the 2 cores."""
+    """The cluster as this machine runs it: its ranks share this host's C cores (`DeviceGroup.host_cores`, what a
+    cluster YAML can say too), so a rank computes at min(1, C / busy ranks) -- `1x4xcpu` on 2 cores runs data
+    parallelism at half speed, but a 4-stage pipeline with one micro-batch one stage at a time, at full speed.
+    The profile's ops are the speed of a rank with a core to itself (thread CPU time)."""
     cores = cores or os.cpu_count() or 1
-    speed = min(1.0, cores / cluster.num_devices)
-    if speed >= 1.0:
-        return cluster
-    for rank in range(cluster.num_devices):
-        cluster = cluster.with_speed(rank, speed)
-    return cluster
+    return dataclasses.replace(cluster, groups=tuple(dataclasses.replace(g, host_cores=cores)
+                                                     for g in cluster.groups))
 
 
 def _pinned_space(cand: Any, recompute: Any) -> Any:

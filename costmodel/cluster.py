@@ -22,6 +22,10 @@ bandwidth and per-step latency) that `costmodel.collectives` uses for that kind 
 The node tier can differ per device group (an A100 node has NVLink 3, a V100 node NVLink 2):
 `DeviceGroup.node_tier` overrides `tiers[0]` for that group's nodes; `node_tier_of(group_index)` resolves it.
 
+Devices that share a host's cores (CPU ranks as processes: `1x4xcpu` on a 2-core machine) name the cores per
+node in `DeviceGroup.host_cores`; `compute_speeds` turns that into a speed per device for a job whose devices are
+busy a given fraction of the step (pipeline bubbles free cores for the busy stages).
+
 `Cluster.parse(spec)` takes the shorthand `NODESxGPUSxDEVICE` (`128x8xa100-80gb`, `1x4xcpu`) or a YAML path; the
 format and its validation live in `costmodel.cluster_yaml`.
 """
@@ -32,7 +36,8 @@ import bisect
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,6 +177,9 @@ class DeviceGroup:
     price_per_device_hour: float | None = None
     node_tier: NetworkTier | None = None
     """This group's link inside a node when it differs from the cluster's `tiers[0]` (mixed device types)."""
+    host_cores: int | None = None
+    """Cores the devices of one node compute on when they share them -- CPU "devices" are processes on the
+    host's cores, e.g. four ranks on two cores -- else None (each device computes on its own)."""
 
     def __post_init__(self) -> None:
         for f in ("num_nodes", "devices_per_node"):
@@ -190,6 +198,9 @@ class DeviceGroup:
         if self.price_per_device_hour is not None and not self.price_per_device_hour >= 0:
             raise ValueError(f"group {self.name!r}: price_per_device_hour must be >= 0, "
                              f"got {self.price_per_device_hour!r}")
+        if self.host_cores is not None and (not isinstance(self.host_cores, int) or isinstance(self.host_cores, bool)
+                                            or self.host_cores < 1):
+            raise ValueError(f"group {self.name!r}: host_cores must be a positive integer, got {self.host_cores!r}")
         if self.node_tier is not None and self.node_tier.size != self.devices_per_node:
             raise ValueError(f"group {self.name!r}: node_tier size {self.node_tier.size} must equal "
                              f"devices_per_node {self.devices_per_node}")
@@ -207,12 +218,16 @@ class DeviceGroup:
         return 0.0 if index in self.unavailable else float(self.slowdown.get(index, 1.0))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "device": self.device.to_dict(), "num_nodes": self.num_nodes,
-                "devices_per_node": self.devices_per_node,
-                "price_per_device_hour": self.price_per_device_hour,
-                "slowdown": {str(i): float(self.slowdown[i]) for i in sorted(self.slowdown)},
-                "unavailable": sorted(self.unavailable),
-                "node_tier": self.node_tier.to_dict() if self.node_tier is not None else None}
+        """`host_cores` appears only when set, so specs (and golden plans) without it are unchanged."""
+        out: dict[str, Any] = {
+            "name": self.name, "device": self.device.to_dict(), "num_nodes": self.num_nodes,
+            "devices_per_node": self.devices_per_node, "price_per_device_hour": self.price_per_device_hour,
+            "slowdown": {str(i): float(self.slowdown[i]) for i in sorted(self.slowdown)},
+            "unavailable": sorted(self.unavailable),
+            "node_tier": self.node_tier.to_dict() if self.node_tier is not None else None}
+        if self.host_cores is not None:
+            out["host_cores"] = self.host_cores
+        return out
 
 
 @dataclass(frozen=True)
@@ -356,6 +371,26 @@ class Cluster:
     def speed_of(self, rank: int) -> float:
         """Speed factor of `rank`: 1 nominal, 0.5 half speed, 0 unavailable."""
         return self.group_of(rank).speed_of(self.local_index(rank))
+
+    def compute_speeds(self, ranks: Sequence[int], busy_fraction: float = 1.0) -> tuple[float, ...]:
+        """Speed of each of the distinct devices `ranks` when they run one job: `speed_of`, times, on a node of a
+        group with `host_cores` C, min(1, C / (busy_fraction * n)) where n of the node's devices are in `ranks`.
+        On average busy_fraction * n of them compute at once (the others wait in a pipeline bubble), and the
+        scheduler shares the cores evenly among them. Sharing changes speed, not work: busy_fraction * n <= C
+        leaves every device at its own speed."""
+        if not 0 < busy_fraction <= 1:
+            raise ValueError(f"busy_fraction must be in (0, 1], got {busy_fraction!r}")
+        speeds = [self.speed_of(r) for r in ranks]
+        if all(g.host_cores is None for g in self.groups):
+            return tuple(speeds)
+        per_node = Counter(self.node_of(r) for r in ranks)
+        out = []
+        for r, s in zip(ranks, speeds, strict=True):
+            cores = self.group_of(r).host_cores
+            if cores is not None:
+                s *= min(1.0, cores / (busy_fraction * per_node[self.node_of(r)]))
+            out.append(s)
+        return tuple(out)
 
     def is_available(self, rank: int) -> bool:
         return self.speed_of(rank) > 0

@@ -13,6 +13,7 @@ YAML format (every key but `groups` optional; see examples/clusters/README.md fo
         slowdown: {3: 0.5}           # device index in the group (node * devices_per_node + local) -> speed
         unavailable: [7]             # device indices in the group that cannot be used
         node_tier: {link: nvlink2}   # this group's own link inside a node (keys as in `tiers`, no size)
+        host_cores: 2                # cores a node's devices share (CPU ranks as processes); default: their own
     tiers:                           # innermost first; tiers[0] is the node tier
       - name: node
         size: 8                      # default: devices_per_node
@@ -70,7 +71,7 @@ _SHORTHAND = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*[xX]\s*([A-Za-z0-9._-]+)\s*
 _TOP_KEYS = {"name": False, "groups": True, "tiers": False}
 _GROUP_KEYS = {"name": False, "device": True, "num_nodes": True, "devices_per_node": True,
                "price_per_device_hour": False, "memory": False, "slowdown": False, "unavailable": False,
-               "node_tier": False}
+               "node_tier": False, "host_cores": False}
 _TIER_KEYS = {"name": False, "size": False, "bandwidth": False, "aggregate_bandwidth": False, "latency": False,
               "efficiency": False, "link": False, "in_network_reduction_efficiency": False,
               "in_network_reduction_latency": False, "source": False, "per_collective": False}
@@ -335,9 +336,12 @@ def _group(g: Any, path: str) -> DeviceGroup:
                           devices=[device], lower_size=1)
         if node_tier.size != per_node:
             raise ValueError(f"{path}.node_tier.size: must equal devices_per_node {per_node}, got {node_tier.size}")
+    cores = g.get("host_cores")
+    if cores is not None:
+        cores = _positive_int(cores, f"{path}.host_cores")
     return DeviceGroup(name=str(g.get("name") or ""), device=device, num_nodes=num_nodes, devices_per_node=per_node,
                        slowdown=dict(sorted(slowdown.items())), unavailable=frozenset(off),
-                       price_per_device_hour=price, node_tier=node_tier)
+                       price_per_device_hour=price, node_tier=node_tier, host_cores=cores)
 
 
 def _name_groups(groups: list[DeviceGroup], raw: Sequence[Mapping[str, Any]]) -> None:

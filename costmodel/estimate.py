@@ -7,7 +7,8 @@ How a strategy maps onto the cluster:
 - The chain is cut into p*v virtual stages (`strategy.stages`, or an even split of the repeated layer class with the
   leading/trailing segments -- embedding, head -- on the first/last stage); virtual stage j runs on pipeline rank
   j % p. A stage's device is its `device_group`'s device, else that of its first rank; its speed is the slowest of
-  its ranks (`Cluster.speed_of`).
+  its ranks (`rank_speeds`: `Cluster.speed_of`, and where devices share host cores, their share at the strategy's
+  `busy_fraction`).
 - Segment prices come from `layer_costs[(class_id, device name)]` (the planner's sharding solutions for the
   strategy's tp and micro-batch), or, for tp == 1, from `layer_pricing.price_segment`.
 Then `step_time.stage_time` / `data_parallel_comm` / `step_breakdown` give the step time and its breakdown,
@@ -39,7 +40,7 @@ from costmodel.framework import FrameworkCosts
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import price_segment, selective_recompute_region
 from costmodel.memory import GIB, PricedSegment, rank_memory
-from costmodel.pipeline import in_flight_per_chunk
+from costmodel.pipeline import bubble_fraction, in_flight_per_chunk
 from costmodel.profile_db import OpProfile
 from costmodel.step_time import (
     DataParallelComm,
@@ -203,15 +204,29 @@ def _group_device(cluster: Cluster, name: str) -> DeviceSpec:
                      f"{', '.join(g.name for g in cluster.groups)}")
 
 
+def busy_fraction(strategy: Strategy) -> float:
+    """Fraction of the step a pipeline rank computes with equal stages: 1 / (1 + bubble fraction)."""
+    return 1.0 / (1.0 + bubble_fraction(strategy.schedule, strategy.pp, strategy.num_microbatches,
+                                        strategy.virtual_stages))
+
+
+def rank_speeds(cluster: Cluster, strategy: Strategy) -> tuple[float, ...]:
+    """Per logical rank the speed of its device running `strategy` (`Cluster.compute_speeds`: devices that share
+    host cores compute faster when pipeline bubbles leave some of them idle). Logical rank i runs on the i-th
+    available device (unavailable slots are skipped)."""
+    physical = cluster.available_ranks()[:strategy.num_devices]
+    return cluster.compute_speeds(physical, busy_fraction(strategy))
+
+
 def _pipeline_ranks(cluster: Cluster, strategy: Strategy, stages: Sequence[StageSpec]) -> list[_Rank]:
-    # Logical rank i runs on the i-th available device (unavailable slots are skipped).
     physical = cluster.available_ranks()
+    speeds = rank_speeds(cluster, strategy)
     out = []
     for r in range(strategy.pp):
         ranks = stage_ranks(strategy, r)
         group = stages[r].device_group
         device = _group_device(cluster, group) if group else cluster.device_of(physical[ranks[0]])
-        speed = min(cluster.speed_of(physical[k]) for k in ranks)
+        speed = min(speeds[k] for k in ranks)
         out.append(_Rank(r, device, speed, tuple(ranks)))
     return out
 

@@ -37,7 +37,7 @@ from typing import Any
 from costmodel.breakdown import Estimate
 from costmodel.cluster import Cluster
 from costmodel.collectives import Collective, CommGroup, collective_time
-from costmodel.estimate import axis_strides, dp_group, p2p_group, stage_ranks, tp_group
+from costmodel.estimate import axis_strides, dp_group, p2p_group, rank_speeds, stage_ranks, tp_group
 from costmodel.estimate import estimate as costmodel_estimate
 from costmodel.layer_cost import LayerCost
 from costmodel.strategy import MeshAxis, Schedule, Strategy
@@ -81,14 +81,16 @@ def device_map(cluster: Cluster, strategy: Strategy) -> tuple[StagePlacement, ..
     if strategy.num_devices > len(physical):
         raise ValueError(f"strategy needs {strategy.num_devices} devices, cluster {cluster.name!r} has "
                          f"{len(physical)} available")
+    speeds = rank_speeds(cluster, strategy)  # the estimate's speeds (shared host cores included)
     out = []
     for k in range(strategy.pp):
-        ranks = tuple(sorted(physical[r] for r in stage_ranks(strategy, k)))
+        logical = stage_ranks(strategy, k)
+        ranks = tuple(sorted(physical[r] for r in logical))
         group_ids = sorted({cluster.group_index_of(r) for r in ranks})
         out.append(StagePlacement(
             pp_rank=k, ranks=ranks, groups=tuple(cluster.groups[g].name for g in group_ids),
             devices=tuple(sorted({cluster.groups[g].device.name for g in group_ids})),
-            speed=min(cluster.speed_of(r) for r in ranks)))
+            speed=min(speeds[r] for r in logical)))
     return tuple(out)
 
 

@@ -22,10 +22,13 @@ of `repeats` timed runs is stored -- or, with `Statistic.MEAN`, the mean over ru
 
 `concurrent` > 1 runs the same measurement in that many processes at once and keeps the median over them: a
 cluster such as `1x4xcpu` runs four ranks on this machine's two cores, which also share caches and memory
-bandwidth. One op takes far less than a scheduler time slice, so the median of its runs is its speed with a core
-to itself (other processes preempt single runs, not the median); a training step spans many slices and pays for
-sharing the cores, which the cluster states as a device speed (`DeviceGroup.slowdown`). The mean over a window of
-several slices pays for the sharing directly -- but also for whatever else runs on the machine at that moment.
+bandwidth. On the CPU with one intra-op thread the clock is the thread's CPU time (`compute_clock`): a run is
+not charged for the slices other processes take from its core, so ops and whole layers alike measure the speed of
+a rank with a core to itself. (The wall clock did so only for runs shorter than a time slice: a whole GPT block
+at micro-batch 4 measured up to 2x, and its glue -- block minus ops -- 40x.) A training step pays for sharing
+the cores; the cluster states how many a node has (`DeviceGroup.host_cores`). The mean over a wall-clock window
+of several slices (other devices, or several threads) pays for the sharing directly -- but also for whatever else
+runs on the machine at that moment.
 
 Collectives (`measure_collectives`) are timed in a spawned gloo (CPU) or NCCL (GPU) process group of 2..K ranks at
 several sizes, and fitted with `costmodel.collective_fit`.
@@ -299,8 +302,9 @@ def _cut_param(t: torch.Tensor, dim: int | None, tp: int) -> torch.Tensor:
 class _Runner:
     """Builds a call of one node on leaf copies of (cut) tensors and times its forward and backward."""
 
-    def __init__(self, call: _NodeCall, node: Node, variant: Variant) -> None:
-        self.call, self.node, self.variant = call, node, variant
+    def __init__(self, call: _NodeCall, node: Node, variant: Variant, clock: Callable[[], float] = time.perf_counter
+                 ) -> None:
+        self.call, self.node, self.variant, self.clock = call, node, variant, clock
         st, tp = variant.strategy, variant.tp
         if st is not None and len(st.inputs) != len(call.activations):
             raise ValueError(f"strategy {st.name} has {len(st.inputs)} input layouts, the node reads "
@@ -350,21 +354,22 @@ class _Runner:
 
     def run_once(self) -> tuple[float, float]:
         acts = self._inputs()
+        clock = self.clock
         with torch.enable_grad():
-            t0 = time.perf_counter()
+            t0 = clock()
             out = self.forward(acts)
             _sync(out)
-            fwd = time.perf_counter() - t0
+            fwd = clock() - t0
         if not self.backward:
             return fwd, 0.0
         outs = [o for o in _tensors(out) if o.requires_grad and o.grad_fn is not None]
         if not outs:
             return fwd, 0.0
         grads = [torch.randn_like(o) for o in outs]
-        t0 = time.perf_counter()
+        t0 = clock()
         torch.autograd.backward(outs, grads)
         _sync(outs[0])
-        bwd = time.perf_counter() - t0
+        bwd = clock() - t0
         for t in (*self.acts, *(p for _, p in self.params)):
             t.grad = None
         return fwd, bwd
@@ -432,12 +437,23 @@ def _sync(value: Any) -> None:
         torch.cuda.synchronize(ts[0].device)
 
 
+def compute_clock(device: torch.device, options: ProfileOptions) -> Callable[[], float]:
+    """The clock that times compute on `device`: on the CPU with one intra-op thread, the thread's CPU time (time
+    slices taken by other processes on the core are not the op's; autograd runs a CPU backward on the calling
+    thread); otherwise -- several threads, an accelerator (synchronized by `_sync`), or a mean over a window
+    that is meant to sample the sharing -- the wall clock."""
+    if device.type == "cpu" and options.threads == 1 and options.min_window_s == 0:
+        return time.thread_time
+    return time.perf_counter
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The backward-pass overhead
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def backward_pass_overhead(device: torch.device, repeats: int = 51) -> float:
+def backward_pass_overhead(device: torch.device, repeats: int = 51,
+                           clock: Callable[[], float] = time.perf_counter) -> float:
     """Seconds the autograd engine spends starting one backward pass, beyond the per-node work: backward of a
     1-node graph minus the per-node cost measured from a 9-node chain (both on one-element tensors)."""
     x = torch.ones(1, device=device, requires_grad=True)
@@ -447,10 +463,10 @@ def backward_pass_overhead(device: torch.device, repeats: int = 51) -> float:
         for _ in range(n):
             y = y * 1.0
         g = torch.ones_like(y)
-        t0 = time.perf_counter()
+        t0 = clock()
         y.backward(g)
         _sync(x)
-        return time.perf_counter() - t0
+        return clock() - t0
 
     for _ in range(5):
         chain(1), chain(9)
@@ -543,6 +559,8 @@ class _Accumulator:
     device_name: str
     options: ProfileOptions
     overhead_s: float
+    clock: Callable[[], float] = time.perf_counter
+    """`compute_clock` of the profiled device."""
     timings: dict[str, OpTiming] = field(default_factory=dict)
     skipped: dict[str, SkippedOp] = field(default_factory=dict)
 
@@ -555,7 +573,7 @@ class _Accumulator:
                                     f"{len(node.input_specs)} in the trace")
                 continue
             try:
-                runner = _Runner(call, node, v)
+                runner = _Runner(call, node, v, self.clock)
                 if runner.working_set_bytes() > self.options.memory_budget_bytes:
                     self._skip(node, v, f"working set {runner.working_set_bytes() / 2 ** 30:.2f} GiB exceeds the "
                                         f"memory budget {self.options.memory_budget_bytes / 2 ** 30:.2f} GiB")
@@ -608,8 +626,9 @@ def profile_module(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, 
         if missing:
             raise ValueError(f"the fx graph of {name} lacks IR nodes {missing[:5]}; the model was traced with "
                              "torch.export, which the profiler cannot re-run")
-        overhead = backward_pass_overhead(device) if overhead_s is None else overhead_s
-        acc = _Accumulator(device_name, options, overhead)
+        clock = compute_clock(device, options)
+        overhead = backward_pass_overhead(device, clock=clock) if overhead_s is None else overhead_s
+        acc = _Accumulator(device_name, options, overhead, clock)
         dtype = graph.dtype
         for mbs in options.microbatch_sizes:
             scale = mbs / options.traced_batch
@@ -681,15 +700,15 @@ def _measure_segment_glue(model: nn.Module, chain: LayerChain, inputs: Sequence[
             handle.remove()
         if len(captured) != 1:  # called more than once (shared module) or not at all: not one segment
             continue
-        whole = _time_module(module, *captured[0], acc.options)
+        whole = _time_module(module, *captured[0], acc.options, acc.clock)
         ops_f = sum(acc.timings[sig].forward_s for sig in sigs if sig in acc.timings)
         ops_b = sum(acc.timings[sig].backward_s for sig in sigs if sig in acc.timings)
         acc.timings[key] = OpTiming(max(whole[0] - ops_f, 0.0), max(whole[1] - acc.overhead_s - ops_b, 0.0),
                                     samples=whole[2])
 
 
-def _time_module(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], options: ProfileOptions
-                 ) -> tuple[float, float, int]:
+def _time_module(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], options: ProfileOptions,
+                 clock: Callable[[], float] = time.perf_counter) -> tuple[float, float, int]:
     """Forward and backward seconds of `module` on leaf copies of `args` (random output gradients), with the
     options' statistic as `_Runner.measure` applies it to single ops."""
     def leaf(v: Any) -> Any:
@@ -698,16 +717,16 @@ def _time_module(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     def run_once() -> tuple[float, float]:
         a = tuple(leaf(v) for v in args)
         k = {n: leaf(v) for n, v in kwargs.items()}
-        t0 = time.perf_counter()
+        t0 = clock()
         out = module(*a, **k)
         _sync(out)
-        t1 = time.perf_counter()
+        t1 = clock()
         outs = [t for t in _tensors(out) if t.requires_grad]
         grads = [torch.randn_like(t) for t in outs]
-        t2 = time.perf_counter()
+        t2 = clock()
         torch.autograd.backward(outs, grads)
         _sync(a)
-        t3 = time.perf_counter()
+        t3 = clock()
         module.zero_grad(set_to_none=True)
         return t1 - t0, t3 - t2
 
@@ -967,7 +986,7 @@ def profile_requests(requests: Sequence[ModelRequest], *, device: torch.device, 
     measured = 0
     names: list[str] = []
     with _threads(options.threads):
-        overhead = backward_pass_overhead(device)
+        overhead = backward_pass_overhead(device, clock=compute_clock(device, options))
     for req in requests:
         for name, module, inputs in build_request(req, options.traced_batch, device):
             run = profile_module(module, inputs, name=name, device_name=device_name, options=options,

@@ -450,11 +450,12 @@ class _Search:
     def optimizer_bound(self, cand: Candidate, placements) -> float:
         """The optimizer step of the fullest rank is at least that of an even split of the parameters."""
         m = cand.mesh
-        key = (m, cand.zero_stage)
+        fastest = max(placements, key=lambda pl: pl.speed)
+        # The speed is in the key: where devices share host cores it changes with the schedule's bubbles.
+        key = (m, cand.zero_stage, fastest.device.name, fastest.speed)
         if key not in self._optimizer:
             even, even_experts = self._even_params(m)
             local = optimizer_params(even, even_experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp, ep=m.ep)
-            fastest = max(placements, key=lambda pl: pl.speed)
             self._optimizer[key] = optimizer_step_time(local, fastest.device, speed=fastest.speed)
         return self._optimizer[key]
 

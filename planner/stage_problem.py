@@ -40,10 +40,12 @@ from costmodel.collectives import CommGroup, spans
 from costmodel.device import DeviceSpec
 from costmodel.estimate import (
     RankSetting,
+    busy_fraction,
     dp_group,
     even_stages,
     p2p_group,
     p2p_time,
+    rank_speeds,
     rank_step_terms,
     shared_parameter_copies,
     stage_ranks,
@@ -172,7 +174,8 @@ class StageProblemBuilder:
     _terms: dict[tuple, _Terms] = field(default_factory=dict, repr=False)
     _p2p_cache: dict[tuple, float] = field(default_factory=dict, repr=False)
     _sig_cache: dict[CommGroup, tuple] = field(default_factory=dict, repr=False)
-    _placements: dict[MeshCandidate, tuple[RankPlacement, ...] | None] = field(default_factory=dict, repr=False)
+    _placements: dict[tuple[MeshCandidate, float], tuple[RankPlacement, ...] | None] = field(default_factory=dict,
+                                                                                              repr=False)
     _tied: list[tuple[int, np.ndarray, int]] | None = field(default=None, repr=False)
     _physical: tuple[int, ...] | None = field(default=None, repr=False)
     _speeds: tuple[float, ...] = field(default=(), repr=False)
@@ -186,10 +189,18 @@ class StageProblemBuilder:
     # -- placement -------------------------------------------------------------------------------------------
     def placements(self, cand: Candidate) -> tuple[RankPlacement, ...] | None:
         """Per pipeline rank its devices, device type and speed (logical rank i runs on the i-th available
-        device, as `costmodel.estimate` maps them); None if the mesh needs more devices than are available."""
-        if cand.mesh not in self._placements:
-            self._placements[cand.mesh] = self._place(cand)
-        return self._placements[cand.mesh]
+        device, and runs at `costmodel.estimate.rank_speeds`, as `estimate` maps them); None if the mesh needs
+        more devices than are available. Where devices share host cores their speed depends on the schedule's
+        bubbles too, so placements are per (mesh, busy fraction); otherwise per mesh."""
+        busy = busy_fraction(self.strategy_of(cand)) if self._shares_cores else 1.0
+        key = (cand.mesh, busy)
+        if key not in self._placements:
+            self._placements[key] = self._place(cand)
+        return self._placements[key]
+
+    @property
+    def _shares_cores(self) -> bool:
+        return any(g.host_cores is not None for g in self.cluster.groups)
 
     def _place(self, cand: Candidate) -> tuple[RankPlacement, ...] | None:
         if self._physical is None:
@@ -199,6 +210,8 @@ class StageProblemBuilder:
         if cand.mesh.num_devices > len(physical):
             return None
         strategy = self.strategy_of(cand)
+        if self._shares_cores:
+            speeds = rank_speeds(self.cluster, strategy)
         out = []
         for k in range(cand.mesh.pp):
             ranks = tuple(stage_ranks(strategy, k))

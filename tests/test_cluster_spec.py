@@ -108,7 +108,8 @@ groups:
 def test_unknown_key_names_its_path_and_the_valid_keys():
     msg = _error(GOOD + "    gpus_per_node: 8\n")
     assert msg.startswith("groups[1]: unknown key 'gpus_per_node'; valid keys: name, device, num_nodes, "
-                          "devices_per_node, price_per_device_hour, memory, slowdown, unavailable, node_tier")
+                          "devices_per_node, price_per_device_hour, memory, slowdown, unavailable, node_tier, "
+                          "host_cores")
     assert _error(GOOD + "network: {}\n").startswith("cluster spec: unknown key 'network'; valid keys: name, groups")
     msg = _error(GOOD + "tiers:\n  - name: node\n    speed: 1\n")
     assert msg.startswith("tiers[0]: unknown key 'speed'; valid keys: name, size, bandwidth, aggregate_bandwidth")
@@ -213,6 +214,28 @@ def test_straggler_example_speeds_and_availability():
     assert not c.is_available(12) and c.is_available(3)
     with pytest.raises(ValueError, match=r"rank 16 is outside 0\.\.15"):
         c.device_of(16)
+
+
+def test_host_cores_share_a_node_among_its_busy_devices():
+    c = _spec("""
+        groups:
+          - {device: cpu, num_nodes: 2, devices_per_node: 4, host_cores: 2, slowdown: {1: 0.5}}
+        """)
+    assert c.groups[0].host_cores == 2
+    assert Cluster.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    assert c.compute_speeds(range(4)) == (0.5, 0.25, 0.5, 0.5)           # four busy on two cores
+    assert c.compute_speeds(range(4), 0.25) == (1.0, 0.5, 1.0, 1.0)      # one busy at a time: a core each
+    assert c.compute_speeds((0, 1, 4), 1.0) == (1.0, 0.5, 1.0)           # two on node 0, one on node 1
+    assert c.compute_speeds(range(4), 4 / 7) == pytest.approx((0.875, 0.4375, 0.875, 0.875))
+    plain = Cluster.parse("1x4xcpu")
+    assert "host_cores" not in plain.to_dict()["groups"][0]
+    assert plain.compute_speeds(range(4), 0.25) == (1.0,) * 4
+    assert _error("groups:\n  - {device: cpu, num_nodes: 1, devices_per_node: 4, host_cores: 0}\n") == (
+        "groups[0].host_cores: expected a positive integer, got 0")
+    with pytest.raises(ValueError, match="busy_fraction must be in"):
+        c.compute_speeds(range(4), 0.0)
+    with pytest.raises(ValueError, match="host_cores must be a positive integer"):
+        DeviceGroup("g", get_device("cpu"), 1, 4, host_cores=0)
 
 
 def test_two_datacenters_aggregate_bandwidth_is_shared_by_the_datacenter():

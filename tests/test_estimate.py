@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,27 @@ def test_straggler_slows_its_stage(chain, node8):
     assert slow.stages[1].fwd_s == pytest.approx(2 * fast.stages[1].fwd_s)
     assert slow.stages[0].fwd_s == pytest.approx(fast.stages[0].fwd_s)
     assert slow.step_time_s > fast.step_time_s
+
+
+def _sharing(cores: int) -> Cluster:
+    """4 CPU ranks on one host of `cores` cores."""
+    g = Cluster.parse("1x4xcpu")
+    return replace(g, groups=(replace(g.groups[0], host_cores=cores),))
+
+
+@pytest.mark.parametrize(("st", "speed"), [
+    (Strategy(dp=4, microbatch_size=1, num_microbatches=1), 0.5),          # all four compute at once
+    (Strategy(pp=4, microbatch_size=1, num_microbatches=1), 1.0),          # one stage at a time: a core each
+    (Strategy(pp=4, microbatch_size=1, num_microbatches=4), 2 / (4 * 4 / 7)),  # busy 4/7 of the step
+    (Strategy(dp=2, pp=2, microbatch_size=1, num_microbatches=1), 1.0),    # busy 1/2: two at once
+])
+def test_ranks_sharing_host_cores_compute_at_their_share(chain, st, speed):
+    own = estimate(chain, _sharing(4), st)
+    shared = estimate(chain, _sharing(2), st)
+    assert shared.breakdown.compute_s == pytest.approx(own.breakdown.compute_s / speed)
+    assert shared.stages[0].fwd_s == pytest.approx(own.stages[0].fwd_s / speed)
+    # Without host_cores the devices are independent: the same as a core each.
+    assert estimate(chain, Cluster.parse("1x4xcpu"), st).step_time_s == pytest.approx(own.step_time_s)
 
 
 def test_mixed_cluster_prices_each_stage_on_its_device(chain):

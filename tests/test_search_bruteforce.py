@@ -172,6 +172,16 @@ groups:
 """)
 
 
+def shared_cores(tmp: Path) -> Cluster:
+    return yaml_cluster(tmp, "shared-cores", """name: shared-cores
+groups:
+  - device: cpu
+    num_nodes: 1
+    devices_per_node: 4
+    host_cores: 2
+""")
+
+
 @dataclass(frozen=True)
 class BruteResult:
     best: float
@@ -228,6 +238,7 @@ def _instances(tmp: Path) -> list[tuple[str, ir.LayerChain, Cluster, int, Search
         ("gpt 1.2GB", memory, small_memory(tmp, "1.2GB"), 8, space),
         ("gpt mixed a100+v100", gpt, mixed(tmp), 8, space),
         ("llama straggler h100", llama, straggler(tmp), 4, space),
+        ("gpt 4 cpu ranks on 2 host cores", gpt, shared_cores(tmp), 4, space),
     ]
 
 
@@ -249,11 +260,12 @@ def _check_grid(instances) -> tuple[int, int]:
 
 
 def test_search_matches_brute_force(tmp_path: Path) -> None:
-    """A quick slice of the grid: plain, memory-bound (recomputation decides), and a straggler."""
+    """A quick slice of the grid: plain, memory-bound (recomputation decides), a straggler, and ranks sharing host
+    cores (speeds that change with the schedule's bubbles)."""
     instances = _instances(tmp_path)
-    checked, estimates = _check_grid([instances[0], instances[4], instances[7]])
+    checked, estimates = _check_grid([instances[0], instances[4], instances[7], instances[8]])
     print(f"search == brute force on {checked} instances ({estimates} brute-force estimates)")
-    assert checked == 3
+    assert checked == 4
 
 
 @pytest.mark.slow
