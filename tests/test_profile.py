@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from planner.profiler import (
     RecordingPricer,
     StandardOps,
     Statistic,
+    compute_clock,
     profile_module,
     runnable_graph,
 )
@@ -314,3 +316,17 @@ def test_cli_profile_option_loads_and_calibrates(tmp_path):
     path.write_text("{")
     with pytest.raises(UserError, match="not valid JSON"):
         load_profile(str(path), cluster)
+
+
+def test_cpu_compute_is_timed_on_the_thread_clock() -> None:
+    """Single-threaded CPU ops on the thread's CPU clock: time slices other processes take from the core (4 ranks
+    on 2 cores) are not the op's. Several threads, or a mean meant to sample the sharing, keep the wall clock."""
+    cpu = torch.device("cpu")
+    assert compute_clock(cpu, ProfileOptions(threads=1)) is time.thread_time
+    assert compute_clock(cpu, ProfileOptions(threads=None)) is time.perf_counter
+    assert compute_clock(cpu, ProfileOptions(threads=1, statistic="mean", min_window_s=0.05)) is time.perf_counter
+    assert compute_clock(torch.device("meta"), ProfileOptions(threads=1)) is time.perf_counter
+    # The thread clock does not run while the thread sleeps (as it does not while another process has the core).
+    t0, w0 = time.thread_time(), time.perf_counter()
+    time.sleep(0.05)
+    assert time.thread_time() - t0 < 0.5 * (time.perf_counter() - w0)
