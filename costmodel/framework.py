@@ -23,8 +23,9 @@ the sharding model, is the exception: it is divided with the compute):
   data-parallel group size: the unit's overhead net of its collectives, which `step_time.data_parallel_comm`
   prices one per unit;
 - per parameter tensor whose gradient is partial over the tensor-parallel group (a replicated weight applied to
-  sequence-sharded tokens), per group size: the optimizer step's redistribution of that gradient (all-reduce
-  and DTensor dispatch), which replaces the collective model's price of that sync (`step_time.tp_grad_sync_time`);
+  sequence-sharded tokens), per group size: its share of the runtime's one flat sync of all such gradients
+  (flattening and DTensor wrapping, net of the all-reduce), added to that all-reduce
+  (`step_time.tp_grad_sync_time`);
 - per pipeline action (one stage's forward or backward of one micro-batch under `torch.distributed.pipelining`),
   per pipeline size: the schedule's host work around the stage call, net of the send/recv on the wire
   (`pp_action`);

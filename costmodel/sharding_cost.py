@@ -77,8 +77,8 @@ class Pricer:
     """Framework overhead of one call of a module that runs sharded (DTensor dispatch and layout hooks,
     `costmodel.framework`): added to every node with parameters whose strategy is not replicated."""
     grad_sync_per_tensor_s: float = 0.0
-    """Measured seconds per partial-gradient tensor synchronized in the optimizer step (`costmodel.framework`);
-    when set it prices a node's gradient sync instead of `move_time` (as `step_time.tp_grad_sync_time` does)."""
+    """Measured seconds per partial-gradient tensor of the step's flat gradient sync (`costmodel.framework`),
+    added to the all-reduce of its bytes (as `step_time.tp_grad_sync_time` prices it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,11 +409,11 @@ def _price_option(node: Node, st: NodeStrategy, scale: float, cfg: _Setting) -> 
     partial_grads = st.output.is_shard  # replicated weights applied to a sharded token dim: partial gradients
     sync = round(sum(cfg.bytes_of(spec) for spec, d in zip(node.param_specs, st.param_dims, strict=True)
                      if d is None and partial_grads))
-    if sync and cfg.pricer.grad_sync_per_tensor_s > 0:
+    sync_s = 0.0
+    if sync:  # one flat all-reduce per step (`step_time.tp_grad_sync_time`); this node's bytes and tensors
         synced = sum(1 for d in st.param_dims if d is None)
-        sync_s = synced * cfg.pricer.grad_sync_per_tensor_s / cfg.num_microbatches
-    else:
-        sync_s = cfg.pricer.move_time(Move.ALL_REDUCE, float(sync)) / cfg.num_microbatches if sync else 0.0
+        sync_s = (cfg.pricer.move_time(Move.ALL_REDUCE, float(sync))
+                  + synced * cfg.pricer.grad_sync_per_tensor_s) / cfg.num_microbatches
     # the largest transient: an output and its gradient alive together in backward (as layer_pricing counts it)
     out_bytes = 2 * sum(cfg.bytes_of(s) for s in node.output_specs) * scale * local_fraction(st.output, cfg.tp)
     specs = node.output_specs or node.input_specs

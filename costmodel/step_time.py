@@ -81,15 +81,13 @@ def optimizer_step_time(local_param_count: int, device: DeviceSpec, *, speed: fl
 def tp_grad_sync_time(sync_bytes: float, sync_tensors: int, group: CommGroup, cluster: Cluster, *,
                       concurrent: int = 1, per_tensor_s: float = 0.0) -> float:
     """Seconds to all-reduce, over the tensor-parallel `group`, the gradients of replicated weights that
-    sequence parallelism leaves partial: the runtime syncs each tensor on its own (a DTensor `Partial` gradient
-    is redistributed by the optimizer step), so each of the n tensors pays the latency -- n all-reduces of
-    S / n bytes -- or, when the profile measured it (`costmodel.framework`), n x the measured per-tensor cost."""
+    sequence parallelism leaves partial: the runtime syncs them in one flat buffer
+    (`planner.train_step.sync_partial_gradients`), one all-reduce of all S bytes, plus per tensor its
+    flattening and wrapping as the profile measured it (`costmodel.framework`; 0 without a profile)."""
     if sync_bytes <= 0 or group.size <= 1:
         return 0.0
-    n = max(sync_tensors, 1)
-    if per_tensor_s > 0:
-        return n * per_tensor_s
-    return n * collective_time(Collective.ALL_REDUCE, sync_bytes / n, group, cluster, concurrent=concurrent)
+    return (collective_time(Collective.ALL_REDUCE, sync_bytes, group, cluster, concurrent=concurrent)
+            + max(sync_tensors, 1) * per_tensor_s)
 
 
 @dataclass(frozen=True, slots=True)

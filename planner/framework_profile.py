@@ -30,10 +30,11 @@ What is measured, per group size g (the g-rank 1-D mesh of the rank's group):
     fsdp: units = blocks + root; forward: one all-gather per unit; backward: one reduce-scatter per unit;
     fsdp_reshard: as fsdp, plus one all-gather per unit in backward (an explicit reshard_after_forward=True
     reshards the root too).
-- gradient sync: an AdamW step over K DTensor parameters whose gradients are `Partial` over the g-rank mesh
-  (what sequence parallelism leaves on a replicated weight) against one over replicated gradients; per tensor =
-  the difference / K. The step redistributes each partial gradient itself (all-reduce plus dispatch), which
-  `step_time.tp_grad_sync_time` prices per tensor with this figure.
+- gradient sync: `planner.train_step.sync_partial_gradients` then an AdamW step, over K DTensor parameters whose
+  gradients are `Partial` over the g-rank mesh (what sequence parallelism leaves on a replicated weight), against
+  an AdamW step over replicated gradients and one bare all-reduce of the K tensors' bytes; per tensor = the
+  difference / K (flattening, unflattening, DTensor wrapping). `step_time.tp_grad_sync_time` prices the sync as
+  one all-reduce of all the bytes plus K times this figure.
 - tensor-parallel module: the MLP Linear(h, 4h) -> GELU -> Linear(4h, h) with `ColwiseParallel` on the first
   and `RowwiseParallel` on the second (`planner.apply_tp`'s pair), input requiring grad as inside a network,
   against the plain MLP; minus the raw all-reduce of the output (forward) and of the input gradient (backward)
@@ -366,21 +367,30 @@ def measure_dp_units(mesh: Any, options: FrameworkOptions, timer: _Timer) -> dic
 
 
 def _partial_grad_step(params: Sequence[nn.Parameter], mesh: Any) -> _Pass:
-    """AdamW step over DTensor parameters whose gradients are `Partial` (what sequence parallelism leaves on a
-    replicated weight applied to sequence-sharded tokens); the gradients are set again before every step."""
+    """The runtime's step over DTensor parameters whose gradients are `Partial` (what sequence parallelism leaves
+    on a replicated weight applied to sequence-sharded tokens): `sync_partial_gradients`, then AdamW; the
+    gradients are set again before every step."""
     from torch.distributed.tensor import DTensor, Partial
+
+    from planner.train_step import sync_partial_gradients
 
     def reset() -> None:
         for p in params:
             p.grad = DTensor.from_local(torch.full_like(p.to_local(), 1e-3), mesh, [Partial()])
 
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+
+    def step() -> None:
+        sync_partial_gradients(params)
+        optimizer.step()
+
     reset()
-    return _Pass(torch.optim.AdamW(params, lr=1e-3).step, reset=reset)
+    return _Pass(step, reset=reset)
 
 
 def measure_grad_sync(mesh: Any, options: FrameworkOptions, timer: _Timer) -> float:
-    """Seconds per parameter tensor that an AdamW step over `Partial` gradients costs beyond one over replicated
-    gradients: the redistribution (all-reduce over the group and its DTensor dispatch) the step performs."""
+    """Seconds per parameter tensor that syncing `Partial` gradients and stepping costs beyond an AdamW step over
+    replicated gradients and one all-reduce of all their bytes (the sync's flattening and DTensor wrapping)."""
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     side = options.optimizer_sides[0]
@@ -389,8 +399,10 @@ def measure_grad_sync(mesh: Any, options: FrameworkOptions, timer: _Timer) -> fl
     def params() -> list[nn.Parameter]:
         return [nn.Parameter(distribute_tensor(t, mesh, [Replicate()])) for t in tensors]
 
-    t = timer.rounds([_adam_step(params()), _partial_grad_step(params(), mesh)])[:, :, 0]
-    return _median_clamped(t[:, 1] - t[:, 0]) / options.optimizer_tensors
+    passes = [_adam_step(params()), _partial_grad_step(params(), mesh),
+              _Pass(_all_reduce(sum(t.numel() for t in tensors), mesh.get_group()))]
+    t = timer.rounds(passes)[:, :, 0]
+    return _median_clamped(t[:, 1] - t[:, 0] - t[:, 2]) / options.optimizer_tensors
 
 
 def measure_tp_module(mesh: Any, options: FrameworkOptions, timer: _Timer) -> PassCost:

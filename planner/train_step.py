@@ -5,15 +5,20 @@ Semantics are the single-process ones: the step's gradient is the mean-loss grad
   (each loss divided by the number of micro-batches; FSDP2 reduces gradients only after the last one);
 - pipelined: the `torch.distributed.pipelining` schedule runs the micro-batches and averages their gradients;
 - data parallel: FSDP2 / replicate average gradients over the dp ranks;
-- parameters tied across pipeline stages get their gradient copies summed before the optimizer step.
+- parameters tied across pipeline stages get their gradient copies summed before the optimizer step;
+- gradients that sequence parallelism leaves `Partial` (replicated norm weights applied to sequence shards) are
+  all-reduced in one flat buffer per mesh (`sync_partial_gradients`) instead of one collective per tensor, which
+  the optimizer step's redistribution would issue.
 The returned loss is the global-batch mean (averaged over micro-batches and dp ranks), the same on every rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
+from torch import nn
 
 from planner.errors import UserError
 from planner.parallelize import ParallelModel
@@ -43,6 +48,7 @@ def train_step(pm: ParallelModel, batch: Sequence[torch.Tensor], optimizer: torc
     optimizer.zero_grad(set_to_none=True)
     loss = _pipelined(pm, batch) if pm.pipelined else _accumulated(pm, batch)
     _sum_tied_gradients(pm)
+    sync_partial_gradients(p for _, part in sorted(pm.parts.items()) for p in part.parameters())
     optimizer.step()
     return _global_mean(pm, loss)
 
@@ -100,6 +106,38 @@ def _sum_tied_gradients(pm: ParallelModel) -> None:
             else:
                 grad = p.grad
             dist.all_reduce(grad, group=tied.group)
+
+
+def sync_partial_gradients(params: Iterable[nn.Parameter]) -> int:
+    """All-reduce the `Partial` gradients of replicated DTensor parameters on 1-D meshes, one flat buffer per
+    (mesh, dtype) in parameter order, and give each its parameter's placement; returns how many were synced.
+
+    Every rank of a mesh holds the same modules, so the buffers line up. Other gradients (sharded, 2-D meshes with
+    FSDP2, plain tensors) are left to their owners."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    buckets: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
+    meshes: dict[int, Any] = {}
+    for p in params:
+        g = p.grad
+        if not (isinstance(p, DTensor) and isinstance(g, DTensor) and g.device_mesh.ndim == 1
+                and g.device_mesh == p.device_mesh and p.placements == (Replicate(),)
+                and isinstance(g.placements[0], Partial) and g.placements[0].reduce_op == "sum"):
+            continue
+        meshes.setdefault(id(g.device_mesh), g.device_mesh)
+        buckets.setdefault((id(g.device_mesh), g.dtype), []).append(p)
+    for (mesh_id, _), ps in buckets.items():
+        mesh = meshes[mesh_id]
+        locals_ = [p.grad.to_local() for p in ps]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        dist.all_reduce(flat, group=mesh.get_group())
+        offset = 0
+        for p, t in zip(ps, locals_, strict=True):
+            p.grad = DTensor.from_local(flat[offset:offset + t.numel()].view_as(t), mesh, p.placements,
+                                        run_check=False)
+            offset += t.numel()
+    return sum(len(ps) for ps in buckets.values())
 
 
 def _global_mean(pm: ParallelModel, loss: torch.Tensor) -> float:

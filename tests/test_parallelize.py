@@ -478,6 +478,28 @@ def test_single_rank_accumulation_matches_one_big_batch(single_rank_group):
         local_batch(pm, (batch[0][:4],))
 
 
+def test_partial_gradients_are_synced_in_one_buffer_with_their_parameters_layout(single_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from planner.train_step import sync_partial_gradients
+
+    mesh = init_device_mesh("cpu", (1,))
+    norms = [nn.Parameter(distribute_tensor(torch.ones(n), mesh, [Replicate()])) for n in (3, 5)]
+    sharded = nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+    plain = nn.Parameter(torch.ones(2))
+    for i, p in enumerate(norms):
+        p.grad = DTensor.from_local(torch.full((p.numel(),), float(i + 1)), mesh, [Partial()])
+    sharded.grad = DTensor.from_local(torch.ones(4, 2), mesh, [Partial()])
+    plain.grad = torch.ones(2)
+    assert sync_partial_gradients([norms[0], sharded, plain, norms[1]]) == 2
+    for i, p in enumerate(norms):
+        assert p.grad.placements == (Replicate(),)
+        torch.testing.assert_close(p.grad.to_local(), torch.full((p.numel(),), float(i + 1)))
+    assert sharded.grad.placements == (Partial(),)  # a sharded weight's gradient is its owner's business
+    assert sync_partial_gradients(norms) == 0        # nothing partial is left
+
+
 # --- multi-process: every config against a single-process run --------------------------------------------
 
 def _launch(nproc: int, configs: tuple[str, ...], tmp: Path) -> dict[str, Any]:
