@@ -176,7 +176,7 @@ def test_every_example_parses_and_round_trips(path):
 def test_examples_cover_the_documented_scenarios():
     names = {p.name for p in EXAMPLE_FILES}
     assert {"dgx-a100-128.yaml", "mixed-a100-v100.yaml", "straggler.yaml", "two-datacenters.yaml",
-            "cpu-1x4.yaml"} <= names
+            "cpu-1x4.yaml", "cpu-1x4-on-2-cores.yaml"} <= names
 
 
 def test_shorthand_round_trips_and_equals_the_equivalent_yaml():
