@@ -372,6 +372,11 @@ class Cluster:
         """Speed factor of `rank`: 1 nominal, 0.5 half speed, 0 unavailable."""
         return self.group_of(rank).speed_of(self.local_index(rank))
 
+    @functools.cached_property
+    def shares_host_cores(self) -> bool:
+        """Whether some group's devices share host cores (then speeds depend on how many are busy at once)."""
+        return any(g.host_cores is not None for g in self.groups)
+
     def compute_speeds(self, ranks: Sequence[int], busy_fraction: float = 1.0) -> tuple[float, ...]:
         """Speed of each of the distinct devices `ranks` when they run one job: `speed_of`, times, on a node of a
         group with `host_cores` C, min(1, C / (busy_fraction * n)) where n of the node's devices are in `ranks`.
@@ -381,7 +386,7 @@ class Cluster:
         if not 0 < busy_fraction <= 1:
             raise ValueError(f"busy_fraction must be in (0, 1], got {busy_fraction!r}")
         speeds = [self.speed_of(r) for r in ranks]
-        if all(g.host_cores is None for g in self.groups):
+        if not self.shares_host_cores:
             return tuple(speeds)
         per_node = Counter(self.node_of(r) for r in ranks)
         out = []

@@ -192,15 +192,11 @@ class StageProblemBuilder:
         device, and runs at `costmodel.estimate.rank_speeds`, as `estimate` maps them); None if the mesh needs
         more devices than are available. Where devices share host cores their speed depends on the schedule's
         bubbles too, so placements are per (mesh, busy fraction); otherwise per mesh."""
-        busy = busy_fraction(self.strategy_of(cand)) if self._shares_cores else 1.0
+        busy = busy_fraction(self.strategy_of(cand)) if self.cluster.shares_host_cores else 1.0
         key = (cand.mesh, busy)
         if key not in self._placements:
             self._placements[key] = self._place(cand)
         return self._placements[key]
-
-    @property
-    def _shares_cores(self) -> bool:
-        return any(g.host_cores is not None for g in self.cluster.groups)
 
     def _place(self, cand: Candidate) -> tuple[RankPlacement, ...] | None:
         if self._physical is None:
@@ -210,7 +206,7 @@ class StageProblemBuilder:
         if cand.mesh.num_devices > len(physical):
             return None
         strategy = self.strategy_of(cand)
-        if self._shares_cores:
+        if self.cluster.shares_host_cores:
             speeds = rank_speeds(self.cluster, strategy)
         out = []
         for k in range(cand.mesh.pp):

@@ -117,18 +117,15 @@ def sync_partial_gradients(params: Iterable[nn.Parameter]) -> int:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    buckets: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
-    meshes: dict[int, Any] = {}
+    buckets: dict[tuple[int, torch.dtype], tuple[Any, list[nn.Parameter]]] = {}
     for p in params:
         g = p.grad
         if not (isinstance(p, DTensor) and isinstance(g, DTensor) and g.device_mesh.ndim == 1
                 and g.device_mesh == p.device_mesh and p.placements == (Replicate(),)
                 and isinstance(g.placements[0], Partial) and g.placements[0].reduce_op == "sum"):
             continue
-        meshes.setdefault(id(g.device_mesh), g.device_mesh)
-        buckets.setdefault((id(g.device_mesh), g.dtype), []).append(p)
-    for (mesh_id, _), ps in buckets.items():
-        mesh = meshes[mesh_id]
+        buckets.setdefault((id(g.device_mesh), g.dtype), (g.device_mesh, []))[1].append(p)
+    for mesh, ps in buckets.values():
         locals_ = [p.grad.to_local() for p in ps]
         flat = torch.cat([t.reshape(-1) for t in locals_])
         dist.all_reduce(flat, group=mesh.get_group())
@@ -137,7 +134,7 @@ def sync_partial_gradients(params: Iterable[nn.Parameter]) -> int:
             p.grad = DTensor.from_local(flat[offset:offset + t.numel()].view_as(t), mesh, p.placements,
                                         run_check=False)
             offset += t.numel()
-    return sum(len(ps) for ps in buckets.values())
+    return sum(len(ps) for _, ps in buckets.values())
 
 
 def _global_mean(pm: ParallelModel, loss: torch.Tensor) -> float:
