@@ -123,6 +123,7 @@ def context_parallel_cost(base: LayerCost, nodes: Sequence[Node], device: Device
             fwd_comm_s=base.fwd_comm_s + fwd_ring,
             bwd_comm_s=base.bwd_comm_s + bwd_ring,
             recompute_full_s=base.recompute_full_s + fwd_ring,
+            recompute_op_s=base.recompute_op_s + fwd_ring,
             peak_temp_bytes=base.peak_temp_bytes + round(2 * kv_block),
         )
     return dataclasses.replace(
@@ -136,6 +137,8 @@ def context_parallel_cost(base: LayerCost, nodes: Sequence[Node], device: Device
         saved_bytes_full=-(-base.saved_bytes_full // cp),
         recompute_selective_s=base.recompute_selective_s / cp,
         recompute_full_s=base.recompute_full_s / cp + fwd_ring,
+        saved_bytes_op=-(-base.saved_bytes_op // cp),
+        recompute_op_s=base.recompute_op_s / cp + fwd_ring,
         boundary_bytes=-(-base.boundary_bytes // cp),
         peak_temp_bytes=-(-base.peak_temp_bytes // cp) + round(2 * kv_block),
     )

@@ -38,8 +38,8 @@ from costmodel.device import DeviceSpec
 from costmodel.expert_parallel import dp_synced_params, ep_problem, optimizer_params
 from costmodel.framework import FrameworkCosts
 from costmodel.layer_cost import LayerCost
-from costmodel.layer_pricing import price_segment, selective_recompute_region
-from costmodel.memory import GIB, PricedSegment, rank_memory
+from costmodel.layer_pricing import op_policy_kept, price_segment, selective_recompute_region
+from costmodel.memory import GIB, GRAD_BYTES, PricedSegment, rank_memory
 from costmodel.pipeline import bubble_fraction, in_flight_per_chunk
 from costmodel.profile_db import OpProfile
 from costmodel.step_time import (
@@ -268,7 +268,7 @@ def _validity_problems(chain: LayerChain, strategy: Strategy, global_batch: int 
     if global_batch is not None and global_batch != strategy.global_batch:
         problems.append(f"global batch {global_batch} is not dp*mbs*m = {strategy.dp}*{strategy.microbatch_size}*"
                         f"{strategy.num_microbatches} = {strategy.global_batch}")
-    # Issue 10: context / expert parallelism must fit the model (costmodel/context_parallel.py, expert_parallel.py).
+    # Context / expert parallelism must fit the model (costmodel/context_parallel.py, expert_parallel.py).
     problems += [p for p in (cp_problem(chain, strategy.cp), ep_problem(chain, strategy.ep)) if p]
     if strategy.dp % strategy.ep:
         problems.append(f"ep={strategy.ep} must divide dp={strategy.dp} (expert groups are data-parallel ranks)")
@@ -285,6 +285,12 @@ def _recompute_flops(chain: LayerChain, seg_index: int, recompute: Recompute, ca
         return seg.forward_flops
     if recompute is Recompute.NONE:
         return 0
+    if recompute is Recompute.OP:
+        key = -1 - seg.class_id
+        if key not in cache:
+            kept = op_policy_kept(chain.nodes_of(seg))
+            cache[key] = sum(n.forward_flops for n in chain.nodes_of(seg) if n.name not in kept)
+        return cache[key]
     if seg.class_id not in cache:
         nodes = chain.nodes_of(seg)
         region = selective_recompute_region(nodes)
@@ -355,10 +361,11 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
     end_chunks = 0
     for segs in chunks:
         plain = stage_time(segs, speed=rank.speed)
-        # Issue 10: expert weights are reduced over dp*cp/ep ranks (costmodel/expert_parallel.py).
+        # Expert weights are reduced over dp*cp/ep ranks (costmodel/expert_parallel.py).
         params = dp_synced_params((s.cost for s in segs), dp_size=dp_size, ep=strategy.ep)
-        # Every (tp, pp) coordinate runs its own data-parallel reduction at the same time.
-        comm = dp_comm(zero_stage=strategy.zero_stage, grad_bytes=params * wbytes, param_bytes=params * wbytes,
+        # Every (tp, pp) coordinate runs its own data-parallel reduction at the same time. Gradients are reduced
+        # in fp32 (`memory.GRAD_BYTES`), weights gathered in the training dtype.
+        comm = dp_comm(zero_stage=strategy.zero_stage, grad_bytes=params * GRAD_BYTES, param_bytes=params * wbytes,
                        num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
                        bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=group, cluster=cluster,
                        concurrent=strategy.tp * pp)
@@ -369,14 +376,14 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
         end_reduce += comm.end_reduce_s
         end_chunks += comm.end_reduce_chunks
     costs = [s.cost for c in chunks for s in c]
-    experts = sum(c.expert_param_count for c in costs)  # issue 10: ZeRO over dp*cp/ep
+    experts = sum(c.expert_param_count for c in costs)  # ZeRO shards expert state over dp*cp/ep
     local_params = optimizer_params(sum(c.param_count for c in costs) + shared_params, experts,
                                     zero_stage=strategy.zero_stage, dp_size=dp_size, ep=strategy.ep)
     r = rank.index
     shared_sync = 0.0
     if shared_params and r > 0:
         # The copy's gradient is all-reduced with the owner (the first rank, for a tied embedding).
-        shared_sync = collective_time(Collective.ALL_REDUCE, shared_params * wbytes,
+        shared_sync = collective_time(Collective.ALL_REDUCE, shared_params * GRAD_BYTES,
                                       CommGroup(2, stride=r * axis_strides(strategy)[MeshAxis.PP]), cluster,
                                       concurrent=strategy.num_devices // pp)
     return times, RankTail(

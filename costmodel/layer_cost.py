@@ -47,3 +47,9 @@ class LayerCost:
     DTensors even without data parallelism (`estimate.dtensor_param_tensors`)."""
     grad_sync_tensors: int = 0
     """Tensors whose gradients make up `grad_sync_bytes` (each is synchronized on its own)."""
+    saved_bytes_op: int = 0
+    """Activations saved with per-op selective checkpointing (`Recompute.OP`: the segment input, every other
+    matmul output and the attention outputs)."""
+    recompute_op_s: float = 0.0
+    """Extra forward time in backward under `Recompute.OP`: every op whose output is not kept, and the forward
+    communication."""

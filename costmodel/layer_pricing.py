@@ -11,7 +11,11 @@ Saved activations (bytes autograd keeps from forward to backward), per recomputa
   reads from outside (Q, K, V) must be kept to recompute it. For Megatron's math attention this drops the
   5*a*s^2*b term and keeps the 34*s*b*h term; for fused (flash) attention it drops the output and logsumexp.
 - full: only the segment input is kept (`Segment.input_bytes`); backward first reruns the whole forward.
-Recompute times: selective = forward time of the region; full = forward time of the segment.
+- op (torchtitan's per-op policy): the segment input, the outputs of the 1st, 3rd, 5th, ... matmul in forward
+  order and the outputs of attention nodes (fused attention keeps its output and logsumexp) are kept; every other
+  op is recomputed in backward.
+Recompute times: selective = forward time of the region; full = forward time of the segment; op = forward time of
+the ops whose outputs are not kept.
 
 `peak_temp_bytes`: twice the largest single tensor a node produces (the tensor and its gradient coexist in
 backward) -- the transient working set on top of saved activations, e.g. attention scores or logits.
@@ -23,9 +27,9 @@ from collections.abc import Sequence
 
 from costmodel.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
-from costmodel.operators import node_time, retype_ratio
+from costmodel.operators import GEMM_KINDS, node_time, retype_ratio
 from costmodel.profile_db import OpProfile, OpTiming, segment_signature
-from ir.graph import Node
+from ir.graph import Node, OpKind
 from ir.layer_chain import LayerChain, Segment
 
 
@@ -44,6 +48,21 @@ def selective_recompute_region(nodes: Sequence[Node]) -> frozenset[str]:
         if n.name in before:
             before.update(n.inputs)
     return frozenset(core | (after & before))
+
+
+def op_policy_kept(nodes: Sequence[Node]) -> frozenset[str]:
+    """Nodes whose outputs per-op selective checkpointing keeps (module docstring): every other matmul, counted
+    from the first in forward order as torchtitan's policy counts `aten.mm` calls, and attention nodes."""
+    kept: set[str] = set()
+    matmuls = 0
+    for n in nodes:
+        if n.op_kind in GEMM_KINDS and n.op_kind is not OpKind.CONV:
+            matmuls += 1
+            if matmuls % 2:
+                kept.add(n.name)
+        elif n.op_kind is OpKind.ATTENTION:
+            kept.add(n.name)
+    return frozenset(kept)
 
 
 def region_inputs(nodes: Sequence[Node], region: frozenset[str]) -> dict[str, int]:
@@ -111,7 +130,11 @@ def price_segment(chain: LayerChain, segment: Segment, device: DeviceSpec, *, mi
     recompute_selective = sum(t[0] for n, t in zip(nodes, times, strict=True) if n.name in region)
     none, selective, full = saved_bytes_by_recompute(nodes, segment.input_bytes)
     act = scale * ratio
-    largest = max((sum(s.nbytes for s in n.output_specs) for n in nodes), default=0)
+    out_bytes = [sum(s.nbytes for s in n.output_specs) for n in nodes]
+    largest = max(out_bytes, default=0)
+    kept = op_policy_kept(nodes)
+    saved_op = min(segment.input_bytes + sum(b for n, b in zip(nodes, out_bytes, strict=True) if n.name in kept),
+                   none)
     return LayerCost(
         fwd_compute_s=fwd,
         bwd_compute_s=bwd,
@@ -128,4 +151,6 @@ def price_segment(chain: LayerChain, segment: Segment, device: DeviceSpec, *, mi
         grad_sync_bytes=0,
         peak_temp_bytes=round(2 * largest * act),
         param_tensors=owned_param_tensors(chain, segment),
+        saved_bytes_op=round(saved_op * act),
+        recompute_op_s=sum(t[0] for n, t in zip(nodes, times, strict=True) if n.name not in kept),
     )

@@ -1,10 +1,16 @@
 """Peak memory of one device: model state, saved activations, temporary buffers and a fixed framework overhead.
 
-Model state, mixed-precision Adam (Rajbhandari et al., SC'20, "ZeRO: Memory Optimizations Toward Training Trillion
-Parameter Models", Sec. 3.1): 2 bytes of 16-bit weights + 2 of 16-bit gradients + 12 of fp32 optimizer state (master
-weights, momentum, variance) = 16 bytes per parameter. Training in fp32 keeps 4 + 4 + 8 (no master copy).
-ZeRO-1 shards the optimizer state over the dp ranks, ZeRO-2 also the gradients, ZeRO-3 (FSDP) also the weights
-(each rank holds ceil(params / dp) of a sharded term).
+Model state, mixed-precision Adam as Megatron-LM and PyTorch FSDP2 keep it (per parameter, d = dp ranks):
+- ZeRO-0/1/2: 16-bit weights (2 bytes), fp32 gradient accumulation buffers (4: Megatron-LM turns
+  `accumulate_allreduce_grads_in_fp32` on for bf16 and reduces the fp32 "main grads"; FSDP2's recommended
+  `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` does the same), and 12 bytes of fp32 optimizer
+  state (master weight, Adam m and v). That is 18 bytes, and 6 + 12/d with the optimizer state sharded (ZeRO-1, the
+  distributed optimizer) -- the figures of Megatron-LM's docs/source/api-guide/dist_optimizer.md. ZeRO-2 also
+  shards the gradients (2 + 16/d).
+- ZeRO-3 (FSDP2 with mixed precision): the fp32 sharded parameter is the master copy, so 4/d weights + 4/d
+  gradients + 8/d Adam state = 16/d; the 16-bit copies of the running and prefetched units are temporary.
+Training in fp32 keeps 4 + 4 + 8 (no master copy), sharded the same way. (Rajbhandari et al., SC'20, Sec. 3.1
+count 2 + 2 + 12 with 16-bit gradients: the same total under ZeRO-3, 2 bytes less without it.)
 
 Activations: for each model chunk on the device, the bytes its segments save for one micro-batch under their
 recomputation choice (`LayerCost.saved_bytes_*`), times the micro-batches in flight on that chunk at the schedule's
@@ -41,7 +47,10 @@ MIB = 1024 ** 2
 OPTIMIZER_BYTES_MIXED = 12
 """fp32 master weight + Adam m + v per parameter (ZeRO paper Sec. 3.1)."""
 OPTIMIZER_BYTES_FP32 = 8
-"""Adam m + v in fp32 when the weights themselves are fp32."""
+"""Adam m + v in fp32 when the weights themselves are fp32 (or, under ZeRO-3, are the fp32 master shard)."""
+GRAD_BYTES = 4
+"""Gradients are accumulated and reduced in fp32 whatever the training dtype (module docstring)."""
+MASTER_BYTES = 4
 GPU_FRAMEWORK_OVERHEAD_BYTES = 768 * MIB
 CPU_FRAMEWORK_OVERHEAD_BYTES = 230 * MIB
 
@@ -69,12 +78,16 @@ def model_state_bytes(param_count: int, *, zero_stage: int = 0, dp: int = 1, dty
     """Weights, gradients and Adam state of `param_count` parameters on one rank (see module docstring)."""
     _validate_zero(zero_stage, dp)
     w = dtype_bytes(dtype)
-    opt = OPTIMIZER_BYTES_FP32 if w >= 4 else OPTIMIZER_BYTES_MIXED
     shard = math.ceil(param_count / dp)
+    if w >= MASTER_BYTES or zero_stage >= 3:
+        # The sharded (or only) fp32 weight is the master copy: no separate 12-byte master + moments.
+        return ModelState(params=(shard if zero_stage >= 3 else param_count) * MASTER_BYTES,
+                          grads=(shard if zero_stage >= 2 else param_count) * GRAD_BYTES,
+                          optimizer=(shard if zero_stage >= 1 else param_count) * OPTIMIZER_BYTES_FP32)
     return ModelState(
-        params=(shard if zero_stage >= 3 else param_count) * w,
-        grads=(shard if zero_stage >= 2 else param_count) * w,
-        optimizer=(shard if zero_stage >= 1 else param_count) * opt,
+        params=param_count * w,
+        grads=(shard if zero_stage >= 2 else param_count) * GRAD_BYTES,
+        optimizer=(shard if zero_stage >= 1 else param_count) * OPTIMIZER_BYTES_MIXED,
     )
 
 
@@ -85,6 +98,8 @@ def saved_bytes(cost: LayerCost, recompute: Recompute) -> int:
         return cost.saved_bytes_full
     if recompute is Recompute.SELECTIVE:
         return cost.saved_bytes_selective
+    if recompute is Recompute.OP:
+        return cost.saved_bytes_op
     return cost.saved_bytes_none
 
 
@@ -111,7 +126,7 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
     if len(chunks) != len(in_flight):
         raise ValueError(f"{len(chunks)} chunks but {len(in_flight)} in-flight counts")
     segments = [s for chunk in chunks for s in chunk]
-    # Expert parallelism (issue 10, costmodel/expert_parallel.py): expert state is sharded over dp / ep ranks.
+    # Expert parallelism (costmodel/expert_parallel.py): expert state is sharded over dp / ep ranks.
     experts = sum(s.cost.expert_param_count for s in segments)
     state = model_state_bytes(sum(s.cost.param_count for s in segments) + extra_params - experts,
                               zero_stage=zero_stage, dp=dp, dtype=dtype)

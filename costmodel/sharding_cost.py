@@ -30,7 +30,7 @@ from costmodel.collectives import Collective, CommGroup, collective_time
 from costmodel.device import DeviceSpec
 from costmodel.framework import NO_FRAMEWORK_COSTS, ZERO_PASS, FrameworkCosts, PassCost
 from costmodel.layer_cost import LayerCost
-from costmodel.layer_pricing import selective_recompute_region
+from costmodel.layer_pricing import op_policy_kept, selective_recompute_region
 from costmodel.operators import node_time, retype_ratio
 from costmodel.profile_db import OpProfile
 from costmodel.sharding import (
@@ -184,6 +184,8 @@ class ShardingModel:
     """Per-device bytes of the segment's outputs in the boundary layout (what a pipeline cut after it sends)."""
     recompute_region: frozenset[int] = frozenset()
     """Nodes selective recomputation drops and reruns (`layer_pricing.selective_recompute_region`)."""
+    op_kept: frozenset[int] = frozenset()
+    """Nodes whose outputs per-op selective checkpointing keeps (`layer_pricing.op_policy_kept`)."""
     region_reads: tuple[tuple[int, int, float], ...] = ()
     """(node, input index, full bytes) of each tensor the region reads from outside it, once per tensor: what
     selective recomputation keeps instead."""
@@ -282,6 +284,9 @@ class ShardingModel:
             grad_sync_bytes=sum(o.grad_sync_bytes for o in chosen),
             peak_temp_bytes=max((o.out_bytes for o in chosen), default=0),
             dtensor_param_tensors=dtensors, grad_sync_tensors=syncs,
+            # out_bytes counts the output and its gradient; the policy keeps the output.
+            saved_bytes_op=min(self.inputs_saved_bytes + sum(chosen[n].out_bytes // 2 for n in self.op_kept), saved),
+            recompute_op_s=sum(o.fwd_s for n, o in enumerate(chosen) if n not in self.op_kept) + fwd_comm,
         )
 
 
@@ -517,6 +522,7 @@ def build_sharding_model(nodes: Sequence[Node], *, tp: int, sequence_parallel: b
     return ShardingModel(nodes=nodes, tp=tp, sequence_parallel=sequence_parallel, options=tuple(options),
                          flows=flows, inputs_saved_bytes=round(inputs_saved), boundary_bytes=round(boundary),
                          recompute_region=frozenset(i for i, n in enumerate(nodes) if n.name in region),
+                         op_kept=frozenset(i for i, n in enumerate(nodes) if n.name in op_policy_kept(nodes)),
                          region_reads=_region_reads(nodes, region, in_scales, cfg))
 
 

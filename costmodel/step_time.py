@@ -121,6 +121,8 @@ def recompute_time(segment: PricedSegment) -> float:
         return c.recompute_full_s
     if r is Recompute.SELECTIVE:
         return c.recompute_selective_s
+    if r is Recompute.OP:
+        return c.recompute_op_s
     return 0.0
 
 
@@ -145,7 +147,7 @@ def host_time(segments: Sequence[PricedSegment], framework: FrameworkCosts, *, z
         bwd += action.backward_s
     for s in segments:
         mode = Recompute(s.recompute)
-        if mode is Recompute.FULL or (mode is Recompute.SELECTIVE and s.cost.recompute_selective_s > 0):
+        if mode in (Recompute.FULL, Recompute.OP) or (mode is Recompute.SELECTIVE and s.cost.recompute_selective_s > 0):
             c = framework.recompute_cost(mode.value)
             fwd += c.forward_s
             bwd += c.backward_s

@@ -26,6 +26,10 @@ class Recompute(enum.StrEnum):
     NONE = "none"
     SELECTIVE = "selective"  # recompute the attention core (softmax, dropout, QK^T, AV) only
     FULL = "full"            # keep only the layer input, recompute the whole forward in backward
+    OP = "op"
+    """Per-op selective checkpointing as torchtitan runs it (`activation_checkpoint.selective_ac_option = "op"`):
+    keep the layer input, every other matmul output (the 1st, 3rd, ...) and the attention outputs; recompute
+    everything else (norms, activations, the other matmuls) in backward (`costmodel.layer_pricing`)."""
 
 
 class MeshAxis(enum.StrEnum):

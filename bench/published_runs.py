@@ -1,0 +1,84 @@
+"""Predicted against published GPU training runs: step time and peak memory with the published configuration pinned.
+
+For every row of shared/data/published_runs.csv and the Korthikanti et al. 2022 tables (`tests/published_reference.py`
+builds the model, cluster and pinned configuration, and converts the published figure to seconds per iteration the
+way its source counts it), the planner fills in only what the source leaves unstated (listed per row), prices the
+result, and -- as a reference -- plans freely with the same model, cluster and batch. Prints a table and writes
+bench/results/published_runs.json.
+
+Usage: python bench/published_runs.py [--only SUBSTRING] [--no-free] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.published_reference import PublishedRun, all_runs, build_chain, cluster_of, predict  # noqa: E402
+
+
+def free_plan(run: PublishedRun, chains: dict) -> tuple[float, str]:
+    import planner
+
+    chain = chains.get((run.name, run.microbatch_size or 1)) or build_chain(run, 1)
+    p = planner.plan(chain, None, cluster_of(run), global_batch=run.global_batch)
+    s = p.strategy
+    label = (f"dp{s.dp} tp{s.tp} pp{s.pp} cp{s.cp} mbs{s.microbatch_size}x{s.num_microbatches} "
+             f"{s.schedule.value}{':' + str(s.virtual_stages) if s.virtual_stages > 1 else ''} zero{s.zero_stage} "
+             f"{s.recompute.value}{' sp' if s.sequence_parallel else ''}")
+    return p.predicted.step_time_s, label
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="rows whose name contains this text")
+    ap.add_argument("--no-free", action="store_true", help="skip the free planner's reference plans")
+    ap.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
+    args = ap.parse_args(argv)
+    rows, chains = [], {}
+    for run in all_runs():
+        if args.only.lower() not in run.name.lower():
+            continue
+        started = time.monotonic()
+        pred = predict(run, chains)
+        free_s, free_label = (None, "") if args.no_free else free_plan(run, chains)
+        err = pred.step_s / run.measured_step_s - 1
+        mem_err = (pred.memory_gib / run.measured_memory_gib - 1) if run.measured_memory_gib else None
+        rows.append({"run": run.name, "gpus": run.num_gpus, "device": run.device, "counts": run.counts,
+                     "measured_step_s": run.measured_step_s, "predicted_step_s": pred.step_s, "error": err,
+                     "measured_memory_gib": run.measured_memory_gib, "predicted_memory_gib": pred.memory_gib,
+                     "memory_error": mem_err, "predicted_mfu": pred.mfu, "strategy": pred.strategy,
+                     "planner_chose": pred.chosen, "inferred": list(run.inferred), "free_step_s": free_s,
+                     "free_strategy": free_label, "free_over_expert": free_s / pred.step_s if free_s else None,
+                     "seconds": time.monotonic() - started})
+        r = rows[-1]
+        if not args.json:
+            mem = f"{r['predicted_memory_gib']:.1f}/{run.measured_memory_gib:.1f} ({mem_err:+.0%})" if mem_err is not None else "-"
+            free = f"{r['free_over_expert']:.2f}" if free_s else "-"
+            print(f"{run.name[:48]:48s} {run.measured_step_s:8.3f} {pred.step_s:8.3f} {err:+7.1%}  mem {mem:22s} "
+                  f"mfu {pred.mfu:5.1%} free/exp {free:5s} | {pred.strategy} | free: {free_label}", flush=True)
+    errs = [abs(r["error"]) for r in rows]
+    mems = [abs(r["memory_error"]) for r in rows if r["memory_error"] is not None]
+    summary = {"rows": len(rows), "mean_abs_error": sum(errs) / len(errs), "max_abs_error": max(errs),
+               "mean_abs_memory_error": sum(mems) / len(mems) if mems else None}
+    result = {"summary": summary, "rows": rows}
+    out = ROOT / "bench" / "results" / "published_runs.json"
+    if not args.only:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(f"\nmean |error| {summary['mean_abs_error']:.1%}, worst {summary['max_abs_error']:.1%}; "
+              f"memory mean |error| {summary['mean_abs_memory_error'] or 0:.1%} over {len(mems)} rows")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

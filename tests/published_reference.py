@@ -1,0 +1,303 @@
+"""Published GPU training runs as planner inputs, and the published figure as the quantity the model predicts.
+
+Rows come from `shared/data/published_runs.csv` and `shared/data/korthikanti2022_selective_recompute.csv` (beside the
+checkout). Each row becomes a zoo model (`gpt` or `llama` with `--set` of the published shape), a cluster, and the
+published configuration pinned in a `SearchSpace`; what the source leaves unstated is left to the planner and listed
+in `PublishedRun.unstated` (or, where the framework of the time had one choice only, filled in and listed in
+`PublishedRun.inferred` with the reason). Published speed is converted to seconds per iteration the way the source
+counts it:
+
+- an iteration time: as is;
+- model TFLOP/s per GPU (Megatron-LM's formula, no recomputation): step = F / (TFLOP/s * GPUs), with the dense
+  transformer FLOPs  F = 3 * B * [L * (2*s*(2*h*(h + h_kv) + 2*h*f_ffn*g) + 4*s^2*h) + 2*s*h*V]  (g = 1.5 for a
+  gated MLP, h_kv = kv heads * head dim) -- the same closed form the tracer's FLOPs reproduce;
+- tokens per second per GPU: step = global batch * seq / (tokens/s * GPUs).
+
+This module is reference code for `bench/published_runs.py` and the tests; nothing in the cost model reads it, and
+the published figures are compared with, never fed into, the predictions.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from costmodel.strategy import Recompute, Schedule
+
+DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+PUBLISHED_CSV = DATA_DIR / "published_runs.csv"
+KORTHIKANTI_CSV = DATA_DIR / "korthikanti2022_selective_recompute.csv"
+GIB = 1024 ** 3
+
+# Network facts of the clusters named in the rows' device notes (the shorthand's defaults are the typical NIC).
+OMNI_PATH_PER_GPU_GBPS = 4 * 100 / 8
+"""BLOOM's Jean Zay nodes: 4 Omni-Path 100 Gb/s links per node of 8 A100 (device_notes of the row)."""
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published run: the model, the cluster and the configuration as pinned, plus the measured figures."""
+
+    name: str
+    family: str
+    sets: tuple[str, ...]
+    seq: int
+    device: str
+    num_gpus: int
+    gpus_per_node: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    global_batch: int
+    microbatch_size: int | None
+    virtual_stages: int | None
+    zero_stage: int | None
+    recompute: Recompute | None
+    sequence_parallel: bool | None
+    measured_step_s: float
+    measured_memory_gib: float | None
+    counts: str
+    framework: str
+    inter_node_gbps: float | None = None
+    stage_layers: tuple[int, ...] = ()
+    unstated: tuple[str, ...] = ()
+    inferred: tuple[str, ...] = field(default=())
+
+    @property
+    def cluster_spec(self) -> str:
+        return f"{self.num_gpus // self.gpus_per_node}x{self.gpus_per_node}x{self.device}"
+
+
+def _int(text: str) -> int | None:
+    text = text.strip()
+    return int(text) if text else None
+
+
+def _float(text: str) -> float | None:
+    text = text.strip().rstrip("%")
+    return float(text) if text else None
+
+
+def dense_training_flops(*, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq: int,
+                         batch: int, gated: bool) -> float:
+    """Model FLOPs of one training step of a dense decoder (module docstring; no recomputation)."""
+    head_dim = hidden // heads
+    kv = kv_heads * head_dim
+    mlp = 2 * hidden * ffn * (1.5 if gated else 1.0)
+    per_layer = 2 * seq * (2 * hidden * (hidden + kv) + mlp) + 4 * seq * seq * hidden
+    return 3.0 * batch * (layers * per_layer + 2 * seq * hidden * vocab)
+
+
+def _zero_of(text: str) -> int | None:
+    m = re.search(r"ZeRO-(\d)", text)
+    return int(m.group(1)) if m else None
+
+
+def _recompute_of(text: str) -> Recompute | None:
+    low = text.lower()
+    for r in (Recompute.FULL, Recompute.SELECTIVE, Recompute.NONE):
+        if low.startswith(r.value):
+            return r
+    return None
+
+
+def _published_row(r: dict[str, str]) -> PublishedRun:
+    family = "llama" if r["model_family"].startswith("llama") else "gpt"
+    layers, hidden, heads = int(r["layers"]), int(r["hidden"]), int(r["heads"])
+    kv_heads, ffn, vocab, seq = int(r["kv_heads"]), int(r["ffn_hidden"]), int(r["vocab"]), int(r["seq_len"])
+    gbs, gpus = int(r["global_batch"]), int(r["num_gpus"])
+    sets = [f"layers={layers}", f"hidden={hidden}", f"heads={heads}", f"ffn_hidden={ffn}", f"vocab={vocab}"]
+    if family == "llama":
+        sets.append(f"kv_heads={kv_heads}")
+    else:
+        # Megatron-LM GPTs untie the output layer (the published sizes count it: 1.7B = 24 layers + 2 x V x h).
+        sets.append("tie_embeddings=false")
+    framework = r["framework_notes"]
+    unstated, inferred = [], []
+    mbs, zero = _int(r["micro_batch"]), _zero_of(r["dp_sharding"])
+    recompute = _recompute_of(r["recompute"])
+    sp = {"yes": True, "no": False}.get(r["sequence_parallel"].strip())
+    if mbs is None:
+        unstated.append("micro-batch")
+    if zero is None:
+        unstated.append("ZeRO stage (0 or 1: Megatron-LM has no ZeRO-2/3)")
+    if "Megatron-DeepSpeed" in framework:
+        # Megatron-DeepSpeed of 2021-22 (BLOOM, MT-NLG) predates what Korthikanti et al. (May 2022) and
+        # FlashAttention (Dao et al., May 2022) introduced; its attention was the fused-softmax math kernel.
+        sets.append("attn_impl=math")
+        inferred.append("math attention (no FlashAttention in Megatron-DeepSpeed of the time)")
+        if recompute is None:
+            recompute = Recompute.FULL
+            inferred.append("full recompute (selective recompute came with Korthikanti et al. 2022)")
+        if sp is None:
+            sp = False
+            inferred.append("no sequence parallelism (came with Korthikanti et al. 2022)")
+    if recompute is None:
+        unstated.append("recompute")
+    if sp is None and int(r["tp"]) > 1:
+        unstated.append("sequence parallelism")
+    if not r["virtual_stages"].strip() and int(r["pp"]) > 1:
+        unstated.append("schedule / virtual stages")
+    step = _float(r["iteration_time_s"])
+    counts = r["tflops_counts"] or "iteration time"
+    if step is None and r["tflops_per_gpu"].strip():
+        flops = dense_training_flops(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn,
+                                     vocab=vocab, seq=seq, batch=gbs, gated=family == "llama")
+        step = flops / (float(r["tflops_per_gpu"]) * 1e12 * gpus)
+    elif step is None:
+        step = gbs * seq / (float(r["tokens_per_s_per_gpu"]) * gpus)
+        counts = "tokens/s per GPU"
+    stage_layers: tuple[int, ...] = ()
+    m = re.search(r"first and last pipeline stage hold (\d+) blocks.*the others (\d+)", framework)
+    if m:
+        edge, inner = int(m.group(1)), int(m.group(2))
+        pp = int(r["pp"])
+        stage_layers = (edge,) + (inner,) * (pp - 2) + (edge,)
+    inter = OMNI_PATH_PER_GPU_GBPS if "Omni-Path" in r["device_notes"] else None
+    return PublishedRun(
+        name=r["run"], family=family, sets=tuple(sets), seq=seq, device=r["device"], num_gpus=gpus,
+        gpus_per_node=int(r["gpus_per_node"]), tp=int(r["tp"]), pp=int(r["pp"]), cp=int(r["cp"] or 1),
+        dp=int(r["dp"]), global_batch=gbs, microbatch_size=mbs, virtual_stages=_int(r["virtual_stages"]),
+        zero_stage=zero, recompute=recompute, sequence_parallel=sp, measured_step_s=step,
+        measured_memory_gib=_float(r["peak_memory_gib"]), counts=counts, framework=framework,
+        inter_node_gbps=inter, stage_layers=stage_layers, unstated=tuple(unstated), inferred=tuple(inferred))
+
+
+def load_published_runs(path: Path = PUBLISHED_CSV) -> list[PublishedRun]:
+    with open(path, newline="") as f:
+        return [_published_row(r) for r in csv.DictReader(f)]
+
+
+def _korthikanti_rows(r: dict[str, str]) -> list[PublishedRun]:
+    layers, hidden, heads = int(r["num_layers"]), int(r["hidden_size"]), int(r["attention_heads"])
+    tp, pp, dp = int(r["tensor_parallel"]), int(r["pipeline_parallel"]), int(r["data_parallel"])
+    v = _int(r["interleave_stages"]) or 1
+    sets = (f"layers={layers}", f"hidden={hidden}", f"heads={heads}", f"vocab={int(r['vocab'])}",
+            "attn_impl=math", "dropout=0.1")
+    common = dict(family="gpt", sets=sets, seq=int(r["seq_len"]), device="a100-80gb",
+                  num_gpus=int(r["num_gpus"]), gpus_per_node=min(8, int(r["num_gpus"])), tp=tp, pp=pp, cp=1, dp=dp,
+                  global_batch=int(r["global_batch_size"]), microbatch_size=int(r["micro_batch_size"]),
+                  virtual_stages=v, zero_stage=0, measured_memory_gib=None, counts="iteration time",
+                  framework="Megatron-LM 2022, math attention with dropout")
+    out = []
+    for col, recompute, sp in (("full_recompute", Recompute.FULL, False),
+                               ("present_work_seqpar_plus_selective", Recompute.SELECTIVE, True)):
+        t = _float(r[col])
+        if t is not None:
+            label = "full" if recompute is Recompute.FULL else "selective+SP"
+            out.append(PublishedRun(name=f"Korthikanti {r['model']} {r['table']} {label}", recompute=recompute,
+                                    sequence_parallel=sp, measured_step_s=t, **common))
+    return out
+
+
+def load_korthikanti_runs(path: Path = KORTHIKANTI_CSV) -> list[PublishedRun]:
+    with open(path, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["metric"] == "iteration_time_s"]
+    return [run for r in rows for run in _korthikanti_rows(r)]
+
+
+def all_runs() -> list[PublishedRun]:
+    return load_published_runs() + load_korthikanti_runs()
+
+
+def schedule_of(run: PublishedRun) -> tuple[Schedule | None, int | None]:
+    """The pinned schedule: interleaved when the source gives virtual stages > 1, else 1F1B when it gives them."""
+    if run.pp == 1:
+        return Schedule.ONE_F_ONE_B, 1
+    if run.virtual_stages is None:
+        return None, None
+    if run.virtual_stages > 1:
+        return Schedule.INTERLEAVED, run.virtual_stages
+    return Schedule.ONE_F_ONE_B, 1
+
+
+def stage_bounds(stage_layers: Sequence[int], num_segments: int, num_blocks: int) -> list[tuple[int, int]]:
+    """Segment ranges of stages holding `stage_layers` blocks each; the leading/trailing segments (embedding,
+    head) join the first/last stage."""
+    lead = (num_segments - num_blocks) // 2
+    bounds, pos = [], lead
+    for n in stage_layers:
+        bounds.append((pos, pos + n))
+        pos += n
+    bounds[0] = (0, bounds[0][1])
+    bounds[-1] = (bounds[-1][0], num_segments)
+    return bounds
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The model's step time and peak memory for a run's configuration, and what the planner filled in."""
+
+    step_s: float
+    memory_gib: float
+    mfu: float
+    strategy: str
+    chosen: str
+
+
+def build_chain(run: PublishedRun, microbatch_size: int, dtype: str = "bfloat16"):
+    """The run's model traced on `meta` at `microbatch_size` (zoo family with the published shape)."""
+    import ir
+    from planner.cli.model_registry import build_model
+
+    built = build_model(run.family, run.sets, batch=microbatch_size, seq=run.seq, device="meta")
+    graph = ir.trace(built.module, built.example_inputs, model_name=run.name, dtype=dtype)
+    return ir.build_layer_chain(graph)
+
+
+def cluster_of(run: PublishedRun):
+    from costmodel import Cluster
+
+    cluster = Cluster.parse(run.cluster_spec)
+    if run.inter_node_gbps is None or len(cluster.tiers) < 2:
+        return cluster
+    return cluster.with_tier(cluster.tiers[1].name, bandwidth=run.inter_node_gbps * 1e9)
+
+
+def search_space(run: PublishedRun, zero_stage: int | None):
+    from planner.search_space import SearchSpace
+
+    schedule, v = schedule_of(run)
+    return SearchSpace(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, ep=1, microbatch_size=run.microbatch_size,
+                       schedule=schedule, virtual_stages=v, zero_stage=zero_stage, recompute=run.recompute,
+                       sequence_parallel=run.sequence_parallel)
+
+
+def _describe(strategy) -> str:
+    s = strategy
+    sched = s.schedule.value + (f":{s.virtual_stages}" if s.virtual_stages > 1 else "")
+    return (f"dp{s.dp} tp{s.tp} pp{s.pp} cp{s.cp} mbs{s.microbatch_size}x{s.num_microbatches} {sched} "
+            f"zero{s.zero_stage} {s.recompute.value}{' sp' if s.sequence_parallel else ''}")
+
+
+def predict(run: PublishedRun, chains: dict | None = None) -> Prediction:
+    """Plan over what the source leaves unstated with the stated configuration pinned, and price it.
+
+    The ZeRO stage, when unstated, is searched over 0 and 1 (Megatron-LM's replicated or distributed optimizer)."""
+    import planner
+    from planner.errors import InfeasibleError
+
+    chains = {} if chains is None else chains
+    mbs = run.microbatch_size or 1
+    key = (run.name, mbs)
+    if key not in chains:
+        chains[key] = build_chain(run, mbs)
+    chain = chains[key]
+    cluster = cluster_of(run)
+    best = None
+    for zero in ((run.zero_stage,) if run.zero_stage is not None else (0, 1)):
+        try:
+            p = planner.plan(chain, None, cluster, global_batch=run.global_batch, space=search_space(run, zero))
+        except InfeasibleError:
+            continue
+        if best is None or p.predicted.step_time_s < best.predicted.step_time_s:
+            best = p
+    if best is None:
+        raise RuntimeError(f"{run.name}: no plan fits with the published configuration")
+    est = best.predicted
+    return Prediction(step_s=est.step_time_s, memory_gib=max(est.peak_memory_bytes) / GIB, mfu=est.mfu,
+                      strategy=_describe(best.strategy), chosen=", ".join(run.unstated) or "-")
