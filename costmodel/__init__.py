@@ -5,9 +5,9 @@ from costmodel.cluster import Cluster, DeviceGroup, NetworkTier
 from costmodel.device import DeviceSpec
 from costmodel.estimate import estimate
 from costmodel.layer_cost import LayerCost
-from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
+from costmodel.strategy import MeshAxis, Recompute, RuntimeOptions, Schedule, StageSpec, Strategy
 
 __all__ = [
     "Cluster", "DeviceGroup", "DeviceSpec", "Estimate", "LayerCost", "MemoryBreakdown", "MeshAxis",
-    "NetworkTier", "Recompute", "Schedule", "StageEstimate", "StageSpec", "Strategy", "TimeBreakdown", "estimate",
+    "NetworkTier", "Recompute", "RuntimeOptions", "Schedule", "StageEstimate", "StageSpec", "Strategy", "TimeBreakdown", "estimate",
 ]

@@ -359,6 +359,8 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
     times: list[StageTime] = []
     post = end_reduce = 0.0
     end_chunks = 0
+    runtime = strategy.runtime
+    tp_chunks = strategy.tp if runtime.tp_overlap else 0
     for segs in chunks:
         plain = stage_time(segs, speed=rank.speed)
         # Expert weights are reduced over dp*cp/ep ranks (costmodel/expert_parallel.py).
@@ -368,10 +370,11 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
         comm = dp_comm(zero_stage=strategy.zero_stage, grad_bytes=params * GRAD_BYTES, param_bytes=params * wbytes,
                        num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
                        bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=group, cluster=cluster,
-                       concurrent=strategy.tp * pp)
+                       concurrent=strategy.tp * pp, overlap=runtime.dp_overlap,
+                       reshard_after_forward=runtime.reshard_after_forward)
         host = host_time(segs, rank.framework, zero_stage=strategy.zero_stage, dp_size=dp_size, pipeline_size=pp)
         times.append(stage_time(segs, speed=rank.speed, dp_fwd_s=comm.per_microbatch_fwd_s,
-                                dp_bwd_s=comm.per_microbatch_bwd_s, host=host))
+                                dp_bwd_s=comm.per_microbatch_bwd_s, host=host, tp_overlap_chunks=tp_chunks))
         post += comm.post_step_s
         end_reduce += comm.end_reduce_s
         end_chunks += comm.end_reduce_chunks
@@ -397,7 +400,7 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
         optimizer_s=optimizer_step_time(
             local_params, rank.device, speed=rank.speed,
             host_s=rank.framework.optimizer_host_s(*param_tensor_kinds(strategy, costs))),
-        post_step_s=post)
+        post_step_s=post, overlap=runtime.dp_overlap)
 
 
 def _step_terms(priced: Sequence[Sequence[PricedSegment]], ranks: Sequence[_Rank], shared: Sequence[int],
@@ -425,7 +428,8 @@ def _stage_estimates(priced: Sequence[Sequence[PricedSegment]], stage_times: Seq
     for r, rank in enumerate(ranks):
         counts = in_flight_per_chunk(strategy.schedule, pp, r, strategy.num_microbatches, strategy.virtual_stages)
         memory = rank_memory(priced[r::pp], counts, zero_stage=strategy.zero_stage, dp=strategy.dp * strategy.cp,
-                             dtype=dtype, device_name=rank.device.name, extra_params=shared[r], ep=strategy.ep)
+                             dtype=dtype, device_name=rank.device.name, extra_params=shared[r], ep=strategy.ep,
+                             reshard_after_forward=strategy.runtime.reshard_after_forward)
         capacity = rank.device.memory_bytes
         if memory.total > capacity:
             problems.append(f"stage {r} needs {memory.total / GIB:.1f} GiB > {capacity / GIB:.1f} GiB "

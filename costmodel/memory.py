@@ -23,7 +23,7 @@ tensor parallelism divides the parts it shards and sequence parallelism the rest
 Temporary buffers: the largest transient of any segment (`LayerCost.peak_temp_bytes`), plus the activations a
 recomputed segment re-materializes while its backward runs (saved-with-none minus saved-with-its-choice, for the
 largest such segment), plus under ZeRO-3 the gathered full weights of the largest segment twice (the one running
-and the one prefetched).
+and the one prefetched) -- or, without `reshard_after_forward`, the gathered weights of every segment of the rank.
 
 Framework overhead: the CUDA context, cuBLAS/NCCL workspaces: about 0.75 GiB per GPU process (PyTorch forums,
 "What is the reason for pytorch's GPU memory floor?" measures 723 MiB, "High gpu memory overhead" ~800 MB, both
@@ -117,7 +117,7 @@ class PricedSegment:
 
 def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[int], *, zero_stage: int = 0,
                 dp: int = 1, dtype: str = "bfloat16", device_name: str = "gpu", extra_params: int = 0,
-                ep: int = 1) -> MemoryBreakdown:
+                ep: int = 1, reshard_after_forward: bool = True) -> MemoryBreakdown:
     """Peak bytes on one device holding `chunks` (one per virtual stage) with `in_flight[c]` micro-batches each.
 
     `extra_params`: parameters the device holds besides its segments' own (a copy of a weight shared with another
@@ -139,7 +139,8 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
     temporary = max((s.cost.peak_temp_bytes for s in segments), default=0) + max(rematerialized, 0)
     if zero_stage >= 3:
         w = dtype_bytes(dtype)
-        temporary += 2 * max((s.cost.param_count * w for s in segments), default=0)
+        gathered = [s.cost.param_count * w for s in segments]
+        temporary += 2 * max(gathered, default=0) if reshard_after_forward else sum(gathered)
     return MemoryBreakdown(params=state.params, grads=state.grads, optimizer=state.optimizer,
                            activations=activations, temporary=temporary,
                            overhead=framework_overhead_bytes(device_name))

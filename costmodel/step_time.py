@@ -18,13 +18,20 @@ forward): chunk i is ready at (i+1) W/n and the chunks go one after another, so 
 
 -- the last chunk can never hide, and when communication outruns compute the rest of it shows.
 
-Data parallelism per rank (Rajbhandari et al. SC'20 for the ZeRO stages; PyTorch DDP / Megatron-LM for buckets):
+Data parallelism per rank (Rajbhandari et al. SC'20 for the ZeRO stages; PyTorch DDP / Megatron-LM for buckets).
+Gradients are reduced in fp32 (`memory.GRAD_BYTES`), weights gathered in the training dtype:
 - ZeRO-0: all-reduce of the rank's gradients in buckets during its last backward;
-- ZeRO-1: reduce-scatter of gradients there, then an all-gather of the updated weights after the optimizer step;
+- ZeRO-1: reduce-scatter of gradients there, then an all-gather of the updated weights, prefetched unit by unit
+  ahead of the next step's first forward (FSDP2; Megatron-LM `--overlap-param-gather`): exposed(G, F_1, n) with F_1
+  the first micro-batch's forward;
 - ZeRO-2: gradients are reduce-scattered during every micro-batch's backward (the unsharded gradient is never
-  kept), plus the post-step weight all-gather;
+  kept), plus ZeRO-1's weight all-gather;
 - ZeRO-3: weights are all-gathered before each segment's forward and again before its backward (prefetched, one
-  chunk per segment), gradients reduce-scattered during every backward; no post-step gather.
+  chunk per segment; without `reshard_after_forward` only before the forward), gradients reduce-scattered during
+  every backward.
+With `RuntimeOptions.dp_overlap` off nothing overlaps: every term above is its full collective time.
+Tensor-parallel collectives are exposed, unless `RuntimeOptions.tp_overlap` pipelines them with the segment's
+GEMMs in tp chunks: exposed(C_tp, compute, tp) per segment and pass.
 Under ZeRO >= 1 every collective is issued once per FSDP unit (one per segment, as `planner.apply_fsdp` wraps
 each layer), so each of the n pieces pays the collective's latency: n x time(S / n). Measured framework host work
 (`costmodel.framework`: FSDP2 / replicate hooks per unit and micro-batch) adds to the per-micro-batch terms.
@@ -154,19 +161,28 @@ def host_time(segments: Sequence[PricedSegment], framework: FrameworkCosts, *, z
     return PassCost(fwd, bwd)
 
 
+def tp_exposed(comm_s: float, compute_s: float, tp_overlap_chunks: int) -> float:
+    """Tensor-parallel communication of one segment and pass left exposed (module docstring)."""
+    if tp_overlap_chunks <= 1:
+        return comm_s
+    return overlapped_exposed(comm_s, compute_s, tp_overlap_chunks)
+
+
 def stage_time(segments: Sequence[PricedSegment], *, speed: float = 1.0, dp_fwd_s: float = 0.0,
-               dp_bwd_s: float = 0.0, host: PassCost = ZERO_PASS) -> StageTime:
+               dp_bwd_s: float = 0.0, host: PassCost = ZERO_PASS, tp_overlap_chunks: int = 0) -> StageTime:
     """`StageTime` of a virtual stage made of `segments` (LayerCosts + recompute choices); `host` is its
-    framework host work (`host_time`)."""
+    framework host work (`host_time`); `tp_overlap_chunks` > 1 overlaps tensor-parallel collectives with the
+    GEMMs in that many chunks (`RuntimeOptions.tp_overlap`)."""
     if speed <= 0:
         raise ValueError(f"speed factor must be positive, got {speed}")
+    n = tp_overlap_chunks
     # Full recomputation reruns the forward communication too; it is part of recompute_full_s (LayerCost).
     return StageTime(
         compute_fwd_s=sum(s.cost.fwd_compute_s for s in segments) / speed,
         compute_bwd_s=sum(s.cost.bwd_compute_s for s in segments) / speed,
         recompute_s=sum(recompute_time(s) for s in segments) / speed,
-        tp_fwd_s=sum(s.cost.fwd_comm_s for s in segments),
-        tp_bwd_s=sum(s.cost.bwd_comm_s for s in segments),
+        tp_fwd_s=sum(tp_exposed(s.cost.fwd_comm_s, s.cost.fwd_compute_s / speed, n) for s in segments),
+        tp_bwd_s=sum(tp_exposed(s.cost.bwd_comm_s, s.cost.bwd_compute_s / speed, n) for s in segments),
         dp_fwd_s=dp_fwd_s,
         dp_bwd_s=dp_bwd_s,
         host_fwd_s=host.forward_s,
@@ -186,12 +202,13 @@ class DataParallelComm:
     """ZeRO-0/1 gradient reduction at the end of the step (before overlap with the last backward)."""
     end_reduce_chunks: int = 1
     post_step_s: float = 0.0
-    """ZeRO-1/2 all-gather of the updated weights after the optimizer step (exposed)."""
+    """ZeRO-1/2 all-gather of the updated weights, the part the next step's first forward does not hide."""
 
 
 def data_parallel_comm(*, zero_stage: int, grad_bytes: float, param_bytes: float, num_segments: int,
                        fwd_window_s: float, bwd_window_s: float, group: CommGroup, cluster: Cluster,
-                       concurrent: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> DataParallelComm:
+                       concurrent: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True,
+                       reshard_after_forward: bool = True) -> DataParallelComm:
     """Price the data-parallel collectives of one stage (module docstring). Bytes are this rank's unsharded
     gradient and weight bytes (after tensor parallelism).
 
@@ -205,22 +222,26 @@ def data_parallel_comm(*, zero_stage: int, grad_bytes: float, param_bytes: float
     def t(kind: Collective, nbytes: float, pieces: int) -> float:
         return pieces * collective_time(kind, nbytes / pieces, group, cluster, concurrent=concurrent)
 
+    def exposed(comm_s: float, window_s: float, pieces: int) -> float:
+        return overlapped_exposed(comm_s, window_s, pieces) if overlap else comm_s
+
     n_seg = max(num_segments, 1)
     buckets = max(math.ceil(grad_bytes / bucket_bytes), 1)
     if zero_stage == 0:
         return DataParallelComm(end_reduce_s=t(Collective.ALL_REDUCE, grad_bytes, 1),
                                 end_reduce_chunks=buckets)
+    gather = t(Collective.ALL_GATHER, param_bytes, n_seg)
     if zero_stage == 1:
         return DataParallelComm(end_reduce_s=t(Collective.REDUCE_SCATTER, grad_bytes, n_seg),
                                 end_reduce_chunks=max(buckets, n_seg),
-                                post_step_s=t(Collective.ALL_GATHER, param_bytes, n_seg))
+                                post_step_s=exposed(gather, fwd_window_s, n_seg))
     reduce = t(Collective.REDUCE_SCATTER, grad_bytes, n_seg)
     if zero_stage == 2:
-        return DataParallelComm(per_microbatch_bwd_s=overlapped_exposed(reduce, bwd_window_s, n_seg),
-                                post_step_s=t(Collective.ALL_GATHER, param_bytes, n_seg))
-    gather = t(Collective.ALL_GATHER, param_bytes, n_seg)
-    return DataParallelComm(per_microbatch_fwd_s=overlapped_exposed(gather, fwd_window_s, n_seg),
-                            per_microbatch_bwd_s=overlapped_exposed(gather + reduce, bwd_window_s, n_seg))
+        return DataParallelComm(per_microbatch_bwd_s=exposed(reduce, bwd_window_s, n_seg),
+                                post_step_s=exposed(gather, fwd_window_s, n_seg))
+    backward = gather + reduce if reshard_after_forward else reduce
+    return DataParallelComm(per_microbatch_fwd_s=exposed(gather, fwd_window_s, n_seg),
+                            per_microbatch_bwd_s=exposed(backward, bwd_window_s, n_seg))
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +259,14 @@ class RankTail:
     copy on the last stage); it waits for both ranks, so no drain hides it."""
     optimizer_s: float = 0.0
     post_step_s: float = 0.0
+    overlap: bool = True
+    """Whether the end-of-step gradient reduction overlaps the last backward (`RuntimeOptions.dp_overlap`)."""
+
+    def exposed_end_reduce(self) -> float:
+        """Seconds of the end-of-step gradient reduction the last backward does not hide."""
+        if not self.overlap:
+            return self.end_reduce_s
+        return overlapped_exposed(self.end_reduce_s, self.last_bwd_window_s, self.end_reduce_chunks)
 
 
 def step_breakdown(stages: Sequence[StageTime], tails: Sequence[RankTail], *, schedule: Schedule,
@@ -265,7 +294,7 @@ def step_breakdown(stages: Sequence[StageTime], tails: Sequence[RankTail], *, sc
     slack = drain_slack(bwd, pp, p2p_time)
     tail_tp = tail_dp = 0.0
     for r, tail in enumerate(tails):
-        exposed = overlapped_exposed(tail.end_reduce_s, tail.last_bwd_window_s, tail.end_reduce_chunks)
+        exposed = tail.exposed_end_reduce()
         left = max(exposed + tail.tp_grad_sync_s - slack[r], 0.0) + tail.shared_sync_s
         if left > tail_tp + tail_dp:
             tail_tp = min(tail.tp_grad_sync_s, left)

@@ -47,6 +47,40 @@ DEFAULT_MESH_ORDER: tuple[MeshAxis, ...] = (MeshAxis.TP, MeshAxis.CP, MeshAxis.E
 
 
 @dataclass(frozen=True, slots=True)
+class RuntimeOptions:
+    """How the training framework runs the strategy, where frameworks differ and the difference is priced.
+
+    The defaults are what `planner.parallelize` runs (FSDP2 / replicate, eager TP). `stratagem estimate` takes
+    each as a flag so that a configuration run by another trainer (Megatron-LM, torchtitan, DeepSpeed) is priced
+    as that trainer runs it."""
+
+    dp_overlap: bool = True
+    """Data-parallel communication overlaps computation: gradient reduction during the backward (DDP buckets,
+    FSDP2, Megatron-LM `--overlap-grad-reduce`) and ZeRO weight gathers during the forward (FSDP2 prefetch,
+    Megatron-LM `--overlap-param-gather`). False: they run between the passes and the optimizer, exposed (Megatron-LM
+    of 2022: "no DP grad all-reduce overlap", Korthikanti et al. 2022 Sec. 6.3)."""
+    reshard_after_forward: bool = True
+    """ZeRO-3: free each unit's gathered weights after its forward and gather them again for its backward (FSDP2's
+    default). False keeps the rank's gathered 16-bit weights from forward to backward: one gather per micro-batch
+    instead of two, for the memory of the whole gathered stage."""
+    tp_overlap: bool = False
+    """Tensor-parallel collectives pipelined with the GEMMs beside them in tp chunks (Transformer Engine userbuffers,
+    Megatron-Core `--tp-comm-overlap`). `planner.parallelize` does not run it: plans with it are for export."""
+
+    def to_dict(self) -> dict[str, bool]:
+        return {"dp_overlap": self.dp_overlap, "reshard_after_forward": self.reshard_after_forward,
+                "tp_overlap": self.tp_overlap}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RuntimeOptions:
+        unknown = set(d) - {"dp_overlap", "reshard_after_forward", "tp_overlap"}
+        if unknown:
+            raise ValueError(f"unknown runtime options {sorted(unknown)}; valid: dp_overlap, reshard_after_forward, "
+                             f"tp_overlap")
+        return cls(**{k: bool(v) for k, v in d.items()})
+
+
+@dataclass(frozen=True, slots=True)
 class StageSpec:
     """One pipeline stage (or virtual stage): segments `[start, stop)` of the layer chain."""
 
@@ -98,6 +132,7 @@ class Strategy:
     cp: int = 1
     ep: int = 1
     mesh_order: tuple[MeshAxis, ...] = DEFAULT_MESH_ORDER
+    runtime: RuntimeOptions = RuntimeOptions()
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "microbatch_size", "num_microbatches", "virtual_stages", "cp", "ep"):
@@ -107,6 +142,8 @@ class Strategy:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
         object.__setattr__(self, "recompute", Recompute(self.recompute))
         object.__setattr__(self, "mesh_order", tuple(MeshAxis(a) for a in self.mesh_order))
+        if not isinstance(self.runtime, RuntimeOptions):
+            raise ValueError(f"runtime must be a RuntimeOptions, got {type(self.runtime).__name__}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if sorted(self.mesh_order) != sorted(DEFAULT_MESH_ORDER):
@@ -139,6 +176,7 @@ class Strategy:
             "recompute": self.recompute.value,
             "stages": [s.to_dict() for s in self.stages],
             "mesh_order": [a.value for a in self.mesh_order],
+            "runtime": self.runtime.to_dict(),
         }
 
     @classmethod
@@ -151,6 +189,7 @@ class Strategy:
             recompute=Recompute(d.get("recompute", "none")),
             stages=tuple(StageSpec.from_dict(s) for s in d["stages"]),
             mesh_order=tuple(MeshAxis(a) for a in d.get("mesh_order", [a.value for a in DEFAULT_MESH_ORDER])),
+            runtime=RuntimeOptions.from_dict(d.get("runtime", {})),
         )
 
 

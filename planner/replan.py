@@ -201,7 +201,7 @@ def _candidate_of(strategy: Strategy) -> Candidate:
     mesh = MeshCandidate(dp=strategy.dp, tp=strategy.tp, pp=strategy.pp, cp=strategy.cp, ep=strategy.ep,
                          mesh_order=strategy.mesh_order)
     return Candidate(mesh, strategy.microbatch_size, strategy.num_microbatches, strategy.schedule,
-                     strategy.virtual_stages, strategy.zero_stage, strategy.sequence_parallel)
+                     strategy.virtual_stages, strategy.zero_stage, strategy.sequence_parallel, strategy.runtime)
 
 
 def _priced(builder: StageProblemBuilder, cluster: Cluster, strategy: Strategy, global_batch: int, dtype: str,

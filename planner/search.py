@@ -291,7 +291,7 @@ def _mesh_candidates(mesh: MeshCandidate, chain: LayerChain, global_batch: int, 
         for schedule, v in _schedules(space, mesh.pp, m, chain, main_count):
             for zero in zeros:
                 for sp in sps:
-                    out.append(Candidate(mesh, mbs, m, schedule, v, zero, sp))
+                    out.append(Candidate(mesh, mbs, m, schedule, v, zero, sp, space.runtime))
     return out
 
 

@@ -11,7 +11,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from costmodel.strategy import Recompute, Schedule
+from costmodel.strategy import Recompute, RuntimeOptions, Schedule
+
+RUNTIME_FIELDS = frozenset({"dp_overlap", "reshard_after_forward", "tp_overlap"})
+"""`--fix` keys that set a `RuntimeOptions` field (how the trainer runs the strategy) rather than a dimension."""
 
 
 class Objective(enum.StrEnum):
@@ -30,6 +33,7 @@ FIX_KEYS: Mapping[str, str] = {
     "zero": "zero_stage", "zero_stage": "zero_stage",
     "sp": "sequence_parallel", "sequence_parallel": "sequence_parallel",
     "recompute": "recompute",
+    "dp_overlap": "dp_overlap", "reshard_after_forward": "reshard_after_forward", "tp_overlap": "tp_overlap",
 }
 """`--fix` key (and its aliases) -> SearchSpace field."""
 
@@ -65,6 +69,8 @@ class SearchSpace:
     """Allow tensor parallelism to span nodes (off by default: TP communicates on every layer)."""
     whole_nodes_only: bool = True
     """Use every device of the cluster (time objective); False also tries smaller device counts."""
+    runtime: RuntimeOptions = RuntimeOptions()
+    """How the trainer runs every candidate (not searched: the defaults are what `planner.parallelize` runs)."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "microbatch_size", "num_microbatches", "virtual_stages"):
@@ -93,6 +99,7 @@ class SearchSpace:
     def from_fixes(cls, fixes: Sequence[str], **ranges: Any) -> SearchSpace:
         """Parse `key=value` pins (the CLI's --fix); `ranges` sets the non-pinned fields (max_microbatch_size...)."""
         pinned: dict[str, Any] = {}
+        runtime: dict[str, bool] = {}
         for item in fixes:
             key, sep, value = item.partition("=")
             key, value = key.strip().lower(), value.strip()
@@ -101,15 +108,20 @@ class SearchSpace:
             if key not in FIX_KEYS:
                 raise ValueError(f"--fix {item!r}: unknown key {key!r}; valid: {', '.join(FIX_KEYS)}")
             field = FIX_KEYS[key]
+            if field in RUNTIME_FIELDS:
+                runtime[field] = _boolean(key, value)
+                continue
             for name, parsed in _parse_fix(field, key, value).items():
                 if name in pinned and pinned[name] != parsed:
                     raise ValueError(f"--fix {item!r} contradicts an earlier --fix of {name}")
                 pinned[name] = parsed
+        if runtime:
+            pinned["runtime"] = RuntimeOptions(**runtime)
         return cls(**pinned, **ranges)
 
     def pinned(self) -> dict[str, Any]:
         """The pinned dimensions, by field name (for messages)."""
-        skip = {"max_microbatch_size", "max_virtual_stages", "tp_across_nodes", "whole_nodes_only"}
+        skip = {"max_microbatch_size", "max_virtual_stages", "tp_across_nodes", "whole_nodes_only", "runtime"}
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name not in skip and getattr(self, f.name) is not None}
 
@@ -138,16 +150,21 @@ def _parse_fix(field: str, key: str, value: str) -> dict[str, Any]:
         except ValueError:
             raise ValueError(f"--fix {key}={value}: valid: {', '.join(r.value for r in Recompute)}") from None
     if field == "sequence_parallel":
-        if low in _TRUE:
-            return {field: True}
-        if low in _FALSE:
-            return {field: False}
-        raise ValueError(f"--fix {key}={value}: expected true or false")
+        return {field: _boolean(key, value)}
     if field == "zero_stage":
         if low not in ("0", "1", "2", "3"):
             raise ValueError(f"--fix {key}={value}: valid: 0, 1, 2, 3")
         return {field: int(low)}
     return {field: _positive(key, value)}
+
+
+def _boolean(key: str, value: str) -> bool:
+    low = value.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"--fix {key}={value}: expected true or false")
 
 
 def _positive(key: str, value: str) -> int:

@@ -55,8 +55,8 @@ from costmodel.framework import FrameworkCosts
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment, rank_memory
 from costmodel.pipeline import in_flight_per_chunk
-from costmodel.step_time import DataParallelComm, data_parallel_comm, overlapped_exposed
-from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
+from costmodel.step_time import DataParallelComm, data_parallel_comm
+from costmodel.strategy import MeshAxis, Recompute, RuntimeOptions, Schedule, StageSpec, Strategy
 from ir.layer_chain import LayerChain
 from planner.layer_costs import AxisSplit, LayerCostTable
 from planner.mesh_search import MeshCandidate
@@ -78,6 +78,7 @@ class Candidate:
     virtual_stages: int
     zero_stage: int
     sequence_parallel: bool
+    runtime: RuntimeOptions = RuntimeOptions()
 
     def strategy(self, stages: Sequence[StageSpec] = (), recompute: Recompute = Recompute.NONE) -> Strategy:
         m = self.mesh
@@ -85,7 +86,7 @@ class Candidate:
                         num_microbatches=self.num_microbatches, schedule=self.schedule,
                         virtual_stages=self.virtual_stages, zero_stage=self.zero_stage,
                         sequence_parallel=self.sequence_parallel, recompute=recompute, stages=tuple(stages),
-                        mesh_order=m.mesh_order)
+                        mesh_order=m.mesh_order, runtime=self.runtime)
 
     @property
     def sort_key(self) -> tuple:
@@ -218,7 +219,7 @@ class StageProblemBuilder:
     def strategy_of(self, cand: Candidate) -> Strategy:
         """The candidate's strategy without stages (cached: building a Strategy validates it)."""
         key = (cand.mesh, cand.microbatch_size, cand.num_microbatches, cand.schedule, cand.virtual_stages,
-               cand.zero_stage, cand.sequence_parallel)
+               cand.zero_stage, cand.sequence_parallel, cand.runtime)
         hit = self._strategies.get(key)
         if hit is None:
             hit = self._strategies[key] = cand.strategy()
@@ -298,7 +299,8 @@ class StageProblemBuilder:
         shared = CommGroup(2, stride=k * cand.mesh.stride(MeshAxis.PP)) if k > 0 else None
         m = cand.mesh
         signature = (placement.device.name, placement.speed, m.tp, m.pp, m.dp, m.cp, m.ep, cand.sequence_parallel,
-                     cand.microbatch_size, cand.zero_stage, self._sig(dpg), self._sig(tpg), self._sig(shared))
+                     cand.microbatch_size, cand.zero_stage, self._sig(dpg), self._sig(tpg), self._sig(shared),
+                     cand.runtime)
         return _RankContext(k, placement.device, placement.speed, signature)
 
     def framework(self, device: DeviceSpec) -> FrameworkCosts:
@@ -311,7 +313,8 @@ class StageProblemBuilder:
     def _dp_comm(self, **kw) -> DataParallelComm:
         """`step_time.data_parallel_comm`, cached by what it depends on (the group through `collectives.spans`)."""
         key = (kw["zero_stage"], kw["grad_bytes"], kw["param_bytes"], kw["num_segments"], kw["fwd_window_s"],
-               kw["bwd_window_s"], self._sig(kw["group"]), kw["concurrent"])
+               kw["bwd_window_s"], self._sig(kw["group"]), kw["concurrent"], kw["overlap"],
+               kw["reshard_after_forward"])
         hit = self._dp_comm_cache.get(key)
         if hit is None:
             hit = self._dp_comm_cache[key] = data_parallel_comm(**kw)
@@ -325,12 +328,13 @@ class StageProblemBuilder:
         setting = RankSetting(ctx.index, ctx.device, ctx.speed, self.framework(ctx.device))
         times, tail = rank_step_terms(chunks, shared, self.strategy_of(cand), setting, self.cluster, self.dtype,
                                       dp_comm=self._dp_comm)
-        exposed = overlapped_exposed(tail.end_reduce_s, tail.last_bwd_window_s, tail.end_reduce_chunks)
+        exposed = tail.exposed_end_reduce()
         dp = m.dp * m.cp
 
         def memory(counts: Sequence[int]) -> float:
             return rank_memory(chunks, counts, zero_stage=cand.zero_stage, dp=dp, dtype=self.dtype,
-                               device_name=ctx.device.name, extra_params=shared, ep=m.ep).total
+                               device_name=ctx.device.name, extra_params=shared, ep=m.ep,
+                               reshard_after_forward=cand.runtime.reshard_after_forward).total
 
         if in_flight is None:   # contiguous: affine in the stage's in-flight count
             mem0, mem1 = memory([0]), memory([1])

@@ -34,7 +34,7 @@ def test_shorthand_builds_node_and_cluster_tiers_from_the_catalog():
     assert (c.name, c.num_devices, c.num_nodes, c.num_available) == ("128x8xa100-80gb", 1024, 128, 1024)
     node, cluster = c.tiers
     assert (node.name, node.size, node.bandwidth, node.link) == ("node", 8, 300e9, "nvlink3")
-    assert (cluster.name, cluster.size, cluster.bandwidth, cluster.link) == ("cluster", 1024, 25e9, "nic")
+    assert (cluster.name, cluster.size, cluster.bandwidth, cluster.link) == ("cluster", 1024, 25e9, "infiniband")
     assert c.device_of(1023).name == "a100-80gb" and c.speed_of(1023) == 1.0
     assert c.is_homogeneous and c.price_per_hour is None
 
@@ -190,7 +190,7 @@ def test_shorthand_round_trips_and_equals_the_equivalent_yaml():
 def test_dgx_example_tiers_and_price():
     c = Cluster.parse(str(EXAMPLES / "dgx-a100-128.yaml"))
     assert [(t.name, t.size) for t in c.tiers] == [("node", 8), ("rack", 32), ("cluster", 1024)]
-    assert c.tiers[1].bandwidth == 25e9 and c.tiers[2].latency == pytest.approx(90e-6)
+    assert c.tiers[1].bandwidth == 25e9 and c.tiers[2].latency == pytest.approx(10e-6)
     assert c.price_per_hour == pytest.approx(1024 * 5.12)
 
 

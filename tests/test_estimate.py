@@ -18,7 +18,7 @@ from costmodel.layer_pricing import price_segment
 from costmodel.memory import GPU_FRAMEWORK_OVERHEAD_BYTES
 from costmodel.pipeline import pipeline_step_time
 from costmodel.step_time import optimizer_step_time, overlapped_exposed
-from costmodel.strategy import MeshAxis
+from costmodel.strategy import MeshAxis, RuntimeOptions
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 SHAPE = GptShape(layers=4, hidden=1024, heads=16, seq=1024, vocab=32000, batch=2)
@@ -81,7 +81,7 @@ def test_data_parallel_all_reduce_overlaps_the_last_backward(chain, node8):
     device = node8.device_of(0)
     costs, fwd, bwd = _sums(chain, device, 1)
     e = estimate(chain, node8, Strategy(dp=8, microbatch_size=1, num_microbatches=2))
-    grad = chain.graph.param_count * 2
+    grad = chain.graph.param_count * 4  # gradients are reduced in fp32
     ar = collective_time(Collective.ALL_REDUCE, grad, CommGroup(8), node8)
     exposed = overlapped_exposed(ar, bwd, math.ceil(grad / (25 * 2 ** 20)))
     opt = optimizer_step_time(chain.graph.param_count, device)
@@ -90,6 +90,11 @@ def test_data_parallel_all_reduce_overlaps_the_last_backward(chain, node8):
     z1 = estimate(chain, node8, Strategy(dp=8, microbatch_size=1, num_microbatches=2, zero_stage=1))
     assert z1.breakdown.optimizer_s == pytest.approx(optimizer_step_time(-(-chain.graph.param_count // 8), device))
     assert z1.stages[0].memory.optimizer < e.stages[0].memory.optimizer
+    # Without overlap (Megatron-LM of 2022) the whole all-reduce is exposed.
+    off = estimate(chain, node8, Strategy(dp=8, microbatch_size=1, num_microbatches=2,
+                                          runtime=RuntimeOptions(dp_overlap=False)))
+    assert off.breakdown.dp_comm_s == pytest.approx(ar)
+    assert off.step_time_s == pytest.approx(2 * (fwd + bwd) + ar + opt)
 
 
 def test_pipeline_uses_the_shared_closed_form(chain, node8):
@@ -111,9 +116,9 @@ def test_pipeline_uses_the_shared_closed_form(chain, node8):
     assert e.step_time_s == pytest.approx(pipe + opt)
     assert e.breakdown.pp_comm_s > 0 and e.breakdown.bubble_s > 0
     assert [s.in_flight_microbatches for s in e.stages] == [2, 1]
-    # Stage memory: 16 bytes per parameter, saved activations x in-flight, overhead.
+    # Stage memory: 18 bytes per parameter (fp32 gradients), saved activations x in-flight, overhead.
     m0 = e.stages[0].memory
-    assert m0.params + m0.grads + m0.optimizer == 16 * params[0]
+    assert m0.params + m0.grads + m0.optimizer == 18 * params[0]
     saved = sum(price_segment(chain, chain.segments[i], device, microbatch_size=1).saved_bytes_none
                 for i in range(3))
     assert m0.activations == 2 * saved and m0.overhead == GPU_FRAMEWORK_OVERHEAD_BYTES

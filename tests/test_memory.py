@@ -20,22 +20,27 @@ from costmodel.pipeline import in_flight_per_chunk
 from costmodel.strategy import Recompute
 
 
-def test_mixed_precision_adam_is_16_bytes_per_parameter():
+def test_mixed_precision_adam_is_18_bytes_per_parameter():
+    """Megatron-LM's distributed-optimizer guide: 18 bytes per parameter with bf16 weights and fp32 gradients,
+    6 + 12/d with the optimizer state sharded over d ranks."""
     s = model_state_bytes(1000)
-    assert (s.params, s.grads, s.optimizer, s.total) == (2000, 2000, 12000, 16000)
+    assert (s.params, s.grads, s.optimizer, s.total) == (2000, 4000, 12000, 18000)
+    assert model_state_bytes(1000, zero_stage=1, dp=8).total == 1000 * (6 + 12 / 8)
     fp32 = model_state_bytes(1000, dtype="float32")
     assert (fp32.params, fp32.grads, fp32.optimizer) == (4000, 4000, 8000)
 
 
-@pytest.mark.parametrize("zero,expected", [(0, (2000, 2000, 12000)), (1, (2000, 2000, 1500)),
-                                           (2, (2000, 250, 1500)), (3, (250, 250, 1500))])
+@pytest.mark.parametrize("zero,expected", [(0, (2000, 4000, 12000)), (1, (2000, 4000, 1500)),
+                                           (2, (2000, 500, 1500)), (3, (500, 500, 1000))])
 def test_zero_stages_shard_optimizer_then_grads_then_weights(zero, expected):
     s = model_state_bytes(1000, zero_stage=zero, dp=8)
     assert (s.params, s.grads, s.optimizer) == expected
 
 
 def test_zero_shards_round_up_and_validate():
-    assert model_state_bytes(10, zero_stage=3, dp=4).params == 3 * 2
+    # ZeRO-3 keeps the fp32 shard (the master copy): 16 bytes per parameter over dp, FSDP2 mixed precision.
+    assert model_state_bytes(10, zero_stage=3, dp=4).params == 3 * 4
+    assert model_state_bytes(1000, zero_stage=3, dp=8).total == 1000 * 16 / 8
     with pytest.raises(ValueError, match="zero_stage"):
         model_state_bytes(10, zero_stage=4)
 
@@ -43,7 +48,7 @@ def test_zero_shards_round_up_and_validate():
 GPT3 = GptShape(layers=2, hidden=12288, heads=96, seq=2048, vocab=51200, batch=1)
 
 
-@pytest.mark.parametrize("recompute", list(Recompute))
+@pytest.mark.parametrize("recompute", [Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL])
 @pytest.mark.parametrize("mbs", [1, 2])
 def test_layer_activations_match_korthikanti(recompute, mbs):
     chain = gpt_chain(GPT3)
@@ -108,13 +113,18 @@ def _cost(saved: int, params: int = 100, temp: int = 10) -> LayerCost:
 def test_rank_memory_terms():
     segs = [PricedSegment(_cost(1000)), PricedSegment(_cost(1000), Recompute.FULL)]
     mem = rank_memory([segs], [4], zero_stage=1, dp=2, device_name="a100-80gb")
-    assert mem.params == 400 and mem.grads == 400 and mem.optimizer == 12 * 100
+    assert mem.params == 400 and mem.grads == 800 and mem.optimizer == 12 * 100
     assert mem.activations == 4 * (1000 + 100)
     # largest transient + the full-recompute segment re-materializing its activations in backward
     assert mem.temporary == 10 + 900
     assert mem.overhead == GPU_FRAMEWORK_OVERHEAD_BYTES
     z3 = rank_memory([segs], [4], zero_stage=3, dp=2, device_name="cpu")
-    assert z3.params == 200 and z3.temporary == 10 + 900 + 2 * 200
+    assert z3.params == 400 and z3.temporary == 10 + 900 + 2 * 200
+    three = segs + [PricedSegment(_cost(1000, params=300))]
+    z3 = rank_memory([three], [4], zero_stage=3, dp=2, device_name="cpu")
+    kept = rank_memory([three], [4], zero_stage=3, dp=2, device_name="cpu", reshard_after_forward=False)
+    # Resharding after forward: the largest unit twice (running, prefetched); without: every unit held.
+    assert kept.temporary - z3.temporary == 2 * (100 + 100 + 300) - 2 * 2 * 300
     assert z3.overhead == CPU_FRAMEWORK_OVERHEAD_BYTES
     with pytest.raises(ValueError, match="in-flight"):
         rank_memory([segs], [1, 2])

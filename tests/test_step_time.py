@@ -105,11 +105,20 @@ def test_zero_stages_communication_patterns():
     z0, z1, z2, z3 = (comm(z) for z in range(4))
     assert z0.end_reduce_s == pytest.approx(ar) and z0.post_step_s == 0 and z0.per_microbatch_bwd_s == 0
     assert z0.end_reduce_chunks == 153  # ceil(4e9 / 25 MiB)
-    assert z1.end_reduce_s == pytest.approx(rs) and z1.post_step_s == pytest.approx(ag)
+    # ZeRO-1/2's weight gather is prefetched ahead of the next step's first forward.
+    assert z1.end_reduce_s == pytest.approx(rs) and z1.post_step_s == pytest.approx(overlapped_exposed(ag, 1.0, 10))
     assert z2.end_reduce_s == 0 and z2.per_microbatch_bwd_s == pytest.approx(overlapped_exposed(rs, 2.0, 10))
     assert z3.per_microbatch_fwd_s == pytest.approx(overlapped_exposed(ag, 1.0, 10))
     assert z3.per_microbatch_bwd_s == pytest.approx(overlapped_exposed(ag + rs, 2.0, 10))
     assert z3.post_step_s == 0
+    # Without overlap every collective is exposed; without resharding ZeRO-3 gathers once per micro-batch.
+    off = [data_parallel_comm(zero_stage=z, grad_bytes=gb, param_bytes=gb, num_segments=10, fwd_window_s=1.0,
+                              bwd_window_s=2.0, group=g, cluster=cluster, overlap=False) for z in (1, 2, 3)]
+    assert off[0].post_step_s == pytest.approx(ag) and off[1].per_microbatch_bwd_s == pytest.approx(rs)
+    assert off[2].per_microbatch_fwd_s == pytest.approx(ag) and off[2].per_microbatch_bwd_s == pytest.approx(ag + rs)
+    kept = data_parallel_comm(zero_stage=3, grad_bytes=gb, param_bytes=gb, num_segments=10, fwd_window_s=1.0,
+                              bwd_window_s=2.0, group=g, cluster=cluster, reshard_after_forward=False)
+    assert kept.per_microbatch_bwd_s == pytest.approx(overlapped_exposed(rs, 2.0, 10))
     none = data_parallel_comm(zero_stage=0, grad_bytes=gb, param_bytes=gb, num_segments=1, fwd_window_s=0,
                               bwd_window_s=0, group=CommGroup(1), cluster=cluster)
     assert none.end_reduce_s == 0 and none.post_step_s == 0
