@@ -1,4 +1,4 @@
-"""`planner.framework_profile` and `stratagem profile --framework`: the runtime's framework overheads measured in a
+"""`planner.profiling.framework` and `stratagem profile --framework`: the runtime's framework overheads measured in a
 gloo process group, net of the collectives the other models price, stored as profile entries that
 `costmodel.framework.FrameworkCosts.from_profile` reads back."""
 
@@ -13,7 +13,7 @@ from torch import nn
 from costmodel.framework import RECOMPUTE_MODES, DataParallelMode, FrameworkCosts
 from costmodel.profile_db import OpProfile
 from planner.cli.main import main
-from planner.framework_profile import (
+from planner.profiling.framework import (
     FrameworkOptions,
     ReferenceBlock,
     action_pair_overhead,

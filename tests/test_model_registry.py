@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from models.attention import AttnImpl
+from models.registry import BuiltModel, EntryKind, build_model, list_models, resolve_config
 from models.zoo import FAMILIES, PRESETS
-from planner.cli.model_registry import BuiltModel, EntryKind, build_model, list_models, resolve_config
 from planner.errors import UserError
 
 

@@ -147,8 +147,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from costmodel.profile_db import OpProfile
-    from planner.framework_profile import FrameworkOptions, framework_meta, measure_framework
-    from planner.profiler import (
+    from planner.profiling.framework import FrameworkOptions, framework_meta, measure_framework
+    from planner.profiling.ops import (
         STANDARD_SET,
         CollectiveOptions,
         ModelRequest,

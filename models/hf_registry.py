@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from planner.cli.model_registry import BuiltModel, _check_positive, _parse_pairs, _parse_value
+from models.registry import BuiltModel, _check_positive, _parse_pairs, _parse_value
 from planner.errors import UserError
 
 PREFIX = "hf:"

@@ -966,7 +966,7 @@ def build_request(request: ModelRequest, batch: int, device: torch.device
                   ) -> list[tuple[str, nn.Module, tuple[torch.Tensor, ...]]]:
     if request.name == STANDARD_SET:
         return standard_modules(device)
-    from planner.cli.model_registry import build_model
+    from models.registry import build_model
 
     torch.manual_seed(0)
     built = build_model(request.name, request.sets, batch=batch, seq=request.seq, device=str(device))

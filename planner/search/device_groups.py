@@ -383,10 +383,10 @@ SearchFn = Callable[[LayerChain, Cluster, int], tuple[Strategy, Mapping[tuple[in
 
 def searching(space: Any = None, *, dtype: str = "bfloat16", tables: dict[str, Any] | None = None,
               time_limit_s: float | None = None) -> SearchFn:
-    """A `SearchFn` running `planner.search.search` (time objective) with one `LayerCostTable` per device type,
+    """A `SearchFn` running `planner.search.branch_and_bound.search` (time objective) with one `LayerCostTable` per device type,
     kept in `tables` (device name -> table) so that later calls reuse the layer prices."""
-    from planner.layer_costs import LayerCostTable
-    from planner.search import SearchOptions, search
+    from planner.search.branch_and_bound import SearchOptions, search
+    from planner.search.layer_costs import LayerCostTable
 
     tables = {} if tables is None else tables
 

@@ -1,7 +1,7 @@
 """The CLI's model registry: MODEL names and `--set key=value` strings -> a built model with example inputs.
 
 MODEL is a zoo family ("gpt", "llama", ...: the family's default config), a preset ("gpt3-175b", ...),
-"hf:ARCH" or "hf:path/to/config.json" for a Hugging Face transformers model (`planner.cli.hf_registry`), or
+"hf:ARCH" or "hf:path/to/config.json" for a Hugging Face transformers model (`models.hf_registry`), or
 "package.module:factory" for a user's own model. With its hf: branch, this is the only non-test code that
 imports `models`.
 
@@ -124,8 +124,8 @@ def build_model(
     """Build MODEL with `--set` overrides on `device`, with example inputs of `batch` samples."""
     _check_positive("batch", batch)
     torch_device = _device(device)
-    if name.startswith("hf:"):  # Hugging Face transformers models (planner/cli/hf_registry.py)
-        from planner.cli.hf_registry import build_hf_model
+    if name.startswith("hf:"):  # Hugging Face transformers models (models/hf_registry.py)
+        from models.hf_registry import build_hf_model
 
         return build_hf_model(name, sets, batch=batch, seq=seq, device=torch_device)
     if ":" in name:

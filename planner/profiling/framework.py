@@ -6,7 +6,7 @@ group on CPU, one torch thread per rank (as `stratagem run` launches CPU ranks),
 models already price, so the remainder is the framework's own cost.
 
 Layout. `FrameworkOptions.processes` ranks are spawned once. For each group size g, the ranks are cut into
-processes / g groups of consecutive ranks that all measure at once (as `planner.profiler.measure_collectives`
+processes / g groups of consecutive ranks that all measure at once (as `planner.profiling.ops.measure_collectives`
 does with `processes`): that is how the data- and tensor-parallel groups of a CPU cluster share its cores.
 Every timed pass starts after a barrier over all ranks and counts the slowest rank's time (a step waits for its
 last rank). The variants of one measurement (plain, wrapped, bare collectives) run one after the other inside
@@ -21,7 +21,7 @@ What is measured, per group size g (the g-rank 1-D mesh of the rank's group):
   bytes). Measured at the largest group size only: the DTensor cost is local dispatch, it does not depend on g.
 - data-parallel unit: a stack of `units` reference blocks (LayerNorm, Linear h->4h, GELU, Linear 4h->h,
   residual) and a root LayerNorm, forward and backward timed separately, plain and wrapped as
-  `planner.apply_fsdp` wraps a part: `replicate` on the root (ZeRO-0), or `fully_shard` per block and on the
+  `planner.runtime.apply_fsdp` wraps a part: `replicate` on the root (ZeRO-0), or `fully_shard` per block and on the
   root with reshard_after_forward False (ZeRO-1/2) / True (ZeRO-3). Overhead per unit
   = (wrapped - plain - raw collectives) / units, where the raw collectives are the ones the wrapper issues,
   timed bare (`all_gather_into_tensor` / `reduce_scatter_tensor` / `all_reduce` of the same float32 byte
@@ -30,18 +30,18 @@ What is measured, per group size g (the g-rank 1-D mesh of the rank's group):
     fsdp: units = blocks + root; forward: one all-gather per unit; backward: one reduce-scatter per unit;
     fsdp_reshard: as fsdp, plus one all-gather per unit in backward (an explicit reshard_after_forward=True
     reshards the root too).
-- gradient sync: `planner.train_step.sync_partial_gradients` then an AdamW step, over K DTensor parameters whose
+- gradient sync: `planner.runtime.train_step.sync_partial_gradients` then an AdamW step, over K DTensor parameters whose
   gradients are `Partial` over the g-rank mesh (what sequence parallelism leaves on a replicated weight), against
   an AdamW step over replicated gradients and one bare all-reduce of the K tensors' bytes; per tensor = the
   difference / K (flattening, unflattening, DTensor wrapping). `step_time.tp_grad_sync_time` prices the sync as
   one all-reduce of all the bytes plus K times this figure.
 - tensor-parallel module: the MLP Linear(h, 4h) -> GELU -> Linear(4h, h) with `ColwiseParallel` on the first
-  and `RowwiseParallel` on the second (`planner.apply_tp`'s pair), input requiring grad as inside a network,
+  and `RowwiseParallel` on the second (`planner.runtime.apply_tp`'s pair), input requiring grad as inside a network,
   against the plain MLP; minus the raw all-reduce of the output (forward) and of the input gradient (backward)
   at the same bytes; per sharded module = the difference / 2.
 - pipeline action, per pipeline size p (the p-rank group as the pipeline): a real `torch.distributed.pipelining`
   pipeline of p stages, each a Linear(h, h) on (batch, seq, h) micro-batches, driven by the 1F1B schedule and
-  loss that `planner.parallelize` builds (`apply_pipeline.build_schedule`, `parallelize.MicrobatchLoss`).
+  loss that `planner.runtime.parallelize` builds (`apply_pipeline.build_schedule`, `parallelize.MicrobatchLoss`).
   1F1B takes (m + p - 1)(F + B) plus a fixed per-step cost for m micro-batches, F and B one stage action's
   forward and backward (compute, host work, send/recv), so the slope between m1 = p and m2 = 3p micro-batches,
   (t2 - t1) / (m2 - m1), is F + B. Minus the plain Linear's forward and backward and the send/recv the cost
@@ -53,7 +53,7 @@ What is measured, per group size g (the g-rank 1-D mesh of the rank's group):
   share from the backward's (it always runs both), so the pair is split half and half.
 - recompute (no communication; every rank measures at once, the figures are the slowest rank's): a GPT block
   (`models.gpt.GPTBlock`: LayerNorm, attention, LayerNorm, MLP) plain, and checkpointed by
-  `planner.apply_recompute` SELECTIVE (the attention module's body, under a per-op Python policy) and FULL (the
+  `planner.runtime.apply_recompute` SELECTIVE (the attention module's body, under a per-op Python policy) and FULL (the
   whole block). Forward overhead = checkpointed forward - plain forward; backward overhead = checkpointed
   backward - plain backward - the rerun work the cost model already prices: FULL, the plain forward; SELECTIVE,
   the forward of the attention core (`models.attention.attention_core` on the block's q/k/v shapes), timed alone.
@@ -80,7 +80,7 @@ import torch
 from torch import nn
 
 from costmodel.framework import DataParallelMode, FrameworkCosts, PassCost
-from planner.profiler import divisor_group_sizes, free_port
+from planner.profiling.ops import divisor_group_sizes, free_port
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,7 +330,7 @@ def _train_pass(model: nn.Module, x: torch.Tensor) -> _Pass:
 
 
 def _wrap(stack: ReferenceStack, mesh: Any, mode: DataParallelMode) -> nn.Module:
-    """Wrap a copy of `stack` as `planner.apply_fsdp.apply_data_parallel` wraps a part in `mode`."""
+    """Wrap a copy of `stack` as `planner.runtime.apply_fsdp.apply_data_parallel` wraps a part in `mode`."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
 
@@ -372,7 +372,7 @@ def _partial_grad_step(params: Sequence[nn.Parameter], mesh: Any) -> _Pass:
     gradients are set again before every step."""
     from torch.distributed.tensor import DTensor, Partial
 
-    from planner.train_step import sync_partial_gradients
+    from planner.runtime.train_step import sync_partial_gradients
 
     def reset() -> None:
         for p in params:
@@ -429,12 +429,12 @@ def _mean_loss(output: torch.Tensor, _batch: tuple[torch.Tensor, ...]) -> torch.
 
 
 def _pipeline_step(mesh: Any, module: nn.Module, x: torch.Tensor, microbatches: int) -> _Pass:
-    """One `schedule.step` over `x` cut into `microbatches`, built as `planner.parallelize` builds a pipeline."""
+    """One `schedule.step` over `x` cut into `microbatches`, built as `planner.runtime.parallelize` builds a pipeline."""
     from torch.distributed.pipelining import PipelineStage
 
     from costmodel.strategy import Schedule
-    from planner.apply_pipeline import build_schedule
-    from planner.parallelize import MicrobatchLoss
+    from planner.runtime.apply_pipeline import build_schedule
+    from planner.runtime.parallelize import MicrobatchLoss
 
     stage = PipelineStage(module, mesh.get_local_rank(), mesh.size(), torch.device("cpu"), group=mesh.get_group())
     loss = MicrobatchLoss(_mean_loss)
@@ -518,7 +518,7 @@ def measure_recompute(options: FrameworkOptions, timer: _Timer) -> dict[str, Pas
     """Checkpoint machinery per recomputed layer and micro-batch, "selective" and "full" (module docstring)."""
     from costmodel.strategy import Recompute
     from models.gpt import GPTBlock, GPTConfig
-    from planner.apply_recompute import apply_recompute
+    from planner.runtime.apply_recompute import apply_recompute
 
     block = GPTBlock(GPTConfig(vocab=1, hidden=options.hidden, layers=1, heads=options.heads, seq=options.seq))
     wrapped = {mode: copy.deepcopy(block) for mode in (Recompute.SELECTIVE, Recompute.FULL)}

@@ -58,9 +58,9 @@ from costmodel.pipeline import in_flight_per_chunk
 from costmodel.step_time import DataParallelComm, data_parallel_comm, overlapped_exposed
 from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
 from ir.layer_chain import LayerChain
-from planner.layer_costs import AxisSplit, LayerCostTable
-from planner.mesh_search import MeshCandidate
-from planner.stage_partition import Partition, PartitionProblem, StageKind, stage_kind
+from planner.search.layer_costs import AxisSplit, LayerCostTable
+from planner.search.meshes import MeshCandidate
+from planner.search.stage_partition import Partition, PartitionProblem, StageKind, stage_kind
 
 _SCHEDULE_ORDER: dict[Schedule, int] = {s: i for i, s in enumerate(Schedule)}
 """Declaration order of the schedules, for `Candidate.sort_key` (a dict: `list(Schedule)` per call costs tens of

@@ -4,7 +4,7 @@ partition with per-stage recomputation (inner). Branch and bound over candidates
 Formulation
 -----------
 A *candidate* fixes everything but the stage partition and the recomputation: the mesh (dp, tp, pp [, cp, ep]
-and their rank order, `planner.mesh_search`), the micro-batch size ``mbs`` and count ``m`` with
+and their rank order, `planner.search.meshes`), the micro-batch size ``mbs`` and count ``m`` with
 ``global_batch = dp * mbs * m``, the schedule (1F1B, interleaved with v chunks per rank, GPipe when pinned), the
 ZeRO stage and sequence parallelism. The space, for a free dimension:
 
@@ -22,7 +22,7 @@ ZeRO stage and sequence parallelism. The space, for a free dimension:
 - ZeRO 0..3 when dp > 1 (0 otherwise); SP on and off when tp > 1.
 
 Middle level: `LayerCostTable` prices each layer class once per (device, tp, sp, mbs) -- the intra-operator
-ILP for tp > 1 -- and the inner level (`planner.stage_problem` + `planner.stage_partition`) finds the candidate's
+ILP for tp > 1 -- and the inner level (`planner.search.stage_problem` + `planner.search.stage_partition`) finds the candidate's
 best partition and per-stage recomputation exactly, minimizing the same step-time formula as `costmodel.estimate`.
 
 Branch and bound, best first over a heap of lower bounds, each level valid for everything below it:
@@ -71,13 +71,13 @@ from costmodel.step_time import optimizer_step_time
 from costmodel.strategy import MeshAxis, Recompute, Schedule, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import InfeasibleError, UserError
-from planner.heterogeneous import mesh_type_problem
-from planner.layer_costs import LayerCostTable, module_sharding
-from planner.mesh_search import MeshCandidate, compute_lower_bound_s, divisors, enumerate_meshes
 from planner.plan import Alternative, ModuleSharding
-from planner.search_space import Objective, SearchSpace
-from planner.stage_partition import partition_lower_bound, solve_partition
-from planner.stage_problem import Candidate, StageProblemBuilder, cheap_lower_bound, tight_lower_bound
+from planner.search.device_groups import mesh_type_problem
+from planner.search.layer_costs import LayerCostTable, module_sharding
+from planner.search.meshes import MeshCandidate, compute_lower_bound_s, divisors, enumerate_meshes
+from planner.search.space import Objective, SearchSpace
+from planner.search.stage_partition import partition_lower_bound, solve_partition
+from planner.search.stage_problem import Candidate, StageProblemBuilder, cheap_lower_bound, tight_lower_bound
 
 REL_TOL = 1e-9
 """Relative tolerance when comparing the search objective with `costmodel.estimate` (float summation order)."""
@@ -259,7 +259,7 @@ def candidates_for(num_devices: int, chain: LayerChain, cluster: Cluster, global
                               max_pp=len(chain.segments), dp=space.dp, tp=space.tp, pp=space.pp,
                               tp_across_nodes=space.tp_across_nodes, cp_options=cps, ep_options=eps)
     for mesh in meshes:
-        # Issue 7 (planner/heterogeneous.py): a tp/dp group never mixes device types; replicas on different
+        # Issue 7 (planner/search/device_groups.py): a tp/dp group never mixes device types; replicas on different
         # types are planned by group data parallelism, with batch shares that balance them.
         why = head_problem(chain, mesh.tp) or mesh_type_problem(
             cluster, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, ep=mesh.ep, mesh_order=mesh.mesh_order)
@@ -608,7 +608,7 @@ def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: Sea
     if options is not None and options.time_limit_s is not None:
         # Load the sharding solver (OR-Tools, about a second to import) before the clock starts: a time limit
         # bounds the search, not the one-time loading of its libraries.
-        import planner.intra_op  # noqa: F401
+        import planner.search.intra_op  # noqa: F401
     started = time.monotonic()
     space = space or SearchSpace()
     options = options or SearchOptions()
