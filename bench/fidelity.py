@@ -172,14 +172,10 @@ def profile_cluster(nproc: int) -> Any:
     framework overheads (`planner.profiling.framework`) on the same process count; saved to `profile_path`."""
     from costmodel.collective_fit import CollectiveProfile
     from costmodel.profile_db import OpProfile
+    from planner.profiling.collectives import CollectiveOptions, measure_collectives
     from planner.profiling.framework import FrameworkOptions, measure_framework
-    from planner.profiling.ops import (
-        CollectiveOptions,
-        ModelRequest,
-        ProfileOptions,
-        measure_collectives,
-        profile_concurrently,
-    )
+    from planner.profiling.options import ProfileOptions
+    from planner.profiling.requests import ModelRequest, profile_concurrently
 
     tps = tuple(t for t in range(1, nproc + 1) if nproc % t == 0)
     mbs = tuple(m for m in (1, 2, 4, 8) if m <= GLOBAL_BATCH)
@@ -243,7 +239,8 @@ def enumerate_cases(chain: Any, spec: str, profile: Any, limit: int | None) -> t
     from costmodel.cluster import Cluster
     from costmodel.collective_fit import calibrated_cluster
     from costmodel.strategy import Recompute
-    from planner.search.branch_and_bound import SearchOptions, enumerate_candidates, search
+    from planner.search.branch_and_bound import SearchOptions, search
+    from planner.search.candidates import enumerate_candidates
     from planner.search.layer_costs import LayerCostTable
     from planner.search.space import Objective, SearchSpace
 

@@ -26,12 +26,14 @@ from ir.graph import Graph
 from ir.layer_chain import LayerChain
 from planner.errors import UserError
 from planner.plan import ModelInfo, ModuleSharding, Plan, SearchInfo, TrainingConfig
-from planner.search.branch_and_bound import SearchOptions, SearchResult, layer_cost_map, search, sharding_of
+from planner.search.branch_and_bound import SearchOptions, SearchResult, search
+from planner.search.candidates import Candidate
 from planner.search.device_groups import mixed_type_problem, with_device_groups
 from planner.search.layer_costs import LayerCostTable
 from planner.search.meshes import MeshCandidate
+from planner.search.pricing import layer_cost_map, sharding_of
 from planner.search.space import Objective, SearchSpace
-from planner.search.stage_problem import Candidate, StageProblemBuilder
+from planner.search.stage_problem import StageProblemBuilder
 
 Progress = Callable[[int, int, float | None], None]
 
@@ -119,7 +121,7 @@ def validate_strategy(chain: LayerChain, cluster: Cluster, strategy: Strategy, g
     if global_batch != strategy.global_batch:
         raise UserError(f"--batch {global_batch} is not dp*mbs*microbatches = {strategy.dp}*"
                         f"{strategy.microbatch_size}*{strategy.num_microbatches} = {strategy.global_batch}")
-    from planner.search.branch_and_bound import head_problem
+    from planner.search.candidates import head_problem
 
     why = head_problem(chain, strategy.tp) or mixed_type_problem(cluster, strategy)  # issue 7: one type per group
     if why:

@@ -15,14 +15,13 @@ from costmodel.profile_db import OpProfile
 from planner.cli.main import main
 from planner.profiling.framework import (
     FrameworkOptions,
-    ReferenceBlock,
     action_pair_overhead,
-    divisor_group_sizes,
-    fsdp_padded_numel,
     measure_framework,
     per_tensor_intercept,
     priced_wire_s,
 )
+from planner.profiling.framework_passes import ReferenceBlock, fsdp_padded_numel
+from planner.profiling.spawn import divisor_group_sizes
 
 
 def test_group_sizes_default_to_every_divisor_of_at_least_two():

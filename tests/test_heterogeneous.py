@@ -14,17 +14,15 @@ from costmodel_graphs import GptShape, gpt_chain
 from costmodel import Cluster, Strategy, estimate
 from costmodel.layer_pricing import price_segment
 from planner.errors import UserError
-from planner.search.branch_and_bound import search
-from planner.search.device_groups import (
+from planner.scenarios.group_data_parallel import (
     balance_shares,
-    device_map,
     group_cluster,
-    mixed_type_problem,
     plan_group_data_parallel,
     proportional_split,
     searching,
-    with_device_groups,
 )
+from planner.search.branch_and_bound import search
+from planner.search.device_groups import device_map, mixed_type_problem, with_device_groups
 from planner.search.space import SearchSpace
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"

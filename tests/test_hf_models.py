@@ -16,9 +16,8 @@ import torch
 
 import ir
 import planner.api
-from models.registry import build_model
+from models.registry import ModelError, build_model
 from planner.cli.main import main
-from planner.errors import UserError
 from planner.search.space import SearchSpace
 
 transformers = pytest.importorskip("transformers")
@@ -156,13 +155,13 @@ def test_config_json_without_architectures_gets_the_lm_head(tmp_path):
     ("hf:", (), "expected hf:ARCH"),
 ])
 def test_bad_settings_are_one_line_user_errors(name, sets, message):
-    with pytest.raises(UserError) as info:
+    with pytest.raises(ModelError) as info:
         build_model(name, sets)
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
 def test_learned_positions_bound_the_sequence():
-    with pytest.raises(UserError, match="exceeds n_positions=1024 .* set n_positions=2048"):
+    with pytest.raises(ModelError, match="exceeds n_positions=1024 .* set n_positions=2048"):
         build_model("hf:gpt2", seq=2048)
     assert build_model("hf:gpt2", ("n_positions=2048",), seq=2048).seq_len == 2048
 
@@ -175,13 +174,13 @@ def test_structured_fields_take_json():
 def test_transformers_4_is_too_old(monkeypatch):
     # sys.modules, not the module imported above: transformers re-registers its lazy module on some imports.
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
-    with pytest.raises(UserError, match=r"need transformers>=5.0, found 4.57.1: pip install 'stratagem\[hf\]'"):
+    with pytest.raises(ModelError, match=r"need transformers>=5.0, found 4.57.1: pip install 'stratagem\[hf\]'"):
         build_model("hf:llama")
 
 
 def test_without_transformers_the_error_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
-    with pytest.raises(UserError, match=r"pip install 'stratagem\[hf\]'"):
+    with pytest.raises(ModelError, match=r"pip install 'stratagem\[hf\]'"):
         build_model("hf:llama")
     assert main(["trace", "hf:llama"]) == 2
     err = capsys.readouterr().err.strip()

@@ -42,13 +42,15 @@ from costmodel.strategy import MeshAxis, Recompute, Schedule, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import PlanLoadError, UserError
 from planner.plan import Alternative, ModuleSharding, Plan, SearchInfo
-from planner.search.branch_and_bound import SearchOptions, SearchResult, layer_cost_map, search, sharding_of
+from planner.search.branch_and_bound import SearchOptions, SearchResult, search
+from planner.search.candidates import Candidate
 from planner.search.device_groups import with_device_groups
 from planner.search.layer_costs import LayerCostTable
 from planner.search.meshes import MeshCandidate, compute_lower_bound_s
+from planner.search.pricing import layer_cost_map, sharding_of
 from planner.search.space import SearchSpace
 from planner.search.stage_partition import solve_partition
-from planner.search.stage_problem import Candidate, StageProblemBuilder
+from planner.search.stage_problem import StageProblemBuilder
 
 DEFAULT_STICKINESS = 0.02
 """Accept a plan up to 2% slower than the fastest when it changes less (about the run-to-run noise of a step)."""

@@ -43,14 +43,10 @@ from costmodel.cluster import Cluster
 from costmodel.strategy import Schedule, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import UserError
+from planner.scenarios.group_data_parallel import GroupDataParallelPlan, plan_group_data_parallel, searching
 from planner.scenarios.replan import PlanningSession
 from planner.search.branch_and_bound import SearchOptions
-from planner.search.device_groups import (
-    GroupDataParallelPlan,
-    device_map,
-    plan_group_data_parallel,
-    searching,
-)
+from planner.search.device_groups import device_map
 from planner.search.space import Objective, SearchSpace
 
 TIER_FIELDS = ("bandwidth", "aggregate_bandwidth", "latency", "efficiency")
