@@ -8,7 +8,7 @@ full activation recomputation, and selective recomputation + sequence parallelis
 
 The whole pipeline is exercised: the zoo GPT (`attn_impl=math`, `dropout=0.1`) is built on the meta device, traced
 by `ir.trace`, cut by `ir.build_layer_chain`, each layer class is sharded over tp=8 by the planner's CP-SAT
-sharding model (`planner.intra_op.solve_layer_sharding`), and `costmodel.estimate` prices the strategy. Nothing in
+sharding model (`planner.search.intra_op.solve_layer_sharding`), and `costmodel.estimate` prices the strategy. Nothing in
 the cost model is fitted to these numbers (see costmodel/operators.py for what was fitted, and on what).
 
 Usage: python bench/costmodel_validation.py [--json] [--models 22B,175B]
@@ -92,7 +92,7 @@ MODES: Mapping[str, tuple[Recompute, bool]] = {
 def build_chain(row: KorthikantiRow, *, dtype: str = "bfloat16") -> LayerChain:
     """Trace the zoo GPT with the row's shape at its micro-batch size (meta device, no weights allocated)."""
     import ir
-    from planner.cli.model_registry import build_model
+    from models.registry import build_model
 
     sets = (f"layers={row.layers}", f"hidden={row.hidden}", f"heads={row.heads}", f"vocab={VOCAB}", f"seq={SEQ}",
             "attn_impl=math", "dropout=0.1")
@@ -109,7 +109,7 @@ def cluster_for(row: KorthikantiRow) -> Cluster:
 def sharded_costs(chain: LayerChain, cluster: Cluster, device: DeviceSpec, *, tp: int, sequence_parallel: bool,
                   microbatch_size: int, dtype: str = "bfloat16") -> dict[tuple[int, str], LayerCost]:
     """tp-sharded LayerCost of every layer class, from the planner's sharding ILP (tp ranks are adjacent)."""
-    from planner.intra_op import solve_layer_sharding
+    from planner.search.intra_op import solve_layer_sharding
 
     out: dict[tuple[int, str], LayerCost] = {}
     for cid in sorted({s.class_id for s in chain.segments}):

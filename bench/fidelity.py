@@ -3,21 +3,21 @@
 For a small GPT (the zoo's `gpt-tiny`) trained in float32 with AdamW on the CPU clusters `1x2xcpu` and `1x4xcpu`
 (2 and 4 processes over gloo on this machine's cores):
 
-1. Profile (`planner.profiler`): the model's ops timed in as many concurrent processes as the cluster has ranks,
+1. Profile (`planner.profiling.ops`): the model's ops timed in as many concurrent processes as the cluster has ranks,
    at every micro-batch size and tensor-parallel shard the planner prices (median of repeats: the speed of a rank
    with a core to itself -- other users of this shared machine preempt single runs, not the median), and the
    collectives of groups of every size dividing the process count with all groups running at once; fitted
    alpha/beta calibrate the node tier, per collective kind (`costmodel.collective_fit.calibrated_cluster`); and
-   the framework overheads (`planner.framework_profile`: optimizer per tensor, FSDP2 / replicate units, pipeline
+   the framework overheads (`planner.profiling.framework`: optimizer per tensor, FSDP2 / replicate units, pipeline
    actions, checkpointing, tensor-parallel modules, partial-gradient syncs) in as many processes. The profile is
    saved as `bench/results/fidelity-profile-<N>proc.json`. The ranks share this machine's cores
    (`shared_cores`, a `DeviceGroup.host_cores`): a rank runs at min(1, cores / ranks busy at once), which
    pipeline bubbles lower.
 2. Enumerate every valid strategy: each search candidate (dp x tp x pp mesh, micro-batch size and count,
-   schedule with interleaving, ZeRO stage, sequence parallelism; `planner.search.enumerate_candidates`) times each
+   schedule with interleaving, ZeRO stage, sequence parallelism; `planner.search.branch_and_bound.enumerate_candidates`) times each
    recomputation mode, priced by the planner's search with every dimension pinned (which also solves the stage
    partition and the tensor-parallel sharding), with the profiled model and, for comparison, the analytical one.
-3. Run each strategy with `planner.parallelize` + `planner.train_step` under torchrun, many strategies per launch:
+3. Run each strategy with `planner.runtime.parallelize` + `planner.runtime.train_step` under torchrun, many strategies per launch:
    a warm-up step, a memory-profiled step, then `TIMED_STEPS` timed steps. Step time: the slowest rank's time
    per step, median over the timed steps. Peak memory: torch's CPU allocator accounting -- the bytes of every
    live tensor storage when the profiled (steady-state) step starts, plus the peak running sum of the allocation
@@ -26,7 +26,7 @@ For a small GPT (the zoo's `gpt-tiny`) trained in float32 with AdamW on the CPU 
    overhead (the Python runtime and torch itself are not tensors).
 4. Report, per cluster and model: Spearman rank correlation and mean absolute percentage error of predicted
    against measured step time, mean absolute relative error of peak memory, and the regret of the planner's choice
-   (measured time of the plan `planner.search.search` picks with that model / best measured time).
+   (measured time of the plan `planner.search.branch_and_bound.search` picks with that model / best measured time).
 
 Usage: python bench/fidelity.py [--clusters 1x2xcpu,1x4xcpu] [--limit N] [--json]
        python bench/fidelity.py --from-results RESULTS.json [--repredict] [--output OUT.json] [--no-doc]
@@ -155,7 +155,7 @@ def describe(key: Sequence[Any]) -> str:
 
 def _trace_chain() -> Any:
     import ir
-    from planner.cli.model_registry import build_model
+    from models.registry import build_model
 
     probe = build_model(MODEL, SETS, batch=1, device="meta")
     graph = ir.trace(probe.module, probe.example_inputs, model_name=MODEL, dtype=DTYPE)
@@ -169,17 +169,13 @@ def profile_path(nproc: int) -> Path:
 
 def profile_cluster(nproc: int) -> Any:
     """Ops timed in `nproc` concurrent processes, collectives of every group size dividing `nproc`, and the
-    framework overheads (`planner.framework_profile`) on the same process count; saved to `profile_path`."""
+    framework overheads (`planner.profiling.framework`) on the same process count; saved to `profile_path`."""
     from costmodel.collective_fit import CollectiveProfile
     from costmodel.profile_db import OpProfile
-    from planner.framework_profile import FrameworkOptions, measure_framework
-    from planner.profiler import (
-        CollectiveOptions,
-        ModelRequest,
-        ProfileOptions,
-        measure_collectives,
-        profile_concurrently,
-    )
+    from planner.profiling.collectives import CollectiveOptions, measure_collectives
+    from planner.profiling.framework import FrameworkOptions, measure_framework
+    from planner.profiling.options import ProfileOptions
+    from planner.profiling.requests import ModelRequest, profile_concurrently
 
     tps = tuple(t for t in range(1, nproc + 1) if nproc % t == 0)
     mbs = tuple(m for m in (1, 2, 4, 8) if m <= GLOBAL_BATCH)
@@ -207,7 +203,7 @@ def shared_cores(cluster: Any, cores: int | None = None) -> Any:
 
 
 def _pinned_space(cand: Any, recompute: Any) -> Any:
-    from planner.search_space import SearchSpace
+    from planner.search.space import SearchSpace
 
     return SearchSpace(dp=cand.mesh.dp, tp=cand.mesh.tp, pp=cand.mesh.pp, microbatch_size=cand.microbatch_size,
                        num_microbatches=cand.num_microbatches, schedule=cand.schedule,
@@ -243,9 +239,10 @@ def enumerate_cases(chain: Any, spec: str, profile: Any, limit: int | None) -> t
     from costmodel.cluster import Cluster
     from costmodel.collective_fit import calibrated_cluster
     from costmodel.strategy import Recompute
-    from planner.layer_costs import LayerCostTable
-    from planner.search import SearchOptions, enumerate_candidates, search
-    from planner.search_space import Objective, SearchSpace
+    from planner.search.branch_and_bound import SearchOptions, search
+    from planner.search.candidates import enumerate_candidates
+    from planner.search.layer_costs import LayerCostTable
+    from planner.search.space import Objective, SearchSpace
 
     base = Cluster.parse(spec)
     models = {"profiled": (shared_cores(calibrated_cluster(base, profile.collectives)), profile),
@@ -398,10 +395,10 @@ def _run_plan(plan_dict: Mapping[str, Any], chain: Any) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from planner.cli.model_registry import build_model
-    from planner.parallelize import parallelize
+    from models.registry import build_model
     from planner.plan import Plan
-    from planner.train_step import local_batch, train_step
+    from planner.runtime.parallelize import parallelize
+    from planner.runtime.train_step import local_batch, train_step
 
     plan = Plan.from_dict(plan_dict)
     gc.collect()

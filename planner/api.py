@@ -1,7 +1,7 @@
 """The planner's Python API: `plan` (search, then a `Plan`) and `estimate` (price one given strategy).
 
-    plan = planner.plan(model, example_inputs, "128x8xa100-80gb", global_batch=1536)
-    plan = planner.plan(chain, None, cluster, global_batch=1536, space=SearchSpace(tp=8))
+    plan = planner.api.plan(model, example_inputs, "128x8xa100-80gb", global_batch=1536)
+    plan = planner.api.plan(chain, None, cluster, global_batch=1536, space=SearchSpace(tp=8))
     est = planner.estimate(chain, cluster, Strategy(dp=8, tp=8, pp=16, microbatch_size=1, num_microbatches=192))
 
 `planner.estimate` solves the tensor-parallel sharding of every layer class (the same `LayerCostTable` the search
@@ -25,13 +25,15 @@ from costmodel.strategy import Schedule, Strategy
 from ir.graph import Graph
 from ir.layer_chain import LayerChain
 from planner.errors import UserError
-from planner.heterogeneous import mixed_type_problem, with_device_groups
-from planner.layer_costs import LayerCostTable
-from planner.mesh_search import MeshCandidate
 from planner.plan import ModelInfo, ModuleSharding, Plan, SearchInfo, TrainingConfig
-from planner.search import SearchOptions, SearchResult, layer_cost_map, search, sharding_of
-from planner.search_space import Objective, SearchSpace
-from planner.stage_problem import Candidate, StageProblemBuilder
+from planner.search.branch_and_bound import SearchOptions, SearchResult, search
+from planner.search.candidates import Candidate
+from planner.search.device_groups import mixed_type_problem, with_device_groups
+from planner.search.layer_costs import LayerCostTable
+from planner.search.meshes import MeshCandidate
+from planner.search.pricing import layer_cost_map, sharding_of
+from planner.search.space import Objective, SearchSpace
+from planner.search.stage_problem import StageProblemBuilder
 
 Progress = Callable[[int, int, float | None], None]
 
@@ -119,7 +121,7 @@ def validate_strategy(chain: LayerChain, cluster: Cluster, strategy: Strategy, g
     if global_batch != strategy.global_batch:
         raise UserError(f"--batch {global_batch} is not dp*mbs*microbatches = {strategy.dp}*"
                         f"{strategy.microbatch_size}*{strategy.num_microbatches} = {strategy.global_batch}")
-    from planner.search import head_problem
+    from planner.search.candidates import head_problem
 
     why = head_problem(chain, strategy.tp) or mixed_type_problem(cluster, strategy)  # issue 7: one type per group
     if why:
@@ -176,7 +178,7 @@ def _search_info(result: SearchResult, step_time_s: float) -> SearchInfo:
 
 def _plan_of(chain: LayerChain, cluster: Cluster, info: ModelInfo, global_batch: int, dtype: str,
              strategy: Strategy, sharding: Sequence[ModuleSharding], est: Estimate, search_info: SearchInfo) -> Plan:
-    # Issue 7: every stage names the device group it runs on (planner/heterogeneous.py; no-op for one group).
+    # Issue 7: every stage names the device group it runs on (planner/search/device_groups.py; no-op for one group).
     strategy = with_device_groups(cluster, strategy)
     return Plan(model=info, cluster=cluster.to_dict(),
                 training=TrainingConfig(global_batch=global_batch, seq_len=chain.graph.seq_len, dtype=dtype),

@@ -93,8 +93,8 @@ def make_plan_json(entry: GoldenEntry, folder: Path) -> str:
 
 def stale_report(entry: GoldenEntry, fresh_json: str) -> str | None:
     """None when the committed plan equals the fresh one except search.time_s; else `stratagem diff`'s text."""
-    from planner.diff import diff_plans, render_text
     from planner.plan import Plan
+    from planner.reports.diff import diff_plans, render_text
 
     if not entry.path.is_file():
         return f"{entry.path} is missing"

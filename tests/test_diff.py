@@ -12,8 +12,8 @@ from plan_factory import GIB, make_plan, with_step_time
 
 from costmodel.strategy import Recompute, Schedule, StageSpec
 from planner.cli.main import main
-from planner.diff import DiffFormat, diff_plans, render, render_markdown, render_text
 from planner.plan import ModelInfo, ModuleSharding, Plan, SearchInfo, ShardStyle
+from planner.reports.diff import DiffFormat, diff_plans, render, render_markdown, render_text
 
 
 def write(tmp_path, name: str, plan: Plan):

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from planner.explain import explain_plan, render_explanation
 from planner.plan import Plan
-from planner.timeline import build_timeline
+from planner.reports.explain import explain_plan, render_explanation
+from planner.reports.timeline import build_timeline
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("regen_golden_plans", ROOT / "scripts" / "regen_golden_plans.py")

@@ -93,7 +93,7 @@ def test_iteration_time_with_reference_layout(model, chains):
 def test_iteration_time_with_planner_sharding(model, chains):
     """The full pipeline. Memory is not asserted: the planner prices what PyTorch's DTensor parallel styles save
     (the all-gathered input of a column-parallel linear under SP), more than Megatron-LM keeps."""
-    pytest.importorskip("planner.intra_op")
+    pytest.importorskip("planner.search.intra_op")
     _check(bench.predict_row(ROWS[model], chains[model], sharding="ilp"), must_fit=False)
 
 

@@ -1,5 +1,5 @@
 """Tests of applying plans: the device mesh, tensor-parallel layouts, pipeline cuts, recomputation,
-`planner.parallelize` + `train_step` against single-process training, and `stratagem run`.
+`planner.runtime.parallelize` + `train_step` against single-process training, and `stratagem run`.
 
 Multi-process tests launch `torchrun --standalone` (gloo, CPU) once per world size with many configs in one
 launch (tests/dist/parallel_worker.py) and compare every config with a single-process run of the same model,
@@ -28,23 +28,23 @@ import torch
 from torch import nn
 
 from costmodel.strategy import MeshAxis, Recompute, StageSpec, Strategy
-from planner.apply_pipeline import (
+from planner.errors import PlanLoadError, UserError
+from planner.plan import ModuleSharding, ShardStyle
+from planner.runtime.apply_pipeline import (
     build_stage_modules,
     even_stages,
     segment_stage_index,
     stage_indices_of_rank,
 )
-from planner.apply_recompute import apply_recompute, attention_modules, is_collective_op
-from planner.apply_tp import (
+from planner.runtime.apply_recompute import apply_recompute, attention_modules, is_collective_op
+from planner.runtime.apply_tp import (
     parallel_styles,
     replicated_islands,
     resolve_styles,
     sequence_parallel_styles,
     shared_parameters,
 )
-from planner.device_mesh import check_world_size, mesh_layout
-from planner.errors import PlanLoadError, UserError
-from planner.plan import ModuleSharding, ShardStyle
+from planner.runtime.device_mesh import check_world_size, mesh_layout
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "dist" / "parallel_worker.py"
@@ -118,7 +118,7 @@ def test_world_size_mismatch_is_refused_with_both_numbers():
 
 def test_load_balanced_chunks():
     # 2*cp chunks of T/(2cp): rank r holds chunks r and 2cp-1-r (Llama 3 sec. 3.3.2)
-    from planner.apply_cp import SequenceShard
+    from planner.runtime.apply_cp import SequenceShard
 
     assert SequenceShard(2, 0).positions(8).tolist() == [0, 1, 6, 7]
     assert SequenceShard(2, 1).positions(8).tolist() == [2, 3, 4, 5]
@@ -132,7 +132,7 @@ def test_load_balanced_chunks():
 
 
 def test_split_and_restore_order_round_trip():
-    from planner.apply_cp import SequenceShard
+    from planner.runtime.apply_cp import SequenceShard
 
     x = torch.arange(2 * 12 * 3).reshape(2, 12, 3)
     shards = [SequenceShard(3, r) for r in range(3)]
@@ -144,7 +144,7 @@ def test_split_and_restore_order_round_trip():
 def test_local_queries_against_gathered_keys_equal_full_causal_attention():
     import torch.nn.functional as F
 
-    from planner.apply_cp import SequenceShard, causal_mask
+    from planner.runtime.apply_cp import SequenceShard, causal_mask
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 16, 8, dtype=torch.float64) for _ in range(3))
@@ -161,7 +161,7 @@ def test_local_queries_against_gathered_keys_equal_full_causal_attention():
 
 
 def test_context_parallel_refuses_explicit_attention_and_models_without_blocks():
-    from planner.apply_cp import CpGroup, SequenceShard, apply_context_parallel
+    from planner.runtime.apply_cp import CpGroup, SequenceShard, apply_context_parallel
 
     group = CpGroup(SequenceShard(2, 0), None)  # never used: both fail before communicating
     model = tiny_gpt(attn_impl="math")
@@ -175,7 +175,7 @@ def test_context_parallel_refuses_explicit_attention_and_models_without_blocks()
 
 def test_rotary_tables_read_global_positions():
     from models import llama
-    from planner.apply_cp import CpGroup, SequenceShard, apply_context_parallel
+    from planner.runtime.apply_cp import CpGroup, SequenceShard, apply_context_parallel
 
     model = llama.build(llama.LlamaConfig(**worker.TINY["llama"]), "cpu")
     rotary = model.blocks[0].attn.rotary
@@ -192,7 +192,7 @@ def test_rotary_tables_read_global_positions():
 
 def test_expert_parallelism_keeps_this_ranks_experts():
     from models import moe
-    from planner.apply_ep import EpGroup, apply_expert_parallel, scale_gradient
+    from planner.runtime.apply_ep import EpGroup, apply_expert_parallel, scale_gradient
 
     model = moe.build(moe.MoEConfig(**worker.TINY["moe"]), "cpu")
     full = model.blocks[1].mlp.experts.up_proj.detach().clone()  # (4 experts, 32, 32)
@@ -272,7 +272,7 @@ def test_stage_modules_compose_to_the_model(first_blocks):
 
 
 def test_stage_output_must_be_a_tensor():
-    from planner.apply_pipeline import check_stage_outputs
+    from planner.runtime.apply_pipeline import check_stage_outputs
 
     with pytest.raises(UserError, match="'size' .*int.* crosses a pipeline cut"):
         check_stage_outputs(("x", "size"), torch.zeros(1), 3)
@@ -326,7 +326,7 @@ def test_sub_layers_without_a_colwise_rowwise_pair_run_replicated_under_sequence
 def test_selective_recompute_saves_collective_outputs():
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from planner.apply_recompute import _attention_module_policy, _inline_attention_policy
+    from planner.runtime.apply_recompute import _attention_module_policy, _inline_attention_policy
 
     functional = torch.ops._c10d_functional
     for op in (functional.all_gather_into_tensor.default, functional.reduce_scatter_tensor.default,
@@ -339,7 +339,7 @@ def test_selective_recompute_saves_collective_outputs():
 
 
 def test_style_on_the_wrong_module_type_is_refused():
-    from planner.apply_tp import apply_tensor_parallel
+    from planner.runtime.apply_tp import apply_tensor_parallel
 
     with pytest.raises(UserError, match="blocks.0.attn_norm .LayerNorm. cannot be colwise-sharded"):
         apply_tensor_parallel(tiny_gpt(), (ModuleSharding("blocks.0.attn_norm", ShardStyle.COLWISE),), None,
@@ -403,7 +403,7 @@ def test_selective_recompute_reruns_only_the_attention_core(attn_impl):
 
 
 def test_layers_are_blocks_or_the_roots_children_with_lists_expanded():
-    from planner.parallelize import model_layers
+    from planner.runtime.parallelize import model_layers
 
     assert [n for n, _ in model_layers(tiny_gpt())] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
     user = worker.UserMLP(worker.UserMLPConfig(depth=2))
@@ -438,7 +438,7 @@ def _plan_for(model: nn.Module, strategy: dict[str, Any], *, fingerprint: str | 
 
 
 def test_parallelize_needs_torch_distributed():
-    from planner.parallelize import parallelize
+    from planner.runtime.parallelize import parallelize
 
     model = tiny_gpt()
     with pytest.raises(UserError, match="not initialized; run under torchrun"):
@@ -446,7 +446,7 @@ def test_parallelize_needs_torch_distributed():
 
 
 def test_plans_for_another_model_or_world_are_refused(single_rank_group):
-    from planner.parallelize import parallelize
+    from planner.runtime.parallelize import parallelize
 
     model = tiny_gpt()
     with pytest.raises(PlanLoadError, match="needs 2 processes"):
@@ -461,8 +461,8 @@ def test_plans_for_another_model_or_world_are_refused(single_rank_group):
 
 def test_single_rank_accumulation_matches_one_big_batch(single_rank_group):
     from models import gpt
-    from planner.parallelize import parallelize
-    from planner.train_step import local_batch, train_step
+    from planner.runtime.parallelize import parallelize
+    from planner.runtime.train_step import local_batch, train_step
 
     model, ref = tiny_gpt(), tiny_gpt()
     pm = parallelize(model, _plan_for(model, dict(microbatch_size=2, num_microbatches=3)), loss_fn=gpt.loss)
@@ -482,7 +482,7 @@ def test_partial_gradients_are_synced_in_one_buffer_with_their_parameters_layout
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-    from planner.train_step import sync_partial_gradients
+    from planner.runtime.train_step import sync_partial_gradients
 
     mesh = init_device_mesh("cpu", (1,))
     norms = [nn.Parameter(distribute_tensor(torch.ones(n), mesh, [Replicate()])) for n in (3, 5)]

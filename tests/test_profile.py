@@ -1,4 +1,4 @@
-"""`stratagem profile` and `planner.profiler`: measured op timings keyed exactly as the cost model looks them up,
+"""`stratagem profile` and `planner.profiling.ops`: measured op timings keyed exactly as the cost model looks them up,
 used by node_time / price_segment / the sharding pricer when present, the analytical model otherwise; the CLI; and
 the fidelity benchmark's metrics."""
 
@@ -23,15 +23,11 @@ from costmodel.sharding_cost import build_sharding_model
 from ir.graph import OpKind
 from planner.cli.main import main
 from planner.cli.profile_cmd import microbatch_sizes
-from planner.profiler import (
-    ProfileOptions,
-    RecordingPricer,
-    StandardOps,
-    Statistic,
-    compute_clock,
-    profile_module,
-    runnable_graph,
-)
+from planner.profiling.ops import profile_module, runnable_graph
+from planner.profiling.options import ProfileOptions, Statistic
+from planner.profiling.requests import StandardOps
+from planner.profiling.timing import compute_clock
+from planner.profiling.variants import RecordingPricer
 
 CPU = get_device("cpu")
 FAST = dict(warmup=1, repeats=3)
@@ -226,7 +222,7 @@ def test_cli_user_errors_are_one_line(argv, message, capsys, tmp_path):
 
 @pytest.mark.multiprocess
 def test_collectives_are_measured_and_fitted():
-    from planner.profiler import CollectiveOptions, collective_profile
+    from planner.profiling.collectives import CollectiveOptions, collective_profile
 
     prof = collective_profile(CollectiveOptions(max_ranks=2, sizes=(4096, 1 << 20), warmup=1, repeats=3))
     assert {s.kind.value for s in prof.samples} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all",

@@ -112,7 +112,7 @@ def parse_cluster(spec: str) -> Cluster:
 
 def build_model(name: str, sets: Sequence[str], *, seq: int | None, batch: int = 1) -> Any:
     """The registry's `BuiltModel` on the meta device, with a traced batch of `batch`."""
-    from planner.cli.model_registry import build_model as registry_build
+    from models.registry import build_model as registry_build
 
     try:
         return registry_build(name, sets, batch=batch, seq=seq, device="meta")

@@ -19,7 +19,7 @@ EXIT_REGRESSION = 1
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from planner.diff import DiffFormat
+    from planner.reports.diff import DiffFormat
 
     p = subparsers.add_parser("diff", help="what changed between two plans (text, markdown or JSON)",
                               description=__doc__.split("\n\n")[1])
@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from planner.cli.explain_cmd import load_plan
-    from planner.diff import DiffFormat, diff_plans, render
+    from planner.reports.diff import DiffFormat, diff_plans, render
 
     fmt = DiffFormat.JSON if args.json else DiffFormat(args.format)
     if args.json and args.format not in (DiffFormat.TEXT.value, DiffFormat.JSON.value):

@@ -65,18 +65,18 @@ def check_output(flag: str, path: str, inputs: Sequence[str]) -> Path:
 def write_pictures(plan: Plan, *, timeline_path: Path | None, plot_path: Path | None) -> None:
     """The `--timeline` and `--plot` outputs shared by `explain` (and usable by `plan`)."""
     if timeline_path is not None:
-        from planner.timeline import write_timeline
+        from planner.reports.timeline import write_timeline
 
         write_timeline(plan, timeline_path)
     if plot_path is not None:
-        from planner.plot import plot_plan
+        from planner.reports.plot import plot_plan
 
         plot_plan(plan, plot_path)
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.explain import explain_plan, render_explanation
-    from planner.timeline import build_timeline
+    from planner.reports.explain import explain_plan, render_explanation
+    from planner.reports.timeline import build_timeline
 
     if args.alternatives < 0:
         raise UserError(f"--alternatives must be >= 0, got {args.alternatives}")

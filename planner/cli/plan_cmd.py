@@ -36,7 +36,7 @@ from planner.cli.common import (
 )
 from planner.errors import UserError
 from planner.plan import Plan
-from planner.search_space import FIX_KEYS, Objective, SearchSpace
+from planner.search.space import FIX_KEYS, Objective, SearchSpace
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

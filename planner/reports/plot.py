@@ -1,4 +1,4 @@
-"""Pictures of a plan: the pipeline schedule as a Gantt chart (from `planner.timeline`) and memory per stage
+"""Pictures of a plan: the pipeline schedule as a Gantt chart (from `planner.reports.timeline`) and memory per stage
 against device capacity. matplotlib is optional (`pip install matplotlib`, or the `plot` extra) and imported only
 here, when a picture is asked for. The object-oriented API (Figure + Agg canvas) is used, never pyplot, so no
 global backend or figure state is touched.
@@ -11,7 +11,7 @@ from typing import Any
 
 from planner.errors import UserError
 from planner.plan import Plan
-from planner.timeline import EventKind, StepTimeline, build_timeline, plan_title
+from planner.reports.timeline import EventKind, StepTimeline, build_timeline, plan_title
 
 GIB = 1 << 30
 

@@ -4,7 +4,7 @@
 model. The order follows torchtitan: tensor parallelism first (DTensor parameters), expert parallelism (this
 rank's experts, all-to-all routing), context parallelism (attention over the cp ranks' keys), then activation
 checkpointing, the sequence split hooks, the pipeline split, and FSDP2 / replication over the dp (x cp) ranks per
-model part. The result is a `ParallelModel` that `planner.train_step.train_step` drives, pipelined or not.
+model part. The result is a `ParallelModel` that `planner.runtime.train_step.train_step` drives, pipelined or not.
 
 A plan is refused (`PlanLoadError`) when it was made for another world size, another parameter count or, when
 the layer chain is known, another traced graph (fingerprint).
@@ -21,30 +21,32 @@ from torch import nn
 
 from costmodel.strategy import StageSpec, Strategy
 from ir.layer_chain import LayerChain
-from planner.apply_cp import (
+from planner.errors import PlanLoadError, UserError
+from planner.plan import Plan
+from planner.runtime.apply_cp import (
     CpGroup,
     SequenceShard,
     apply_context_parallel,
     install_gather_hook,
     install_split_hook,
 )
-from planner.apply_ep import EpGroup, apply_expert_parallel
-from planner.apply_fsdp import apply_data_parallel
-from planner.apply_pipeline import (
+from planner.runtime.apply_ep import EpGroup, apply_expert_parallel
+from planner.runtime.apply_fsdp import apply_data_parallel
+from planner.runtime.apply_pipeline import (
     build_schedule,
     build_stage_modules,
     even_stages,
     module_stages,
     stage_indices_of_rank,
 )
-from planner.apply_recompute import apply_recompute
-from planner.apply_tp import (
+from planner.runtime.apply_recompute import apply_recompute
+from planner.runtime.apply_tp import (
     BLOCKS_ATTR,
     apply_tensor_parallel,
     install_sequence_parallel_hooks,
     shared_parameters,
 )
-from planner.device_mesh import (
+from planner.runtime.device_mesh import (
     MeshLayout,
     PlanMeshes,
     build_mesh,
@@ -52,8 +54,6 @@ from planner.device_mesh import (
     derive_meshes,
     mesh_layout,
 )
-from planner.errors import PlanLoadError, UserError
-from planner.plan import Plan
 
 LossFn = Callable[[Any, tuple[torch.Tensor, ...]], torch.Tensor]
 """`loss_fn(output, batch)`: a scalar loss of a (micro-)batch, a mean over its samples (the zoo's `loss`)."""
