@@ -6,7 +6,13 @@ way its source counts it), the planner fills in only what the source leaves unst
 result, and -- as a reference -- plans freely with the same model, cluster and batch. Prints a table and writes
 bench/results/published_runs.json.
 
-Usage: python bench/published_runs.py [--only SUBSTRING] [--no-free] [--json]
+`--fit` fits `DeviceSpec.training_efficiency` per device class instead: every row is priced at efficiency 1, the
+step time is split into what scales with the device (compute, recompute, bubbles, optimizer) and the rest, and the
+efficiency minimizing the mean absolute error is found on a 0.005 grid, over all rows of the class and leaving each
+row out in turn (the leave-one-out error is the row's error at the efficiency fitted without it). Writes
+bench/results/training_efficiency_fit.json.
+
+Usage: python bench/published_runs.py [--only SUBSTRING] [--no-free] [--json] [--fit]
 """
 
 from __future__ import annotations
@@ -20,14 +26,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.published_reference import PublishedRun, all_runs, build_chain, cluster_of, predict  # noqa: E402
+from tests.published_reference import (  # noqa: E402
+    PublishedRun,
+    all_runs,
+    build_chain,
+    cluster_of,
+    fit_efficiency,
+    leave_one_out,
+    predict,
+)
 
 
 def free_plan(run: PublishedRun, chains: dict) -> tuple[float, str]:
-    import planner
+    from planner.api import plan
 
     chain = chains.get((run.name, run.microbatch_size or 1)) or build_chain(run, 1)
-    p = planner.plan(chain, None, cluster_of(run), global_batch=run.global_batch)
+    p = plan(chain, None, cluster_of(run), global_batch=run.global_batch)
     s = p.strategy
     label = (f"dp{s.dp} tp{s.tp} pp{s.pp} cp{s.cp} mbs{s.microbatch_size}x{s.num_microbatches} "
              f"{s.schedule.value}{':' + str(s.virtual_stages) if s.virtual_stages > 1 else ''} zero{s.zero_stage} "
@@ -35,12 +49,44 @@ def free_plan(run: PublishedRun, chains: dict) -> tuple[float, str]:
     return p.predicted.step_time_s, label
 
 
+def fit(runs: list[PublishedRun]) -> dict:
+    """Fit the training efficiency per device class, leave-one-out (module docstring); print and return it."""
+    chains: dict = {}
+    by_device: dict[str, list[tuple[PublishedRun, float, float]]] = {}
+    for run in runs:
+        pred = predict(run, chains, training_efficiency=1.0)
+        by_device.setdefault(run.device, []).append((run, pred.step_s, pred.device_bound_s))
+        print(f"{run.name[:52]:52s} measured {run.measured_step_s:8.3f}  at 1.0 {pred.step_s:8.3f}  "
+              f"device-bound {pred.device_bound_s / pred.step_s:5.1%}", flush=True)
+    out = {}
+    for device, rows in by_device.items():
+        data = [(s, d, run.measured_step_s) for run, s, d in rows]
+        loo = leave_one_out(data)
+        errs = [abs(e) for _, e in loo]
+        out[device] = {"efficiency": fit_efficiency(data), "rows": len(rows),
+                       "loo_mean_abs_error": sum(errs) / len(errs), "loo_max_abs_error": max(errs),
+                       "loo": [{"run": run.name, "efficiency_without": f, "error": e}
+                               for (run, _, _), (f, e) in zip(rows, loo, strict=True)]}
+        print(f"\n{device}: efficiency {out[device]['efficiency']:.3f} over {len(rows)} rows; leave-one-out "
+              f"mean |error| {out[device]['loo_mean_abs_error']:.1%}, worst {out[device]['loo_max_abs_error']:.1%}")
+        for r in out[device]["loo"]:
+            print(f"  {r['run'][:52]:52s} without it {r['efficiency_without']:.3f}  error {r['error']:+.1%}")
+    path = ROOT / "bench" / "results" / "training_efficiency_fit.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="rows whose name contains this text")
     ap.add_argument("--no-free", action="store_true", help="skip the free planner's reference plans")
     ap.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
+    ap.add_argument("--fit", action="store_true", help="fit the training efficiency per device class instead")
     args = ap.parse_args(argv)
+    if args.fit:
+        fit([r for r in all_runs() if args.only.lower() in r.name.lower()])
+        return 0
     rows, chains = [], {}
     for run in all_runs():
         if args.only.lower() not in run.name.lower():

@@ -76,9 +76,11 @@ def _device_from_row(row: dict[str, str]) -> DeviceSpec:
             "memory_efficiency": row["source_memory_efficiency"],
             "intra_node_bandwidth": row["source_intra_node"],
             "inter_node_bandwidth": row["source_inter_node"],
+            "training_efficiency": row["source_training_efficiency"],
         },
         intra_node_link=row["intra_node_link"],
         inter_node_link=row["inter_node_link"],
+        training_efficiency=float(row["training_efficiency"] or 1.0),
     )
 
 

@@ -32,11 +32,16 @@ class DeviceSpec:
     achievable fraction and per-hop latency of collectives; empty for a device the catalog does not know."""
     inter_node_link: str = ""
     """Link type of the per-device NIC between nodes ("nic"); see `intra_node_link`."""
+    training_efficiency: float = 1.0
+    """Fraction of the per-kernel roofline (`costmodel.operators`) a sustained training step reaches: clocks under
+    the power limit, gaps and tails between kernels, GEMM shapes below the best measured one. Fitted per device
+    class to published runs, leave-one-out (`bench/published_runs.py --fit`; the catalog's source column has the
+    value, the data and the error); 1 where the times are measured (`cpu`, a profile)."""
 
     def __post_init__(self) -> None:
         if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
             raise ValueError(f"device {self.name}: peak_flops must be positive")
-        for f in ("matmul_efficiency", "memory_efficiency"):
+        for f in ("matmul_efficiency", "memory_efficiency", "training_efficiency"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"device {self.name}: {f} must be in (0, 1]")
         for f in ("memory_bytes", "memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
@@ -59,6 +64,7 @@ class DeviceSpec:
             "intra_node_bandwidth": self.intra_node_bandwidth, "inter_node_bandwidth": self.inter_node_bandwidth,
             "sources": dict(sorted(self.sources.items())),
             "intra_node_link": self.intra_node_link, "inter_node_link": self.inter_node_link,
+            "training_efficiency": self.training_efficiency,
         }
 
     @classmethod

@@ -29,6 +29,7 @@ from costmodel.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.operators import GEMM_KINDS, node_time, retype_ratio
 from costmodel.profile_db import OpProfile, OpTiming, segment_signature
+from costmodel.training_loss import loss_inputs, with_training_loss
 from ir.graph import Node, OpKind
 from ir.layer_chain import LayerChain, Segment
 
@@ -133,9 +134,10 @@ def price_segment(chain: LayerChain, segment: Segment, device: DeviceSpec, *, mi
     out_bytes = [sum(s.nbytes for s in n.output_specs) for n in nodes]
     largest = max(out_bytes, default=0)
     kept = op_policy_kept(nodes)
+    loss_bytes = sum(b for n, b in zip(nodes, out_bytes, strict=True) if n.name in loss_inputs(nodes)) * act
     saved_op = min(segment.input_bytes + sum(b for n, b in zip(nodes, out_bytes, strict=True) if n.name in kept),
                    none)
-    return LayerCost(
+    return with_training_loss(LayerCost(
         fwd_compute_s=fwd,
         bwd_compute_s=bwd,
         fwd_comm_s=0.0,
@@ -153,4 +155,4 @@ def price_segment(chain: LayerChain, segment: Segment, device: DeviceSpec, *, mi
         param_tensors=owned_param_tensors(chain, segment),
         saved_bytes_op=round(saved_op * act),
         recompute_op_s=sum(t[0] for n, t in zip(nodes, times, strict=True) if n.name not in kept),
-    )
+    ), loss_bytes, device, dtype)

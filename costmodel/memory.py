@@ -23,7 +23,9 @@ tensor parallelism divides the parts it shards and sequence parallelism the rest
 Temporary buffers: the largest transient of any segment (`LayerCost.peak_temp_bytes`), plus the activations a
 recomputed segment re-materializes while its backward runs (saved-with-none minus saved-with-its-choice, for the
 largest such segment), plus under ZeRO-3 the gathered full weights of the largest segment twice (the one running
-and the one prefetched) -- or, without `reshard_after_forward`, the gathered weights of every segment of the rank.
+and the one prefetched) -- or, without `reshard_after_forward`, the gathered weights of every segment of the rank;
+under ZeRO-2/3 also the whole gradient of the largest unit while it is reduce-scattered (16-bit and its fp32
+copy: FSDP2's `reduce_dtype=float32`).
 
 Framework overhead: the CUDA context, cuBLAS/NCCL workspaces: about 0.75 GiB per GPU process (PyTorch forums,
 "What is the reason for pytorch's GPU memory floor?" measures 723 MiB, "High gpu memory overhead" ~800 MB, both
@@ -137,8 +139,13 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
                       for chunk, n in zip(chunks, in_flight, strict=True))
     rematerialized = max((s.cost.saved_bytes_none - saved_bytes(s.cost, s.recompute) for s in segments), default=0)
     temporary = max((s.cost.peak_temp_bytes for s in segments), default=0) + max(rematerialized, 0)
+    w = dtype_bytes(dtype)
+    if zero_stage >= 2:
+        # The unit being reduced has its whole gradient for a moment: in the training dtype, plus the fp32 copy
+        # the reduce-scatter sends when training in 16 bits.
+        unit_grad = w + (GRAD_BYTES if w < GRAD_BYTES else 0)
+        temporary += unit_grad * max((s.cost.param_count for s in segments), default=0)
     if zero_stage >= 3:
-        w = dtype_bytes(dtype)
         gathered = [s.cost.param_count * w for s in segments]
         temporary += 2 * max(gathered, default=0) if reshard_after_forward else sum(gathered)
     return MemoryBreakdown(params=state.params, grads=state.grads, optimizer=state.optimizer,

@@ -24,6 +24,11 @@ The large-GEMM level `matmul_efficiency` comes from the device catalog (measured
 H100 327.9/989, H200 329.3/989); devices without a measurement use A100's ratio of FlashAttention-2 to its best GEMM
 times their own `matmul_efficiency`.
 
+Causal fused attention skips the blocks above the diagonal: FlashAttention-2 runs causal attention "around
+1.7-1.8x" faster than the same shape without the mask (Dao 2023, "FlashAttention-2", Sec. 3.1.1), so a fused
+attention node with `is_causal` takes 1 / CAUSAL_SPEEDUP (1.75, the middle of that range) of its unmasked time. The
+FLOPs it reports stay the full count (the convention of model FLOPs and MFU in Megatron-LM and torchtitan).
+
 Backward: FLOPs come from the tracer (2x forward for linear/matmul: dX and dW are each a GEMM of the forward's
 size, so the backward runs at the forward GEMM's efficiency). Backward bytes are the forward bytes times a
 per-kind factor (`BACKWARD_BYTES_FACTOR`): the backward of an elementwise op reads the output gradient and the
@@ -33,6 +38,11 @@ Nodes whose output is not floating point (indices, masks) have no backward.
 `T_KERNEL_FLOOR` = 4 us: one CUDA kernel launch costs about 4-6 us of driver/runtime time, which bounds how fast a
 stream of tiny kernels can run (measured in "pegainfer (3): From Launch Overhead to CUDA Graph", susun-blog.com;
 NVIDIA Technical Blog "Getting Started with CUDA Graphs" shows the same microsecond-scale launch cost).
+
+A sustained training step does not run every kernel at its roofline: clocks drop under the power limit, kernels
+leave gaps and tails, real GEMM shapes fall below the best measured one. `DeviceSpec.training_efficiency` divides
+every analytical time by the fraction reached, fitted per device class to published runs leave-one-out (the
+catalog's source column says on what, and with what error); measured profile times are taken as they are.
 
 `flops_scale` / `bytes_scale` multiply the node's traced FLOPs and activation bytes (micro-batch / traced batch,
 times 1/tp for a sharded op); `param_scale` multiplies its parameter bytes (1/tp for a sharded weight; the
@@ -53,6 +63,8 @@ GEMM_SIZE_ALPHA = 0.763
 GEMM_HALF_TIME_S = 6.85e-6
 """Time-at-peak at which a GEMM reaches half of the device's best GEMM throughput (same fit)."""
 T_KERNEL_FLOOR_S = 4e-6
+CAUSAL_SPEEDUP = 1.75
+"""Causal over unmasked fused attention time (module docstring)."""
 """Smallest time of one launched kernel (launch overhead, see module docstring)."""
 
 GEMM_KINDS = frozenset({OpKind.LINEAR, OpKind.MATMUL, OpKind.CONV})
@@ -117,12 +129,13 @@ def compute_rate(kind: OpKind, device: DeviceSpec, dtype: str, size_flops: float
 
 
 def roofline_time(flops: float, nbytes: float, rate: float, device: DeviceSpec) -> float:
-    """max(compute, memory, kernel floor) seconds; zero work costs nothing (no kernel is launched)."""
+    """max(compute, memory) / training efficiency, at least the kernel floor, in seconds; zero work costs nothing
+    (no kernel is launched)."""
     if flops <= 0 and nbytes <= 0:
         return 0.0
     compute = flops / rate if flops > 0 and rate > 0 else 0.0
     memory = nbytes / (device.memory_bandwidth * device.memory_efficiency)
-    return max(compute, memory, T_KERNEL_FLOOR_S)
+    return max(max(compute, memory) / device.training_efficiency, T_KERNEL_FLOOR_S)
 
 
 def retype_ratio(traced_dtype: str, dtype: str) -> float:
@@ -169,6 +182,8 @@ def node_time(node: Node, device: DeviceSpec, *, flops_scale: float = 1.0, bytes
     bwd_flops = node.backward_flops * flops_scale
     fwd_bytes = node_bytes(node, bytes_scale=bytes_scale, param_scale=param_scale, dtype=dtype)
     rate = compute_rate(node.op_kind, device, dtype, fwd_flops if fwd_flops > 0 else bwd_flops / 2)
+    if node.op_kind is OpKind.ATTENTION and node.attr("is_causal", False):
+        rate *= CAUSAL_SPEEDUP
     fwd = roofline_time(fwd_flops, fwd_bytes, rate, device)
     if not has_backward(node):
         return fwd, 0.0

@@ -48,6 +48,7 @@ from costmodel.sharding import (
 from costmodel.sharding_dims import DimLabel, Labels, input_labels, is_float, op_name, propagate_labels
 from costmodel.sharding_problem import FIXED, NO_GRAD, ProblemFlow, ShardingProblem, to_units
 from costmodel.sharding_rules import NodeStrategy, StrategyContext, Style, node_strategies
+from costmodel.training_loss import loss_inputs
 from ir.graph import Node, OpKind, TensorSpec
 
 BYTES_PER_PARAM_MIXED_ADAM = 16
@@ -184,6 +185,8 @@ class ShardingModel:
     """Per-device bytes of the segment's outputs in the boundary layout (what a pipeline cut after it sends)."""
     recompute_region: frozenset[int] = frozenset()
     """Nodes selective recomputation drops and reruns (`layer_pricing.selective_recompute_region`)."""
+    loss_inputs: frozenset[int] = frozenset()
+    """Nodes whose output the training loss reads (`training_loss.loss_inputs`)."""
     op_kept: frozenset[int] = frozenset()
     """Nodes whose outputs per-op selective checkpointing keeps (`layer_pricing.op_policy_kept`)."""
     region_reads: tuple[tuple[int, int, float], ...] = ()
@@ -253,6 +256,10 @@ class ShardingModel:
                 whole = self.options[r.node][assignment[r.node]].saved_whole_inputs[r.input_index]
                 saving[r.node] = saving.get(r.node, 0.0) + whole * (1 - 1 / self.tp)
         return saving
+
+    def loss_input_bytes(self, assignment: Sequence[int]) -> float:
+        """Local bytes of the outputs the training loss reads (`out_bytes` counts output and gradient)."""
+        return sum(self.options[n][assignment[n]].out_bytes / 2 for n in self.loss_inputs)
 
     def layer_cost(self, assignment: Sequence[int]) -> LayerCost:
         """The LayerCost of one micro-batch on one device under the given assignment."""
@@ -523,6 +530,7 @@ def build_sharding_model(nodes: Sequence[Node], *, tp: int, sequence_parallel: b
                          flows=flows, inputs_saved_bytes=round(inputs_saved), boundary_bytes=round(boundary),
                          recompute_region=frozenset(i for i, n in enumerate(nodes) if n.name in region),
                          op_kept=frozenset(i for i, n in enumerate(nodes) if n.name in op_policy_kept(nodes)),
+                         loss_inputs=frozenset(i for i, n in enumerate(nodes) if n.name in loss_inputs(nodes)),
                          region_reads=_region_reads(nodes, region, in_scales, cfg))
 
 

@@ -82,7 +82,8 @@ def optimizer_step_time(local_param_count: int, device: DeviceSpec, *, speed: fl
     if local_param_count <= 0:
         return 0.0
     nbytes = local_param_count * ADAM_BYTES_PER_PARAM
-    return max(nbytes / (device.memory_bandwidth * device.memory_efficiency), T_KERNEL_FLOOR_S) / speed + host_s
+    bandwidth = device.memory_bandwidth * device.memory_efficiency * device.training_efficiency
+    return max(nbytes / bandwidth, T_KERNEL_FLOOR_S) / speed + host_s
 
 
 def tp_grad_sync_time(sync_bytes: float, sync_tensors: int, group: CommGroup, cluster: Cluster, *,

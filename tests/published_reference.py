@@ -20,12 +20,13 @@ the published figures are compared with, never fed into, the predictions.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from costmodel.strategy import Recompute, Schedule
+from costmodel.strategy import Recompute, RuntimeOptions, Schedule
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 PUBLISHED_CSV = DATA_DIR / "published_runs.csv"
@@ -63,7 +64,11 @@ class PublishedRun:
     counts: str
     framework: str
     inter_node_gbps: float | None = None
+    memory_gb: float | None = None
+    """Device memory when the row's device differs from the catalog's (GB, 1e9 bytes)."""
+    memory_bandwidth_tbps: float | None = None
     stage_layers: tuple[int, ...] = ()
+    runtime: RuntimeOptions = RuntimeOptions()
     unstated: tuple[str, ...] = ()
     inferred: tuple[str, ...] = field(default=())
 
@@ -99,6 +104,8 @@ def _zero_of(text: str) -> int | None:
 
 def _recompute_of(text: str) -> Recompute | None:
     low = text.lower()
+    if "per-op" in low:
+        return Recompute.OP
     for r in (Recompute.FULL, Recompute.SELECTIVE, Recompute.NONE):
         if low.startswith(r.value):
             return r
@@ -136,6 +143,8 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
         if sp is None:
             sp = False
             inferred.append("no sequence parallelism (came with Korthikanti et al. 2022)")
+        inferred.append("no data-parallel overlap (DeepSpeed's pipeline engine reduces gradients after the "
+                        "pipeline flush)")
     if recompute is None:
         unstated.append("recompute")
     if sp is None and int(r["tp"]) > 1:
@@ -158,13 +167,17 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
         pp = int(r["pp"])
         stage_layers = (edge,) + (inner,) * (pp - 2) + (edge,)
     inter = OMNI_PATH_PER_GPU_GBPS if "Omni-Path" in r["device_notes"] else None
+    hbm = re.search(r"(\d+) GB HBM\w* \(([\d.]+) TB/s\)", r["device_notes"])
+    runtime = RuntimeOptions(dp_overlap="Megatron-DeepSpeed" not in framework,
+                             tp_overlap="TP/PP communication enabled" in framework)
     return PublishedRun(
         name=r["run"], family=family, sets=tuple(sets), seq=seq, device=r["device"], num_gpus=gpus,
         gpus_per_node=int(r["gpus_per_node"]), tp=int(r["tp"]), pp=int(r["pp"]), cp=int(r["cp"] or 1),
         dp=int(r["dp"]), global_batch=gbs, microbatch_size=mbs, virtual_stages=_int(r["virtual_stages"]),
         zero_stage=zero, recompute=recompute, sequence_parallel=sp, measured_step_s=step,
         measured_memory_gib=_float(r["peak_memory_gib"]), counts=counts, framework=framework,
-        inter_node_gbps=inter, stage_layers=stage_layers, unstated=tuple(unstated), inferred=tuple(inferred))
+        inter_node_gbps=inter, memory_gb=float(hbm.group(1)) if hbm else None,
+        memory_bandwidth_tbps=float(hbm.group(2)) if hbm else None, stage_layers=stage_layers, runtime=runtime, unstated=tuple(unstated), inferred=tuple(inferred))
 
 
 def load_published_runs(path: Path = PUBLISHED_CSV) -> list[PublishedRun]:
@@ -182,7 +195,9 @@ def _korthikanti_rows(r: dict[str, str]) -> list[PublishedRun]:
                   num_gpus=int(r["num_gpus"]), gpus_per_node=min(8, int(r["num_gpus"])), tp=tp, pp=pp, cp=1, dp=dp,
                   global_batch=int(r["global_batch_size"]), microbatch_size=int(r["micro_batch_size"]),
                   virtual_stages=v, zero_stage=0, measured_memory_gib=None, counts="iteration time",
-                  framework="Megatron-LM 2022, math attention with dropout")
+                  framework="Megatron-LM 2022, math attention with dropout",
+                  # Sec. 6.3: "no DP grad all-reduce overlap" in these runs.
+                  runtime=RuntimeOptions(dp_overlap=False))
     out = []
     for col, recompute, sp in (("full_recompute", Recompute.FULL, False),
                                ("present_work_seqpar_plus_selective", Recompute.SELECTIVE, True)):
@@ -237,34 +252,46 @@ class Prediction:
     mfu: float
     strategy: str
     chosen: str
+    device_bound_s: float
+    """Of `step_s`, the time that scales with the device's speed: compute, recompute, bubbles, optimizer."""
 
 
 def build_chain(run: PublishedRun, microbatch_size: int, dtype: str = "bfloat16"):
     """The run's model traced on `meta` at `microbatch_size` (zoo family with the published shape)."""
     import ir
-    from planner.cli.model_registry import build_model
+    from models.registry import build_model
 
     built = build_model(run.family, run.sets, batch=microbatch_size, seq=run.seq, device="meta")
     graph = ir.trace(built.module, built.example_inputs, model_name=run.name, dtype=dtype)
     return ir.build_layer_chain(graph)
 
 
-def cluster_of(run: PublishedRun):
+def cluster_of(run: PublishedRun, training_efficiency: float | None = None):
+    """The run's cluster; `training_efficiency` replaces the catalog's (1.0 to fit it)."""
     from costmodel import Cluster
 
     cluster = Cluster.parse(run.cluster_spec)
+    if training_efficiency is not None:
+        device = dataclasses.replace(cluster.groups[0].device, training_efficiency=training_efficiency)
+        cluster = dataclasses.replace(cluster, groups=(dataclasses.replace(cluster.groups[0], device=device),))
+    if run.memory_gb is not None:
+        # The row's device has other memory than the catalog's (torchtitan's H100s: 96 GB HBM2e at 2.4 TB/s);
+        # its 500 W power cap is not modelled, so its compute is the catalog H100's.
+        device = dataclasses.replace(cluster.groups[0].device, memory_bytes=int(run.memory_gb * 1e9),
+                                     memory_bandwidth=run.memory_bandwidth_tbps * 1e12)
+        cluster = dataclasses.replace(cluster, groups=(dataclasses.replace(cluster.groups[0], device=device),))
     if run.inter_node_gbps is None or len(cluster.tiers) < 2:
         return cluster
     return cluster.with_tier(cluster.tiers[1].name, bandwidth=run.inter_node_gbps * 1e9)
 
 
 def search_space(run: PublishedRun, zero_stage: int | None):
-    from planner.search_space import SearchSpace
+    from planner.search.space import SearchSpace
 
     schedule, v = schedule_of(run)
     return SearchSpace(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, ep=1, microbatch_size=run.microbatch_size,
                        schedule=schedule, virtual_stages=v, zero_stage=zero_stage, recompute=run.recompute,
-                       sequence_parallel=run.sequence_parallel)
+                       sequence_parallel=run.sequence_parallel, runtime=run.runtime)
 
 
 def _describe(strategy) -> str:
@@ -274,11 +301,12 @@ def _describe(strategy) -> str:
             f"zero{s.zero_stage} {s.recompute.value}{' sp' if s.sequence_parallel else ''}")
 
 
-def predict(run: PublishedRun, chains: dict | None = None) -> Prediction:
+def predict(run: PublishedRun, chains: dict | None = None, training_efficiency: float | None = None
+            ) -> Prediction:
     """Plan over what the source leaves unstated with the stated configuration pinned, and price it.
 
     The ZeRO stage, when unstated, is searched over 0 and 1 (Megatron-LM's replicated or distributed optimizer)."""
-    import planner
+    from planner.api import plan
     from planner.errors import InfeasibleError
 
     chains = {} if chains is None else chains
@@ -287,11 +315,11 @@ def predict(run: PublishedRun, chains: dict | None = None) -> Prediction:
     if key not in chains:
         chains[key] = build_chain(run, mbs)
     chain = chains[key]
-    cluster = cluster_of(run)
+    cluster = cluster_of(run, training_efficiency)
     best = None
     for zero in ((run.zero_stage,) if run.zero_stage is not None else (0, 1)):
         try:
-            p = planner.plan(chain, None, cluster, global_batch=run.global_batch, space=search_space(run, zero))
+            p = plan(chain, None, cluster, global_batch=run.global_batch, space=search_space(run, zero))
         except InfeasibleError:
             continue
         if best is None or p.predicted.step_time_s < best.predicted.step_time_s:
@@ -299,5 +327,32 @@ def predict(run: PublishedRun, chains: dict | None = None) -> Prediction:
     if best is None:
         raise RuntimeError(f"{run.name}: no plan fits with the published configuration")
     est = best.predicted
+    b = est.breakdown
     return Prediction(step_s=est.step_time_s, memory_gib=max(est.peak_memory_bytes) / GIB, mfu=est.mfu,
-                      strategy=_describe(best.strategy), chosen=", ".join(run.unstated) or "-")
+                      strategy=_describe(best.strategy), chosen=", ".join(run.unstated) or "-",
+                      device_bound_s=b.compute_s + b.recompute_s + b.bubble_s + b.optimizer_s)
+
+
+FIT_GRID = tuple(round(0.5 + 0.005 * i, 3) for i in range(101))
+"""Training efficiencies tried by the fit: 0.500 .. 1.000."""
+
+
+def linearized_step(step_s: float, device_bound_s: float, efficiency: float) -> float:
+    """Step time at `efficiency` from a prediction at 1: the device-bound part scales, the rest stays."""
+    return step_s - device_bound_s + device_bound_s / efficiency
+
+
+def fit_efficiency(rows: Sequence[tuple[float, float, float]]) -> float:
+    """The efficiency minimizing the mean absolute relative error of (step at 1, device-bound, measured) rows."""
+    def loss(f: float) -> float:
+        return sum(abs(linearized_step(s, d, f) / m - 1) for s, d, m in rows) / len(rows)
+    return min(FIT_GRID, key=lambda f: (loss(f), -f))
+
+
+def leave_one_out(rows: Sequence[tuple[float, float, float]]) -> list[tuple[float, float]]:
+    """Per row: (efficiency fitted without it, its relative error at that efficiency)."""
+    out = []
+    for i, (s, d, m) in enumerate(rows):
+        f = fit_efficiency([r for j, r in enumerate(rows) if j != i])
+        out.append((f, linearized_step(s, d, f) / m - 1))
+    return out

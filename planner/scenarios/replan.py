@@ -47,7 +47,7 @@ from planner.search.candidates import Candidate
 from planner.search.device_groups import with_device_groups
 from planner.search.layer_costs import LayerCostTable
 from planner.search.meshes import MeshCandidate, compute_lower_bound_s
-from planner.search.pricing import layer_cost_map, sharding_of
+from planner.search.pricing import layer_cost_map, sharding_of, summary_recompute
 from planner.search.space import SearchSpace
 from planner.search.stage_partition import solve_partition
 from planner.search.stage_problem import StageProblemBuilder
@@ -221,14 +221,6 @@ def _priced(builder: StageProblemBuilder, cluster: Cluster, strategy: Strategy, 
     return est, sharding_of(builder, cand, placements), costs
 
 
-def _summary_recompute(stages: Sequence[Any]) -> Recompute:
-    used = {s.recompute for s in stages}
-    for r in (Recompute.FULL, Recompute.SELECTIVE):
-        if r in used:
-            return r
-    return Recompute.NONE
-
-
 def _repartitioned(builder: StageProblemBuilder, strategy: Strategy) -> Strategy | None:
     """The old candidate with its stage partition and recomputation solved again (None if nothing fits)."""
     cand = _candidate_of(strategy)
@@ -239,7 +231,7 @@ def _repartitioned(builder: StageProblemBuilder, strategy: Strategy) -> Strategy
     if part is None:
         return None
     stages = built.stages(part)
-    return cand.strategy(stages, _summary_recompute(stages))
+    return cand.strategy(stages, summary_recompute(stages))
 
 
 def neighbourhood(old: Strategy, space: SearchSpace | None = None) -> SearchSpace:

@@ -35,6 +35,7 @@ the same assignment on any machine. Identical layers (same structural key) are s
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections.abc import Sequence
@@ -60,6 +61,7 @@ from costmodel.sharding_cost import (
 )
 from costmodel.sharding_problem import FIXED, NO_GRAD, UNITS_PER_SECOND, ProblemFlow, ShardingProblem
 from costmodel.sharding_rules import Style
+from costmodel.training_loss import with_training_loss
 from ir.graph import Node
 from planner.errors import UserError
 from planner.plan import ModuleSharding, ShardStyle
@@ -294,6 +296,8 @@ class _Solved:
     status: SolveStatus
     objective_s: float
     lower_bound_s: float
+    loss_input_bytes: float = 0.0
+    """Local bytes of the outputs the training loss reads (`costmodel.training_loss`)."""
 
 
 @dataclass
@@ -365,7 +369,8 @@ def _solve_setting(nodes: Sequence[Node], sp: bool, outputs: Sequence[str], buil
         cost=model.layer_cost(solution.assignment),
         styles=_module_styles(nodes, model, solution.assignment, module_prefix(nodes)),
         collectives=colls, status=solution.status,
-        objective_s=solution.objective / UNITS_PER_SECOND, lower_bound_s=solution.lower_bound / UNITS_PER_SECOND)
+        objective_s=solution.objective / UNITS_PER_SECOND, lower_bound_s=solution.lower_bound / UNITS_PER_SECOND,
+        loss_input_bytes=model.loss_input_bytes(solution.assignment))
     return solved, solution.objective
 
 
@@ -419,6 +424,7 @@ def solve_layer_sharding(nodes: Sequence[Node], cluster: Cluster, device: Device
                  traced_dtype=traced_dtype)
     candidates = [_solve_setting(nodes, sp, outs, build, time_limit) for sp in settings]
     solved = min(candidates, key=lambda c: c[1])[0]  # the first (no SP) wins ties
+    solved = dataclasses.replace(solved, cost=with_training_loss(solved.cost, solved.loss_input_bytes, device, dtype))
     if cache is not None:
         cache.put(key, solved)
     return _materialize(nodes, tp, solved, time.perf_counter() - started)

@@ -4,10 +4,11 @@ price of its devices per second, and the smallest device memory it would fit in.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from costmodel.cluster import Cluster
 from costmodel.layer_cost import LayerCost
-from costmodel.strategy import Recompute
+from costmodel.strategy import Recompute, StageSpec
 from planner.errors import UserError
 from planner.plan import ModuleSharding
 from planner.search.candidates import (
@@ -50,9 +51,10 @@ def sharding_of(builder: StageProblemBuilder, cand: Candidate, placements) -> tu
     return module_sharding(builder.chain, prices)
 
 
-def summary_recompute(stages) -> Recompute:
+def summary_recompute(stages: Sequence[StageSpec]) -> Recompute:
+    """The strategy-level recomputation of per-stage choices: the heaviest used (full, op, selective, none)."""
     used = {s.recompute for s in stages}
-    for r in (Recompute.FULL, Recompute.SELECTIVE):
+    for r in (Recompute.FULL, Recompute.OP, Recompute.SELECTIVE):
         if r in used:
             return r
     return Recompute.NONE
