@@ -19,8 +19,10 @@ import torch.nn as nn
 import ir
 from costmodel.breakdown import Estimate
 from costmodel.cluster import Cluster
+from costmodel.collective_fit import calibrated_cluster
 from costmodel.estimate import estimate as costmodel_estimate
 from costmodel.estimate import even_stages
+from costmodel.profile_db import OpProfile
 from costmodel.strategy import Schedule, Strategy
 from ir.graph import Graph
 from ir.layer_chain import LayerChain
@@ -34,13 +36,15 @@ from planner.search.meshes import MeshCandidate
 from planner.search.pricing import layer_cost_map, sharding_of
 from planner.search.space import Objective, SearchSpace
 from planner.search.stage_problem import StageProblemBuilder
+from planner.tracing import trace_one_sample
 
 Progress = Callable[[int, int, float | None], None]
 
 
 def as_chain(model_or_chain: nn.Module | Graph | LayerChain, inputs: Any = None, *, model_name: str = "model",
              dtype: str | None = None) -> LayerChain:
-    """A `LayerChain` from a chain, a traced graph, or a module and its example inputs (traced here)."""
+    """A `LayerChain` from a chain, a traced graph, or a module and its example inputs (traced here at one sample,
+    as `parallelize` and `stratagem plan` trace it: `planner.tracing`)."""
     if isinstance(model_or_chain, LayerChain):
         return model_or_chain
     if isinstance(model_or_chain, Graph):
@@ -49,18 +53,33 @@ def as_chain(model_or_chain: nn.Module | Graph | LayerChain, inputs: Any = None,
         if inputs is None:
             raise ValueError("planning an nn.Module needs its example inputs (a tuple of tensors or TensorSpecs, "
                              "or a dict of keyword arguments)")
-        return ir.build_layer_chain(ir.trace(model_or_chain, inputs, model_name=model_name, dtype=dtype))
+        return trace_one_sample(model_or_chain, inputs, model_name=model_name, dtype=dtype)
     raise TypeError(f"expected an nn.Module, ir.Graph or ir.LayerChain, got {type(model_or_chain).__name__}")
 
 
-def as_cluster(cluster: Cluster | str) -> Cluster:
-    return cluster if isinstance(cluster, Cluster) else Cluster.parse(cluster)
+def as_cluster(cluster: Cluster | str, profile: OpProfile | None = None) -> Cluster:
+    """The cluster (parsed from a shorthand or YAML path), with the node links calibrated by the profile's
+    collective fits when it has them (`costmodel.collective_fit.calibrated_cluster`)."""
+    cluster = cluster if isinstance(cluster, Cluster) else Cluster.parse(cluster)
+    if profile is None or profile.collectives is None:
+        return cluster
+    return calibrated_cluster(cluster, profile.collectives)
+
+
+def load_profile(path: str) -> OpProfile:
+    """A profile written by `stratagem profile`; every way it can be unreadable is a one-line `UserError`."""
+    try:
+        return OpProfile.load(path)
+    except ValueError as e:
+        raise UserError(f"--profile {path}: {' '.join(str(e).split())}") from None
+    except OSError as e:
+        raise UserError(f"--profile {path}: cannot read it: {e.strerror or e}") from None
 
 
 def plan(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any, cluster: Cluster | str, *,
          global_batch: int, space: SearchSpace | None = None, objective: Objective | str = Objective.TIME,
          time_limit_s: float | None = None, dtype: str = "bfloat16", model_name: str | None = None,
-         settings: Sequence[tuple[str, Any]] = (), progress: Progress | None = None, profile: Any = None) -> Plan:
+         settings: Sequence[tuple[str, Any]] = (), progress: Progress | None = None, profile: OpProfile | None = None) -> Plan:
     """The best plan for training the model on `cluster` with `global_batch` samples per step (module docstring).
 
     Raises `planner.errors.InfeasibleError` when nothing fits, `UserError` for an empty search space."""
@@ -73,11 +92,11 @@ def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any
              global_batch: int, top_k: int = 1, space: SearchSpace | None = None,
              objective: Objective | str = Objective.TIME, time_limit_s: float | None = None,
              dtype: str = "bfloat16", model_name: str | None = None, settings: Sequence[tuple[str, Any]] = (),
-             progress: Progress | None = None, profile: Any = None) -> tuple[Plan, ...]:
+             progress: Progress | None = None, profile: OpProfile | None = None) -> tuple[Plan, ...]:
     """The `top_k` best distinct strategies as plans, best first (each carries the same search information)."""
     name = model_name or getattr(model_or_chain, "model_name", None) or type(model_or_chain).__name__
     chain = as_chain(model_or_chain, inputs_or_spec, model_name=name, dtype=dtype)
-    cluster = as_cluster(cluster)
+    cluster = as_cluster(cluster, profile)
     options = SearchOptions(objective=Objective(objective), top_k=top_k, time_limit_s=time_limit_s,
                             progress=progress)
     result = search(chain, cluster, global_batch=global_batch, space=space, options=options, dtype=dtype,
@@ -89,21 +108,21 @@ def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any
 
 
 def estimate(chain: LayerChain, cluster: Cluster | str, strategy: Strategy, *, global_batch: int | None = None,
-             dtype: str = "bfloat16", profile: Any = None) -> Estimate:
+             dtype: str = "bfloat16", profile: OpProfile | None = None) -> Estimate:
     """`costmodel.estimate` of `strategy`, with the layer classes' sharding solved for its tp (as the search does)."""
-    return _estimate_with_sharding(chain, as_cluster(cluster), strategy, global_batch, dtype, profile)[0]
+    return _estimate_with_sharding(chain, as_cluster(cluster, profile), strategy, global_batch, dtype, profile)[0]
 
 
 def estimate_plan(chain: LayerChain, cluster: Cluster | str, strategy: Strategy, *, global_batch: int,
                   dtype: str = "bfloat16", model_name: str | None = None,
-                  settings: Sequence[tuple[str, Any]] = (), profile: Any = None) -> Plan:
+                  settings: Sequence[tuple[str, Any]] = (), profile: OpProfile | None = None) -> Plan:
     """A `Plan` for one given strategy (search status "fixed"), for `stratagem estimate`.
 
     Stages left empty are filled with the even split `costmodel.estimate` would use, so the plan can be applied.
     Raises UserError when the strategy cannot run at all (degrees, divisibility); a strategy that runs out of
     memory is still priced and its `predicted.problems` say by how much."""
     started = time.monotonic()
-    cluster = as_cluster(cluster)
+    cluster = as_cluster(cluster, profile)
     strategy = validate_strategy(chain, cluster, strategy, global_batch)
     est, sharding = _estimate_with_sharding(chain, cluster, strategy, global_batch, dtype, profile)
     info = _model_info(chain, model_name or chain.graph.model_name, settings)

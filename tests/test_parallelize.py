@@ -27,15 +27,12 @@ import pytest
 import torch
 from torch import nn
 
+from costmodel.estimate import resolve_stages
+from costmodel.sharding_rules import Style
 from costmodel.strategy import MeshAxis, Recompute, StageSpec, Strategy
 from planner.errors import PlanLoadError, UserError
-from planner.plan import ModuleSharding, ShardStyle
-from planner.runtime.apply_pipeline import (
-    build_stage_modules,
-    even_stages,
-    segment_stage_index,
-    stage_indices_of_rank,
-)
+from planner.plan import ModuleSharding
+from planner.runtime.apply_pipeline import build_stage_modules, segment_stage_index, stage_indices_of_rank
 from planner.runtime.apply_recompute import apply_recompute, attention_modules, is_collective_op
 from planner.runtime.apply_tp import (
     parallel_styles,
@@ -45,6 +42,7 @@ from planner.runtime.apply_tp import (
     shared_parameters,
 )
 from planner.runtime.device_mesh import check_world_size, mesh_layout
+from planner.runtime.parallelize import plan_stages
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "dist" / "parallel_worker.py"
@@ -110,7 +108,7 @@ def test_expert_parallelism_must_divide_dp():
 def test_world_size_mismatch_is_refused_with_both_numbers():
     with pytest.raises(PlanLoadError, match=r"needs 8 processes .*world size is 4"):
         check_world_size(Strategy(dp=2, tp=2, pp=2), 4)
-    with pytest.raises(PlanLoadError, match=r"needs 4 processes \(dp=1 x tp=2 x pp=1 x cp=2\)"):
+    with pytest.raises(PlanLoadError, match=r"needs 4 processes \(dp=1 tp=2 pp=1 cp=2\)"):
         check_world_size(Strategy(tp=2, cp=2), 2)
 
 
@@ -222,10 +220,21 @@ def test_expert_parallelism_keeps_this_ranks_experts():
 
 # --- pipeline cuts ---------------------------------------------------------------------------------------
 
-def test_even_stages_differ_by_at_most_one_segment():
-    assert [(s.start, s.stop) for s in even_stages(7, 3)] == [(0, 3), (3, 5), (5, 7)]
-    with pytest.raises(UserError, match="3 segments into 4"):
-        even_stages(3, 4)
+def test_a_plan_without_stages_runs_the_split_the_estimator_priced():
+    # The runtime cuts a plan without explicit stages where costmodel.estimate priced it: the blocks spread
+    # evenly, embedding and head on the end stages (a split by segment count would put them differently).
+    model = tiny_gpt(layers=6)
+    chain = _chain(model)
+    for pp, v in ((2, 1), (3, 1), (2, 2)):
+        strategy = Strategy(pp=pp, virtual_stages=v, num_microbatches=2 * pp,
+                            schedule="interleaved" if v > 1 else "1f1b", recompute=Recompute.FULL)
+        stages = plan_stages(strategy, chain)
+        assert stages == resolve_stages(chain, strategy)
+        assert all(s.recompute is Recompute.FULL for s in stages)
+    # embedding | 6 blocks | head: two blocks per stage (a split by segment count would give 3, 3, 2 segments)
+    assert [s.num_segments for s in plan_stages(Strategy(pp=3, num_microbatches=3), chain)] == [3, 2, 3]
+    with pytest.raises(UserError, match=f"{len(chain)} segments into {len(chain) + 1}"):
+        plan_stages(Strategy(pp=len(chain) + 1), chain)
 
 
 def test_stage_ranges_must_tile_the_chain():
@@ -282,12 +291,12 @@ def test_stage_output_must_be_a_tensor():
 
 def test_first_matching_pattern_wins_and_unknown_patterns_are_refused():
     model = tiny_gpt()
-    styles = resolve_styles(model, (ModuleSharding("blocks.0.attn.q_proj", ShardStyle.REPLICATE),
-                                    ModuleSharding("blocks.*.attn.q_proj", ShardStyle.COLWISE)))
-    assert styles["blocks.0.attn.q_proj"] is ShardStyle.REPLICATE
-    assert styles["blocks.3.attn.q_proj"] is ShardStyle.COLWISE
+    styles = resolve_styles(model, (ModuleSharding("blocks.0.attn.q_proj", Style.REPLICATE),
+                                    ModuleSharding("blocks.*.attn.q_proj", Style.COLWISE)))
+    assert styles["blocks.0.attn.q_proj"] is Style.REPLICATE
+    assert styles["blocks.3.attn.q_proj"] is Style.COLWISE
     with pytest.raises(UserError, match=r"'blocks\.\*\.mlp\.gate_proj'.*modules: tok_embed"):
-        resolve_styles(model, (ModuleSharding("blocks.*.mlp.gate_proj", ShardStyle.COLWISE),))
+        resolve_styles(model, (ModuleSharding("blocks.*.mlp.gate_proj", Style.COLWISE),))
 
 
 def test_layouts_follow_colwise_rowwise_pairs():
@@ -302,7 +311,7 @@ def test_layouts_follow_colwise_rowwise_pairs():
     assert plain["blocks.0.attn.o_proj"].output_layouts == (Replicate(),)
     assert "blocks.0.attn_norm" not in plain
     sp_styles = sequence_parallel_styles(model, styles)
-    assert sp_styles["blocks.2.mlp_norm"] is ShardStyle.SEQUENCE and "norm" not in sp_styles
+    assert sp_styles["blocks.2.mlp_norm"] is Style.SEQUENCE and "norm" not in sp_styles
     sp = parallel_styles(model, sp_styles, sequence_parallel=True)
     assert sp["blocks.0.attn.o_proj"].output_layouts == (Shard(1),)        # reduce-scatter over the sequence
     assert isinstance(sp["blocks.0.attn_norm"], SequenceParallel)
@@ -315,7 +324,7 @@ def test_sub_layers_without_a_colwise_rowwise_pair_run_replicated_under_sequence
 
     model = tiny_gpt()
     # the up projection alone is colwise: it gathers its output, so the MLP must read and return full sequences
-    sharding = worker.TP_ATTENTION + (("blocks.*.mlp.up_proj", ShardStyle.COLWISE),)
+    sharding = worker.TP_ATTENTION + (("blocks.*.mlp.up_proj", Style.COLWISE),)
     styles = sequence_parallel_styles(model, resolve_styles(model, tuple(ModuleSharding(p, s) for p, s in sharding)))
     assert replicated_islands(model, styles) == [f"blocks.{i}.mlp" for i in range(len(model.blocks))]
     sp = parallel_styles(model, styles, sequence_parallel=True)
@@ -342,7 +351,7 @@ def test_style_on_the_wrong_module_type_is_refused():
     from planner.runtime.apply_tp import apply_tensor_parallel
 
     with pytest.raises(UserError, match="blocks.0.attn_norm .LayerNorm. cannot be colwise-sharded"):
-        apply_tensor_parallel(tiny_gpt(), (ModuleSharding("blocks.0.attn_norm", ShardStyle.COLWISE),), None,
+        apply_tensor_parallel(tiny_gpt(), (ModuleSharding("blocks.0.attn_norm", Style.COLWISE),), None,
                               sequence_parallel=False)
 
 
@@ -617,7 +626,7 @@ def test_run_refuses_a_wrong_process_count(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     plan.write_text(_plan_for(tiny_gpt(), dict(dp=2, tp=2)).to_json())
     code, _, err = _main(capsys, "run", "gpt", "--plan", str(plan), "--nproc", "2")
-    assert code == 2 and err.count("\n") == 1 and "--nproc 2 but the plan needs 4 processes (dp=2 x tp=2" in err
+    assert code == 2 and err.count("\n") == 1 and "--nproc 2 but the plan needs 4 processes (dp=2 tp=2" in err
     code, _, err = _main(capsys, "run", "gpt", "--plan", str(plan))
     assert code == 2 and "pass --nproc 4 or launch under torchrun" in err
     code, _, err = _main(capsys, "run", "gpt", "--plan", str(tmp_path / "missing.json"))

@@ -82,22 +82,6 @@ def add_profile_argument(parser: argparse.ArgumentParser) -> None:
                              "and its collective fits calibrate the links inside a node")
 
 
-def load_profile(path: str | None, cluster: Cluster) -> tuple[Any, Cluster]:
-    """(`OpProfile` or None, `cluster` with its node links calibrated by the profile's collective fits)."""
-    if path is None:
-        return None, cluster
-    from costmodel.collective_fit import calibrated_cluster
-    from costmodel.profile_db import OpProfile
-
-    try:
-        profile = OpProfile.load(path)
-    except ValueError as e:
-        raise UserError(f"--profile {path}: {_one_line(e)}") from None
-    except OSError as e:
-        raise UserError(f"--profile {path}: cannot read it: {e.strerror or e}") from None
-    return profile, calibrated_cluster(cluster, profile.collectives)
-
-
 def parse_cluster(spec: str) -> Cluster:
     """`Cluster.parse` with its ValueError / missing-file errors turned into one-line user errors."""
     try:

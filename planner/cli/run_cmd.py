@@ -29,6 +29,7 @@ from typing import Any
 
 from planner.cli.common import add_model_arguments, positive_float, positive_int
 from planner.errors import PlanLoadError, UserError
+from planner.plan import Plan
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")
@@ -78,15 +79,14 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.cli.explain_cmd import load_plan
 
-    plan = load_plan(args.plan)
+    plan = Plan.load(args.plan)
     world = plan.strategy.num_devices
     if args.nproc is not None and args.nproc != world:
-        from planner.runtime.device_mesh import describe_degrees
+        from planner.strategy_label import Detail, strategy_label
 
         raise UserError(f"--nproc {args.nproc} but the plan needs {world} processes "
-                        f"({describe_degrees(plan.strategy)})")
+                        f"({strategy_label(plan.strategy, Detail.DEGREES)})")
     if _under_torchrun():
         return _run_rank(args, plan)
     if args.nproc is not None and args.nproc > 1:
