@@ -105,6 +105,9 @@ class Estimate:
     fits: bool
     problems: tuple[str, ...] = ()
     """Why the strategy is invalid or does not fit, one sentence each; empty when it is fine."""
+    error_band: float = 0.0
+    """Relative error of `step_time_s` expected from the validation of its device types against published runs
+    (`costmodel.validation.error_band`): predictions closer than this are ties."""
 
     @property
     def peak_memory_bytes(self) -> tuple[int, ...]:
@@ -117,7 +120,7 @@ class Estimate:
             "hardware_tflops_per_device": self.hardware_tflops_per_device, "mfu": self.mfu, "hfu": self.hfu,
             "peak_memory_bytes": list(self.peak_memory_bytes),
             "stages": [s.to_dict() for s in self.stages], "breakdown": self.breakdown.to_dict(),
-            "fits": self.fits, "problems": list(self.problems),
+            "fits": self.fits, "problems": list(self.problems), "error_band": self.error_band,
         }
 
     @classmethod
@@ -127,4 +130,4 @@ class Estimate:
                    hardware_tflops_per_device=d["hardware_tflops_per_device"], mfu=d["mfu"], hfu=d["hfu"],
                    stages=tuple(StageEstimate.from_dict(s) for s in d["stages"]),
                    breakdown=TimeBreakdown.from_dict(d["breakdown"]), fits=d["fits"],
-                   problems=tuple(d["problems"]))
+                   problems=tuple(d["problems"]), error_band=d.get("error_band", 0.0))

@@ -77,10 +77,14 @@ def _device_from_row(row: dict[str, str]) -> DeviceSpec:
             "intra_node_bandwidth": row["source_intra_node"],
             "inter_node_bandwidth": row["source_inter_node"],
             "training_efficiency": row["source_training_efficiency"],
+            "prediction_error": row["source_prediction_error"],
+            "best_published_mfu": row["source_best_published_mfu"],
         },
         intra_node_link=row["intra_node_link"],
         inter_node_link=row["inter_node_link"],
         training_efficiency=float(row["training_efficiency"] or 1.0),
+        prediction_error=_optional_float(row["prediction_error"]),
+        best_published_mfu=_optional_float(row["best_published_mfu"]),
     )
 
 

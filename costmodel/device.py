@@ -38,12 +38,22 @@ class DeviceSpec:
     class to published runs, leave-one-out (`bench/published_runs.py --fit`; the catalog's source column has the
     value, the data and the error); 1 where the times are measured (`cpu`, a profile)."""
 
+    prediction_error: float | None = None
+    """Mean relative step-time error of the model on published runs of this device type (leave-one-out), or
+    None where none were checked (`costmodel.validation`)."""
+    best_published_mfu: float | None = None
+    """The highest MFU a published training run reached on this device type: no prediction should exceed it."""
+
     def __post_init__(self) -> None:
         if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
             raise ValueError(f"device {self.name}: peak_flops must be positive")
         for f in ("matmul_efficiency", "memory_efficiency", "training_efficiency"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"device {self.name}: {f} must be in (0, 1]")
+        for f in ("prediction_error", "best_published_mfu"):
+            v = getattr(self, f)
+            if v is not None and not 0 < v < 1:
+                raise ValueError(f"device {self.name}: {f} must be in (0, 1) or unset, got {v!r}")
         for f in ("memory_bytes", "memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"device {self.name}: {f} must be positive")
@@ -64,7 +74,8 @@ class DeviceSpec:
             "intra_node_bandwidth": self.intra_node_bandwidth, "inter_node_bandwidth": self.inter_node_bandwidth,
             "sources": dict(sorted(self.sources.items())),
             "intra_node_link": self.intra_node_link, "inter_node_link": self.inter_node_link,
-            "training_efficiency": self.training_efficiency,
+            "training_efficiency": self.training_efficiency, "prediction_error": self.prediction_error,
+            "best_published_mfu": self.best_published_mfu,
         }
 
     @classmethod

@@ -54,6 +54,7 @@ from costmodel.step_time import (
     tp_grad_sync_time,
 )
 from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
+from costmodel.validation import error_band
 from ir import build_layer_chain
 from ir.graph import Graph, dtype_bytes
 from ir.layer_chain import LayerChain
@@ -470,4 +471,5 @@ def _with_throughput(chain: LayerChain, strategy: Strategy, stages: Sequence[Sta
         breakdown=breakdown,
         fits=not problems,
         problems=problems,
+        error_band=error_band(r.device for r in ranks),
     )

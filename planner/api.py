@@ -34,6 +34,7 @@ from planner.search.device_groups import mixed_type_problem, with_device_groups
 from planner.search.layer_costs import LayerCostTable
 from planner.search.meshes import MeshCandidate
 from planner.search.pricing import layer_cost_map, sharding_of
+from planner.search.ranking import TIE_POOL, prefer_simplest
 from planner.search.space import Objective, SearchSpace
 from planner.search.stage_problem import StageProblemBuilder
 from planner.tracing import trace_one_sample
@@ -97,14 +98,15 @@ def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any
     name = model_name or getattr(model_or_chain, "model_name", None) or type(model_or_chain).__name__
     chain = as_chain(model_or_chain, inputs_or_spec, model_name=name, dtype=dtype)
     cluster = as_cluster(cluster, profile)
-    options = SearchOptions(objective=Objective(objective), top_k=top_k, time_limit_s=time_limit_s,
+    options = SearchOptions(objective=Objective(objective), top_k=max(top_k, TIE_POOL), time_limit_s=time_limit_s,
                             progress=progress)
     result = search(chain, cluster, global_batch=global_batch, space=space, options=options, dtype=dtype,
                     profile=profile)
     info = _model_info(chain, model_name or chain.graph.model_name, settings)
+    # Strategies tied within the validated error band: the simplest leads (planner.search.ranking).
     return tuple(_plan_of(chain, cluster, info, global_batch, dtype, r.strategy, r.sharding, r.estimate,
                           _search_info(result, r.estimate.step_time_s))
-                 for r in result.ranked)
+                 for r in prefer_simplest(result.ranked)[:top_k])
 
 
 def estimate(chain: LayerChain, cluster: Cluster | str, strategy: Strategy, *, global_batch: int | None = None,

@@ -59,7 +59,7 @@ UPDATE_FLOOR = 1e-6
 CONFIGS_2 = ("dp2", "dp2_zero1", "fsdp2", "tp2", "tp2_sp", "tp2_sp_llama", "tp2_moe", "tp2_sp_moe",
              "pp2_gpipe", "pp2_1f1b", "pp2_1f1b_one_microbatch", "pp2_interleaved", "pp2_interleaved_m3",
              "pp2_interleaved_m1", "pp2_llama_uneven", "user_pp2", "user_dp2_recompute", "recompute_full_dp2",
-             "recompute_selective_tp2", "tp2_sp_selective_island", "tp2_sp_unpaired_colwise", "recompute_pp2",
+             "recompute_selective_tp2", "recompute_op_fsdp2", "tp2_sp_selective_island", "tp2_sp_unpaired_colwise", "recompute_pp2",
              "cp2", "cp2_llama_recompute", "ep2", "ep2_fsdp")
 CONFIGS_4 = ("dp4_fsdp", "tp2_dp2", "tp2_sp_fsdp2", "pp2_dp2", "pp2_fsdp2", "pp2_tp2", "pp2_tp2_sp_recompute",
              "pp4_1f1b", "pp2_interleaved_dp2", "user_pp2_fsdp2", "cp2_dp2", "cp2_fsdp2_selective", "cp2_tp2_sp",
@@ -399,6 +399,23 @@ def test_full_recompute_reruns_every_layer_forward():
     # 1 GELU, 1 fused attention
     assert extra["addmm"] == 10 and extra["native_layer_norm"] == 4 and extra["gelu"] == 2
     assert extra["_scaled_dot_product_flash_attention_for_cpu"] == 2
+
+
+def test_op_recompute_keeps_every_other_matmul_and_the_attention():
+    """Per-op checkpointing (torchtitan's "op"): per block q(1st), v(3rd) and up(5th) projections and the fused
+    attention are kept; k (2nd) and o (4th) are rerun with the norms and the GELU; down (6th) is not needed by
+    the backward, so torch does not rerun it. `costmodel.layer_pricing.op_policy_kept` prices the same set."""
+    extra = _recomputed(Recompute.OP, "sdpa")
+    assert extra["addmm"] == 2 * 2 and extra["native_layer_norm"] == 2 * 2 and extra["gelu"] == 2
+    assert extra["_scaled_dot_product_flash_attention_for_cpu"] == 0
+    import ir
+    from costmodel.layer_pricing import op_policy_kept
+
+    chain = ir.build_layer_chain(ir.trace(tiny_gpt(layers=2), (torch.randint(0, 64, (2, 8)),)))
+    block = next(s for s in chain.segments if any(n.attr("attention_core", False) for n in chain.nodes_of(s)))
+    kept = sorted(n.module_path.rsplit(".", 1)[-1] or n.name for n in chain.nodes_of(block)
+                  if n.name in op_policy_kept(chain.nodes_of(block)))
+    assert len(kept) == 4 and "q_proj" in kept and "v_proj" in kept
 
 
 @pytest.mark.parametrize("attn_impl", ["sdpa", "math"])

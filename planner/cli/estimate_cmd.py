@@ -4,13 +4,18 @@ Prints the same report as `stratagem plan` for the strategy the flags describe (
 prints its Plan JSON and `-o FILE` writes it. A strategy that cannot run (degrees that do not fit the cluster, a
 batch that does not divide, tp that does not divide the heads) is an error that says why (exit 2); one that runs
 out of memory is still priced and reported as not fitting, with the memory each stage needs.
+
+Three flags price the strategy as another trainer runs it (`costmodel.strategy.RuntimeOptions`): `--no-dp-overlap`
+(data-parallel communication after the backward, as Megatron-LM before its overlap flags or DeepSpeed's pipeline
+engine), `--keep-gathered` (ZeRO-3 keeps gathered weights from forward to backward: FSDP2
+`reshard_after_forward=False`) and `--tp-overlap` (Megatron-Core / Transformer Engine `--tp-comm-overlap`).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from costmodel.strategy import Recompute, Schedule, Strategy
+from costmodel.strategy import Recompute, RuntimeOptions, Schedule, Strategy
 from planner.api import estimate_plan, load_profile
 from planner.cli.common import (
     add_cluster_argument,
@@ -65,6 +70,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="activation recomputation of every stage (default none)")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (default 0)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs tp > 1)")
+    p.add_argument("--no-dp-overlap", action="store_true",
+                   help="data-parallel communication does not overlap compute (another trainer's behaviour)")
+    p.add_argument("--keep-gathered", action="store_true",
+                   help="ZeRO-3 keeps gathered weights from forward to backward (no reshard after forward)")
+    p.add_argument("--tp-overlap", action="store_true",
+                   help="tensor-parallel collectives overlap the GEMMs (Megatron-Core --tp-comm-overlap)")
     add_output_arguments(p)
     p.set_defaults(func=run)
 
@@ -81,7 +92,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         strategy = Strategy(dp=args.dp, tp=args.tp, pp=args.pp, microbatch_size=args.mbs,
                             num_microbatches=args.batch // per_step, schedule=schedule, virtual_stages=v,
-                            zero_stage=args.zero, sequence_parallel=args.sp, recompute=Recompute(args.recompute))
+                            zero_stage=args.zero, sequence_parallel=args.sp, recompute=Recompute(args.recompute),
+                            runtime=RuntimeOptions(dp_overlap=not args.no_dp_overlap,
+                                                   reshard_after_forward=not args.keep_gathered,
+                                                   tp_overlap=args.tp_overlap))
     except ValueError as e:
         raise UserError(f"invalid strategy: {e}") from None
     built = build_model(args.model, args.sets, seq=args.seq)

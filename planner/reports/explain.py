@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from costmodel.breakdown import StageEstimate
+from costmodel.validation import within_band
 from planner.plan import Plan
 from planner.reports.timeline import StepTimeline, segment_range
 from planner.strategy_label import strategy_label
@@ -82,17 +83,20 @@ class LostAlternative:
     delta_pct: float | None
     """Step time relative to the chosen plan, in percent."""
     reason: str
+    tie: bool = False
+    """Within the plan's validated error band: the model cannot rank it against the plan."""
 
     def describe(self) -> str:
         if self.step_time_s is None:
             return f"{self.summary}: {self.reason or 'infeasible'}"
-        text = f"{self.summary}: {self.delta_pct:+.1f}% step time ({_seconds(self.step_time_s)})"
+        tie = "tie, " if self.tie else ""
+        text = f"{self.summary}: {tie}{self.delta_pct:+.1f}% step time ({_seconds(self.step_time_s)})"
         # The search's reason often leads with the same margin ("+5.1% step time: ..."); say it once.
         reason = _LEADING_MARGIN.sub("", self.reason)
         return text + (f": {reason}" if reason else "")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"summary": self.summary, "step_time_s": self.step_time_s, "delta_pct": self.delta_pct,
+        return {"summary": self.summary, "step_time_s": self.step_time_s, "delta_pct": self.delta_pct, "tie": self.tie,
                 "reason": self.reason}
 
 
@@ -134,7 +138,8 @@ def explain_plan(plan: Plan, *, timeline: StepTimeline | None = None) -> Explana
     rows = tuple(_stage_row(s) for s in predicted.stages)
     bottleneck = _bottleneck(predicted.stages)
     tightest = max(range(len(rows)), key=lambda i: (rows[i].utilization, -i)) if rows else 0
-    lost = sorted((_lost(a.summary, a.step_time_s, a.reason, step) for a in plan.search.alternatives),
+    lost = sorted((_lost(a.summary, a.step_time_s, a.reason, step, predicted.error_band)
+                   for a in plan.search.alternatives),
                   key=lambda a: (a.step_time_s is None, a.step_time_s or 0.0))
     model = plan.model
     cluster_name = plan.cluster.get("name", "the cluster")
@@ -179,9 +184,11 @@ def _bottleneck_text(stages: Sequence[StageEstimate], i: int, plan: Plan) -> str
             "run at its pace")
 
 
-def _lost(summary: str, step_time_s: float | None, reason: str, best_s: float) -> LostAlternative:
+def _lost(summary: str, step_time_s: float | None, reason: str, best_s: float, band: float) -> LostAlternative:
     delta = (step_time_s / best_s - 1) * 100 if step_time_s is not None and best_s > 0 else None
-    return LostAlternative(summary, step_time_s, delta, reason)
+    tie = (step_time_s is not None and band > 0
+           and within_band(max(step_time_s, best_s), min(step_time_s, best_s), band))
+    return LostAlternative(summary, step_time_s, delta, reason, tie)
 
 
 def _notes(plan: Plan, rows: Sequence[StageRow], timeline: StepTimeline | None) -> list[str]:

@@ -5,10 +5,12 @@ runner-ups."""
 
 from __future__ import annotations
 
+from costmodel.breakdown import Estimate
 from costmodel.cluster import Cluster
 from costmodel.estimate import axis_strides
 from costmodel.memory import GIB
-from costmodel.strategy import MeshAxis, Schedule
+from costmodel.strategy import MeshAxis, Schedule, Strategy
+from costmodel.validation import within_band
 from planner.plan import Plan
 
 
@@ -65,14 +67,15 @@ def render_plan(plan: Plan, cluster: Cluster) -> str:
         mesh_line(plan, cluster),
         f"schedule: {sched}, {s.num_microbatches} micro-batch{'es' if s.num_microbatches > 1 else ''} of "
         f"{s.microbatch_size}, ZeRO-{s.zero_stage}, "
-        f"sequence parallel {'on' if s.sequence_parallel else 'off'}",
+        f"sequence parallel {'on' if s.sequence_parallel else 'off'}, recompute {s.recompute.value}",
+        runtime_line(s),
         "stages:",
         *stage_table(plan),
     ]
     throughput = (f"{est.tokens_per_s:,.0f} tokens/s" if est.tokens_per_s is not None
                   else f"{est.samples_per_s:,.1f} samples/s")
     lines += [
-        f"step time: {est.step_time_s:.4g} s   throughput: {throughput}   "
+        f"step time: {est.step_time_s:.4g} s {band_text(est)}   throughput: {throughput}   "
         f"{est.model_tflops_per_device:.1f} TFLOP/s per device   MFU {100 * est.mfu:.1f}%",
         "breakdown: " + ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.3g} s "
                                   f"({100 * v / est.step_time_s:.0f}%)"
@@ -91,5 +94,29 @@ def render_plan(plan: Plan, cluster: Cluster) -> str:
                      f"optimality gap {100 * info.optimality_gap:.1f}% (lower bound {info.lower_bound_s:.4g} s)")
     if info.alternatives:
         lines.append("runner-ups:")
-        lines += [f"  {a.summary}: {a.reason}" for a in info.alternatives]
+        lines += [f"  {a.summary}: {tie_text(a.step_time_s, est)}{a.reason}" for a in info.alternatives]
     return "\n".join(lines)
+
+
+def runtime_line(s: Strategy) -> str:
+    """How the trainer runs it (`RuntimeOptions`): the behaviours that frameworks differ on and that are priced."""
+    r = s.runtime
+    parts = [f"data-parallel overlap {'on' if r.dp_overlap else 'off'}"]
+    if s.zero_stage == 3:
+        parts.append("reshard after forward" if r.reshard_after_forward else "weights kept gathered to backward")
+    if s.tp > 1:
+        parts.append(f"tensor-parallel overlap {'on' if r.tp_overlap else 'off'}")
+    return "runtime: " + ", ".join(parts)
+
+
+def band_text(est: Estimate) -> str:
+    """"± 12%": the validated error band of the prediction (`costmodel.validation`)."""
+    return f"± {100 * est.error_band:.0f}%" if est.error_band > 0 else ""
+
+
+def tie_text(step_time_s: float | None, est: Estimate) -> str:
+    """"tie (within ± 12%): " for an alternative the validation cannot tell from the plan, else ""."""
+    if step_time_s is None or est.error_band <= 0:
+        return ""
+    low, high = sorted((step_time_s, est.step_time_s))
+    return f"tie (within ± {100 * est.error_band:.0f}%): " if within_band(high, low, est.error_band) else ""

@@ -2,7 +2,8 @@
 
 ZeRO stages (Rajbhandari et al. SC'20) map onto FSDP2 as follows:
 - ZeRO-3: `fully_shard(reshard_after_forward=True)` per layer and on the root: parameters, gradients and
-  optimizer state sharded; parameters all-gathered again in backward.
+  optimizer state sharded; parameters all-gathered again in backward -- unless the plan's
+  `RuntimeOptions.reshard_after_forward` is off: then they stay gathered from forward to backward.
 - ZeRO-1 / ZeRO-2: `fully_shard(reshard_after_forward=False)`: parameters stay gathered from forward to
   backward (no second all-gather, as in ZeRO-1/2) while gradients and optimizer state are sharded. FSDP2 has no
   mode that shards optimizer state but keeps full gradients, so ZeRO-1 runs as ZeRO-2 (same memory or less,
@@ -25,7 +26,8 @@ from torch import nn
 
 
 def apply_data_parallel(part: nn.Module, layers: Sequence[nn.Module], dp_mesh: Any, *, zero_stage: int,
-                        experts: Sequence[nn.Module] = (), experts_mesh: Any = None) -> nn.Module:
+                        experts: Sequence[nn.Module] = (), experts_mesh: Any = None,
+                        reshard_after_forward: bool = True) -> nn.Module:
     """Wrap one model part (the whole model or one pipeline stage) for data parallelism over `dp_mesh`; the
     `experts` modules inside it over `experts_mesh`."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -40,7 +42,7 @@ def apply_data_parallel(part: nn.Module, layers: Sequence[nn.Module], dp_mesh: A
             replicate(module, mesh=experts_mesh)
         replicate(part, mesh=dp_mesh)
         return part
-    reshard = zero_stage == 3
+    reshard = zero_stage == 3 and reshard_after_forward
     for module in experts:
         fully_shard(module, mesh=experts_mesh, reshard_after_forward=reshard)
     for layer in layers:  # one all-gather unit per layer, so only one layer's parameters are unsharded at a time

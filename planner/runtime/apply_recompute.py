@@ -14,6 +14,10 @@ the pipeline split see the original module tree.
   (a rowwise o_proj's reduce-scatter) are always saved. When a layer computes attention inline (no such module), the fallback
   checkpoints the whole layer and recomputes only the attention-core ops by name (softmax, masking, dropout,
   batched matmuls, fused attention kernels) and free view ops. A layer without attention recomputes nothing.
+- OP (per-op selective checkpointing, as torchtitan's "op" option): the whole layer is checkpointed with a policy
+  that keeps the output of every other 2-D GEMM (the 1st, 3rd, ... `mm`/`addmm` of the layer's forward, counted
+  again in the recomputation), every fused attention kernel and every functional collective, and recomputes
+  the rest: what `costmodel.layer_pricing.op_policy_kept` prices.
 """
 
 from __future__ import annotations
@@ -70,6 +74,31 @@ def _attention_module_policy(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) ->
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class EveryOtherMatmulPolicy:
+    """The OP policy of one checkpointed call of a layer (module docstring): a fresh one per call, since the
+    matmul count restarts with every forward and again in its recomputation."""
+
+    def __init__(self) -> None:
+        self.matmuls = {False: 0, True: 0}
+
+    def __call__(self, ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> Any:
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        name = _op_name(op)
+        if name in ("mm", "addmm"):
+            self.matmuls[ctx.is_recompute] += 1
+            keep = self.matmuls[ctx.is_recompute] % 2 == 1
+        else:
+            keep = name.startswith(ATTENTION_CORE_PREFIX) or is_collective_op(op)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_policy_context() -> Any:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(EveryOtherMatmulPolicy())
+
+
 def _inline_attention_policy(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -119,6 +148,9 @@ def apply_recompute(layers: Sequence[nn.Module], mode: Recompute) -> int:
     for layer in layers:
         if mode is Recompute.FULL:
             checkpoint(layer)
+            continue
+        if mode is Recompute.OP:
+            checkpoint(layer, context_fn=_op_policy_context)
             continue
         attention = attention_modules(layer)
         for module in attention:

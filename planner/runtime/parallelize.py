@@ -300,6 +300,9 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: Any = None,
 
     strategy = plan.strategy
     layout = mesh_layout(strategy)
+    unsupported = runtime_unsupported(strategy)
+    if unsupported:
+        raise UserError(unsupported)
     if not dist.is_initialized():
         raise UserError("torch.distributed is not initialized; run under torchrun (or `stratagem run --nproc K`)")
     device = next(model.parameters()).device
@@ -364,7 +367,21 @@ def _data_parallel(part: nn.Module, layers: Sequence[tuple[str, nn.Module]], sha
     inside = {id(m) for m in part.modules()}
     experts = [m for m in sharded.experts if id(m) in inside]
     apply_data_parallel(part, [m for _, m in layers], sharded.meshes.replicas, zero_stage=strategy.zero_stage,
-                        experts=experts, experts_mesh=sharded.meshes.expert_replicas)
+                        experts=experts, experts_mesh=sharded.meshes.expert_replicas,
+                        reshard_after_forward=strategy.runtime.reshard_after_forward)
+
+
+def runtime_unsupported(strategy: Strategy) -> str:
+    """Why this runtime cannot run the plan's runtime options as priced ('' when it can): they describe how
+    another trainer runs the strategy (`stratagem estimate --tp-overlap / --no-dp-overlap`)."""
+    r = strategy.runtime
+    if r.tp_overlap and strategy.tp > 1:
+        return ("the plan prices tensor-parallel communication overlapped with GEMMs (tp_overlap), which this "
+                "runtime does not run; plan with tp_overlap=false, or export the plan to a trainer that has it")
+    if not r.dp_overlap and strategy.dp * strategy.cp > 1:
+        return ("the plan prices data-parallel communication without overlap (dp_overlap=false, another trainer's "
+                "behaviour); this runtime always overlaps it: plan with dp_overlap=true")
+    return ""
 
 
 def _pipeline(model: nn.Module, plan: Plan, mesh: Any, layout: MeshLayout, chain: LayerChain,

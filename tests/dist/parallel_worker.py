@@ -142,6 +142,8 @@ CONFIGS: dict[str, Config] = {
     "user_dp2_recompute": Config("user", dict(dp=2, microbatch_size=2, num_microbatches=2, recompute="full")),
     "pp2_llama_uneven": Config("llama", dict(pp=2, microbatch_size=2, num_microbatches=4), first_blocks=(1,)),
     "recompute_full_dp2": Config("gpt", dict(dp=2, microbatch_size=4, num_microbatches=1, recompute="full")),
+    "recompute_op_fsdp2": Config("gpt", dict(dp=2, zero_stage=3, microbatch_size=2, num_microbatches=2,
+                                             recompute="op")),
     "recompute_selective_tp2": Config("gpt", dict(tp=2, microbatch_size=4, num_microbatches=2,
                                                   recompute="selective"), TP_FULL,
                                       settings=dict(attn_impl="sdpa")),
