@@ -22,6 +22,10 @@ class AttnImpl(enum.StrEnum):
 
     SDPA = "sdpa"  # F.scaled_dot_product_attention: fused, never materializes the seq x seq scores
     MATH = "math"  # explicit ops as in Korthikanti et al. 2022 Fig. 4 (what selective recomputation recomputes)
+    FUSED_SOFTMAX = "fused_softmax"
+    """Explicit attention with Megatron-LM's kernels (`FusedScaleMaskSoftmax`): the scale folded into q, the mask
+    and a softmax that keeps fp32 in registers only -- two passes over the seq x seq scores where `math` makes
+    five (scale, mask, fp32 cast, softmax, cast back), then dropout; what 2021-22 Megatron-LM runs priced as."""
 
 
 def attention_core(
@@ -47,14 +51,20 @@ def attention_core(
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias, dropout_p=dropout, is_causal=causal, scale=scale
         )
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, nh, T, S)
+    if impl == AttnImpl.FUSED_SOFTMAX:
+        scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (B, nh, T, S)
+    else:
+        scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, nh, T, S)
     if bias is not None:
         scores = scores + bias
     if causal:
         # built from the scores (not from sizes) so that torch.fx traces it as an ordinary op
         mask = torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1)  # (T, S), True above the diagonal
         scores = scores.masked_fill(mask, float("-inf"))
-    probs = F.softmax(scores.float(), dim=-1).to(q.dtype)  # fp32 softmax, as Megatron-LM does for fp16/bf16
+    if impl == AttnImpl.FUSED_SOFTMAX:
+        probs = F.softmax(scores, dim=-1)  # the fused kernel's fp32 lives in registers: one pass in the dtype
+    else:
+        probs = F.softmax(scores.float(), dim=-1).to(q.dtype)  # fp32 softmax, materialized
     probs = F.dropout(probs, p=dropout, training=dropout > 0.0)
     return torch.matmul(probs, v)  # (B, nh, T, hd)
 

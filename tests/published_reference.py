@@ -135,8 +135,8 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
     if "Megatron-DeepSpeed" in framework:
         # Megatron-DeepSpeed of 2021-22 (BLOOM, MT-NLG) predates what Korthikanti et al. (May 2022) and
         # FlashAttention (Dao et al., May 2022) introduced; its attention was the fused-softmax math kernel.
-        sets.append("attn_impl=math")
-        inferred.append("math attention (no FlashAttention in Megatron-DeepSpeed of the time)")
+        sets.append("attn_impl=fused_softmax")
+        inferred.append("explicit attention with Megatron's fused softmax (no FlashAttention in Megatron-DeepSpeed of the time)")
         if recompute is None:
             recompute = Recompute.FULL
             inferred.append("full recompute (selective recompute came with Korthikanti et al. 2022)")
@@ -190,12 +190,12 @@ def _korthikanti_rows(r: dict[str, str]) -> list[PublishedRun]:
     tp, pp, dp = int(r["tensor_parallel"]), int(r["pipeline_parallel"]), int(r["data_parallel"])
     v = _int(r["interleave_stages"]) or 1
     sets = (f"layers={layers}", f"hidden={hidden}", f"heads={heads}", f"vocab={int(r['vocab'])}",
-            "attn_impl=math", "dropout=0.1")
+            "attn_impl=fused_softmax", "dropout=0.1")
     common = dict(family="gpt", sets=sets, seq=int(r["seq_len"]), device="a100-80gb",
                   num_gpus=int(r["num_gpus"]), gpus_per_node=min(8, int(r["num_gpus"])), tp=tp, pp=pp, cp=1, dp=dp,
                   global_batch=int(r["global_batch_size"]), microbatch_size=int(r["micro_batch_size"]),
                   virtual_stages=v, zero_stage=0, measured_memory_gib=None, counts="iteration time",
-                  framework="Megatron-LM 2022, math attention with dropout",
+                  framework="Megatron-LM 2022, explicit attention (fused scale-mask-softmax) with dropout",
                   # Sec. 6.3: "no DP grad all-reduce overlap" in these runs.
                   runtime=RuntimeOptions(dp_overlap=False))
     out = []

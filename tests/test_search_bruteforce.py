@@ -108,7 +108,7 @@ from pathlib import Path  # noqa: E402
 import ir  # noqa: E402
 from costmodel.cluster import Cluster  # noqa: E402
 from costmodel.estimate import estimate, even_stages  # noqa: E402
-from costmodel.strategy import StageSpec, Strategy  # noqa: E402
+from costmodel.strategy import RuntimeOptions, StageSpec, Strategy  # noqa: E402
 from models.registry import build_model  # noqa: E402
 from planner.errors import InfeasibleError, UserError  # noqa: E402
 from planner.search.branch_and_bound import SearchOptions, search  # noqa: E402
@@ -241,6 +241,8 @@ def _instances(tmp: Path) -> list[tuple[str, ir.LayerChain, Cluster, int, Search
         ("gpt mixed a100+v100", gpt, mixed(tmp), 8, space),
         ("llama straggler h100", llama, straggler(tmp), 4, space),
         ("gpt 4 cpu ranks on 2 host cores", gpt, shared_cores(tmp), 4, space),
+        ("gpt 2x2 h100, tp overlap, no dp overlap", gpt, Cluster.parse("2x2xh100"), 4,
+         space.with_changes(runtime=RuntimeOptions(tp_overlap=True, dp_overlap=False, reshard_after_forward=False))),
     ]
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from costmodel.layer_cost import LayerCost
 from costmodel.strategy import Schedule, StageSpec
 from planner.search.candidates import Candidate
-from planner.search.stage_problem import segment_work
+from planner.search.stage_problem import segment_work, tp_overlap_chunks
 
 
 def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: float) -> float:
@@ -65,7 +65,7 @@ def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost]
     data-parallel communication are >= 0). The pipeline's bottleneck rank carries at least the min-max
     contiguous split of ``w`` over p stages; for interleaved, whose chunks are fixed, exactly its chunks' ``w``
     plus their sends (`p2p`, one per chunk boundary). So ``T >= W / v + (m - 1/v) U + optimizer_s``."""
-    w = np.min([segment_work(segs, speed) for segs, speed in costs], axis=0)
+    w = np.min([segment_work(segs, speed, tp_overlap_chunks(cand)) for segs, speed in costs], axis=0)
     prefix = np.concatenate([[0.0], np.cumsum(w)])
     m, p = cand.num_microbatches, cand.mesh.pp
     total = float(prefix[-1])

@@ -55,7 +55,7 @@ from costmodel.framework import FrameworkCosts
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment, rank_memory
 from costmodel.pipeline import in_flight_per_chunk
-from costmodel.step_time import DataParallelComm, data_parallel_comm
+from costmodel.step_time import DataParallelComm, data_parallel_comm, tp_exposed
 from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
 from ir.layer_chain import LayerChain
 from planner.search.candidates import Candidate
@@ -363,8 +363,9 @@ class StageProblemBuilder:
         shape = (len(options), n + 1, n + 1)
         arrays: dict[str, list[np.ndarray]] = {name: [] for name in ("s", "u", "base", "act", "e", "c", "d")}
         pruned = False
-        total = float(np.min([segment_work(self.segment_costs(cand, pl.device), pl.speed) for pl in placements],
-                             axis=0).sum())
+        chunks = tp_overlap_chunks(cand)
+        total = float(np.min([segment_work(self.segment_costs(cand, pl.device), pl.speed, chunks)
+                              for pl in placements], axis=0).sum())
         for k in reps:
             ctx, kind = contexts[k], stage_kind(k, p)
             costs = self.segment_costs(cand, ctx.device)
@@ -378,7 +379,7 @@ class StageProblemBuilder:
             b_arr = np.full(shape, np.inf)  # a stage left unpriced never fits
             # Lower bounds: this stage's compute + TP communication at its own speed, and the whole chain's at
             # the cheapest rank (another rank may be faster than this one).
-            prefix = np.concatenate([[0.0], np.cumsum(segment_work(costs, ctx.speed))])
+            prefix = np.concatenate([[0.0], np.cumsum(segment_work(costs, ctx.speed, chunks))])
             for comp, a0, b0, aa, bb in self._composition_groups():
                 keep = _stage_shape_mask(kind, aa, bb, n, p)
                 if math.isfinite(upper_bound):
@@ -467,9 +468,17 @@ class StageProblemBuilder:
         return StageProblem(cand, problem, placements, chunks)
 
 
-def segment_work(costs: Sequence[LayerCost], speed: float) -> np.ndarray:
-    """Per segment: (forward + backward compute) / speed + forward + backward TP communication, seconds."""
-    return np.array([(c.fwd_compute_s + c.bwd_compute_s) / speed + c.fwd_comm_s + c.bwd_comm_s for c in costs])
+def segment_work(costs: Sequence[LayerCost], speed: float, tp_overlap_chunks: int = 0) -> np.ndarray:
+    """Per segment: (forward + backward compute) / speed + the forward and backward TP communication left exposed
+    (`step_time.tp_exposed`: all of it unless the runtime overlaps it), seconds."""
+    n = tp_overlap_chunks
+    return np.array([(c.fwd_compute_s + c.bwd_compute_s) / speed + tp_exposed(c.fwd_comm_s, c.fwd_compute_s / speed, n)
+                     + tp_exposed(c.bwd_comm_s, c.bwd_compute_s / speed, n) for c in costs])
+
+
+def tp_overlap_chunks(cand: Candidate) -> int:
+    """Chunks tensor-parallel communication is overlapped in (`RuntimeOptions.tp_overlap`), 0 for none."""
+    return cand.mesh.tp if cand.runtime.tp_overlap else 0
 
 
 def _stage_shape_mask(kind: StageKind, aa: np.ndarray, bb: np.ndarray, n: int, p: int) -> np.ndarray:
