@@ -37,16 +37,57 @@ from tests.published_reference import (  # noqa: E402
 )
 
 
-def free_plan(run: PublishedRun, chains: dict) -> tuple[float, str]:
+def free_plan(run: PublishedRun, chains: dict, pinned: dict[str, float]) -> tuple[float, str]:
+    """The free planner's plan for the run's model, cluster and batch (same runtime options as the source's), and
+    where it differs: its label plus the breakdown term it saves the most time on against the pinned config."""
     from planner.api import plan
+    from planner.search.space import SearchSpace
 
     chain = chains.get((run.name, run.microbatch_size or 1)) or build_chain(run, 1)
-    p = plan(chain, None, cluster_of(run), global_batch=run.global_batch)
+    p = plan(chain, None, cluster_of(run), global_batch=run.global_batch,
+             space=SearchSpace(runtime=run.runtime))
     s = p.strategy
     label = (f"dp{s.dp} tp{s.tp} pp{s.pp} cp{s.cp} mbs{s.microbatch_size}x{s.num_microbatches} "
              f"{s.schedule.value}{':' + str(s.virtual_stages) if s.virtual_stages > 1 else ''} zero{s.zero_stage} "
              f"{s.recompute.value}{' sp' if s.sequence_parallel else ''}")
+    mine = p.predicted.breakdown.to_dict()
+    term, saved = max(((k, pinned.get(k, 0.0) - v) for k, v in mine.items()), key=lambda kv: kv[1])
+    if saved > 0:
+        label += f" (saves {saved:.3g} s of {term.removesuffix('_s').replace('_', ' ')})"
     return p.predicted.step_time_s, label
+
+
+DOC = ROOT / "docs" / "fidelity.md"
+BEGIN, END = "<!-- published-runs:begin -->", "<!-- published-runs:end -->"
+
+
+def markdown_table(result: dict) -> str:
+    """The rows as a markdown table (predicted against published step time and memory, the free planner)."""
+    head = ("| run | GPUs | published s/step | predicted | error | memory GiB pred / published | pinned strategy "
+            "(planner chose: ...) | free plan / expert |\n|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in result["rows"]:
+        mem = (f"{r['predicted_memory_gib']:.1f} / {r['measured_memory_gib']:.1f} ({r['memory_error']:+.0%})"
+               if r["memory_error"] is not None else "-")
+        chose = f" (chose: {r['planner_chose']})" if r["planner_chose"] != "-" else ""
+        free = f"{r['free_over_expert']:.2f}: {r['free_strategy']}" if r["free_over_expert"] else "-"
+        lines.append(f"| {r['run']} | {r['gpus']} | {r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | "
+                     f"{r['error']:+.1%} | {mem} | {r['strategy']}{chose} | {free} |")
+    s = result["summary"]
+    lines.append(f"\nMean |error| {s['mean_abs_error']:.1%}, worst {s['max_abs_error']:.1%} over {s['rows']} rows; "
+                 f"peak memory mean |error| {(s['mean_abs_memory_error'] or 0):.1%}.")
+    return "\n".join(lines)
+
+
+def update_doc(result: dict) -> None:
+    """Replace the generated block of docs/fidelity.md between the published-runs markers."""
+    text = DOC.read_text()
+    block = f"{BEGIN}\n{markdown_table(result)}\n{END}"
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    else:
+        text += "\n" + block + "\n"
+    DOC.write_text(text)
 
 
 def fit(runs: list[PublishedRun]) -> dict:
@@ -93,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         started = time.monotonic()
         pred = predict(run, chains)
-        free_s, free_label = (None, "") if args.no_free else free_plan(run, chains)
+        free_s, free_label = (None, "") if args.no_free else free_plan(run, chains, pred.breakdown)
         err = pred.step_s / run.measured_step_s - 1
         mem_err = (pred.memory_gib / run.measured_memory_gib - 1) if run.measured_memory_gib else None
         rows.append({"run": run.name, "gpus": run.num_gpus, "device": run.device, "counts": run.counts,
@@ -118,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.only:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
+        if not args.no_free:
+            update_doc(result)
     if args.json:
         print(json.dumps(result, indent=1))
     else:

@@ -254,6 +254,8 @@ class Prediction:
     chosen: str
     device_bound_s: float
     """Of `step_s`, the time that scales with the device's speed: compute, recompute, bubbles, optimizer."""
+    breakdown: dict[str, float] = field(default_factory=dict)
+    error_band: float = 0.0
 
 
 def build_chain(run: PublishedRun, microbatch_size: int, dtype: str = "bfloat16"):
@@ -330,7 +332,8 @@ def predict(run: PublishedRun, chains: dict | None = None, training_efficiency: 
     b = est.breakdown
     return Prediction(step_s=est.step_time_s, memory_gib=max(est.peak_memory_bytes) / GIB, mfu=est.mfu,
                       strategy=_describe(best.strategy), chosen=", ".join(run.unstated) or "-",
-                      device_bound_s=b.compute_s + b.recompute_s + b.bubble_s + b.optimizer_s)
+                      device_bound_s=b.compute_s + b.recompute_s + b.bubble_s + b.optimizer_s,
+                      breakdown=b.to_dict(), error_band=est.error_band)
 
 
 FIT_GRID = tuple(round(0.5 + 0.005 * i, 3) for i in range(101))

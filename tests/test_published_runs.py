@@ -1,0 +1,66 @@
+"""The cost model against published GPU training runs: a subset of bench/published_runs.py's rows, and the ceiling
+of the best published MFU per device type over the zoo presets on their reference clusters.
+
+The published figures are read from shared/data (beside the checkout) by `published_reference`; nothing here
+copies them. The thresholds are the targets: every row within 20%, the subset's mean within 10%, memory within
+10%, and no plan predicted above the best MFU a published run reached on its device type.
+"""
+
+from __future__ import annotations
+
+import pytest
+from published_reference import PUBLISHED_CSV, all_runs, predict
+
+import ir
+from costmodel import Cluster
+from models.registry import build_model
+from planner.api import plan
+
+pytestmark = pytest.mark.skipif(not PUBLISHED_CSV.exists(), reason="shared/data is not beside the checkout")
+
+SUBSET = (
+    "Megatron-Core r0.8.0 weak scaling 1.7B",       # H100, data parallel over 48 ranks
+    "Megatron-Core r0.8.0 weak scaling 16B",        # H100, tp 4 with TP overlap
+    "torchtitan Llama 3.1 8B FSDP 8 GPUs torch.compile",   # H100, FSDP2 + per-op checkpointing, with memory
+    "Korthikanti 22B Table3+Table5 selective+SP",   # A100, tp 8, 2022 Megatron-LM
+)
+
+
+@pytest.fixture(scope="module")
+def predictions():
+    runs = {r.name: r for r in all_runs()}
+    return {name: (runs[name], predict(runs[name])) for name in SUBSET}
+
+
+@pytest.mark.slow
+def test_step_time_within_the_targets(predictions):
+    errors = {name: pred.step_s / run.measured_step_s - 1 for name, (run, pred) in predictions.items()}
+    assert all(abs(e) <= 0.20 for e in errors.values()), errors
+    assert sum(abs(e) for e in errors.values()) / len(errors) <= 0.10, errors
+
+
+@pytest.mark.slow
+def test_peak_memory_within_ten_percent(predictions):
+    for run, pred in predictions.values():
+        if run.measured_memory_gib is not None:
+            assert pred.memory_gib == pytest.approx(run.measured_memory_gib, rel=0.10), run.name
+
+
+REFERENCE = (
+    # preset, cluster, global batch, sequence
+    ("gpt3-1.3b", "2x8xa100-80gb", 512, None),
+    ("gpt3-13b", "8x8xa100-80gb", 512, 2048),
+    ("llama3-8b", "1x8xh100-sxm", 16, 8192),
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,spec,batch,seq", REFERENCE)
+def test_no_plan_beats_the_best_published_mfu(name, spec, batch, seq):
+    cluster = Cluster.parse(spec)
+    ceiling = cluster.groups[0].device.best_published_mfu
+    assert ceiling is not None
+    built = build_model(name, (), batch=1, seq=seq, device="meta")
+    chain = ir.build_layer_chain(ir.trace(built.module, built.example_inputs, model_name=name))
+    best = plan(chain, None, cluster, global_batch=batch)
+    assert best.predicted.mfu <= ceiling, (best.predicted.mfu, ceiling)
