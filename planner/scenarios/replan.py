@@ -1,4 +1,4 @@
-"""Re-planning when the cluster changes: a device slows down or fails, a link gets faster, prices move (issue 7).
+"""Re-planning when the cluster changes: a device slows down or fails, a link gets faster, prices move.
 
 `replan(old_plan, chain, new_cluster)` looks at four kinds of plan and picks one:
 

@@ -195,7 +195,7 @@ class StageProblemBuilder:
 
     def segment_costs(self, cand: Candidate, device: DeviceSpec) -> tuple[LayerCost, ...]:
         m = cand.mesh
-        # Issue 10: context / expert parallelism priced on top of the tp prices (planner/layer_costs.AxisSplit).
+        # Context / expert parallelism priced on top of the tp prices (planner.search.layer_costs.AxisSplit).
         split = AxisSplit(cp=m.cp, cp_stride=m.stride(MeshAxis.CP), ep=m.ep, ep_stride=m.stride(MeshAxis.DP),
                           num_devices=m.num_devices)
         return self.table.segment_costs(device, tp=m.tp, tp_stride=m.stride(MeshAxis.TP),
