@@ -343,8 +343,29 @@ class StageProblemBuilder:
                           placements: tuple[RankPlacement, ...], upper_bound: float) -> StageProblem:
         n, p, m = len(self.chain.segments), cand.mesh.pp, cand.num_microbatches
         gpipe = cand.schedule is Schedule.GPIPE
-        ns, nu = (2, 4) if gpipe else (1, 3)
         contexts = [self._context(cand, k, pl) for k, pl in enumerate(placements)]
+        profile, reps = self._stage_profiles(cand, contexts)
+        arrays: dict[str, list[np.ndarray]] = {}
+        pruned = False
+        total = float(np.min([segment_work(self.segment_costs(cand, pl.device), pl.speed) for pl in placements],
+                             axis=0).sum())
+        for k in reps:
+            terms, cut = self._profile_arrays(cand, k, contexts[k], options, upper_bound, total)
+            pruned = pruned or cut
+            for name, arr in terms.items():
+                arrays.setdefault(name, []).append(arr)
+        in_flight = tuple(in_flight_per_chunk(cand.schedule, p, k, m, 1)[0] for k in range(p))
+        capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
+        objective = _gpipe_objective(m) if gpipe else _one_f_one_b_objective(m, 1)
+        problem = PartitionProblem(num_segments=n, num_stages=p, options=tuple(o.value for o in options),
+                                   stage_profile=tuple(profile), in_flight=in_flight, capacity=capacity,
+                                   objective=objective, **{name: tuple(arrs) for name, arrs in arrays.items()})
+        return StageProblem(cand, problem, placements, pruned=pruned)
+
+    def _stage_profiles(self, cand: Candidate, contexts: Sequence[_RankContext]) -> tuple[list[int], list[int]]:
+        """(the profile of each pipeline rank, the first rank of each profile): ranks in the same position, on
+        the same device and speed, with the same sends, share their stage terms."""
+        p = cand.mesh.pp
         strategy = self.strategy_of(cand)
         profile_index: dict[tuple, int] = {}
         profile: list[int] = []
@@ -357,71 +378,73 @@ class StageProblemBuilder:
                 profile_index[key] = len(profile_index)
                 reps.append(k)
             profile.append(profile_index[key])
+        return profile, reps
+
+    def _profile_arrays(self, cand: Candidate, k: int, ctx: _RankContext, options: Sequence[Recompute],
+                        upper_bound: float, total: float) -> tuple[dict[str, np.ndarray], bool]:
+        """The `PartitionProblem` arrays of pipeline rank k's profile (every stage [a, b) it may hold, with
+        every recomputation option), and whether the upper bound pruned some stages."""
+        n, p, m = len(self.chain.segments), cand.mesh.pp, cand.num_microbatches
+        gpipe = cand.schedule is Schedule.GPIPE
+        ns, nu = (2, 4) if gpipe else (1, 3)
         shape = (len(options), n + 1, n + 1)
-        arrays: dict[str, list[np.ndarray]] = {name: [] for name in (
-            "additive", "bottleneck", "memory_base", "memory_per_microbatch", "tail", "tail_const", "drain")}
+        kind = stage_kind(k, p)
+        costs = self.segment_costs(cand, ctx.device)
+        # recv[a]: the send into a stage starting at a (boundary after segment a-1); send[b]: out of one
+        # ending at b. Index 0 is never used by a stage that receives.
+        sizes = [c.boundary_bytes for c in costs]
+        recv = np.array([0.0] + [self._p2p(cand, k - 1, x) if k > 0 else 0.0 for x in sizes])
+        send = np.array([0.0] + [self._p2p(cand, k, x) if k < p - 1 else 0.0 for x in sizes])
+        additive, bottleneck = np.zeros(shape + (ns,)), np.zeros(shape + (nu,))
+        tail, tail_const, drain, per_microbatch = (np.zeros(shape) for _ in range(4))
+        memory_base = np.full(shape, np.inf)  # a stage left unpriced never fits
+        # Lower bounds: this stage's compute + TP communication at its own speed, and the whole chain's at
+        # the cheapest rank (another rank may be faster than this one).
+        prefix = np.concatenate([[0.0], np.cumsum(segment_work(costs, ctx.speed))])
         pruned = False
-        total = float(np.min([segment_work(self.segment_costs(cand, pl.device), pl.speed) for pl in placements],
-                             axis=0).sum())
-        for k in reps:
-            ctx, kind = contexts[k], stage_kind(k, p)
-            costs = self.segment_costs(cand, ctx.device)
-            # recv[a]: the send into a stage starting at a (boundary after segment a-1); send[b]: out of one
-            # ending at b. Index 0 is never used by a stage that receives.
-            sizes = [c.boundary_bytes for c in costs]
-            recv = np.array([0.0] + [self._p2p(cand, k - 1, x) if k > 0 else 0.0 for x in sizes])
-            send = np.array([0.0] + [self._p2p(cand, k, x) if k < p - 1 else 0.0 for x in sizes])
-            additive, bottleneck = np.zeros(shape + (ns,)), np.zeros(shape + (nu,))
-            tail, tail_const, drain, per_microbatch = (np.zeros(shape) for _ in range(4))
-            memory_base = np.full(shape, np.inf)  # a stage left unpriced never fits
-            # Lower bounds: this stage's compute + TP communication at its own speed, and the whole chain's at
-            # the cheapest rank (another rank may be faster than this one).
-            prefix = np.concatenate([[0.0], np.cumsum(segment_work(costs, ctx.speed))])
-            for comp, a0, b0, aa, bb in self._composition_groups():
-                keep = _stage_shape_mask(kind, aa, bb, n, p)
-                if math.isfinite(upper_bound):
-                    # A stage's f + b is at least its compute and TP communication, and the bottleneck stage
-                    # costs (m - 1) times that on top of the total: stages that alone reach the bound are useless.
-                    useful = total + (m - 1) * (prefix[bb] - prefix[aa]) < upper_bound
-                    pruned = pruned or bool((keep & ~useful).any())
-                    keep &= useful
-                if not keep.any():
-                    continue
-                aa, bb = aa[keep], bb[keep]
-                for r, rc in enumerate(options):
-                    cache_key = (ctx.signature, rc, comp)
-                    t = self._terms.get(cache_key)
-                    if t is None:
-                        segs = [PricedSegment(costs[j], rc) for j in range(a0, b0)]
-                        shared = -(-self.shared_params(a0, b0) // cand.mesh.tp)
-                        t = self._rank_terms(cand, ctx, [segs], shared, None)
-                        self._terms[cache_key] = t
-                    fwd = t.fwd[0] + recv[aa]        # the send into this stage delays its forward
-                    bwd = t.bwd[0] + send[bb]        # the gradient coming back delays its backward
-                    if gpipe:
-                        additive[r, aa, bb, 0], additive[r, aa, bb, 1] = fwd, bwd
-                        bottleneck[r, aa, bb, 0], bottleneck[r, aa, bb, 1] = fwd, bwd
-                        bottleneck[r, aa, bb, 2], bottleneck[r, aa, bb, 3] = t.post, t.optimizer
-                    else:
-                        additive[r, aa, bb, 0] = fwd + bwd
-                        bottleneck[r, aa, bb, 0] = fwd + bwd
-                        bottleneck[r, aa, bb, 1], bottleneck[r, aa, bb, 2] = t.post, t.optimizer
-                    memory_base[r, aa, bb] = t.memory0
-                    per_microbatch[r, aa, bb] = t.memory1 - t.memory0
-                    tail[r, aa, bb] = t.tail
-                    tail_const[r, aa, bb] = t.tail_const
-                    drain[r, aa, bb] = t.bwd[0] + send[bb]   # drain behind it: its backward and the send
-            for name, arr in (("additive", additive), ("bottleneck", bottleneck), ("memory_base", memory_base),
-                              ("memory_per_microbatch", per_microbatch), ("tail", tail),
-                              ("tail_const", tail_const), ("drain", drain)):
-                arrays[name].append(arr)
-        in_flight = tuple(in_flight_per_chunk(cand.schedule, p, k, m, 1)[0] for k in range(p))
-        capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
-        objective = _gpipe_objective(m) if gpipe else _one_f_one_b_objective(m, 1)
-        problem = PartitionProblem(num_segments=n, num_stages=p, options=tuple(o.value for o in options),
-                                   stage_profile=tuple(profile), in_flight=in_flight, capacity=capacity,
-                                   objective=objective, **{name: tuple(arrs) for name, arrs in arrays.items()})
-        return StageProblem(cand, problem, placements, pruned=pruned)
+        for comp, a0, b0, aa, bb in self._composition_groups():
+            keep = _stage_shape_mask(kind, aa, bb, n, p)
+            if math.isfinite(upper_bound):
+                # A stage's f + b is at least its compute and TP communication, and the bottleneck stage
+                # costs (m - 1) times that on top of the total: stages that alone reach the bound are useless.
+                useful = total + (m - 1) * (prefix[bb] - prefix[aa]) < upper_bound
+                pruned = pruned or bool((keep & ~useful).any())
+                keep &= useful
+            if not keep.any():
+                continue
+            aa, bb = aa[keep], bb[keep]
+            for r, rc in enumerate(options):
+                t = self._composition_terms(cand, ctx, costs, rc, comp, a0, b0)
+                fwd = t.fwd[0] + recv[aa]        # the send into this stage delays its forward
+                bwd = t.bwd[0] + send[bb]        # the gradient coming back delays its backward
+                if gpipe:
+                    additive[r, aa, bb, 0], additive[r, aa, bb, 1] = fwd, bwd
+                    bottleneck[r, aa, bb, 0], bottleneck[r, aa, bb, 1] = fwd, bwd
+                    bottleneck[r, aa, bb, 2], bottleneck[r, aa, bb, 3] = t.post, t.optimizer
+                else:
+                    additive[r, aa, bb, 0] = fwd + bwd
+                    bottleneck[r, aa, bb, 0] = fwd + bwd
+                    bottleneck[r, aa, bb, 1], bottleneck[r, aa, bb, 2] = t.post, t.optimizer
+                memory_base[r, aa, bb] = t.memory0
+                per_microbatch[r, aa, bb] = t.memory1 - t.memory0
+                tail[r, aa, bb] = t.tail
+                tail_const[r, aa, bb] = t.tail_const
+                drain[r, aa, bb] = t.bwd[0] + send[bb]   # drain behind it: its backward and the send
+        return {"additive": additive, "bottleneck": bottleneck, "memory_base": memory_base,
+                "memory_per_microbatch": per_microbatch, "tail": tail, "tail_const": tail_const,
+                "drain": drain}, pruned
+
+    def _composition_terms(self, cand: Candidate, ctx: _RankContext, costs: Sequence[LayerCost], rc: Recompute,
+                           comp: tuple[int, ...], a0: int, b0: int) -> _Terms:
+        """The terms of a stage holding the class composition `comp` (first seen as segments [a0, b0)) with
+        recomputation `rc` on this rank, priced once per (rank signature, rc, composition)."""
+        cache_key = (ctx.signature, rc, comp)
+        t = self._terms.get(cache_key)
+        if t is None:
+            segs = [PricedSegment(costs[j], rc) for j in range(a0, b0)]
+            shared = -(-self.shared_params(a0, b0) // cand.mesh.tp)
+            t = self._terms[cache_key] = self._rank_terms(cand, ctx, [segs], shared, None)
+        return t
 
     def _build_interleaved(self, cand: Candidate, options: Sequence[Recompute],
                            placements: tuple[RankPlacement, ...]) -> StageProblem:
