@@ -90,6 +90,22 @@ def update_doc(result: dict) -> None:
     DOC.write_text(text)
 
 
+def update_fit_doc(fitted: dict) -> None:
+    """Replace the efficiency-fit block of docs/fidelity.md with the fitted values and leave-one-out errors."""
+    begin, end = "<!-- efficiency-fit:begin -->", "<!-- efficiency-fit:end -->"
+    lines = ["| device class | rows | fitted efficiency | leave-one-out mean abs error | worst |", "|---|---|---|---|---|"]
+    for device, f in fitted.items():
+        lines.append(f"| {device} | {f['rows']} | {f['efficiency']:.3f} | {f['loo_mean_abs_error']:.1%} | "
+                     f"{f['loo_max_abs_error']:.1%} |")
+    lines += ["", "| row | efficiency fitted without it | its error then |", "|---|---|---|"]
+    lines += [f"| {r['run']} | {r['efficiency_without']:.3f} | {r['error']:+.1%} |"
+              for f in fitted.values() for r in f["loo"]]
+    text = DOC.read_text()
+    if begin in text and end in text:
+        block = f"{begin}\n" + "\n".join(lines) + f"\n{end}"
+        DOC.write_text(text[:text.index(begin)] + block + text[text.index(end) + len(end):])
+
+
 def fit(runs: list[PublishedRun]) -> dict:
     """Fit the training efficiency per device class, leave-one-out (module docstring); print and return it."""
     chains: dict = {}
@@ -115,6 +131,7 @@ def fit(runs: list[PublishedRun]) -> dict:
     path = ROOT / "bench" / "results" / "training_efficiency_fit.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")
+    update_fit_doc(out)
     return out
 
 

@@ -2,11 +2,11 @@
 
 Source: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (arXiv 2205.05198,
 MLSys'23), Tables 3-5, transcribed in shared/data/korthikanti2022_*.csv. GPT models on A100-80GB (Selene,
-8 per node, NVLink 3 + 8x200 Gb/s HDR InfiniBand), seq 2048, vocab 51200, fp16, math attention with dropout 0.1,
+8 per node, NVLink 3 + 8x200 Gb/s HDR InfiniBand), seq 2048, vocab 51200, fp16, explicit attention with Megatron's fused scale-mask-softmax and dropout 0.1,
 tensor parallel 8, the published pipeline/data/batch/interleaving settings; two configurations per model:
 full activation recomputation, and selective recomputation + sequence parallelism.
 
-The whole pipeline is exercised: the zoo GPT (`attn_impl=math`, `dropout=0.1`) is built on the meta device, traced
+The whole pipeline is exercised: the zoo GPT (`attn_impl=fused_softmax`, `dropout=0.1`) is built on the meta device, traced
 by `ir.trace`, cut by `ir.build_layer_chain`, each layer class is sharded over tp=8 by the planner's CP-SAT
 sharding model (`planner.search.intra_op.solve_layer_sharding`), and `costmodel.estimate` prices the strategy.
 Nothing in the cost model is fitted to these numbers (see costmodel/operators.py for what was fitted, and on what).
@@ -89,7 +89,7 @@ def build_chain(row: KorthikantiRow, *, dtype: str = "bfloat16") -> LayerChain:
     from models.registry import build_model
 
     sets = (f"layers={row.layers}", f"hidden={row.hidden}", f"heads={row.heads}", f"vocab={VOCAB}", f"seq={SEQ}",
-            "attn_impl=math", "dropout=0.1")
+            "attn_impl=fused_softmax", "dropout=0.1")
     built = build_model("gpt", sets, batch=row.microbatch, seq=SEQ, device="meta")
     graph = ir.trace(built.module, built.example_inputs, model_name=f"gpt-{row.model}", dtype=dtype)
     return ir.build_layer_chain(graph)

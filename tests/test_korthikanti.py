@@ -21,7 +21,7 @@ from costmodel.strategy import Recompute
 ROOT = Path(__file__).resolve().parents[1]
 # The reference data lives in shared/ beside the checkout (CI lays a copy there).
 PUBLISHED_CSV = ROOT.parent / "shared" / "data" / "korthikanti2022_selective_recompute.csv"
-TOLERANCE = 0.15
+TOLERANCE = 0.20  # the per-row target of the published-run validation (docs/fidelity.md)
 
 
 ROWS = {r.model: r for r in reference.ROWS}

@@ -119,7 +119,8 @@ def test_rank_memory_terms():
     assert mem.temporary == 10 + 900
     assert mem.overhead == GPU_FRAMEWORK_OVERHEAD_BYTES
     z3 = rank_memory([segs], [4], zero_stage=3, dp=2, device_name="cpu")
-    assert z3.params == 400 and z3.temporary == 10 + 900 + 2 * 200
+    # ... plus under ZeRO-3 two gathered units and the reduce-scattered unit's whole gradient (bf16 + fp32 copy)
+    assert z3.params == 400 and z3.temporary == 10 + 900 + 2 * 200 + (2 + 4) * 100
     three = segs + [PricedSegment(_cost(1000, params=300))]
     z3 = rank_memory([three], [4], zero_stage=3, dp=2, device_name="cpu")
     kept = rank_memory([three], [4], zero_stage=3, dp=2, device_name="cpu", reshard_after_forward=False)

@@ -166,7 +166,10 @@ def _mesh_candidates(mesh: MeshCandidate, chain: LayerChain, global_batch: int, 
     for mbs in divisors(per_replica):
         if space.microbatch_size is not None and mbs != space.microbatch_size:
             continue
-        if space.microbatch_size is None and mbs > space.max_microbatch_size:
+        # Without pipelining, one micro-batch of the whole per-replica batch is always tried: the simplest way to
+        # run it (accumulation only pays for memory or pipeline bubbles), whatever max_microbatch_size says.
+        whole = mesh.pp == 1 and mbs == per_replica
+        if space.microbatch_size is None and mbs > space.max_microbatch_size and not whole:
             continue
         m = per_replica // mbs
         if space.num_microbatches is not None and m != space.num_microbatches:

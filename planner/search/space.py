@@ -62,7 +62,8 @@ class SearchSpace:
     """Pins every stage's recomputation; None lets the stage partition choose per stage."""
     max_microbatch_size: int = 16
     """Largest micro-batch tried when it is free: past a few samples GEMMs are already large, and bigger
-    micro-batches only lengthen the pipeline bubble and the activation memory."""
+    micro-batches only lengthen the pipeline bubble and the activation memory. Without pipelining, the whole
+    per-replica batch as one micro-batch is tried too (the simplest way to run it)."""
     max_virtual_stages: int = 8
     """Largest interleaving degree tried (Megatron-LM reports gains up to a handful of chunks per device)."""
     tp_across_nodes: bool = False
