@@ -19,7 +19,7 @@ from costmodel.sharding_rules import Style
 from costmodel.strategy import Strategy
 from planner.errors import PlanLoadError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +158,9 @@ class Plan:
         try:
             strategy = dict(d["strategy"])
             sharding = tuple(ModuleSharding.from_dict(m) for m in strategy.pop("sharding", []))
-            _check_keys(strategy, set(Strategy().to_dict()), "strategy")
+            # Schema 1 plans predate the runtime options: they were priced with the defaults.
+            optional = {"runtime"} if version < 2 else set()
+            _check_keys(strategy, set(Strategy().to_dict()), "strategy", optional=optional)
             _check_stages_tile(strategy["stages"])
             return cls(
                 model=ModelInfo.from_dict(d["model"]),
@@ -221,9 +223,9 @@ def _check_stages_tile(stages: Any) -> None:
         expected = stage.get("stop")
 
 
-def _check_keys(d: Mapping[str, Any], expected: set[str], where: str) -> None:
+def _check_keys(d: Mapping[str, Any], expected: set[str], where: str, *, optional: set[str] = frozenset()) -> None:
     unknown = sorted(set(d) - expected)
-    missing = sorted(expected - set(d))
+    missing = sorted(expected - set(d) - optional)
     if unknown:
         raise PlanLoadError(f"unknown key(s) in {where}: {', '.join(unknown)}; valid: {', '.join(sorted(expected))}")
     if missing:

@@ -157,7 +157,7 @@ BAD_INPUTS: tuple[BadInput, ...] = (
           "truncated.json", "not valid JSON (truncated or corrupt?)"),
     _case("plan-binary", "plan file that is not text", "explain binary.json", "binary.json", "not text"),
     _case("plan-newer-schema", "plan of a newer schema_version", "explain newer.json",
-          "schema_version 2 is newer than this Stratagem reads (1)", "upgrade"),
+          "schema_version 3 is newer than this Stratagem reads (2)", "upgrade"),
     _case("plan-unknown-key", "plan with a key this version does not know", "explain unknown-key.json",
           "unknown key(s) in plan: comment", "valid: cluster, model"),
     _case("plan-bad-value", "plan with a value of the wrong kind", "explain bad-value.json",

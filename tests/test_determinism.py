@@ -119,4 +119,4 @@ def test_plan_file_is_sorted_canonical_json(runs: list[dict[str, Any]]) -> None:
     text = runs[0]["plan_file"]
     plan = json.loads(text)
     assert text == json.dumps(plan, sort_keys=True, indent=2) + "\n"
-    assert plan["schema_version"] == 1
+    assert plan["schema_version"] == 2
