@@ -17,6 +17,7 @@ from costmodel.expert_parallel import ep_options, ep_problem, expert_param_numel
 from ir.moe_structure import ExpertLayout, routed_experts
 from planner.cli.main import main
 from planner.cli.model_registry import build_model
+from planner.errors import UserError
 from planner.search_space import SearchSpace
 
 transformers = pytest.importorskip("transformers")
@@ -159,3 +160,14 @@ def test_deepseek_capacity_dispatch_without_drops_matches_transformers_on_cpu(tm
         if hasattr(m, "has_gate"):
             m.config._experts_implementation = "eager"
     torch.testing.assert_close(ours, built.module(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_parallel_beyond_the_kv_heads_replicates_them():
+    """hf:llama has 4 query and 2 KV heads: tp=4 plans (KV heads replicated in pairs); tp=3 is refused with why."""
+    built = build_model("hf:llama", seq=64)
+    plan = planner.plan(built.module, built.example_inputs, "1x4xa100-80gb", global_batch=4,
+                        space=SearchSpace(tp=4, dp=1, pp=1))
+    assert plan.strategy.tp == 4 and plan.predicted.fits
+    with pytest.raises(UserError, match="tp=3 does not divide heads=4"):
+        planner.plan(built.module, built.example_inputs, "1x3xa100-80gb", global_batch=3,
+                     space=SearchSpace(tp=3, dp=1, pp=1))
