@@ -395,6 +395,7 @@ def _use_capacity_experts(model: nn.Module, config: Any) -> None:
                and isinstance(getattr(m, "num_experts", None), int)]
     for module in experts:
         module.config._experts_implementation = hf_tracing.EXPERTS
+        setattr(module, hf_tracing.EXPERT_BUFFERS_ATTR, types.MethodType(hf_tracing.expert_buffers_forward, module))
         if not hasattr(module.config, hf_tracing.CAPACITY_FACTOR_ATTR):
             setattr(module.config, hf_tracing.CAPACITY_FACTOR_ATTR,
                     getattr(config, hf_tracing.CAPACITY_FACTOR_ATTR, hf_tracing.DEFAULT_CAPACITY_FACTOR))
