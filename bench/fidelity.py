@@ -3,21 +3,21 @@
 For a small GPT (the zoo's `gpt-tiny`) trained in float32 with AdamW on the CPU clusters `1x2xcpu` and `1x4xcpu`
 (2 and 4 processes over gloo on this machine's cores):
 
-1. Profile (`planner.profiler`): the model's ops timed in as many concurrent processes as the cluster has ranks,
+1. Profile (`planner.profiling.ops`): the model's ops timed in as many concurrent processes as the cluster has ranks,
    at every micro-batch size and tensor-parallel shard the planner prices (median of repeats: the speed of a rank
    with a core to itself -- other users of this shared machine preempt single runs, not the median), and the
    collectives of groups of every size dividing the process count with all groups running at once; fitted
    alpha/beta calibrate the node tier, per collective kind (`costmodel.collective_fit.calibrated_cluster`); and
-   the framework overheads (`planner.framework_profile`: optimizer per tensor, FSDP2 / replicate units, pipeline
+   the framework overheads (`planner.profiling.framework`: optimizer per tensor, FSDP2 / replicate units, pipeline
    actions, checkpointing, tensor-parallel modules, partial-gradient syncs) in as many processes. The profile is
    saved as `bench/results/fidelity-profile-<N>proc.json`. The ranks share this machine's cores
    (`shared_cores`, a `DeviceGroup.host_cores`): a rank runs at min(1, cores / ranks busy at once), which
    pipeline bubbles lower.
 2. Enumerate every valid strategy: each search candidate (dp x tp x pp mesh, micro-batch size and count,
-   schedule with interleaving, ZeRO stage, sequence parallelism; `planner.search.enumerate_candidates`) times each
+   schedule with interleaving, ZeRO stage, sequence parallelism; `planner.search.branch_and_bound.enumerate_candidates`) times each
    recomputation mode, priced by the planner's search with every dimension pinned (which also solves the stage
    partition and the tensor-parallel sharding), with the profiled model and, for comparison, the analytical one.
-3. Run each strategy with `planner.parallelize` + `planner.train_step` under torchrun, many strategies per launch:
+3. Run each strategy with `planner.runtime.parallelize` + `planner.runtime.train_step` under torchrun, many strategies per launch:
    a warm-up step, a memory-profiled step, then `TIMED_STEPS` timed steps. Step time: the slowest rank's time
    per step, median over the timed steps. Peak memory: torch's CPU allocator accounting -- the bytes of every
    live tensor storage when the profiled (steady-state) step starts, plus the peak running sum of the allocation
@@ -26,7 +26,7 @@ For a small GPT (the zoo's `gpt-tiny`) trained in float32 with AdamW on the CPU 
    overhead (the Python runtime and torch itself are not tensors).
 4. Report, per cluster and model: Spearman rank correlation and mean absolute percentage error of predicted
    against measured step time, mean absolute relative error of peak memory, and the regret of the planner's choice
-   (measured time of the plan `planner.search.search` picks with that model / best measured time).
+   (measured time of the plan `planner.search.branch_and_bound.search` picks with that model / best measured time).
 
 Usage: python bench/fidelity.py [--clusters 1x2xcpu,1x4xcpu] [--limit N] [--json]
        python bench/fidelity.py --from-results RESULTS.json [--repredict] [--output OUT.json] [--no-doc]
@@ -50,9 +50,18 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the metrics live beside their tests
+from fidelity_metrics import (  # noqa: E402
+    Case,
+    describe,
+    peak_during,
+    primary_error,
+    strategy_key,
+    summarize,
+)
 
 MODEL = "gpt-tiny"
 SETS: tuple[str, ...] = ()
@@ -78,84 +87,9 @@ DOC = ROOT / "docs" / "fidelity.md"
 TARGETS = {"spearman": 0.8, "regret": 1.10, "memory_error": 0.20}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Metrics (pure functions, tested in tests/test_profile.py)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def ranks_of(values: Sequence[float]) -> list[float]:
-    """1-based ranks, ties sharing their average rank."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
-
-
-def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman rank correlation: Pearson correlation of the (tie-averaged) ranks."""
-    if len(x) != len(y) or len(x) < 2:
-        raise ValueError(f"spearman needs two equally long sequences of >= 2 values, got {len(x)} and {len(y)}")
-    rx, ry = ranks_of(x), ranks_of(y)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
-    vx = sum((a - mx) ** 2 for a in rx)
-    vy = sum((b - my) ** 2 for b in ry)
-    return cov / math.sqrt(vx * vy) if vx > 0 and vy > 0 else math.nan
-
-
-def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:
-    """Mean of |predicted - measured| / measured."""
-    return statistics.fmean(abs(p - m) / m for p, m in zip(predicted, measured, strict=True))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Driver: profile, enumerate, predict
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Case:
-    """One strategy to run, with what each model predicts for it."""
-
-    id: str
-    cluster: str
-    key: tuple[Any, ...]
-    plan: dict[str, Any]
-    predicted: Mapping[str, Mapping[str, Any]]
-    """Model name ("profiled", "analytical") -> {"step_time_s", "memory_bytes" (per stage), "breakdown"}."""
-    labels: tuple[str, ...] = ()
-    """"choice:<model>" when this is the plan the search picks with that model."""
-
-
-def strategy_key(strategy: Any) -> tuple[Any, ...]:
-    st = strategy
-    rc = sorted({s.recompute.value for s in st.stages}) if st.stages else [st.recompute.value]
-    return (st.dp, st.tp, st.pp, st.microbatch_size, st.num_microbatches, st.schedule.value, st.virtual_stages,
-            st.zero_stage, st.sequence_parallel, "+".join(rc))
-
-
-def describe(key: Sequence[Any]) -> str:
-    dp, tp, pp, mbs, m, sched, v, zero, sp, rc = key
-    parts = [f"dp{dp}", f"tp{tp}{'+sp' if sp else ''}", f"pp{pp}", f"mbs{mbs}x{m}"]
-    if pp > 1:
-        parts.append(sched + (f":{v}" if v > 1 else ""))
-    if zero:
-        parts.append(f"zero{zero}")
-    if rc != "none":
-        parts.append(f"rc:{rc}")
-    return " ".join(parts)
-
-
 def _trace_chain() -> Any:
     import ir
-    from planner.cli.model_registry import build_model
+    from models.registry import build_model
 
     probe = build_model(MODEL, SETS, batch=1, device="meta")
     graph = ir.trace(probe.module, probe.example_inputs, model_name=MODEL, dtype=DTYPE)
@@ -169,17 +103,13 @@ def profile_path(nproc: int) -> Path:
 
 def profile_cluster(nproc: int) -> Any:
     """Ops timed in `nproc` concurrent processes, collectives of every group size dividing `nproc`, and the
-    framework overheads (`planner.framework_profile`) on the same process count; saved to `profile_path`."""
+    framework overheads (`planner.profiling.framework`) on the same process count; saved to `profile_path`."""
     from costmodel.collective_fit import CollectiveProfile
     from costmodel.profile_db import OpProfile
-    from planner.framework_profile import FrameworkOptions, measure_framework
-    from planner.profiler import (
-        CollectiveOptions,
-        ModelRequest,
-        ProfileOptions,
-        measure_collectives,
-        profile_concurrently,
-    )
+    from planner.profiling.collectives import CollectiveOptions, measure_collectives
+    from planner.profiling.framework import FrameworkOptions, measure_framework
+    from planner.profiling.options import ProfileOptions
+    from planner.profiling.requests import ModelRequest, profile_concurrently
 
     tps = tuple(t for t in range(1, nproc + 1) if nproc % t == 0)
     mbs = tuple(m for m in (1, 2, 4, 8) if m <= GLOBAL_BATCH)
@@ -207,7 +137,7 @@ def shared_cores(cluster: Any, cores: int | None = None) -> Any:
 
 
 def _pinned_space(cand: Any, recompute: Any) -> Any:
-    from planner.search_space import SearchSpace
+    from planner.search.space import SearchSpace
 
     return SearchSpace(dp=cand.mesh.dp, tp=cand.mesh.tp, pp=cand.mesh.pp, microbatch_size=cand.microbatch_size,
                        num_microbatches=cand.num_microbatches, schedule=cand.schedule,
@@ -243,9 +173,10 @@ def enumerate_cases(chain: Any, spec: str, profile: Any, limit: int | None) -> t
     from costmodel.cluster import Cluster
     from costmodel.collective_fit import calibrated_cluster
     from costmodel.strategy import Recompute
-    from planner.layer_costs import LayerCostTable
-    from planner.search import SearchOptions, enumerate_candidates, search
-    from planner.search_space import Objective, SearchSpace
+    from planner.search.branch_and_bound import SearchOptions, search
+    from planner.search.candidates import enumerate_candidates
+    from planner.search.layer_costs import LayerCostTable
+    from planner.search.space import Objective, SearchSpace
 
     base = Cluster.parse(spec)
     models = {"profiled": (shared_cores(calibrated_cluster(base, profile.collectives)), profile),
@@ -380,28 +311,15 @@ def live_tensor_bytes() -> int:
     return sum(v for k, v in seen.items() if k)
 
 
-def peak_during(prof: Any, live_at_start: int) -> int:
-    """Peak live tensor bytes during a profiled window that started with `live_at_start` bytes live: the start
-    plus the largest running sum of the allocation (+) and free (-) events the profiler recorded. Frees of blocks
-    allocated before the window are not reported, so the caller frees what it can (gradients) before the window."""
-    events = prof.profiler.kineto_results.events()
-    mem = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in mem:
-        live += nbytes
-        peak = max(peak, live)
-    return live_at_start + peak
-
-
 def _run_plan(plan_dict: Mapping[str, Any], chain: Any) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from planner.cli.model_registry import build_model
-    from planner.parallelize import parallelize
+    from models.registry import build_model
     from planner.plan import Plan
-    from planner.train_step import local_batch, train_step
+    from planner.runtime.parallelize import parallelize
+    from planner.runtime.train_step import local_batch, train_step
 
     plan = Plan.from_dict(plan_dict)
     gc.collect()
@@ -458,16 +376,6 @@ def _timed_optimizer(params: list[Any]) -> Any:
     opt = TimedAdamW(params, lr=1e-3)
     opt.seconds = []
     return opt
-
-
-SECONDARY_ERRORS = ("Could not resolve the process group", "Connection closed by peer", "Timed out waiting")
-"""Errors a rank gets because a peer failed first (and closed the strategy's process groups)."""
-
-
-def primary_error(errors: Sequence[str]) -> str:
-    """The error that caused the others: the first one that is not a consequence of a peer's failure."""
-    first = [e for e in errors if not any(s in e for s in SECONDARY_ERRORS)]
-    return (first or list(errors))[0]
 
 
 def worker(plans_path: str, out_path: str) -> int:
@@ -536,43 +444,6 @@ def confirm_contenders(cases: Sequence[Case], measured: Mapping[str, Mapping[str
         if times:
             out[describe(c.key)] = statistics.median(times)
     return out
-
-
-def summarize(cases: Sequence[Case], measured: Mapping[str, Mapping[str, Any]], model: str,
-              confirmed: Mapping[str, float] | None = None) -> dict[str, Any]:
-    ok = [c for c in cases if "error" not in measured.get(c.id, {"error": "missing"})]
-    pred = [c.predicted[model]["step_time_s"] for c in ok]
-    meas = [measured[c.id]["step_time_s"] for c in ok]
-    mem_err = []
-    for c in ok:
-        p = max(c.predicted[model]["memory_bytes"])
-        m = max(measured[c.id]["memory_bytes"])
-        mem_err.append(abs(p - m) / m)
-    best = min(meas) if meas else math.nan
-    chosen = [c for c in ok if f"choice:{model}" in c.labels]
-    chosen_time = measured[chosen[0].id]["step_time_s"] if chosen else math.nan
-    # When the planner's choice did not run (a bug in applying it), the fastest-predicted strategy that ran
-    runnable = min(ok, key=lambda c: c.predicted[model]["step_time_s"]) if ok else None
-    first_pass = chosen_time / best if chosen else math.nan
-    regret = first_pass
-    if confirmed and chosen and describe(chosen[0].key) in confirmed:
-        # the contenders timed again side by side (`confirm_contenders`)
-        regret = confirmed[describe(chosen[0].key)] / min(confirmed.values())
-    return {
-        "strategies": len(ok),
-        "spearman": spearman(pred, meas) if len(ok) > 1 else math.nan,
-        "mape": mape(pred, meas) if ok else math.nan,
-        "memory_error": statistics.fmean(mem_err) if mem_err else math.nan,
-        "memory_error_max": max(mem_err) if mem_err else math.nan,
-        "regret": regret,
-        "regret_first_pass": first_pass,
-        "choice": describe(chosen[0].key) if chosen else None,
-        "choice_measured_s": chosen_time,
-        "regret_runnable": measured[runnable.id]["step_time_s"] / best if runnable else math.nan,
-        "choice_runnable": describe(runnable.key) if runnable else None,
-        "best": describe(ok[meas.index(best)].key) if ok else None,
-        "best_measured_s": best,
-    }
 
 
 def strategy_class(key: Sequence[Any]) -> str:

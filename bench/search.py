@@ -29,8 +29,8 @@ import torch
 
 import ir
 from costmodel.cluster import Cluster
-from planner.cli.model_registry import build_model
-from planner.search import search
+from models.registry import build_model
+from planner.search.branch_and_bound import search
 
 RESULTS = Path(__file__).resolve().parent / "results" / "search.json"
 WIDE = ["hidden=5120", "heads=40", "vocab=51200", "seq=2048"]

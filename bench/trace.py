@@ -26,7 +26,7 @@ def measure_one(name: str) -> dict:
     """Build, trace and cut one model in this process; times in seconds, memory in bytes."""
     start = time.perf_counter()
     import ir
-    from planner.cli.model_registry import build_model
+    from models.registry import build_model
 
     imported = time.perf_counter()
     built = build_model(name, batch=1, device="meta")
@@ -59,7 +59,7 @@ def run_isolated(name: str) -> dict:
 
 
 def preset_names() -> list[str]:
-    from planner.cli.model_registry import EntryKind, list_models
+    from models.registry import EntryKind, list_models
 
     return [e.name for e in list_models() if e.kind is EntryKind.PRESET]
 

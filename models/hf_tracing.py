@@ -41,7 +41,7 @@ EXPERTS = "stratagem_capacity"
 """`config._experts_implementation` of mixture-of-experts models built by `models.hf`."""
 EXPERT_BUFFERS_ATTR = "expert_buffers_forward"
 """Instance attribute of an experts module: its experts on (E, tokens, h) buffers, the entry point that expert
-parallelism (planner/apply_ep.py) wraps with all-to-alls; `models.hf` binds `expert_buffers_forward` there."""
+parallelism (planner/runtime/apply_ep.py) wraps with all-to-alls; `models.hf` binds `expert_buffers_forward` there."""
 CAPACITY_FACTOR_ATTR = "stratagem_capacity_factor"
 """Config attribute holding the capacity factor that `EXPERTS` reads."""
 DEFAULT_CAPACITY_FACTOR = 1.25
@@ -110,7 +110,7 @@ def capacity_experts_forward(
                                           top_k_weights.reshape(-1, group, top_k), num_experts, slots)
     xg = hidden_states.reshape(-1, group, hidden)  # (G, S, h)
     expert_in = torch.einsum("gsec,gsh->egch", dispatch.to(xg.dtype), xg).flatten(1, 2)  # (E, G*C, h)
-    # Expert parallelism (planner/apply_ep.py) replaces the instance's `expert_buffers_forward` with its
+    # Expert parallelism (planner/runtime/apply_ep.py) replaces the instance's `expert_buffers_forward` with its
     # all-to-all dispatch around this rank's experts; otherwise every expert runs here.
     run_experts = getattr(self, EXPERT_BUFFERS_ATTR, None) or (lambda x: expert_buffers_forward(self, x))
     out = run_experts(expert_in).unflatten(1, (-1, slots))  # (E, G, C, h)

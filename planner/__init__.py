@@ -1,13 +1,21 @@
-"""Planner: the strategy search, the Plan type, applying plans, and the CLI."""
+"""Planner: search a parallelization strategy for a model on a cluster, record it as a `Plan`, apply and run it.
 
-# `parallelize` and `train_step` are bound here, after their submodules load, so that `planner.parallelize` /
-# `planner.train_step` name the functions (the DESIGN's API) rather than the modules of the same name; likewise
-# `planner.plan` is the search function (`planner.api.plan`), the Plan type stays importable from planner.plan.
-from planner.api import estimate, estimate_plan, plan, plan_top
+    planner/search/     the search: space, meshes, candidates, layer-cost table, intra-op ILP, stage DP
+    planner/scenarios/  re-planning, what-if, data parallelism over groups of mixed device types
+    planner/runtime/    apply a plan on this rank (torch.distributed) and train it
+    planner/profiling/  measure operators, collectives and framework overheads on this machine
+    planner/reports/    explain, diff, timeline, plot and the plan's text rendering
+    planner/cli/        the `stratagem` command: argument parsing and printing only
+
+The package exports the Python API's entry points; submodule names are never rebound (`planner.plan` is the
+module of the `Plan` type; the search is `planner.api.plan`).
+"""
+
+from planner.api import estimate, estimate_plan, plan_top
 from planner.errors import InfeasibleError, PlanLoadError, UserError
-from planner.parallelize import ParallelModel, parallelize
 from planner.plan import Plan
-from planner.train_step import local_batch, train_step
+from planner.runtime.parallelize import ParallelModel, parallelize
+from planner.runtime.train_step import local_batch, train_step
 
 __all__ = ["InfeasibleError", "ParallelModel", "Plan", "PlanLoadError", "UserError", "estimate", "estimate_plan",
-           "local_batch", "parallelize", "plan", "plan_top", "train_step"]
+           "local_batch", "parallelize", "plan_top", "train_step"]

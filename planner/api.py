@@ -1,7 +1,7 @@
 """The planner's Python API: `plan` (search, then a `Plan`) and `estimate` (price one given strategy).
 
-    plan = planner.plan(model, example_inputs, "128x8xa100-80gb", global_batch=1536)
-    plan = planner.plan(chain, None, cluster, global_batch=1536, space=SearchSpace(tp=8))
+    plan = planner.api.plan(model, example_inputs, "128x8xa100-80gb", global_batch=1536)
+    plan = planner.api.plan(chain, None, cluster, global_batch=1536, space=SearchSpace(tp=8))
     est = planner.estimate(chain, cluster, Strategy(dp=8, tp=8, pp=16, microbatch_size=1, num_microbatches=192))
 
 `planner.estimate` solves the tensor-parallel sharding of every layer class (the same `LayerCostTable` the search
@@ -19,26 +19,32 @@ import torch.nn as nn
 import ir
 from costmodel.breakdown import Estimate
 from costmodel.cluster import Cluster
+from costmodel.collective_fit import calibrated_cluster
 from costmodel.estimate import estimate as costmodel_estimate
 from costmodel.estimate import even_stages
+from costmodel.profile_db import OpProfile
 from costmodel.strategy import Schedule, Strategy
 from ir.graph import Graph
 from ir.layer_chain import LayerChain
 from planner.errors import UserError
-from planner.heterogeneous import mixed_type_problem, with_device_groups
-from planner.layer_costs import LayerCostTable
-from planner.mesh_search import MeshCandidate
 from planner.plan import ModelInfo, ModuleSharding, Plan, SearchInfo, TrainingConfig
-from planner.search import SearchOptions, SearchResult, layer_cost_map, search, sharding_of
-from planner.search_space import Objective, SearchSpace
-from planner.stage_problem import Candidate, StageProblemBuilder
+from planner.search.branch_and_bound import SearchOptions, SearchResult, search
+from planner.search.candidates import Candidate
+from planner.search.device_groups import mixed_type_problem, with_device_groups
+from planner.search.layer_costs import LayerCostTable
+from planner.search.meshes import MeshCandidate
+from planner.search.pricing import layer_cost_map, sharding_of
+from planner.search.space import Objective, SearchSpace
+from planner.search.stage_problem import StageProblemBuilder
+from planner.tracing import trace_one_sample
 
 Progress = Callable[[int, int, float | None], None]
 
 
 def as_chain(model_or_chain: nn.Module | Graph | LayerChain, inputs: Any = None, *, model_name: str = "model",
              dtype: str | None = None) -> LayerChain:
-    """A `LayerChain` from a chain, a traced graph, or a module and its example inputs (traced here)."""
+    """A `LayerChain` from a chain, a traced graph, or a module and its example inputs (traced here at one sample,
+    as `parallelize` and `stratagem plan` trace it: `planner.tracing`)."""
     if isinstance(model_or_chain, LayerChain):
         return model_or_chain
     if isinstance(model_or_chain, Graph):
@@ -47,18 +53,33 @@ def as_chain(model_or_chain: nn.Module | Graph | LayerChain, inputs: Any = None,
         if inputs is None:
             raise ValueError("planning an nn.Module needs its example inputs (a tuple of tensors or TensorSpecs, "
                              "or a dict of keyword arguments)")
-        return ir.build_layer_chain(ir.trace(model_or_chain, inputs, model_name=model_name, dtype=dtype))
+        return trace_one_sample(model_or_chain, inputs, model_name=model_name, dtype=dtype)
     raise TypeError(f"expected an nn.Module, ir.Graph or ir.LayerChain, got {type(model_or_chain).__name__}")
 
 
-def as_cluster(cluster: Cluster | str) -> Cluster:
-    return cluster if isinstance(cluster, Cluster) else Cluster.parse(cluster)
+def as_cluster(cluster: Cluster | str, profile: OpProfile | None = None) -> Cluster:
+    """The cluster (parsed from a shorthand or YAML path), with the node links calibrated by the profile's
+    collective fits when it has them (`costmodel.collective_fit.calibrated_cluster`)."""
+    cluster = cluster if isinstance(cluster, Cluster) else Cluster.parse(cluster)
+    if profile is None or profile.collectives is None:
+        return cluster
+    return calibrated_cluster(cluster, profile.collectives)
+
+
+def load_profile(path: str) -> OpProfile:
+    """A profile written by `stratagem profile`; every way it can be unreadable is a one-line `UserError`."""
+    try:
+        return OpProfile.load(path)
+    except ValueError as e:
+        raise UserError(f"--profile {path}: {' '.join(str(e).split())}") from None
+    except OSError as e:
+        raise UserError(f"--profile {path}: cannot read it: {e.strerror or e}") from None
 
 
 def plan(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any, cluster: Cluster | str, *,
          global_batch: int, space: SearchSpace | None = None, objective: Objective | str = Objective.TIME,
          time_limit_s: float | None = None, dtype: str = "bfloat16", model_name: str | None = None,
-         settings: Sequence[tuple[str, Any]] = (), progress: Progress | None = None, profile: Any = None) -> Plan:
+         settings: Sequence[tuple[str, Any]] = (), progress: Progress | None = None, profile: OpProfile | None = None) -> Plan:
     """The best plan for training the model on `cluster` with `global_batch` samples per step (module docstring).
 
     Raises `planner.errors.InfeasibleError` when nothing fits, `UserError` for an empty search space."""
@@ -71,11 +92,11 @@ def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any
              global_batch: int, top_k: int = 1, space: SearchSpace | None = None,
              objective: Objective | str = Objective.TIME, time_limit_s: float | None = None,
              dtype: str = "bfloat16", model_name: str | None = None, settings: Sequence[tuple[str, Any]] = (),
-             progress: Progress | None = None, profile: Any = None) -> tuple[Plan, ...]:
+             progress: Progress | None = None, profile: OpProfile | None = None) -> tuple[Plan, ...]:
     """The `top_k` best distinct strategies as plans, best first (each carries the same search information)."""
     name = model_name or getattr(model_or_chain, "model_name", None) or type(model_or_chain).__name__
     chain = as_chain(model_or_chain, inputs_or_spec, model_name=name, dtype=dtype)
-    cluster = as_cluster(cluster)
+    cluster = as_cluster(cluster, profile)
     options = SearchOptions(objective=Objective(objective), top_k=top_k, time_limit_s=time_limit_s,
                             progress=progress)
     result = search(chain, cluster, global_batch=global_batch, space=space, options=options, dtype=dtype,
@@ -87,21 +108,21 @@ def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any
 
 
 def estimate(chain: LayerChain, cluster: Cluster | str, strategy: Strategy, *, global_batch: int | None = None,
-             dtype: str = "bfloat16", profile: Any = None) -> Estimate:
+             dtype: str = "bfloat16", profile: OpProfile | None = None) -> Estimate:
     """`costmodel.estimate` of `strategy`, with the layer classes' sharding solved for its tp (as the search does)."""
-    return _estimate_with_sharding(chain, as_cluster(cluster), strategy, global_batch, dtype, profile)[0]
+    return _estimate_with_sharding(chain, as_cluster(cluster, profile), strategy, global_batch, dtype, profile)[0]
 
 
 def estimate_plan(chain: LayerChain, cluster: Cluster | str, strategy: Strategy, *, global_batch: int,
                   dtype: str = "bfloat16", model_name: str | None = None,
-                  settings: Sequence[tuple[str, Any]] = (), profile: Any = None) -> Plan:
+                  settings: Sequence[tuple[str, Any]] = (), profile: OpProfile | None = None) -> Plan:
     """A `Plan` for one given strategy (search status "fixed"), for `stratagem estimate`.
 
     Stages left empty are filled with the even split `costmodel.estimate` would use, so the plan can be applied.
     Raises UserError when the strategy cannot run at all (degrees, divisibility); a strategy that runs out of
     memory is still priced and its `predicted.problems` say by how much."""
     started = time.monotonic()
-    cluster = as_cluster(cluster)
+    cluster = as_cluster(cluster, profile)
     strategy = validate_strategy(chain, cluster, strategy, global_batch)
     est, sharding = _estimate_with_sharding(chain, cluster, strategy, global_batch, dtype, profile)
     info = _model_info(chain, model_name or chain.graph.model_name, settings)
@@ -119,7 +140,7 @@ def validate_strategy(chain: LayerChain, cluster: Cluster, strategy: Strategy, g
     if global_batch != strategy.global_batch:
         raise UserError(f"--batch {global_batch} is not dp*mbs*microbatches = {strategy.dp}*"
                         f"{strategy.microbatch_size}*{strategy.num_microbatches} = {strategy.global_batch}")
-    from planner.search import head_problem
+    from planner.search.candidates import head_problem
 
     why = head_problem(chain, strategy.tp) or mixed_type_problem(cluster, strategy)  # issue 7: one type per group
     if why:
@@ -176,7 +197,7 @@ def _search_info(result: SearchResult, step_time_s: float) -> SearchInfo:
 
 def _plan_of(chain: LayerChain, cluster: Cluster, info: ModelInfo, global_batch: int, dtype: str,
              strategy: Strategy, sharding: Sequence[ModuleSharding], est: Estimate, search_info: SearchInfo) -> Plan:
-    # Issue 7: every stage names the device group it runs on (planner/heterogeneous.py; no-op for one group).
+    # Issue 7: every stage names the device group it runs on (planner/search/device_groups.py; no-op for one group).
     strategy = with_device_groups(cluster, strategy)
     return Plan(model=info, cluster=cluster.to_dict(),
                 training=TrainingConfig(global_batch=global_batch, seq_len=chain.graph.seq_len, dtype=dtype),

@@ -7,42 +7,37 @@ runs with the same inputs.
 
 from __future__ import annotations
 
-import enum
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from costmodel.breakdown import Estimate
+from costmodel.sharding_rules import Style
 from costmodel.strategy import Strategy
 from planner.errors import PlanLoadError
 
 SCHEMA_VERSION = 1
 
 
-class ShardStyle(enum.StrEnum):
-    """How one module's parameters and activations are laid out over the tensor-parallel axis."""
-
-    REPLICATE = "replicate"
-    COLWISE = "colwise"      # weight sharded on its output features; output sharded on the last dim
-    ROWWISE = "rowwise"      # weight sharded on its input features; output is a partial sum
-    SEQUENCE = "sequence"    # activations sharded on the sequence dim (norms, dropout under SP)
-    VOCAB = "vocab"          # embedding table sharded on rows (the vocabulary)
-    HEADS = "heads"          # attention computed per head shard
-
-
 @dataclass(frozen=True, slots=True)
 class ModuleSharding:
     module: str
     """Module path pattern (fnmatch): "blocks.*.attn.qkv"."""
-    style: ShardStyle
+    style: Style
+    """How its parameters and activations are laid out over the tensor-parallel axis: replicate; colwise (weight
+    sharded on its output features, output sharded on the last dim); rowwise (weight sharded on its input
+    features, output a partial sum); sequence (activations sharded on the sequence dim: norms, dropout under SP);
+    vocab (embedding rows); heads (attention computed per head shard)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"module": self.module, "style": self.style.value}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ModuleSharding:
-        return cls(module=d["module"], style=ShardStyle(d["style"]))
+        return cls(module=d["module"], style=Style(d["style"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +174,28 @@ class Plan:
             raise
         except (KeyError, TypeError, ValueError) as e:
             raise PlanLoadError(f"plan JSON is malformed: {type(e).__name__}: {e}") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read a plan file; every way it can be unreadable is a one-line `PlanLoadError`."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise PlanLoadError(f"plan file {path} does not exist") from None
+        except IsADirectoryError:
+            raise PlanLoadError(f"plan file {path} is a directory") from None
+        except UnicodeDecodeError:
+            raise PlanLoadError(f"plan file {path} is not text (UTF-8 JSON expected)") from None
+        except OSError as e:
+            raise PlanLoadError(f"cannot read plan file {path}: {e.strerror or e}") from None
+        try:
+            return cls.from_json(text)
+        except PlanLoadError as e:
+            raise PlanLoadError(f"{path}: {e}") from None
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write `to_json()` to `path`."""
+        Path(path).write_text(self.to_json(), encoding="utf-8")
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

@@ -47,7 +47,7 @@ def check(model_type: str) -> Row:
     import ir
     from ir.moe_structure import routed_experts
     from models import hf
-    from planner.cli.model_registry import build_model
+    from models.registry import ModelError, build_model
     from planner.errors import UserError
 
     start = time.perf_counter()
@@ -56,7 +56,7 @@ def check(model_type: str) -> Row:
         built = build_model(f"hf:{model_type}", sets, seq=SEQ)
         graph = ir.trace(built.module, built.example_inputs, model_name=model_type)
         chain = ir.build_layer_chain(graph)
-    except (UserError, ValueError, ImportError, RuntimeError, TypeError, NotImplementedError) as e:
+    except (ModelError, UserError, ValueError, ImportError, RuntimeError, TypeError, NotImplementedError) as e:
         reason = " ".join(str(e).split()).removeprefix(f"model hf:{model_type}: ")
         return Row(model_type, False, 0, 0, "", reason[:300], time.perf_counter() - start)
     expected = built.module.num_parameters()

@@ -11,8 +11,9 @@ from dataclasses import replace
 
 from costmodel.breakdown import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
 from costmodel.pipeline import PipelineTime, pipeline_times
+from costmodel.sharding_rules import Style
 from costmodel.strategy import Recompute, Schedule, StageSpec, Strategy
-from planner.plan import Alternative, ModelInfo, ModuleSharding, Plan, SearchInfo, ShardStyle, TrainingConfig
+from planner.plan import Alternative, ModelInfo, ModuleSharding, Plan, SearchInfo, TrainingConfig
 
 GIB = 1 << 30
 
@@ -60,8 +61,8 @@ def make_plan(*, pp: int = 4, dp: int = 2, tp: int = 2, m: int = 8, v: int = 1,
         cluster={"name": "4x8xa100-80gb", "groups": [{"device": "a100-80gb", "num_nodes": 4, "devices_per_node": 8}]},
         training=TrainingConfig(global_batch=dp * m, seq_len=2048),
         strategy=strategy,
-        sharding=(ModuleSharding("blocks.*.attn.q_proj", ShardStyle.COLWISE),
-                  ModuleSharding("blocks.*.attn.o_proj", ShardStyle.ROWWISE)),
+        sharding=(ModuleSharding("blocks.*.attn.q_proj", Style.COLWISE),
+                  ModuleSharding("blocks.*.attn.o_proj", Style.ROWWISE)),
         predicted=predicted,
         search=SearchInfo(time_s=1.5, candidates=120, status="optimal", optimality_gap=0.0, lower_bound_s=step,
                           alternatives=tuple(alternatives)),

@@ -301,9 +301,9 @@ def _run_cases_forked(cases: Sequence[Sequence[str]], folder: Path) -> list[dict
     import ortools.sat.python.cp_model  # noqa: F401
     import torch  # noqa: F401
 
+    import models.registry  # noqa: F401
     import planner.api  # noqa: F401
     import planner.cli.main  # noqa: F401
-    import planner.cli.model_registry  # noqa: F401
 
     os.chdir(folder)
     results = []

@@ -98,7 +98,7 @@ def test_mixed_node_tiers_take_the_slowest_figures_per_kind():
     # A group inside the a100 nodes only sees a100's override unchanged.
     (inside,) = spans(CommGroup(8), cluster)
     assert inside.overrides == (slow_rs,)
-    hash(spans(CommGroup(64), cluster))  # spans are cache keys (planner/stage_problem.py)
+    hash(spans(CommGroup(64), cluster))  # spans are cache keys (planner/search/stage_problem.py)
 
 
 def test_cluster_without_overrides_prices_as_before():

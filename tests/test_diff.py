@@ -10,10 +10,11 @@ from dataclasses import replace
 import pytest
 from plan_factory import GIB, make_plan, with_step_time
 
+from costmodel.sharding_rules import Style
 from costmodel.strategy import Recompute, Schedule, StageSpec
 from planner.cli.main import main
-from planner.diff import DiffFormat, diff_plans, render, render_markdown, render_text
-from planner.plan import ModelInfo, ModuleSharding, Plan, SearchInfo, ShardStyle
+from planner.plan import ModelInfo, ModuleSharding, Plan, SearchInfo
+from planner.reports.diff import DiffFormat, diff_plans, render, render_markdown, render_text
 
 
 def write(tmp_path, name: str, plan: Plan):
@@ -98,8 +99,8 @@ def test_fingerprints_of_model_and_cluster():
 
 def test_sharding_added_removed_changed():
     old = make_plan()
-    new = replace(old, sharding=(ModuleSharding("blocks.*.attn.q_proj", ShardStyle.ROWWISE),
-                                 ModuleSharding("embed", ShardStyle.VOCAB)))
+    new = replace(old, sharding=(ModuleSharding("blocks.*.attn.q_proj", Style.ROWWISE),
+                                 ModuleSharding("embed", Style.VOCAB)))
     got = changes(old, new)
     assert got[("sharding", "blocks.*.attn.q_proj")][:2] == ("colwise", "rowwise")
     assert got[("sharding", "blocks.*.attn.o_proj")][:2] == ("rowwise", None)

@@ -19,10 +19,10 @@ from costmodel.context_parallel import MIN_TOKENS_PER_RANK, cp_options, cp_probl
 from costmodel.expert_parallel import dp_synced_params, ep_options, ep_problem, optimizer_params
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment, model_state_bytes, rank_memory
-from planner.cli.model_registry import build_model
-from planner.layer_costs import AxisSplit, LayerCostTable
-from planner.search import search
-from planner.search_space import SearchSpace
+from models.registry import build_model
+from planner.search.branch_and_bound import search
+from planner.search.layer_costs import AxisSplit, LayerCostTable
+from planner.search.space import SearchSpace
 
 H100 = "1x8xh100"
 

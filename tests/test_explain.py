@@ -10,9 +10,9 @@ from plan_factory import GIB, make_plan
 
 from costmodel.strategy import Schedule
 from planner.cli.main import main
-from planner.explain import explain_plan, render_explanation, strategy_summary
 from planner.plan import Alternative
-from planner.timeline import build_timeline
+from planner.reports.explain import explain_plan, render_explanation, strategy_summary
+from planner.reports.timeline import build_timeline
 
 ALTERNATIVES = (
     Alternative("dp=1 tp=8 pp=4", None, "does not fit: stage 0 needs 93.1 GiB > 80.0 GiB"),

@@ -25,10 +25,11 @@ from costmodel.memory import PricedSegment
 from costmodel.profile_db import OpProfile, OpTiming
 from costmodel.step_time import data_parallel_comm, host_time, optimizer_step_time, tp_grad_sync_time
 from costmodel.strategy import Recompute, Schedule, Strategy
-from planner.layer_costs import LayerCostTable
-from planner.search import enumerate_candidates, layer_cost_map
-from planner.search_space import SearchSpace
-from planner.stage_problem import StageProblemBuilder
+from planner.search.candidates import enumerate_candidates
+from planner.search.layer_costs import LayerCostTable
+from planner.search.pricing import layer_cost_map
+from planner.search.space import SearchSpace
+from planner.search.stage_problem import StageProblemBuilder
 
 COSTS = FrameworkCosts(
     optimizer_per_tensor_s=20e-6, optimizer_per_dtensor_s=150e-6,
@@ -204,7 +205,8 @@ def test_profiled_segment_glue_is_added_to_the_layer_price() -> None:
 
     from costmodel.layer_pricing import segment_glue
     from costmodel.profile_db import segment_signature
-    from planner.profiler import ModelRequest, ProfileOptions, profile_requests
+    from planner.profiling.options import ProfileOptions
+    from planner.profiling.requests import ModelRequest, profile_requests
 
     run = profile_requests([ModelRequest("gpt", ("layers=2", "hidden=64", "heads=4", "vocab=128", "seq=32"))],
                            device=torch.device("cpu"), device_name="cpu",

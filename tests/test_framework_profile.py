@@ -1,4 +1,4 @@
-"""`planner.framework_profile` and `stratagem profile --framework`: the runtime's framework overheads measured in a
+"""`planner.profiling.framework` and `stratagem profile --framework`: the runtime's framework overheads measured in a
 gloo process group, net of the collectives the other models price, stored as profile entries that
 `costmodel.framework.FrameworkCosts.from_profile` reads back."""
 
@@ -13,16 +13,15 @@ from torch import nn
 from costmodel.framework import RECOMPUTE_MODES, DataParallelMode, FrameworkCosts
 from costmodel.profile_db import OpProfile
 from planner.cli.main import main
-from planner.framework_profile import (
+from planner.profiling.framework import (
     FrameworkOptions,
-    ReferenceBlock,
     action_pair_overhead,
-    divisor_group_sizes,
-    fsdp_padded_numel,
     measure_framework,
     per_tensor_intercept,
     priced_wire_s,
 )
+from planner.profiling.framework_passes import ReferenceBlock, fsdp_padded_numel
+from planner.profiling.spawn import divisor_group_sizes
 
 
 def test_group_sizes_default_to_every_divisor_of_at_least_two():

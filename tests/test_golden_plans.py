@@ -8,22 +8,16 @@ timeline whose span is the predicted step time.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
+import golden as regen  # tests/golden.py
 import pytest
 
-from planner.explain import explain_plan, render_explanation
 from planner.plan import Plan
-from planner.timeline import build_timeline
+from planner.reports.explain import explain_plan, render_explanation
+from planner.reports.timeline import build_timeline
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("regen_golden_plans", ROOT / "scripts" / "regen_golden_plans.py")
-regen = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = regen  # dataclasses resolve their module by name
-_spec.loader.exec_module(regen)
-
 ENTRIES = regen.load_manifest()
 REGENERATE = "python scripts/regen_golden_plans.py"
 

@@ -14,18 +14,16 @@ from costmodel_graphs import GptShape, gpt_chain
 from costmodel import Cluster, Strategy, estimate
 from costmodel.layer_pricing import price_segment
 from planner.errors import UserError
-from planner.heterogeneous import (
+from planner.scenarios.group_data_parallel import (
     balance_shares,
-    device_map,
     group_cluster,
-    mixed_type_problem,
     plan_group_data_parallel,
     proportional_split,
     searching,
-    with_device_groups,
 )
-from planner.search import search
-from planner.search_space import SearchSpace
+from planner.search.branch_and_bound import search
+from planner.search.device_groups import device_map, mixed_type_problem, with_device_groups
+from planner.search.space import SearchSpace
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 BLOCKS = 12
@@ -248,7 +246,7 @@ def test_group_data_parallel_needs_several_groups(chain) -> None:
 
 def test_search_never_mixes_types_in_a_lockstep_group(chain, mixed_pairs) -> None:
     from planner import api
-    from planner.search import SearchOptions
+    from planner.search.branch_and_bound import SearchOptions
 
     result = search(chain, mixed_pairs, global_batch=16, options=SearchOptions(top_k=3))
     assert all(mixed_type_problem(mixed_pairs, r.strategy) == "" for r in result.ranked)
@@ -262,7 +260,7 @@ def test_search_never_mixes_types_in_a_lockstep_group(chain, mixed_pairs) -> Non
 
 
 def test_each_device_type_prices_tensor_parallelism_on_its_own_node_link(chain) -> None:
-    from planner.layer_costs import LayerCostTable
+    from planner.search.layer_costs import LayerCostTable
 
     mixed = Cluster.parse(str(EXAMPLES / "mixed-a100-v100.yaml"))
     a100, v100 = (g.device for g in mixed.groups)

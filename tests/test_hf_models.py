@@ -15,11 +15,10 @@ import pytest
 import torch
 
 import ir
-import planner
+import planner.api
+from models.registry import ModelError, build_model
 from planner.cli.main import main
-from planner.cli.model_registry import build_model
-from planner.errors import UserError
-from planner.search_space import SearchSpace
+from planner.search.space import SearchSpace
 
 transformers = pytest.importorskip("transformers")
 
@@ -156,13 +155,13 @@ def test_config_json_without_architectures_gets_the_lm_head(tmp_path):
     ("hf:", (), "expected hf:ARCH"),
 ])
 def test_bad_settings_are_one_line_user_errors(name, sets, message):
-    with pytest.raises(UserError) as info:
+    with pytest.raises(ModelError) as info:
         build_model(name, sets)
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
 def test_learned_positions_bound_the_sequence():
-    with pytest.raises(UserError, match="exceeds n_positions=1024 .* set n_positions=2048"):
+    with pytest.raises(ModelError, match="exceeds n_positions=1024 .* set n_positions=2048"):
         build_model("hf:gpt2", seq=2048)
     assert build_model("hf:gpt2", ("n_positions=2048",), seq=2048).seq_len == 2048
 
@@ -175,13 +174,13 @@ def test_structured_fields_take_json():
 def test_transformers_4_is_too_old(monkeypatch):
     # sys.modules, not the module imported above: transformers re-registers its lazy module on some imports.
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
-    with pytest.raises(UserError, match=r"need transformers>=5.0, found 4.57.1: pip install 'stratagem\[hf\]'"):
+    with pytest.raises(ModelError, match=r"need transformers>=5.0, found 4.57.1: pip install 'stratagem\[hf\]'"):
         build_model("hf:llama")
 
 
 def test_without_transformers_the_error_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
-    with pytest.raises(UserError, match=r"pip install 'stratagem\[hf\]'"):
+    with pytest.raises(ModelError, match=r"pip install 'stratagem\[hf\]'"):
         build_model("hf:llama")
     assert main(["trace", "hf:llama"]) == 2
     err = capsys.readouterr().err.strip()
@@ -258,7 +257,7 @@ def test_hf_llama_gets_the_zoo_llamas_plan():
     zoo = build_model("llama", ("vocab=1024", "hidden=128", "layers=2", "heads=4", "kv_heads=2", "ffn_hidden=352"),
                       seq=hf.DEFAULT_SEQ)
     ours = build_model("hf:llama")
-    plans = [planner.plan(b.module, b.example_inputs, "1x4xa100-80gb", global_batch=8) for b in (zoo, ours)]
+    plans = [planner.api.plan(b.module, b.example_inputs, "1x4xa100-80gb", global_batch=8) for b in (zoo, ours)]
     shape = [(p.strategy.dp, p.strategy.tp, p.strategy.pp, p.strategy.microbatch_size) for p in plans]
     assert shape[0] == shape[1]
     assert plans[0].model.params == plans[1].model.params == ours.module.num_parameters()
@@ -269,7 +268,7 @@ def test_hf_llama_gets_the_zoo_llamas_plan():
 def test_plan_each_architecture(arch):
     built = build_model(f"hf:{arch}")
     chain = ir.build_layer_chain(ir.trace(built.module, built.example_inputs, model_name=built.name))
-    result = planner.plan(chain, None, "1x2xa100-80gb", global_batch=4, model_name=built.name)
+    result = planner.api.plan(chain, None, "1x2xa100-80gb", global_batch=4, model_name=built.name)
     s = result.strategy
     assert s.dp * s.tp * s.pp * s.cp == 2 and s.dp * s.microbatch_size * s.num_microbatches == 4
     assert result.model.params == built.module.num_parameters()
@@ -297,7 +296,7 @@ def test_tiny_hf_llama_trains_under_tp2_dp2_like_one_process(tmp_path):
 
     sets = ("num_hidden_layers=2",)
     built = build_model("hf:llama", sets, seq=16)
-    plan = planner.plan(built.module, built.example_inputs, "1x4xcpu", global_batch=8, model_name="hf:llama",
+    plan = planner.api.plan(built.module, built.example_inputs, "1x4xcpu", global_batch=8, model_name="hf:llama",
                         settings=(*(tuple(s.split("=")) for s in sets), ("seq", 16)),
                         space=SearchSpace(tp=2, dp=2, pp=1))
     patterns = {m.module for m in plan.sharding}

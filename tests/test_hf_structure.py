@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 import ir
-import planner
+import planner.api
 from costmodel.expert_parallel import ep_options, ep_problem, expert_param_numel
 from ir.moe_structure import ExpertLayout, routed_experts
+from models.registry import build_model
 from planner.cli.main import main
-from planner.cli.model_registry import build_model
 from planner.errors import UserError
-from planner.search_space import SearchSpace
+from planner.search.space import SearchSpace
 
 transformers = pytest.importorskip("transformers")
 
@@ -92,8 +92,8 @@ def test_deepseek_dense_first_layers_and_group_routing(tmp_path_factory):
 
 def test_expert_parallelism_is_searched_and_priced_for_deepseek(tmp_path_factory):
     built, _, chain = _trace(_saved(tmp_path_factory, "deepseek_v3"), seq=64)
-    fixed = planner.plan(chain, None, "1x8xh100-sxm", global_batch=64, model_name=built.name,
-                         space=SearchSpace(ep=8))
+    fixed = planner.api.plan(chain, None, "1x8xh100-sxm", global_batch=64, model_name=built.name,
+                             space=SearchSpace(ep=8))
     assert fixed.strategy.ep == 8 and fixed.predicted.fits
     assert fixed.model.params == built.module.num_parameters()
 
@@ -165,12 +165,12 @@ def test_deepseek_capacity_dispatch_without_drops_matches_transformers_on_cpu(tm
 def test_tensor_parallel_beyond_the_kv_heads_replicates_them():
     """hf:llama has 4 query and 2 KV heads: tp=4 plans (KV heads replicated in pairs); tp=3 is refused with why."""
     built = build_model("hf:llama", seq=64)
-    plan = planner.plan(built.module, built.example_inputs, "1x4xa100-80gb", global_batch=4,
-                        space=SearchSpace(tp=4, dp=1, pp=1))
+    plan = planner.api.plan(built.module, built.example_inputs, "1x4xa100-80gb", global_batch=4,
+                            space=SearchSpace(tp=4, dp=1, pp=1))
     assert plan.strategy.tp == 4 and plan.predicted.fits
     with pytest.raises(UserError, match="tp=3 does not divide heads=4"):
-        planner.plan(built.module, built.example_inputs, "1x3xa100-80gb", global_batch=3,
-                     space=SearchSpace(tp=3, dp=1, pp=1))
+        planner.api.plan(built.module, built.example_inputs, "1x3xa100-80gb", global_batch=3,
+                         space=SearchSpace(tp=3, dp=1, pp=1))
 
 
 @pytest.mark.multiprocess
@@ -186,8 +186,9 @@ def test_tiny_qwen3_moe_trains_under_ep2_dp4_like_one_process(tmp_path_factory):
     name = _saved(tmp_path_factory, "qwen3_moe", num_hidden_layers=2)
     sets = ("capacity_factor=4",)
     built = build_model(name, sets, seq=16)
-    plan = planner.plan(built.module, built.example_inputs, "1x4xcpu", global_batch=8, model_name=name,
-                        settings=(("capacity_factor", 4.0), ("seq", 16)), space=SearchSpace(ep=2, dp=4, tp=1, pp=1))
+    plan = planner.api.plan(built.module, built.example_inputs, "1x4xcpu", global_batch=8, model_name=name,
+                            settings=(("capacity_factor", 4.0), ("seq", 16)),
+                            space=SearchSpace(ep=2, dp=4, tp=1, pp=1))
     assert plan.strategy.ep == 2
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     path.write_text(json.dumps(plan.to_dict()))

@@ -19,8 +19,8 @@ from costmodel.sharding_problem import FIXED, NO_GRAD, ProblemFlow, ShardingProb
 from costmodel.sharding_rules import StrategyContext, node_strategies
 from ir import build_layer_chain, trace
 from ir.graph import Node, OpKind, TensorSpec
-from planner.cli.model_registry import build_model
-from planner.intra_op import (
+from models.registry import build_model
+from planner.search.intra_op import (
     IntraOpInfeasibleError,
     LayerSharding,
     ShardingCache,

@@ -205,7 +205,7 @@ def _uncached_trace(monkeypatch, model, inputs):
 def test_propagation_cache_is_transparent(case: str, monkeypatch) -> None:
     """Replaying repeated calls from the propagation cache gives exactly the graph of running every call."""
     if case in ("moe-tiny", "t5-tiny"):
-        from planner.cli.model_registry import build_model
+        from models.registry import build_model
 
         built = build_model(case, batch=2)
         model, inputs = built.module, built.example_inputs
@@ -325,7 +325,7 @@ TINY_PRESETS = {
 
 @pytest.mark.parametrize("name", list(TINY_PRESETS))
 def test_zoo_families_trace_and_match_flop_counter_mode(name: str) -> None:
-    from planner.cli.model_registry import build_model, resolve_config
+    from models.registry import build_model, resolve_config
 
     sets = TINY_PRESETS[name]
     torch.manual_seed(0)
@@ -351,7 +351,7 @@ def test_gpt3_175b_traces_fast_with_published_size_and_flops() -> None:
     """Issue 2 acceptance: GPT-3 175B (Brown et al. 2020, Table 2.1: 96 layers, d_model 12288, 96 heads, seq 2048;
     vocab 51200 as in Narayanan et al. 2021) traces in seconds, has 174.6B parameters with tied embeddings, and
     its forward FLOPs match the closed form per layer 24*b*s*h^2 + 4*b*s^2*h plus logits 2*b*s*h*V."""
-    from planner.cli.model_registry import build_model
+    from models.registry import build_model
 
     built = build_model("gpt3-175b", batch=1)
     start = time.perf_counter()
@@ -368,7 +368,7 @@ def test_gpt3_175b_traces_fast_with_published_size_and_flops() -> None:
 
 
 def _all_presets() -> list[str]:
-    from planner.cli.model_registry import list_models
+    from models.registry import list_models
 
     return [e.name for e in list_models()]
 
@@ -377,7 +377,7 @@ def _all_presets() -> list[str]:
 @pytest.mark.parametrize("name", _all_presets())
 def test_every_zoo_model_traces_on_meta(name: str) -> None:
     """Every family and preset, at full size on the meta device, as `stratagem trace` runs it."""
-    from planner.cli.model_registry import build_model, list_models
+    from models.registry import build_model, list_models
 
     built = build_model(name, batch=1)
     graph = ir.trace(built.module, built.example_inputs, model_name=name, dtype="bfloat16")

@@ -10,10 +10,9 @@ Megatron-LM's hand-written layout (`megatron_layer_cost`, which isolates the tim
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
 from pathlib import Path
 
+import korthikanti_reference as reference  # tests/korthikanti_reference.py
 import pytest
 
 from costmodel.memory import korthikanti_layer_activation_bytes
@@ -25,23 +24,14 @@ PUBLISHED_CSV = ROOT.parent / "shared" / "data" / "korthikanti2022_selective_rec
 TOLERANCE = 0.15
 
 
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("costmodel_validation", ROOT / "bench" / "costmodel_validation.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
-ROWS = {r.model: r for r in bench.ROWS}
+ROWS = {r.model: r for r in reference.ROWS}
 
 
 class _Chains(dict):
     """Each model traced once (meta device, at its micro-batch size), on first use."""
 
     def __missing__(self, name: str):
-        self[name] = bench.build_chain(ROWS[name])
+        self[name] = reference.build_chain(ROWS[name])
         return self[name]
 
 
@@ -86,23 +76,23 @@ def _check(preds, *, must_fit: bool):
 def test_iteration_time_with_reference_layout(model, chains):
     """Megatron's layout with its memory optimizations (the column-parallel input kept sequence-sharded and
     re-gathered in backward): the published runs fit in 80 GB, so the prediction must too."""
-    _check(bench.predict_row(ROWS[model], chains[model], sharding="megatron"), must_fit=True)
+    _check(reference.predict_row(ROWS[model], chains[model], sharding="megatron"), must_fit=True)
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_iteration_time_with_planner_sharding(model, chains):
     """The full pipeline. Memory is not asserted: the planner prices what PyTorch's DTensor parallel styles save
     (the all-gathered input of a column-parallel linear under SP), more than Megatron-LM keeps."""
-    pytest.importorskip("planner.intra_op")
-    _check(bench.predict_row(ROWS[model], chains[model], sharding="ilp"), must_fit=False)
+    pytest.importorskip("planner.search.intra_op")
+    _check(reference.predict_row(ROWS[model], chains[model], sharding="ilp"), must_fit=False)
 
 
 def test_22b_layer_times(chains):
     """Table 4: forward within 15%, backward within 30% (the zoo's unfused fp32 softmax chain costs more to
     recompute than Megatron's fused kernel), and the overheads keep their published order."""
-    got = bench.layer_times_22b(chains["22B"], sharding="megatron")
+    got = reference.layer_times_22b(chains["22B"], sharding="megatron")
     for name, (fwd, bwd) in got.items():
-        pf, pb = bench.LAYER_22B_MS[name]
+        pf, pb = reference.LAYER_22B_MS[name]
         print(f"{name}: fwd {fwd:.1f}/{pf} ms, bwd {bwd:.1f}/{pb} ms")
         assert fwd == pytest.approx(pf, rel=0.15)
         assert bwd == pytest.approx(pb, rel=0.30)
@@ -124,7 +114,7 @@ def test_traced_layer_activation_memory(chains):
 
     row = ROWS["22B"]
     chain = chains["22B"]
-    cluster, device = bench.cluster_for(row), get_device(bench.DEVICE)
+    cluster, device = reference.cluster_for(row), get_device(reference.DEVICE)
     block = chain.segments[1]
     nodes = chain.nodes_of(block)
     region = selective_recompute_region(nodes)
@@ -132,10 +122,10 @@ def test_traced_layer_activation_memory(chains):
     assert len(masks) == 2 and all(n.saved_bytes == n.output_specs[0].nbytes for n in masks)
     norms = [n for n in nodes if n.op_kind.value == "norm"]
     stats = sum(n.saved_bytes - n.input_specs[0].nbytes for n in norms)
-    assert stats == 2 * 4 * bench.SEQ * row.microbatch
-    kw = dict(seq=bench.SEQ, batch=row.microbatch, hidden=row.hidden, heads=row.heads, tp=row.tp)
+    assert stats == 2 * 4 * reference.SEQ * row.microbatch
+    kw = dict(seq=reference.SEQ, batch=row.microbatch, hidden=row.hidden, heads=row.heads, tp=row.tp)
     for sp in (False, True):
-        cost = bench.megatron_layer_cost(chain, block, device, cluster, tp=row.tp, sequence_parallel=sp,
+        cost = reference.megatron_layer_cost(chain, block, device, cluster, tp=row.tp, sequence_parallel=sp,
                                          microbatch_size=row.microbatch)
         extra = (sum(n.saved_bytes / 2 for n in masks) + stats) / (row.tp if sp else 1)
         sel = korthikanti_layer_activation_bytes(**kw, sequence_parallel=sp, recompute=Recompute.SELECTIVE)

@@ -86,7 +86,7 @@ def test_encoder_decoder_chain_carries_the_encoder_output() -> None:
 
 
 def test_zoo_t5_decoder_blocks_share_a_class() -> None:
-    from planner.cli.model_registry import build_model
+    from models.registry import build_model
 
     built = build_model("t5-small", batch=1)
     chain = ir.build_layer_chain(ir.trace(built.module, built.example_inputs))
@@ -101,7 +101,7 @@ def test_zoo_t5_decoder_blocks_share_a_class() -> None:
 
 
 def test_zoo_resnet_stem_blocks_and_head() -> None:
-    from planner.cli.model_registry import build_model
+    from models.registry import build_model
 
     built = build_model("resnet-50", batch=1)
     chain = ir.build_layer_chain(ir.trace(built.module, built.example_inputs))

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from models.attention import AttnImpl
+from models.registry import BuiltModel, EntryKind, ModelError, build_model, list_models, resolve_config
 from models.zoo import FAMILIES, PRESETS
-from planner.cli.model_registry import BuiltModel, EntryKind, build_model, list_models, resolve_config
-from planner.errors import UserError
 
 
 def test_preset_builds_on_meta_with_example_inputs() -> None:
@@ -89,7 +88,7 @@ def test_cpu_build_runs_forward_and_loss() -> None:
     ],
 )
 def test_user_errors_are_one_line_and_name_the_problem(args, kwargs, message: str) -> None:
-    with pytest.raises(UserError, match=message) as excinfo:
+    with pytest.raises(ModelError, match=message) as excinfo:
         build_model(*args, **kwargs)
     assert "\n" not in str(excinfo.value)
 
@@ -168,5 +167,5 @@ def test_user_factory_returning_inputs_gets_batch_and_seq(user_module: str) -> N
     ],
 )
 def test_user_factory_errors(user_module: str, spec: str, sets, kwargs, message: str) -> None:
-    with pytest.raises(UserError, match=message):
+    with pytest.raises(ModelError, match=message):
         build_model(f"{user_module}:{spec}", sets, **kwargs)

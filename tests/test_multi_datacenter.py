@@ -12,9 +12,9 @@ from costmodel_graphs import GptShape, gpt_chain
 
 from costmodel import Cluster, Strategy
 from planner import api
-from planner.heterogeneous import axis_tiers
-from planner.mesh_search import DP_INSIDE_PP, PP_INSIDE_DP
-from planner.search import search
+from planner.search.branch_and_bound import search
+from planner.search.device_groups import axis_tiers
+from planner.search.meshes import DP_INSIDE_PP, PP_INSIDE_DP
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 # 39B parameters: 624 GB of mixed-precision Adam state does not fit in one datacenter of 8 x 80 GB, so both

@@ -1,5 +1,5 @@
 """Tests of applying plans: the device mesh, tensor-parallel layouts, pipeline cuts, recomputation,
-`planner.parallelize` + `train_step` against single-process training, and `stratagem run`.
+`planner.runtime.parallelize` + `train_step` against single-process training, and `stratagem run`.
 
 Multi-process tests launch `torchrun --standalone` (gloo, CPU) once per world size with many configs in one
 launch (tests/dist/parallel_worker.py) and compare every config with a single-process run of the same model,
@@ -27,24 +27,22 @@ import pytest
 import torch
 from torch import nn
 
+from costmodel.estimate import resolve_stages
+from costmodel.sharding_rules import Style
 from costmodel.strategy import MeshAxis, Recompute, StageSpec, Strategy
-from planner.apply_pipeline import (
-    build_stage_modules,
-    even_stages,
-    segment_stage_index,
-    stage_indices_of_rank,
-)
-from planner.apply_recompute import apply_recompute, attention_modules, is_collective_op
-from planner.apply_tp import (
+from planner.errors import PlanLoadError, UserError
+from planner.plan import ModuleSharding
+from planner.runtime.apply_pipeline import build_stage_modules, segment_stage_index, stage_indices_of_rank
+from planner.runtime.apply_recompute import apply_recompute, attention_modules, is_collective_op
+from planner.runtime.apply_tp import (
     parallel_styles,
     replicated_islands,
     resolve_styles,
     sequence_parallel_styles,
     shared_parameters,
 )
-from planner.device_mesh import check_world_size, mesh_layout
-from planner.errors import PlanLoadError, UserError
-from planner.plan import ModuleSharding, ShardStyle
+from planner.runtime.device_mesh import check_world_size, mesh_layout
+from planner.runtime.parallelize import plan_stages
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "dist" / "parallel_worker.py"
@@ -118,7 +116,7 @@ def test_world_size_mismatch_is_refused_with_both_numbers():
 
 def test_load_balanced_chunks():
     # 2*cp chunks of T/(2cp): rank r holds chunks r and 2cp-1-r (Llama 3 sec. 3.3.2)
-    from planner.apply_cp import SequenceShard
+    from planner.runtime.apply_cp import SequenceShard
 
     assert SequenceShard(2, 0).positions(8).tolist() == [0, 1, 6, 7]
     assert SequenceShard(2, 1).positions(8).tolist() == [2, 3, 4, 5]
@@ -132,7 +130,7 @@ def test_load_balanced_chunks():
 
 
 def test_split_and_restore_order_round_trip():
-    from planner.apply_cp import SequenceShard
+    from planner.runtime.apply_cp import SequenceShard
 
     x = torch.arange(2 * 12 * 3).reshape(2, 12, 3)
     shards = [SequenceShard(3, r) for r in range(3)]
@@ -144,7 +142,7 @@ def test_split_and_restore_order_round_trip():
 def test_local_queries_against_gathered_keys_equal_full_causal_attention():
     import torch.nn.functional as F
 
-    from planner.apply_cp import SequenceShard, causal_mask
+    from planner.runtime.apply_cp import SequenceShard, causal_mask
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 16, 8, dtype=torch.float64) for _ in range(3))
@@ -161,7 +159,7 @@ def test_local_queries_against_gathered_keys_equal_full_causal_attention():
 
 
 def test_context_parallel_refuses_explicit_attention_and_models_without_blocks():
-    from planner.apply_cp import CpGroup, SequenceShard, apply_context_parallel
+    from planner.runtime.apply_cp import CpGroup, SequenceShard, apply_context_parallel
 
     group = CpGroup(SequenceShard(2, 0), None)  # never used: both fail before communicating
     model = tiny_gpt(attn_impl="math")
@@ -175,7 +173,7 @@ def test_context_parallel_refuses_explicit_attention_and_models_without_blocks()
 
 def test_rotary_tables_read_global_positions():
     from models import llama
-    from planner.apply_cp import CpGroup, SequenceShard, apply_context_parallel
+    from planner.runtime.apply_cp import CpGroup, SequenceShard, apply_context_parallel
 
     model = llama.build(llama.LlamaConfig(**worker.TINY["llama"]), "cpu")
     rotary = model.blocks[0].attn.rotary
@@ -192,7 +190,7 @@ def test_rotary_tables_read_global_positions():
 
 def test_expert_parallelism_keeps_this_ranks_experts():
     from models import moe
-    from planner.apply_ep import EpGroup, apply_expert_parallel, scale_gradient
+    from planner.runtime.apply_ep import EpGroup, apply_expert_parallel, scale_gradient
 
     model = moe.build(moe.MoEConfig(**worker.TINY["moe"]), "cpu")
     full = model.blocks[1].mlp.experts.up_proj.detach().clone()  # (4 experts, 32, 32)
@@ -222,10 +220,21 @@ def test_expert_parallelism_keeps_this_ranks_experts():
 
 # --- pipeline cuts ---------------------------------------------------------------------------------------
 
-def test_even_stages_differ_by_at_most_one_segment():
-    assert [(s.start, s.stop) for s in even_stages(7, 3)] == [(0, 3), (3, 5), (5, 7)]
-    with pytest.raises(UserError, match="3 segments into 4"):
-        even_stages(3, 4)
+def test_a_plan_without_stages_runs_the_split_the_estimator_priced():
+    # The runtime cuts a plan without explicit stages where costmodel.estimate priced it: the blocks spread
+    # evenly, embedding and head on the end stages (a split by segment count would put them differently).
+    model = tiny_gpt(layers=6)
+    chain = _chain(model)
+    for pp, v in ((2, 1), (3, 1), (2, 2)):
+        strategy = Strategy(pp=pp, virtual_stages=v, num_microbatches=2 * pp,
+                            schedule="interleaved" if v > 1 else "1f1b", recompute=Recompute.FULL)
+        stages = plan_stages(strategy, chain)
+        assert stages == resolve_stages(chain, strategy)
+        assert all(s.recompute is Recompute.FULL for s in stages)
+    # embedding | 6 blocks | head: two blocks per stage (a split by segment count would give 3, 3, 2 segments)
+    assert [s.num_segments for s in plan_stages(Strategy(pp=3, num_microbatches=3), chain)] == [3, 2, 3]
+    with pytest.raises(UserError, match=f"{len(chain)} segments into {len(chain) + 1}"):
+        plan_stages(Strategy(pp=len(chain) + 1), chain)
 
 
 def test_stage_ranges_must_tile_the_chain():
@@ -272,7 +281,7 @@ def test_stage_modules_compose_to_the_model(first_blocks):
 
 
 def test_stage_output_must_be_a_tensor():
-    from planner.apply_pipeline import check_stage_outputs
+    from planner.runtime.apply_pipeline import check_stage_outputs
 
     with pytest.raises(UserError, match="'size' .*int.* crosses a pipeline cut"):
         check_stage_outputs(("x", "size"), torch.zeros(1), 3)
@@ -282,12 +291,12 @@ def test_stage_output_must_be_a_tensor():
 
 def test_first_matching_pattern_wins_and_unknown_patterns_are_refused():
     model = tiny_gpt()
-    styles = resolve_styles(model, (ModuleSharding("blocks.0.attn.q_proj", ShardStyle.REPLICATE),
-                                    ModuleSharding("blocks.*.attn.q_proj", ShardStyle.COLWISE)))
-    assert styles["blocks.0.attn.q_proj"] is ShardStyle.REPLICATE
-    assert styles["blocks.3.attn.q_proj"] is ShardStyle.COLWISE
+    styles = resolve_styles(model, (ModuleSharding("blocks.0.attn.q_proj", Style.REPLICATE),
+                                    ModuleSharding("blocks.*.attn.q_proj", Style.COLWISE)))
+    assert styles["blocks.0.attn.q_proj"] is Style.REPLICATE
+    assert styles["blocks.3.attn.q_proj"] is Style.COLWISE
     with pytest.raises(UserError, match=r"'blocks\.\*\.mlp\.gate_proj'.*modules: tok_embed"):
-        resolve_styles(model, (ModuleSharding("blocks.*.mlp.gate_proj", ShardStyle.COLWISE),))
+        resolve_styles(model, (ModuleSharding("blocks.*.mlp.gate_proj", Style.COLWISE),))
 
 
 def test_layouts_follow_colwise_rowwise_pairs():
@@ -302,7 +311,7 @@ def test_layouts_follow_colwise_rowwise_pairs():
     assert plain["blocks.0.attn.o_proj"].output_layouts == (Replicate(),)
     assert "blocks.0.attn_norm" not in plain
     sp_styles = sequence_parallel_styles(model, styles)
-    assert sp_styles["blocks.2.mlp_norm"] is ShardStyle.SEQUENCE and "norm" not in sp_styles
+    assert sp_styles["blocks.2.mlp_norm"] is Style.SEQUENCE and "norm" not in sp_styles
     sp = parallel_styles(model, sp_styles, sequence_parallel=True)
     assert sp["blocks.0.attn.o_proj"].output_layouts == (Shard(1),)        # reduce-scatter over the sequence
     assert isinstance(sp["blocks.0.attn_norm"], SequenceParallel)
@@ -315,7 +324,7 @@ def test_sub_layers_without_a_colwise_rowwise_pair_run_replicated_under_sequence
 
     model = tiny_gpt()
     # the up projection alone is colwise: it gathers its output, so the MLP must read and return full sequences
-    sharding = worker.TP_ATTENTION + (("blocks.*.mlp.up_proj", ShardStyle.COLWISE),)
+    sharding = worker.TP_ATTENTION + (("blocks.*.mlp.up_proj", Style.COLWISE),)
     styles = sequence_parallel_styles(model, resolve_styles(model, tuple(ModuleSharding(p, s) for p, s in sharding)))
     assert replicated_islands(model, styles) == [f"blocks.{i}.mlp" for i in range(len(model.blocks))]
     sp = parallel_styles(model, styles, sequence_parallel=True)
@@ -326,7 +335,7 @@ def test_sub_layers_without_a_colwise_rowwise_pair_run_replicated_under_sequence
 def test_selective_recompute_saves_collective_outputs():
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from planner.apply_recompute import _attention_module_policy, _inline_attention_policy
+    from planner.runtime.apply_recompute import _attention_module_policy, _inline_attention_policy
 
     functional = torch.ops._c10d_functional
     for op in (functional.all_gather_into_tensor.default, functional.reduce_scatter_tensor.default,
@@ -339,10 +348,10 @@ def test_selective_recompute_saves_collective_outputs():
 
 
 def test_style_on_the_wrong_module_type_is_refused():
-    from planner.apply_tp import apply_tensor_parallel
+    from planner.runtime.apply_tp import apply_tensor_parallel
 
     with pytest.raises(UserError, match="blocks.0.attn_norm .LayerNorm. cannot be colwise-sharded"):
-        apply_tensor_parallel(tiny_gpt(), (ModuleSharding("blocks.0.attn_norm", ShardStyle.COLWISE),), None,
+        apply_tensor_parallel(tiny_gpt(), (ModuleSharding("blocks.0.attn_norm", Style.COLWISE),), None,
                               sequence_parallel=False)
 
 
@@ -403,7 +412,7 @@ def test_selective_recompute_reruns_only_the_attention_core(attn_impl):
 
 
 def test_layers_are_blocks_or_the_roots_children_with_lists_expanded():
-    from planner.parallelize import model_layers
+    from planner.runtime.parallelize import model_layers
 
     assert [n for n, _ in model_layers(tiny_gpt())] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
     user = worker.UserMLP(worker.UserMLPConfig(depth=2))
@@ -438,7 +447,7 @@ def _plan_for(model: nn.Module, strategy: dict[str, Any], *, fingerprint: str | 
 
 
 def test_parallelize_needs_torch_distributed():
-    from planner.parallelize import parallelize
+    from planner.runtime.parallelize import parallelize
 
     model = tiny_gpt()
     with pytest.raises(UserError, match="not initialized; run under torchrun"):
@@ -446,7 +455,7 @@ def test_parallelize_needs_torch_distributed():
 
 
 def test_plans_for_another_model_or_world_are_refused(single_rank_group):
-    from planner.parallelize import parallelize
+    from planner.runtime.parallelize import parallelize
 
     model = tiny_gpt()
     with pytest.raises(PlanLoadError, match="needs 2 processes"):
@@ -461,8 +470,8 @@ def test_plans_for_another_model_or_world_are_refused(single_rank_group):
 
 def test_single_rank_accumulation_matches_one_big_batch(single_rank_group):
     from models import gpt
-    from planner.parallelize import parallelize
-    from planner.train_step import local_batch, train_step
+    from planner.runtime.parallelize import parallelize
+    from planner.runtime.train_step import local_batch, train_step
 
     model, ref = tiny_gpt(), tiny_gpt()
     pm = parallelize(model, _plan_for(model, dict(microbatch_size=2, num_microbatches=3)), loss_fn=gpt.loss)
@@ -482,7 +491,7 @@ def test_partial_gradients_are_synced_in_one_buffer_with_their_parameters_layout
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-    from planner.train_step import sync_partial_gradients
+    from planner.runtime.train_step import sync_partial_gradients
 
     mesh = init_device_mesh("cpu", (1,))
     norms = [nn.Parameter(distribute_tensor(torch.ones(n), mesh, [Replicate()])) for n in (3, 5)]

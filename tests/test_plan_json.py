@@ -8,13 +8,13 @@ import json
 import pytest
 
 import ir
-import planner
+import planner.api
 from costmodel.cluster import Cluster
+from models.registry import build_model
 from planner.api import estimate, estimate_plan
-from planner.cli.model_registry import build_model
 from planner.errors import PlanLoadError
 from planner.plan import SCHEMA_VERSION, Plan
-from planner.search_space import SearchSpace
+from planner.search.space import SearchSpace
 
 _CACHE: dict[str, Plan] = {}
 
@@ -28,7 +28,7 @@ def _chain():
 def searched_plan() -> Plan:
     if "plan" not in _CACHE:
         built, chain = _chain()
-        _CACHE["plan"] = planner.plan(chain, None, "2x4xa100-80gb", global_batch=32, model_name=built.name,
+        _CACHE["plan"] = planner.api.plan(chain, None, "2x4xa100-80gb", global_batch=32, model_name=built.name,
                                       settings=built.settings, space=SearchSpace(pp=2))
     return _CACHE["plan"]
 

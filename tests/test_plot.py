@@ -13,7 +13,7 @@ from planner.errors import UserError
 
 pytest.importorskip("matplotlib")
 
-from planner.plot import KIND_COLORS, plot_plan  # noqa: E402
+from planner.reports.plot import KIND_COLORS, plot_plan  # noqa: E402
 
 
 def _pixels(path):

@@ -1,16 +1,14 @@
-"""`stratagem profile` and `planner.profiler`: measured op timings keyed exactly as the cost model looks them up,
+"""`stratagem profile` and `planner.profiling.ops`: measured op timings keyed exactly as the cost model looks them up,
 used by node_time / price_segment / the sharding pricer when present, the analytical model otherwise; the CLI; and
 the fidelity benchmark's metrics."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 import time
-from pathlib import Path
 
+import fidelity_metrics as fidelity
 import pytest
 import torch
 
@@ -23,15 +21,11 @@ from costmodel.sharding_cost import build_sharding_model
 from ir.graph import OpKind
 from planner.cli.main import main
 from planner.cli.profile_cmd import microbatch_sizes
-from planner.profiler import (
-    ProfileOptions,
-    RecordingPricer,
-    StandardOps,
-    Statistic,
-    compute_clock,
-    profile_module,
-    runnable_graph,
-)
+from planner.profiling.ops import profile_module, runnable_graph
+from planner.profiling.options import ProfileOptions, Statistic
+from planner.profiling.requests import StandardOps
+from planner.profiling.timing import compute_clock
+from planner.profiling.variants import RecordingPricer
 
 CPU = get_device("cpu")
 FAST = dict(warmup=1, repeats=3)
@@ -226,7 +220,7 @@ def test_cli_user_errors_are_one_line(argv, message, capsys, tmp_path):
 
 @pytest.mark.multiprocess
 def test_collectives_are_measured_and_fitted():
-    from planner.profiler import CollectiveOptions, collective_profile
+    from planner.profiling.collectives import CollectiveOptions, collective_profile
 
     prof = collective_profile(CollectiveOptions(max_ranks=2, sizes=(4096, 1 << 20), warmup=1, repeats=3))
     assert {s.kind.value for s in prof.samples} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
@@ -235,39 +229,28 @@ def test_collectives_are_measured_and_fitted():
     assert link is not None and link.alpha_s >= 0 and link.bandwidth_bytes_per_s > 0 and link.samples == 8
 
 
-# ---- the fidelity benchmark's metrics ---------------------------------------------------------------------------
-
-def _bench():
-    path = Path(__file__).resolve().parent.parent / "bench" / "fidelity.py"
-    spec = importlib.util.spec_from_file_location("bench_fidelity", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
+# ---- the fidelity benchmark's metrics (tests/fidelity_metrics.py, used by bench/fidelity.py) ---------------------
 
 def test_spearman_and_mape_closed_forms():
-    b = _bench()
-    assert b.spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)       # 1 - 6*2/(4*15)
-    assert b.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(4.5 / math.sqrt(22.5))  # tie-averaged ranks
-    assert b.spearman([3, 2, 1], [1, 2, 3]) == pytest.approx(-1.0)
-    assert b.ranks_of([10, 30, 20, 30]) == [1, 3.5, 2, 3.5]
-    assert b.mape([1.1, 0.9], [1.0, 1.0]) == pytest.approx(0.1)
+    assert fidelity.spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)       # 1 - 6*2/(4*15)
+    assert fidelity.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(4.5 / math.sqrt(22.5))  # tie-averaged ranks
+    assert fidelity.spearman([3, 2, 1], [1, 2, 3]) == pytest.approx(-1.0)
+    assert fidelity.ranks_of([10, 30, 20, 30]) == [1, 3.5, 2, 3.5]
+    assert fidelity.mape([1.1, 0.9], [1.0, 1.0]) == pytest.approx(0.1)
 
 
 def test_regret_uses_the_side_by_side_confirmation():
-    b = _bench()
     key_a = (1, 1, 2, 2, 2, "1f1b", 1, 0, False, "none")
     key_b = (1, 1, 2, 1, 4, "1f1b", 1, 0, False, "none")
-    cases = [b.Case(id="a", cluster="1x2xcpu", key=key_a, plan={}, labels=("choice:profiled",),
+    cases = [fidelity.Case(id="a", cluster="1x2xcpu", key=key_a, plan={}, labels=("choice:profiled",),
                     predicted={"profiled": {"step_time_s": 0.010, "memory_bytes": [100]}}),
-             b.Case(id="b", cluster="1x2xcpu", key=key_b, plan={},
+             fidelity.Case(id="b", cluster="1x2xcpu", key=key_b, plan={},
                     predicted={"profiled": {"step_time_s": 0.011, "memory_bytes": [100]}})]
     measured = {"a": {"step_time_s": 0.031, "memory_bytes": [110]}, "b": {"step_time_s": 0.026, "memory_bytes": [90]}}
-    first = b.summarize(cases, measured, "profiled")
+    first = fidelity.summarize(cases, measured, "profiled")
     assert first["regret"] == pytest.approx(0.031 / 0.026) == first["regret_first_pass"]
-    confirmed = {b.describe(key_a): 0.027, b.describe(key_b): 0.028}
-    again = b.summarize(cases, measured, "profiled", confirmed)
+    confirmed = {fidelity.describe(key_a): 0.027, fidelity.describe(key_b): 0.028}
+    again = fidelity.summarize(cases, measured, "profiled", confirmed)
     assert again["regret"] == pytest.approx(1.0) and again["regret_first_pass"] == first["regret"]
     assert again["memory_error"] == pytest.approx((0.1 / 1.1 + 0.1 / 0.9) / 2)
 
@@ -275,7 +258,6 @@ def test_regret_uses_the_side_by_side_confirmation():
 def test_peak_during_reconstructs_the_allocator_peak():
     from torch.profiler import ProfilerActivity, profile
 
-    b = _bench()
     mib = 1 << 20
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         a = torch.empty(mib, dtype=torch.uint8)
@@ -283,39 +265,40 @@ def test_peak_during_reconstructs_the_allocator_peak():
         del a
         d = torch.empty(mib // 2, dtype=torch.uint8)
         del c, d
-    assert b.peak_during(prof, 5 * mib) == 5 * mib + 3 * mib
+    assert fidelity.peak_during(prof, 5 * mib) == 5 * mib + 3 * mib
 
 
 def test_primary_error_is_the_cause_not_the_echo():
-    b = _bench()
     errors = ["RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234",
               "RuntimeError: The size of tensor a (32) must match the size of tensor b (64)",
               "RuntimeError: Could not resolve the process group registered under the name 7"]
-    assert b.primary_error(errors) == errors[1]
-    assert b.primary_error(errors[:1]) == errors[0]  # only echoes: keep what there is
+    assert fidelity.primary_error(errors) == errors[1]
+    assert fidelity.primary_error(errors[:1]) == errors[0]  # only echoes: keep what there is
 
 
-def test_cli_profile_option_loads_and_calibrates(tmp_path):
+def test_profile_loads_and_calibrates_the_cluster(tmp_path):
     from costmodel.cluster import Cluster
     from costmodel.collective_fit import CollectiveProfile, CollectiveSample
     from costmodel.collectives import Collective
-    from planner.cli.common import load_profile
+    from planner.api import as_cluster, load_profile
     from planner.errors import UserError
 
     cluster = Cluster.parse("1x2xcpu")
-    assert load_profile(None, cluster) == (None, cluster)
+    assert as_cluster(cluster, None) is cluster
     samples = [CollectiveSample(Collective.ALL_REDUCE, 2, float(s), 1e-4 + s / 1e9) for s in (4096, 1 << 20)]
     prof = OpProfile(collectives=CollectiveProfile.from_samples(samples))
     path = tmp_path / "p.json"
     prof.save(path)
-    loaded, calibrated = load_profile(str(path), cluster)
+    loaded = load_profile(str(path))
     assert loaded == prof
+    calibrated = as_cluster("1x2xcpu", loaded)
     assert calibrated.tiers[0].bandwidth == pytest.approx(1e9) and calibrated.tiers[0].latency == pytest.approx(5e-5)
+    assert as_cluster(calibrated, loaded) == calibrated  # calibrating twice changes nothing
     with pytest.raises(UserError, match="does not exist"):
-        load_profile(str(tmp_path / "missing.json"), cluster)
+        load_profile(str(tmp_path / "missing.json"))
     path.write_text("{")
     with pytest.raises(UserError, match="not valid JSON"):
-        load_profile(str(path), cluster)
+        load_profile(str(path))
 
 
 def test_cpu_compute_is_timed_on_the_thread_clock() -> None:

@@ -34,11 +34,11 @@ import ir
 from costmodel.cluster import Cluster
 from costmodel.memory import GIB, framework_overhead_bytes
 from ir.layer_chain import LayerChain
-from planner.cli.model_registry import build_model
+from models.registry import build_model
 from planner.errors import InfeasibleError
-from planner.layer_costs import LayerCostTable
 from planner.plan import ModelInfo, Plan, SearchInfo, TrainingConfig
-from planner.search import SearchOptions, SearchResult, search
+from planner.search.branch_and_bound import SearchOptions, SearchResult, search
+from planner.search.layer_costs import LayerCostTable
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ CLUSTERS = ("1x1xcpu", "1x2xcpu", "1x4xcpu", "1x2xa100-80gb", "2x2xa100-80gb", "
 MORE_DEVICES = (("1x1xcpu", "1x2xcpu"), ("1x2xcpu", "1x4xcpu"), ("1x2xa100-80gb", "1x4xa100-80gb"),
                 ("1x2xa100-80gb", "2x2xa100-80gb"), ("2x2xa100-80gb", "4x2xa100-80gb"), ("1x4xt4", "2x4xt4"))
 """(smaller, larger) pairs: more devices in one node, or twice the nodes. The time search plans for every device,
-for power-of-two numbers of whole nodes and for every count within a node (`planner.search.device_counts`), so
+for power-of-two numbers of whole nodes and for every count within a node (`planner.search.branch_and_bound.device_counts`), so
 a cluster's search covers that of half its nodes; from 3 nodes to 4 it does not, by design."""
 
 

@@ -14,10 +14,17 @@ from costmodel import Cluster, StageSpec, Strategy
 from planner import api
 from planner.cli.main import main
 from planner.errors import PlanLoadError
-from planner.heterogeneous import device_map
 from planner.plan import Plan
-from planner.replan import OptionKind, PlanningSession, ReplanScope, plan_distance, pricing_signature, replan
-from planner.search import search
+from planner.scenarios.replan import (
+    OptionKind,
+    PlanningSession,
+    ReplanScope,
+    plan_distance,
+    pricing_signature,
+    replan,
+)
+from planner.search.branch_and_bound import search
+from planner.search.device_groups import device_map
 
 SHAPE = GptShape(layers=12, hidden=1024, heads=16, seq=1024, vocab=128, batch=1)
 BATCH = 32

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from costmodel.strategy import MeshAxis, Recompute, Schedule
-from planner.mesh_search import (
+from planner.search.meshes import (
     DP_INSIDE_PP,
     PP_INSIDE_DP,
     MeshCandidate,
@@ -13,7 +13,7 @@ from planner.mesh_search import (
     divisors,
     enumerate_meshes,
 )
-from planner.search_space import SearchSpace
+from planner.search.space import SearchSpace
 
 
 def test_divisors() -> None:
@@ -109,12 +109,14 @@ import ir  # noqa: E402
 from costmodel.cluster import Cluster  # noqa: E402
 from costmodel.estimate import estimate, even_stages  # noqa: E402
 from costmodel.strategy import StageSpec, Strategy  # noqa: E402
-from planner.cli.model_registry import build_model  # noqa: E402
+from models.registry import build_model  # noqa: E402
 from planner.errors import InfeasibleError, UserError  # noqa: E402
-from planner.layer_costs import LayerCostTable  # noqa: E402
-from planner.search import SearchOptions, enumerate_candidates, layer_cost_map, search  # noqa: E402
-from planner.stage_partition import Partition, StageChoice, evaluate  # noqa: E402
-from planner.stage_problem import Candidate, StageProblem, StageProblemBuilder  # noqa: E402
+from planner.search.branch_and_bound import SearchOptions, search  # noqa: E402
+from planner.search.candidates import Candidate, enumerate_candidates  # noqa: E402
+from planner.search.layer_costs import LayerCostTable  # noqa: E402
+from planner.search.pricing import layer_cost_map  # noqa: E402
+from planner.search.stage_partition import Partition, StageChoice, evaluate  # noqa: E402
+from planner.search.stage_problem import StageProblem, StageProblemBuilder  # noqa: E402
 
 GPT_TINY = ("layers=3", "hidden=256", "heads=8", "vocab=1000", "seq=128")
 GPT_INTERLEAVE = ("layers=4", "hidden=256", "heads=8", "vocab=1000", "seq=128")

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from planner.stage_partition import (
+from planner.search.stage_partition import (
     PartitionProblem,
     StageChoice,
     StageKind,

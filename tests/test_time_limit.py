@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 import ir
-import planner
-import planner.intra_op  # noqa: F401  (the solver's one-time import is not search time; see planner.search)
+import planner.api
+import planner.search.intra_op  # noqa: F401  (the solver's one-time import is not search time; see planner.search.branch_and_bound)
 from costmodel.cluster import Cluster
 from ir.layer_chain import LayerChain
-from planner.cli.model_registry import build_model
+from models.registry import build_model
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL, CLUSTER, BATCH = "gpt3-175b", "128x8xa100-80gb", 1536
@@ -42,7 +42,7 @@ def gpt3_chain() -> LayerChain:
 def limited_plan() -> tuple[planner.Plan, float]:
     chain, cluster = gpt3_chain(), Cluster.parse(CLUSTER)
     start = time.monotonic()
-    plan = planner.plan(chain, None, cluster, global_batch=BATCH, time_limit_s=LIMIT_S, model_name=MODEL)
+    plan = planner.api.plan(chain, None, cluster, global_batch=BATCH, time_limit_s=LIMIT_S, model_name=MODEL)
     return plan, time.monotonic() - start
 
 
@@ -67,7 +67,7 @@ def test_full_search_takes_longer_and_is_no_worse() -> None:
     the cut-short plan is never better than the optimum, nor below its own stated lower bound."""
     limited, _ = limited_plan()
     start = time.monotonic()
-    full = planner.plan(gpt3_chain(), None, Cluster.parse(CLUSTER), global_batch=BATCH, model_name=MODEL)
+    full = planner.api.plan(gpt3_chain(), None, Cluster.parse(CLUSTER), global_batch=BATCH, model_name=MODEL)
     assert time.monotonic() - start > LIMIT_S + GRACE_S
     assert full.search.status == "optimal" and full.search.optimality_gap == 0.0
     assert full.predicted.step_time_s <= limited.predicted.step_time_s

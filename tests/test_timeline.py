@@ -13,7 +13,7 @@ from plan_factory import make_plan
 from costmodel.pipeline import pipeline_times
 from costmodel.strategy import Recompute, Schedule
 from planner.errors import UserError
-from planner.timeline import (
+from planner.reports.timeline import (
     EventKind,
     PipelineOp,
     StepTimeline,

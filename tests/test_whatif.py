@@ -14,8 +14,7 @@ from costmodel import Cluster
 from costmodel.catalog import get_device
 from planner.cli.main import main
 from planner.errors import UserError
-from planner.search_space import Objective
-from planner.whatif import (
+from planner.scenarios.whatif import (
     VaryKind,
     WhatIfOptions,
     parse_vary,
@@ -25,6 +24,7 @@ from planner.whatif import (
     spec_mapping,
     whatif,
 )
+from planner.search.space import Objective
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 TWO_DC = str(EXAMPLES / "two-datacenters.yaml")

@@ -82,22 +82,6 @@ def add_profile_argument(parser: argparse.ArgumentParser) -> None:
                              "and its collective fits calibrate the links inside a node")
 
 
-def load_profile(path: str | None, cluster: Cluster) -> tuple[Any, Cluster]:
-    """(`OpProfile` or None, `cluster` with its node links calibrated by the profile's collective fits)."""
-    if path is None:
-        return None, cluster
-    from costmodel.collective_fit import calibrated_cluster
-    from costmodel.profile_db import OpProfile
-
-    try:
-        profile = OpProfile.load(path)
-    except ValueError as e:
-        raise UserError(f"--profile {path}: {_one_line(e)}") from None
-    except OSError as e:
-        raise UserError(f"--profile {path}: cannot read it: {e.strerror or e}") from None
-    return profile, calibrated_cluster(cluster, profile.collectives)
-
-
 def parse_cluster(spec: str) -> Cluster:
     """`Cluster.parse` with its ValueError / missing-file errors turned into one-line user errors."""
     try:
@@ -112,7 +96,7 @@ def parse_cluster(spec: str) -> Cluster:
 
 def build_model(name: str, sets: Sequence[str], *, seq: int | None, batch: int = 1) -> Any:
     """The registry's `BuiltModel` on the meta device, with a traced batch of `batch`."""
-    from planner.cli.model_registry import build_model as registry_build
+    from models.registry import build_model as registry_build
 
     try:
         return registry_build(name, sets, batch=batch, seq=seq, device="meta")

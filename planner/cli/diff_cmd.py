@@ -13,13 +13,14 @@ import argparse
 
 from planner.cli.common import percent
 from planner.errors import UserError
+from planner.plan import Plan
 
 EXIT_REGRESSION = 1
 """Exit status when `--fail-on-regression` trips (DESIGN.md: non-zero; 2 stays reserved for user errors)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from planner.diff import DiffFormat
+    from planner.reports.diff import DiffFormat
 
     p = subparsers.add_parser("diff", help="what changed between two plans (text, markdown or JSON)",
                               description=__doc__.split("\n\n")[1])
@@ -34,13 +35,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.cli.explain_cmd import load_plan
-    from planner.diff import DiffFormat, diff_plans, render
+    from planner.reports.diff import DiffFormat, diff_plans, render
 
     fmt = DiffFormat.JSON if args.json else DiffFormat(args.format)
     if args.json and args.format not in (DiffFormat.TEXT.value, DiffFormat.JSON.value):
         raise UserError(f"--json conflicts with --format {args.format}; give one of them")
-    old, new = load_plan(args.old), load_plan(args.new)
+    old, new = Plan.load(args.old), Plan.load(args.new)
     diff = diff_plans(old, new, old_label=args.old, new_label=args.new)
     print(render(diff, fmt, threshold_pct=args.fail_on_regression), end="")
     if args.fail_on_regression is not None and diff.regressions(args.fail_on_regression):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from costmodel.strategy import Recompute, Schedule, Strategy
-from planner.api import estimate_plan
+from planner.api import estimate_plan, load_profile
 from planner.cli.common import (
     add_cluster_argument,
     add_dtype_argument,
@@ -21,7 +21,6 @@ from planner.cli.common import (
     build_model,
     check_output_path,
     input_paths,
-    load_profile,
     parse_cluster,
     positive_int,
     trace_chain,
@@ -74,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     inputs = input_paths(args.cluster)
     outputs = {"-o": check_output_path(args.output, inputs)} if args.output else {}
     cluster = parse_cluster(args.cluster)
-    profile, cluster = load_profile(args.profile, cluster)
+    profile = load_profile(args.profile) if args.profile else None
     per_step = args.dp * args.mbs
     if args.batch % per_step:
         raise UserError(f"--batch {args.batch} is not a multiple of dp*mbs = {args.dp}*{args.mbs} = {per_step}")

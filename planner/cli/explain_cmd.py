@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from planner.errors import PlanLoadError, UserError
+from planner.errors import UserError
 from planner.plan import Plan
 
 
@@ -31,24 +31,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def load_plan(path: str) -> Plan:
-    """Read a plan file; every way it can be unreadable is a one-line `PlanLoadError`."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PlanLoadError(f"plan file {path} does not exist") from None
-    except IsADirectoryError:
-        raise PlanLoadError(f"plan file {path} is a directory") from None
-    except UnicodeDecodeError:
-        raise PlanLoadError(f"plan file {path} is not text (UTF-8 JSON expected)") from None
-    except OSError as e:
-        raise PlanLoadError(f"cannot read plan file {path}: {e.strerror or e}") from None
-    try:
-        return Plan.from_json(text)
-    except PlanLoadError as e:
-        raise PlanLoadError(f"{path}: {e}") from None
-
-
 def check_output(flag: str, path: str, inputs: Sequence[str]) -> Path:
     """An output path that is not an input, not a directory, and whose folder exists."""
     out = Path(path)
@@ -62,21 +44,10 @@ def check_output(flag: str, path: str, inputs: Sequence[str]) -> Path:
     return out
 
 
-def write_pictures(plan: Plan, *, timeline_path: Path | None, plot_path: Path | None) -> None:
-    """The `--timeline` and `--plot` outputs shared by `explain` (and usable by `plan`)."""
-    if timeline_path is not None:
-        from planner.timeline import write_timeline
-
-        write_timeline(plan, timeline_path)
-    if plot_path is not None:
-        from planner.plot import plot_plan
-
-        plot_plan(plan, plot_path)
-
-
 def run(args: argparse.Namespace) -> int:
-    from planner.explain import explain_plan, render_explanation
-    from planner.timeline import build_timeline
+    from planner.reports.explain import explain_plan, render_explanation
+    from planner.reports.plot import write_pictures
+    from planner.reports.timeline import build_timeline
 
     if args.alternatives < 0:
         raise UserError(f"--alternatives must be >= 0, got {args.alternatives}")
@@ -84,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     plot_path = check_output("--plot", args.plot, [args.plan]) if args.plot else None
     if timeline_path is not None and plot_path is not None and timeline_path.resolve() == plot_path.resolve():
         raise UserError(f"--timeline and --plot name the same file {args.plot}")
-    plan = load_plan(args.plan)
+    plan = Plan.load(args.plan)
     timeline = build_timeline(plan) if (timeline_path or plot_path) else None
     explanation = explain_plan(plan, timeline=timeline)
     write_pictures(plan, timeline_path=timeline_path, plot_path=plot_path)

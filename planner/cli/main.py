@@ -1,6 +1,7 @@
 """`stratagem` command line: one sub-command per module in this package, each with `register(subparsers)`.
 
-Exit codes: 0 success, 2 a user error (one line on stderr, no traceback), 1 an internal error.
+Exit codes: 0 success, 2 a user error (`UserError`, or `ModelError` from the model registry: one line on
+stderr, no traceback), 1 an internal error.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from models.registry import ModelError
 from planner.errors import UserError
 
 # Each module defines `register(subparsers) -> None`, which adds its parser with `set_defaults(func=...)`;
@@ -23,8 +25,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "planner.cli.diff_cmd",
     "planner.cli.run_cmd",
     "planner.cli.profile_cmd",
-    "planner.cli.replan_cmd",   # issue 7
-    "planner.cli.whatif_cmd",   # issue 7
+    "planner.cli.replan_cmd",
+    "planner.cli.whatif_cmd",
 )
 
 
@@ -46,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
-    except UserError as e:
+    except (UserError, ModelError) as e:
         print(f"stratagem: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -12,7 +12,7 @@ import enum
 import json
 from typing import Any
 
-from planner.cli.model_registry import ModelEntry, list_models
+from models.registry import ModelEntry, list_models
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

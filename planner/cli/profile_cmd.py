@@ -147,17 +147,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from costmodel.profile_db import OpProfile
-    from planner.framework_profile import FrameworkOptions, framework_meta, measure_framework
-    from planner.profiler import (
-        STANDARD_SET,
-        CollectiveOptions,
-        ModelRequest,
-        ProfileOptions,
-        Statistic,
-        collective_profile,
-        profile_concurrently,
-        profile_requests,
-    )
+    from planner.profiling.collectives import CollectiveOptions, collective_profile
+    from planner.profiling.framework import FrameworkOptions, framework_meta, measure_framework
+    from planner.profiling.options import ProfileOptions, Statistic
+    from planner.profiling.requests import STANDARD_SET, ModelRequest, profile_concurrently, profile_requests
 
     _check(args)
     out = check_output_path(args.output)

@@ -34,7 +34,7 @@ DEFAULT_STICKINESS_PCT = 2.0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from planner.replan import ReplanScope
+    from planner.scenarios.replan import ReplanScope
 
     p = subparsers.add_parser("replan", help="re-plan an existing plan for a changed cluster (stragglers, failures)",
                               description=__doc__.split("\n\n")[1])
@@ -73,12 +73,11 @@ def _model_chain(plan: Plan) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.cli.explain_cmd import load_plan
-    from planner.diff import diff_plans, diff_to_dict, render_markdown, render_text
-    from planner.replan import cluster_changes, replan
+    from planner.reports.diff import diff_plans, diff_to_dict, render_markdown, render_text
+    from planner.scenarios.replan import cluster_changes, replan
 
     output = check_output_path(args.output, input_paths(args.plan, args.cluster)) if args.output else None
-    old = load_plan(args.plan)
+    old = Plan.load(args.plan)
     cluster = parse_cluster(args.cluster)
     from costmodel.cluster import Cluster
 

@@ -1,7 +1,7 @@
 """`stratagem run MODEL --plan PLAN.json --steps N [--set ...] [--nproc K] [--check] [--json]`: execute a plan.
 
 Trains N steps of the plan on synthetic data (the model's example batch at the plan's global batch size, fixed
-seed, the same batch every step) with `planner.parallelize` + `planner.train_step`: gloo on CPU, NCCL when
+seed, the same batch every step) with `planner.runtime.parallelize` + `planner.runtime.train_step`: gloo on CPU, NCCL when
 CUDA is available. Prints the loss of each step, the measured step time and peak memory beside the plan's
 predictions. `--check` also trains the unsharded model on one process with the same seed, data and
 optimizer and fails (exit 1) when the largest relative loss difference exceeds `--tolerance`.
@@ -29,6 +29,7 @@ from typing import Any
 
 from planner.cli.common import add_model_arguments, positive_float, positive_int
 from planner.errors import PlanLoadError, UserError
+from planner.plan import Plan
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")
@@ -78,12 +79,11 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.cli.explain_cmd import load_plan
 
-    plan = load_plan(args.plan)
+    plan = Plan.load(args.plan)
     world = plan.strategy.num_devices
     if args.nproc is not None and args.nproc != world:
-        from planner.device_mesh import describe_degrees
+        from planner.runtime.device_mesh import describe_degrees
 
         raise UserError(f"--nproc {args.nproc} but the plan needs {world} processes "
                         f"({describe_degrees(plan.strategy)})")
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
 def _preflight(args: argparse.Namespace, plan: Any) -> None:
     """Check on the meta device (no weights) that the plan was made for this model."""
     from planner.cli.common import build_model, trace_chain
-    from planner.parallelize import check_plan_matches
+    from planner.runtime.parallelize import check_plan_matches
 
     probe = build_model(args.model, args.sets, seq=args.seq if args.seq is not None else plan.training.seq_len)
     _explain_mismatch(plan, lambda: check_plan_matches(probe.module, plan, chain=trace_chain(probe, dtype=plan.training.dtype)))
@@ -151,8 +151,8 @@ def _run_rank(args: argparse.Namespace, plan: Any) -> int:
 def _build(args: argparse.Namespace, plan: Any, device: Any) -> Any:
     import torch
 
+    from models.registry import build_model as registry_build
     from planner.cli.common import build_model
-    from planner.cli.model_registry import build_model as registry_build
 
     torch.manual_seed(args.seed)  # every rank (and the --check reference) starts from the same weights
     seq = args.seq if args.seq is not None else plan.training.seq_len
@@ -201,7 +201,7 @@ def _train_and_report(args: argparse.Namespace, plan: Any, device: Any) -> int:
 
 
 def _parallelize(built: Any, plan: Any, chain: Any) -> Any:
-    from planner.parallelize import parallelize
+    from planner.runtime.parallelize import parallelize
 
     return parallelize(built.module, plan, chain=chain, loss_fn=built.loss)
 
@@ -209,7 +209,7 @@ def _parallelize(built: Any, plan: Any, chain: Any) -> Any:
 def _train(args: argparse.Namespace, pm: Any, built: Any, device: Any) -> _Run:
     import torch
 
-    from planner.train_step import local_batch, train_step
+    from planner.runtime.train_step import local_batch, train_step
 
     optimizer = _optimizer(args, list(pm.parameters()))
     batch = local_batch(pm, built.example_inputs)

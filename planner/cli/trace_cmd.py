@@ -45,7 +45,7 @@ def trace_summary(model: str, sets: Sequence[str] = (), *, batch: int = 1, seq: 
                   dtype: str = "bfloat16") -> dict[str, Any]:
     """Build, trace and cut MODEL; the JSON-ready summary `stratagem trace --json` prints."""
     import ir
-    from planner.cli.model_registry import build_model
+    from models.registry import build_model
 
     built = build_model(model, sets, batch=batch, seq=seq, device="meta")
     try:

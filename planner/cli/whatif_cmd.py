@@ -26,7 +26,7 @@ from planner.cli.common import (
     trace_chain,
 )
 from planner.errors import UserError
-from planner.search_space import FIX_KEYS, Objective, SearchSpace
+from planner.search.space import FIX_KEYS, Objective, SearchSpace
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -55,7 +55,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.whatif import WhatIfOptions, parse_vary, plot_whatif, render_table, scenarios, whatif
+    from planner.scenarios.whatif import (
+        WhatIfOptions,
+        parse_vary,
+        plot_whatif,
+        render_table,
+        scenarios,
+        whatif,
+    )
 
     plot = check_output_path(args.plot, input_paths(args.cluster)) if args.plot else None
     try:

@@ -3,8 +3,8 @@ compares each with a single-process run of the same model, seed and data.
 
 Usage: torchrun --standalone --nproc-per-node N tests/dist/parallel_worker.py OUT.json CONFIG [CONFIG ...]
 
-For each config every rank builds the same model (same seed), trains STEPS steps with `planner.parallelize` +
-`planner.train_step` on the same synthetic global batches, and also trains an unsharded copy on the whole
+For each config every rank builds the same model (same seed), trains STEPS steps with `planner.runtime.parallelize` +
+`planner.runtime.train_step` on the same synthetic global batches, and also trains an unsharded copy on the whole
 batch. Rank 0 writes, per config: the parallel and reference losses per step, the largest relative parameter
 difference per rank, which parameter names each rank checked, and how far training moved the parameters (so a
 test can tell that the comparison could have failed).
@@ -34,15 +34,16 @@ from costmodel.breakdown import Estimate, TimeBreakdown
 from costmodel.strategy import Recompute, StageSpec, Strategy
 from models import gpt, llama, moe
 from models.synthetic import normal, token_ids
-from planner.parallelize import count_trainable_params, parallelize
-from planner.plan import ModelInfo, ModuleSharding, Plan, SearchInfo, ShardStyle, TrainingConfig
-from planner.train_step import local_batch, train_step
+from planner.runtime.parallelize import count_trainable_params, parallelize
+from costmodel.sharding_rules import Style
+from planner.plan import ModelInfo, ModuleSharding, Plan, SearchInfo, TrainingConfig
+from planner.runtime.train_step import local_batch, train_step
 
 STEPS = 3
 LR = 0.5
 SEED = 1234
 
-C, R, V, S = ShardStyle.COLWISE, ShardStyle.ROWWISE, ShardStyle.VOCAB, ShardStyle.SEQUENCE
+C, R, V, S = Style.COLWISE, Style.ROWWISE, Style.VOCAB, Style.SEQUENCE
 TP_ATTENTION = (("blocks.*.attn.q_proj", C), ("blocks.*.attn.k_proj", C), ("blocks.*.attn.v_proj", C),
                 ("blocks.*.attn.o_proj", R))
 TP_MLP = (("blocks.*.mlp.up_proj", C), ("blocks.*.mlp.down_proj", R))
@@ -57,7 +58,7 @@ TP_LLAMA = TP_FULL + TP_GATE
 class Config:
     family: str
     strategy: dict[str, Any]
-    sharding: tuple[tuple[str, ShardStyle], ...] = ()
+    sharding: tuple[tuple[str, Style], ...] = ()
     settings: dict[str, Any] = field(default_factory=dict)
     first_blocks: tuple[int, ...] = ()
     """Block index each pipeline stage after the first starts at (empty: the even split of the chain)."""

@@ -1,6 +1,6 @@
 """Apply a plan's per-module tensor-parallel sharding with DTensor (`parallelize_module`).
 
-`Plan.sharding` says *what* is sharded (a `ShardStyle` per module pattern); the layouts between modules follow
+`Plan.sharding` says *what* is sharded (a `Style` per module pattern); the layouts between modules follow
 from the model's structure, as in Megatron-LM (Shoeybi et al. 2019, sec. 3) and torchtitan's Llama plan:
 
 - COLWISE linear: weight split on output features. Its output stays sharded on the last dim when a ROWWISE
@@ -34,8 +34,9 @@ from typing import Any
 
 from torch import nn
 
+from costmodel.sharding_rules import Style
 from planner.errors import UserError
-from planner.plan import ModuleSharding, ShardStyle
+from planner.plan import ModuleSharding
 
 BLOCKS_ATTR = "blocks"
 """The `nn.ModuleList` that holds a transformer's blocks (the zoo's layout rule)."""
@@ -46,13 +47,13 @@ SEQUENCE_DIM = 1
 _LINEAR_LIKE: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding)
 
 
-def resolve_styles(model: nn.Module, sharding: Sequence[ModuleSharding]) -> dict[str, ShardStyle]:
+def resolve_styles(model: nn.Module, sharding: Sequence[ModuleSharding]) -> dict[str, Style]:
     """Module path -> style for every module a pattern matches (the first matching pattern wins).
 
     Raises UserError when a pattern matches no module: the plan was made for a model with other module names.
     """
     paths = [name for name, _ in model.named_modules() if name]
-    styles: dict[str, ShardStyle] = {}
+    styles: dict[str, Style] = {}
     for entry in sharding:
         matched = [p for p in paths if fnmatch.fnmatchcase(p, entry.module)]
         if not matched:
@@ -64,13 +65,13 @@ def resolve_styles(model: nn.Module, sharding: Sequence[ModuleSharding]) -> dict
     return styles
 
 
-def _check_module_types(model: nn.Module, styles: Mapping[str, ShardStyle]) -> None:
+def _check_module_types(model: nn.Module, styles: Mapping[str, Style]) -> None:
     for path, style in styles.items():
         module = model.get_submodule(path)
-        if style in (ShardStyle.COLWISE, ShardStyle.ROWWISE) and not isinstance(module, _LINEAR_LIKE):
+        if style in (Style.COLWISE, Style.ROWWISE) and not isinstance(module, _LINEAR_LIKE):
             raise UserError(f"module {path} ({type(module).__name__}) cannot be {style.value}-sharded; "
                             f"{style.value} applies to nn.Linear and nn.Embedding")
-        if style is ShardStyle.VOCAB and not isinstance(module, nn.Embedding):
+        if style is Style.VOCAB and not isinstance(module, nn.Embedding):
             raise UserError(f"module {path} ({type(module).__name__}) cannot be vocab-sharded; "
                             "vocab sharding applies to nn.Embedding")
 
@@ -110,28 +111,28 @@ def _in_blocks(path: str) -> bool:
     return path.startswith(BLOCKS_ATTR + ".")
 
 
-def _check_pairs(model: nn.Module, styles: Mapping[str, ShardStyle]) -> None:
+def _check_pairs(model: nn.Module, styles: Mapping[str, Style]) -> None:
     """A rowwise linear reads the feature shards its colwise siblings produce (q/k/v -> o_proj, up/gate ->
     down_proj); a replicated sibling linear would hand the shared core full-width tensors. Refuse such plans."""
     for path, style in sorted(styles.items()):
-        if style is not ShardStyle.ROWWISE:
+        if style is not Style.ROWWISE:
             continue
         parent_path = path.rpartition(".")[0]
         parent = model.get_submodule(parent_path) if parent_path else model
         odd = [f"{parent_path}.{n}" if parent_path else n for n, m in parent.named_children()
                if isinstance(m, nn.Linear) and styles.get(f"{parent_path}.{n}" if parent_path else n,
-                                                          ShardStyle.REPLICATE) is ShardStyle.REPLICATE]
+                                                          Style.REPLICATE) is Style.REPLICATE]
         if odd:
             raise UserError(f"{path} is rowwise-sharded but its sibling linear(s) {', '.join(odd)} are replicated; "
                             "a rowwise module needs its colwise partners sharded too (plan inconsistent with "
                             "this model)")
 
 
-def _has_rowwise_partner(path: str, styles: Mapping[str, ShardStyle]) -> bool:
+def _has_rowwise_partner(path: str, styles: Mapping[str, Style]) -> bool:
     parent = path.rpartition(".")[0]
     if not parent:
         return False
-    return any(s is ShardStyle.ROWWISE and p.startswith(parent + ".") for p, s in styles.items())
+    return any(s is Style.ROWWISE and p.startswith(parent + ".") for p, s in styles.items())
 
 
 _NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.RMSNorm)
@@ -141,17 +142,17 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, _NORM_TYPES) or type(module).__name__.endswith("Norm")
 
 
-def sequence_parallel_styles(model: nn.Module, styles: Mapping[str, ShardStyle]) -> dict[str, ShardStyle]:
+def sequence_parallel_styles(model: nn.Module, styles: Mapping[str, Style]) -> dict[str, Style]:
     """Under sequence parallelism every norm inside the blocks runs on a sequence shard: a replicated norm fed
     a shard would leave its weight gradients unreduced over tp, so unsharded norms are promoted to SEQUENCE."""
     promoted = dict(styles)
     for path, module in model.named_modules():
-        if _in_blocks(path) and _is_norm(module) and styles.get(path, ShardStyle.REPLICATE) is ShardStyle.REPLICATE:
-            promoted[path] = ShardStyle.SEQUENCE
+        if _in_blocks(path) and _is_norm(module) and styles.get(path, Style.REPLICATE) is Style.REPLICATE:
+            promoted[path] = Style.SEQUENCE
     return promoted
 
 
-def parallel_styles(model: nn.Module, styles: Mapping[str, ShardStyle], *,
+def parallel_styles(model: nn.Module, styles: Mapping[str, Style], *,
                     sequence_parallel: bool) -> dict[str, Any]:
     """Module path -> torch `ParallelStyle` with the input/output layouts implied by the module's neighbours.
 
@@ -172,18 +173,18 @@ def parallel_styles(model: nn.Module, styles: Mapping[str, ShardStyle], *,
     for path in sorted(styles):
         style = styles[path]
         sp = sequence_parallel and _in_blocks(path)
-        if style is ShardStyle.COLWISE:
+        if style is Style.COLWISE:
             paired = isinstance(model.get_submodule(path), nn.Linear) and _has_rowwise_partner(path, styles)
             plan[path] = ColwiseParallel(output_layouts=Shard(-1) if paired else Replicate())
             if sp and paired:
                 parent = path.rpartition(".")[0]
                 plan[parent] = PrepareModuleInput(input_layouts=(Shard(SEQUENCE_DIM),),
                                                   desired_input_layouts=(Replicate(),))
-        elif style is ShardStyle.ROWWISE:
+        elif style is Style.ROWWISE:
             plan[path] = RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM) if sp else Replicate())
-        elif style is ShardStyle.VOCAB:
+        elif style is Style.VOCAB:
             plan[path] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        elif style is ShardStyle.SEQUENCE and sp:
+        elif style is Style.SEQUENCE and sp:
             plan[path] = SequenceParallel(sequence_dim=SEQUENCE_DIM)
     if sequence_parallel:
         for path in replicated_islands(model, styles):
@@ -193,7 +194,7 @@ def parallel_styles(model: nn.Module, styles: Mapping[str, ShardStyle], *,
     return plan
 
 
-def replicated_islands(model: nn.Module, styles: Mapping[str, ShardStyle]) -> list[str]:
+def replicated_islands(model: nn.Module, styles: Mapping[str, Style]) -> list[str]:
     """Sub-layers of the blocks with parameters but no colwise/rowwise pair and no sequence-sharded module (an
     MoE feed-forward whose experts are not sharded, or an MLP whose up projection alone is colwise). Under
     sequence parallelism they run replicated on the gathered sequence and hand back their sequence shard, so
@@ -205,7 +206,7 @@ def replicated_islands(model: nn.Module, styles: Mapping[str, ShardStyle]) -> li
     if not isinstance(blocks, nn.ModuleList):
         return []
     # ROWWISE (and so its colwise partners) reduce-scatters onto the sequence shard itself; SEQUENCE runs on it.
-    split = {ShardStyle.ROWWISE, ShardStyle.SEQUENCE}
+    split = {Style.ROWWISE, Style.SEQUENCE}
     islands = []
     for i, block in enumerate(blocks):
         for name, child in block.named_children():
@@ -250,7 +251,7 @@ def install_sequence_parallel_hooks(model: nn.Module, tp_mesh: Any) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, sharding: Sequence[ModuleSharding], tp_mesh: Any, *,
-                          sequence_parallel: bool) -> dict[str, ShardStyle]:
+                          sequence_parallel: bool) -> dict[str, Style]:
     """Shard `model` in place over the 1-D `tp_mesh`; returns the style applied to each module path."""
     from torch.distributed.tensor.parallel import parallelize_module
 

@@ -1,4 +1,4 @@
-"""Pictures of a plan: the pipeline schedule as a Gantt chart (from `planner.timeline`) and memory per stage
+"""Pictures of a plan: the pipeline schedule as a Gantt chart (from `planner.reports.timeline`) and memory per stage
 against device capacity. matplotlib is optional (`pip install matplotlib`, or the `plot` extra) and imported only
 here, when a picture is asked for. The object-oriented API (Figure + Agg canvas) is used, never pyplot, so no
 global backend or figure state is touched.
@@ -11,7 +11,7 @@ from typing import Any
 
 from planner.errors import UserError
 from planner.plan import Plan
-from planner.timeline import EventKind, StepTimeline, build_timeline, plan_title
+from planner.reports.timeline import EventKind, StepTimeline, build_timeline, plan_title, write_timeline
 
 GIB = 1 << 30
 
@@ -117,3 +117,12 @@ def _draw_memory(ax: Any, plan: Plan) -> None:
     ax.set_ylim(0, top * 1.15)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     ax.set_title("peak memory per stage (red: device capacity)", fontsize=10)
+
+
+def write_pictures(plan: Plan, *, timeline_path: Path | None, plot_path: Path | None) -> None:
+    """Write the plan's simulated step as Chrome/Perfetto trace JSON and / or its schedule and memory plot
+    (`stratagem plan` and `explain`: `--timeline`, `--plot`)."""
+    if timeline_path is not None:
+        write_timeline(plan, timeline_path)
+    if plot_path is not None:
+        plot_plan(plan, plot_path)

@@ -14,7 +14,7 @@ from typing import Any
 
 from costmodel.breakdown import StageEstimate
 from planner.plan import Plan
-from planner.timeline import StepTimeline, segment_range
+from planner.reports.timeline import StepTimeline, segment_range
 
 GIB = 1 << 30
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from planner.errors import UserError
-from planner.parallelize import ParallelModel
+from planner.runtime.parallelize import ParallelModel
 
 
 def local_batch(pm: ParallelModel, global_batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -44,7 +44,7 @@ def train_step(pm: ParallelModel, batch: Sequence[torch.Tensor], optimizer: torc
         if t.size(0) != pm.local_batch_size:
             raise UserError(f"local batch of {t.size(0)} samples; the plan's data-parallel replica trains on "
                             f"{pm.local_batch_size} (micro-batch {pm.strategy.microbatch_size} x "
-                            f"{pm.strategy.num_microbatches}); use planner.train_step.local_batch")
+                            f"{pm.strategy.num_microbatches}); use planner.runtime.train_step.local_batch")
     optimizer.zero_grad(set_to_none=True)
     loss = _pipelined(pm, batch) if pm.pipelined else _accumulated(pm, batch)
     _sum_tied_gradients(pm)

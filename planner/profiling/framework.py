@@ -6,7 +6,7 @@ group on CPU, one torch thread per rank (as `stratagem run` launches CPU ranks),
 models already price, so the remainder is the framework's own cost.
 
 Layout. `FrameworkOptions.processes` ranks are spawned once. For each group size g, the ranks are cut into
-processes / g groups of consecutive ranks that all measure at once (as `planner.profiler.measure_collectives`
+processes / g groups of consecutive ranks that all measure at once (as `planner.profiling.collectives.measure_collectives`
 does with `processes`): that is how the data- and tensor-parallel groups of a CPU cluster share its cores.
 Every timed pass starts after a barrier over all ranks and counts the slowest rank's time (a step waits for its
 last rank). The variants of one measurement (plain, wrapped, bare collectives) run one after the other inside
@@ -21,7 +21,7 @@ What is measured, per group size g (the g-rank 1-D mesh of the rank's group):
   bytes). Measured at the largest group size only: the DTensor cost is local dispatch, it does not depend on g.
 - data-parallel unit: a stack of `units` reference blocks (LayerNorm, Linear h->4h, GELU, Linear 4h->h,
   residual) and a root LayerNorm, forward and backward timed separately, plain and wrapped as
-  `planner.apply_fsdp` wraps a part: `replicate` on the root (ZeRO-0), or `fully_shard` per block and on the
+  `planner.runtime.apply_fsdp` wraps a part: `replicate` on the root (ZeRO-0), or `fully_shard` per block and on the
   root with reshard_after_forward False (ZeRO-1/2) / True (ZeRO-3). Overhead per unit
   = (wrapped - plain - raw collectives) / units, where the raw collectives are the ones the wrapper issues,
   timed bare (`all_gather_into_tensor` / `reduce_scatter_tensor` / `all_reduce` of the same float32 byte
@@ -30,18 +30,18 @@ What is measured, per group size g (the g-rank 1-D mesh of the rank's group):
     fsdp: units = blocks + root; forward: one all-gather per unit; backward: one reduce-scatter per unit;
     fsdp_reshard: as fsdp, plus one all-gather per unit in backward (an explicit reshard_after_forward=True
     reshards the root too).
-- gradient sync: `planner.train_step.sync_partial_gradients` then an AdamW step, over K DTensor parameters whose
+- gradient sync: `planner.runtime.train_step.sync_partial_gradients` then an AdamW step, over K DTensor parameters whose
   gradients are `Partial` over the g-rank mesh (what sequence parallelism leaves on a replicated weight), against
   an AdamW step over replicated gradients and one bare all-reduce of the K tensors' bytes; per tensor = the
   difference / K (flattening, unflattening, DTensor wrapping). `step_time.tp_grad_sync_time` prices the sync as
   one all-reduce of all the bytes plus K times this figure.
 - tensor-parallel module: the MLP Linear(h, 4h) -> GELU -> Linear(4h, h) with `ColwiseParallel` on the first
-  and `RowwiseParallel` on the second (`planner.apply_tp`'s pair), input requiring grad as inside a network,
+  and `RowwiseParallel` on the second (`planner.runtime.apply_tp`'s pair), input requiring grad as inside a network,
   against the plain MLP; minus the raw all-reduce of the output (forward) and of the input gradient (backward)
   at the same bytes; per sharded module = the difference / 2.
 - pipeline action, per pipeline size p (the p-rank group as the pipeline): a real `torch.distributed.pipelining`
   pipeline of p stages, each a Linear(h, h) on (batch, seq, h) micro-batches, driven by the 1F1B schedule and
-  loss that `planner.parallelize` builds (`apply_pipeline.build_schedule`, `parallelize.MicrobatchLoss`).
+  loss that `planner.runtime.parallelize` builds (`apply_pipeline.build_schedule`, `parallelize.MicrobatchLoss`).
   1F1B takes (m + p - 1)(F + B) plus a fixed per-step cost for m micro-batches, F and B one stage action's
   forward and backward (compute, host work, send/recv), so the slope between m1 = p and m2 = 3p micro-batches,
   (t2 - t1) / (m2 - m1), is F + B. Minus the plain Linear's forward and backward and the send/recv the cost
@@ -53,7 +53,7 @@ What is measured, per group size g (the g-rank 1-D mesh of the rank's group):
   share from the backward's (it always runs both), so the pair is split half and half.
 - recompute (no communication; every rank measures at once, the figures are the slowest rank's): a GPT block
   (`models.gpt.GPTBlock`: LayerNorm, attention, LayerNorm, MLP) plain, and checkpointed by
-  `planner.apply_recompute` SELECTIVE (the attention module's body, under a per-op Python policy) and FULL (the
+  `planner.runtime.apply_recompute` SELECTIVE (the attention module's body, under a per-op Python policy) and FULL (the
   whole block). Forward overhead = checkpointed forward - plain forward; backward overhead = checkpointed
   backward - plain backward - the rerun work the cost model already prices: FULL, the plain forward; SELECTIVE,
   the forward of the attention core (`models.attention.attention_core` on the block's q/k/v shapes), timed alone.
@@ -66,11 +66,8 @@ from __future__ import annotations
 import copy
 import gc
 import json
-import math
 import os
-import statistics
 import tempfile
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,7 +77,18 @@ import torch
 from torch import nn
 
 from costmodel.framework import DataParallelMode, FrameworkCosts, PassCost
-from planner.profiler import divisor_group_sizes, free_port
+from planner.profiling.framework_passes import (
+    Pass,
+    ReferenceMLP,
+    ReferenceStack,
+    Timer,
+    all_gathers,
+    all_reduce,
+    fsdp_padded_numel,
+    median_clamped,
+    reduce_scatters,
+)
+from planner.profiling.spawn import divisor_group_sizes, free_port
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,166 +143,14 @@ class FrameworkOptions:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Reference modules
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class ReferenceBlock(nn.Module):
-    """A transformer-like block without attention: the parameters and calls of one FSDP2 unit."""
-
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.mlp = ReferenceMLP(hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, h)
-        return x + self.mlp(self.norm(x))
-
-
-class ReferenceMLP(nn.Module):
-    """Linear h->4h, GELU, Linear 4h->h: the colwise/rowwise pair of tensor parallelism."""
-
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(hidden, 4 * hidden)
-        self.act = nn.GELU()
-        self.down = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, h)
-        return self.down(self.act(self.up(x)))
-
-
-class ReferenceStack(nn.Module):
-    """`units` blocks and a root LayerNorm: the root keeps parameters of its own, as a model's final norm does."""
-
-    def __init__(self, hidden: int, units: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(ReferenceBlock(hidden) for _ in range(units))
-        self.norm = nn.LayerNorm(hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.norm(x)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Timing in lockstep, the variants of one measurement interleaved
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Pass:
-    """One timed variant: `forward()`, then `backward(forward's result)` if any; `reset` runs untimed first."""
-
-    forward: Callable[[], Any]
-    backward: Callable[[Any], Any] | None = None
-    reset: Callable[[], None] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class _Timer:
-    """Times variants on every rank at once, each pass started after a barrier over all ranks.
-
-    The variants of one measurement (plain, wrapped, bare collectives) run one after the other within every
-    repeat, so a slow spell of the machine (other processes on the shared cores) hits all of them alike and
-    cancels in their per-repeat difference; the median is taken over those differences."""
-
-    warmup: int
-    repeats: int
-
-    def rounds(self, passes: Sequence[_Pass]) -> torch.Tensor:
-        """Slowest-rank seconds, shape (repeats, len(passes), 2): forward, backward (0 without one)."""
-        import torch.distributed as dist
-
-        times = torch.zeros(self.repeats, len(passes), 2, dtype=torch.float64)
-        for i in range(self.warmup + self.repeats):
-            for j, p in enumerate(passes):
-                row = _run_pass(p)
-                if i >= self.warmup:
-                    times[i - self.warmup, j] = torch.tensor(row, dtype=torch.float64)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step waits for its slowest rank
-        return times
-
-
-def _run_pass(p: _Pass) -> tuple[float, float]:
-    import torch.distributed as dist
-
-    if p.reset is not None:
-        p.reset()
-    dist.barrier()
-    start = time.perf_counter()
-    out = p.forward()
-    forward_s = time.perf_counter() - start
-    if p.backward is None:
-        return forward_s, 0.0
-    dist.barrier()
-    start = time.perf_counter()
-    p.backward(out)
-    return forward_s, time.perf_counter() - start
-
-
-def _median_clamped(values: torch.Tensor) -> float:
-    """Median over repeats (dim 0), clamped at 0: a framework cost below the noise is priced as none."""
-    return max(statistics.median(values.tolist()), 0.0)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Bare collectives at the wrapper's byte counts
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def fsdp_padded_numel(module: nn.Module, g: int, recurse: bool) -> int:
-    """Float32 elements FSDP2 all-gathers for `module`'s parameters: each padded on dim 0 to a multiple of g."""
-    total = 0
-    for p in module.parameters(recurse=recurse):
-        rows = p.shape[0] if p.dim() else 1
-        total += math.ceil(rows / g) * g * (p.numel() // max(rows, 1))
-    return total
-
-
-def _all_gathers(numels: Sequence[int], group: Any, g: int) -> Callable[[], None]:
-    """One all-gather per unit, back to back (FSDP2 gathers unit after unit)."""
-    import torch.distributed as dist
-
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    buffers = [(torch.empty(n), torch.ones(n // g)) for n in numels]
-
-    def run() -> None:
-        for out, shard in buffers:
-            gather(out, shard, group=group)
-    return run
-
-
-def _reduce_scatters(numels: Sequence[int], group: Any, g: int) -> Callable[[], None]:
-    """One reduce-scatter per unit, back to back."""
-    import torch.distributed as dist
-
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    buffers = [(torch.empty(n // g), torch.ones(n)) for n in numels]
-
-    def run() -> None:
-        for out, full in buffers:
-            scatter(out, full, group=group)
-    return run
-
-
-def _all_reduce(numel: int, group: Any) -> Callable[[], None]:
-    import torch.distributed as dist
-
-    x = torch.ones(numel)
-    return lambda: dist.all_reduce(x, group=group)
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # The three measurements
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _adam_step(params: Sequence[nn.Parameter]) -> _Pass:
+def _adam_step(params: Sequence[nn.Parameter]) -> Pass:
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
-    return _Pass(torch.optim.AdamW(params, lr=1e-3).step)
+    return Pass(torch.optim.AdamW(params, lr=1e-3).step)
 
 
 def per_tensor_intercept(small: tuple[int, float], large: tuple[int, float], tensors: int) -> float:
@@ -304,7 +160,7 @@ def per_tensor_intercept(small: tuple[int, float], large: tuple[int, float], ten
     return (t1 * n2 - t2 * n1) / (n2 - n1) / tensors
 
 
-def measure_optimizer(mesh: Any, options: FrameworkOptions, timer: _Timer) -> tuple[float, float]:
+def measure_optimizer(mesh: Any, options: FrameworkOptions, timer: Timer) -> tuple[float, float]:
     """(plain, DTensor) seconds per parameter tensor of one AdamW step."""
     from torch.distributed.tensor import Replicate, distribute_tensor
 
@@ -318,19 +174,19 @@ def measure_optimizer(mesh: Any, options: FrameworkOptions, timer: _Timer) -> tu
     k = options.optimizer_tensors
     plain = [per_tensor_intercept((numels[0], r[0]), (numels[1], r[2]), k) for r in t.tolist()]
     dtensor = [per_tensor_intercept((numels[0], r[1]), (numels[1], r[3]), k) for r in t.tolist()]
-    return _median_clamped(torch.tensor(plain)), _median_clamped(torch.tensor(dtensor))
+    return median_clamped(torch.tensor(plain)), median_clamped(torch.tensor(dtensor))
 
 
-def _train_pass(model: nn.Module, x: torch.Tensor) -> _Pass:
+def _train_pass(model: nn.Module, x: torch.Tensor) -> Pass:
     def reset() -> None:
         model.zero_grad(set_to_none=True)
         x.grad = None
 
-    return _Pass(lambda: model(x), lambda out: out.sum().backward(), reset)
+    return Pass(lambda: model(x), lambda out: out.sum().backward(), reset)
 
 
 def _wrap(stack: ReferenceStack, mesh: Any, mode: DataParallelMode) -> nn.Module:
-    """Wrap a copy of `stack` as `planner.apply_fsdp.apply_data_parallel` wraps a part in `mode`."""
+    """Wrap a copy of `stack` as `planner.runtime.apply_fsdp.apply_data_parallel` wraps a part in `mode`."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
 
@@ -346,7 +202,7 @@ def _wrap(stack: ReferenceStack, mesh: Any, mode: DataParallelMode) -> nn.Module
 _DP_MODES = (DataParallelMode.REPLICATE, DataParallelMode.FSDP, DataParallelMode.FSDP_RESHARD)
 
 
-def measure_dp_units(mesh: Any, options: FrameworkOptions, timer: _Timer) -> dict[DataParallelMode, PassCost]:
+def measure_dp_units(mesh: Any, options: FrameworkOptions, timer: Timer) -> dict[DataParallelMode, PassCost]:
     """Overhead per data-parallel unit and micro-batch, forward and backward, of every wrapping mode."""
     g, group = mesh.size(), mesh.get_group()
     stack = ReferenceStack(options.hidden, options.units)
@@ -354,8 +210,8 @@ def measure_dp_units(mesh: Any, options: FrameworkOptions, timer: _Timer) -> dic
     unit_numels = [fsdp_padded_numel(b, g, recurse=True) for b in stack.blocks]
     unit_numels.append(fsdp_padded_numel(stack, g, recurse=False))
     passes = [_train_pass(stack, x), *(_train_pass(_wrap(stack, mesh, m), x) for m in _DP_MODES),
-              _Pass(_all_gathers(unit_numels, group, g)), _Pass(_reduce_scatters(unit_numels, group, g)),
-              _Pass(_all_reduce(sum(p.numel() for p in stack.parameters()), group))]
+              Pass(all_gathers(unit_numels, group, g)), Pass(reduce_scatters(unit_numels, group, g)),
+              Pass(all_reduce(sum(p.numel() for p in stack.parameters()), group))]
     t = timer.rounds(passes)
     plain, ag, rs, ar = t[:, 0], t[:, 4, 0], t[:, 5, 0], t[:, 6, 0]
     units = len(unit_numels)
@@ -363,16 +219,16 @@ def measure_dp_units(mesh: Any, options: FrameworkOptions, timer: _Timer) -> dic
     net = {DataParallelMode.REPLICATE: (t[:, 1, 0] - plain[:, 0], t[:, 1, 1] - plain[:, 1] - ar, 1),
            DataParallelMode.FSDP: (t[:, 2, 0] - plain[:, 0] - ag, t[:, 2, 1] - plain[:, 1] - rs, units),
            DataParallelMode.FSDP_RESHARD: (t[:, 3, 0] - plain[:, 0] - ag, t[:, 3, 1] - plain[:, 1] - rs - ag, units)}
-    return {mode: PassCost(_median_clamped(fwd) / n, _median_clamped(bwd) / n) for mode, (fwd, bwd, n) in net.items()}
+    return {mode: PassCost(median_clamped(fwd) / n, median_clamped(bwd) / n) for mode, (fwd, bwd, n) in net.items()}
 
 
-def _partial_grad_step(params: Sequence[nn.Parameter], mesh: Any) -> _Pass:
+def _partial_grad_step(params: Sequence[nn.Parameter], mesh: Any) -> Pass:
     """The runtime's step over DTensor parameters whose gradients are `Partial` (what sequence parallelism leaves
     on a replicated weight applied to sequence-sharded tokens): `sync_partial_gradients`, then AdamW; the
     gradients are set again before every step."""
     from torch.distributed.tensor import DTensor, Partial
 
-    from planner.train_step import sync_partial_gradients
+    from planner.runtime.train_step import sync_partial_gradients
 
     def reset() -> None:
         for p in params:
@@ -385,10 +241,10 @@ def _partial_grad_step(params: Sequence[nn.Parameter], mesh: Any) -> _Pass:
         optimizer.step()
 
     reset()
-    return _Pass(step, reset=reset)
+    return Pass(step, reset=reset)
 
 
-def measure_grad_sync(mesh: Any, options: FrameworkOptions, timer: _Timer) -> float:
+def measure_grad_sync(mesh: Any, options: FrameworkOptions, timer: Timer) -> float:
     """Seconds per parameter tensor that syncing `Partial` gradients and stepping costs beyond an AdamW step over
     replicated gradients and one all-reduce of all their bytes (the sync's flattening and DTensor wrapping)."""
     from torch.distributed.tensor import Replicate, distribute_tensor
@@ -400,12 +256,12 @@ def measure_grad_sync(mesh: Any, options: FrameworkOptions, timer: _Timer) -> fl
         return [nn.Parameter(distribute_tensor(t, mesh, [Replicate()])) for t in tensors]
 
     passes = [_adam_step(params()), _partial_grad_step(params(), mesh),
-              _Pass(_all_reduce(sum(t.numel() for t in tensors), mesh.get_group()))]
+              Pass(all_reduce(sum(t.numel() for t in tensors), mesh.get_group()))]
     t = timer.rounds(passes)[:, :, 0]
-    return _median_clamped(t[:, 1] - t[:, 0] - t[:, 2]) / options.optimizer_tensors
+    return median_clamped(t[:, 1] - t[:, 0] - t[:, 2]) / options.optimizer_tensors
 
 
-def measure_tp_module(mesh: Any, options: FrameworkOptions, timer: _Timer) -> PassCost:
+def measure_tp_module(mesh: Any, options: FrameworkOptions, timer: Timer) -> PassCost:
     """Overhead per tensor-parallel sharded module call and micro-batch, forward and backward."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -413,10 +269,10 @@ def measure_tp_module(mesh: Any, options: FrameworkOptions, timer: _Timer) -> Pa
     x = torch.randn(options.batch, options.seq, options.hidden, requires_grad=True)
     sharded = parallelize_module(copy.deepcopy(mlp), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     # the output (forward) and the input gradient (backward) are all-reduced; both have x's shape
-    t = timer.rounds([_train_pass(mlp, x), _train_pass(sharded, x), _Pass(_all_reduce(x.numel(), mesh.get_group()))])
+    t = timer.rounds([_train_pass(mlp, x), _train_pass(sharded, x), Pass(all_reduce(x.numel(), mesh.get_group()))])
     fwd = t[:, 1, 0] - t[:, 0, 0] - t[:, 2, 0]
     bwd = t[:, 1, 1] - t[:, 0, 1] - t[:, 2, 0]
-    return PassCost(_median_clamped(fwd) / 2, _median_clamped(bwd) / 2)
+    return PassCost(median_clamped(fwd) / 2, median_clamped(bwd) / 2)
 
 
 PIPELINE_MICROBATCHES = (1, 3)
@@ -428,13 +284,13 @@ def _mean_loss(output: torch.Tensor, _batch: tuple[torch.Tensor, ...]) -> torch.
     return output.mean()
 
 
-def _pipeline_step(mesh: Any, module: nn.Module, x: torch.Tensor, microbatches: int) -> _Pass:
-    """One `schedule.step` over `x` cut into `microbatches`, built as `planner.parallelize` builds a pipeline."""
+def _pipeline_step(mesh: Any, module: nn.Module, x: torch.Tensor, microbatches: int) -> Pass:
+    """One `schedule.step` over `x` cut into `microbatches`, built as `planner.runtime.parallelize` builds a pipeline."""
     from torch.distributed.pipelining import PipelineStage
 
     from costmodel.strategy import Schedule
-    from planner.apply_pipeline import build_schedule
-    from planner.parallelize import MicrobatchLoss
+    from planner.runtime.apply_pipeline import build_schedule
+    from planner.runtime.parallelize import MicrobatchLoss
 
     stage = PipelineStage(module, mesh.get_local_rank(), mesh.size(), torch.device("cpu"), group=mesh.get_group())
     loss = MicrobatchLoss(_mean_loss)
@@ -445,7 +301,7 @@ def _pipeline_step(mesh: Any, module: nn.Module, x: torch.Tensor, microbatches: 
     def step() -> None:
         schedule.step(x, target=sample_ids, losses=[], return_outputs=False)
 
-    return _Pass(step, reset=lambda: module.zero_grad(set_to_none=True))
+    return Pass(step, reset=lambda: module.zero_grad(set_to_none=True))
 
 
 def _p2p_chain(x: torch.Tensor, mesh: Any, downstream: bool) -> Callable[[], None]:
@@ -483,7 +339,7 @@ def action_pair_overhead(step_times: tuple[float, float], microbatches: tuple[in
     return (t2 - t1) / (m2 - m1) - compute_s - p2p_s
 
 
-def measure_pp_action(mesh: Any, options: FrameworkOptions, timer: _Timer) -> PassCost:
+def measure_pp_action(mesh: Any, options: FrameworkOptions, timer: Timer) -> PassCost:
     """Host overhead per pipeline stage action and micro-batch (forward, backward; half of a pair each)."""
     h = options.hidden
     module = nn.Linear(h, h)
@@ -493,34 +349,40 @@ def measure_pp_action(mesh: Any, options: FrameworkOptions, timer: _Timer) -> Pa
     plain_x = x.clone().requires_grad_(True)  # a stage's received input requires grad
     grad = torch.ones_like(x)
     activations, gradients = _p2p_chain(x, mesh, downstream=True), _p2p_chain(grad, mesh, downstream=False)
-    passes = [_Pass(lambda: module(plain_x), lambda out: out.backward(grad),
+    passes = [Pass(lambda: module(plain_x), lambda out: out.backward(grad),
                     lambda: module.zero_grad(set_to_none=True)),
               *(_pipeline_step(mesh, module, batch[:m * options.batch], m) for m in counts),
-              _Pass(activations, lambda _: gradients())]
+              Pass(activations, lambda _: gradients())]
     t = timer.rounds(passes)
     pair = [action_pair_overhead((r[1][0], r[2][0]), counts, r[0][0] + r[0][1],
                                  priced_wire_s(mesh.size(), r[3][0], r[3][1])) for r in t.tolist()]
-    net = _median_clamped(torch.tensor(pair))
+    net = median_clamped(torch.tensor(pair))
     return PassCost(net / 2, net / 2)
 
 
-def _attention_core_pass(options: FrameworkOptions) -> _Pass:
+def _attention_core_pass(options: FrameworkOptions) -> Pass:
     """The attention core alone on a (batch, heads, seq, hidden / heads) q, k, v: what SELECTIVE recomputes."""
-    from models.attention import AttnImpl, attention_core
-
     head_dim = options.hidden // options.heads
     q, k, v = (torch.randn(options.batch, options.heads, options.seq, head_dim) for _ in range(3))
-    return _Pass(lambda: attention_core(q, k, v, impl=AttnImpl.SDPA, causal=True, scale=head_dim ** -0.5,
-                                        dropout=0.0))
+    # the zoo's attention core (models.attention, SDPA implementation) without dropout
+    return Pass(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                          scale=head_dim ** -0.5))
 
 
-def measure_recompute(options: FrameworkOptions, timer: _Timer) -> dict[str, PassCost]:
+def gpt_block(options: FrameworkOptions) -> nn.Module:
+    """One block of the zoo's GPT (through the model registry) of the options' hidden size, heads and sequence."""
+    from models.registry import build_model
+
+    sets = ("vocab=1", f"hidden={options.hidden}", "layers=1", f"heads={options.heads}")
+    return build_model("gpt", sets, seq=options.seq, device="cpu").module.blocks[0]
+
+
+def measure_recompute(options: FrameworkOptions, timer: Timer) -> dict[str, PassCost]:
     """Checkpoint machinery per recomputed layer and micro-batch, "selective" and "full" (module docstring)."""
     from costmodel.strategy import Recompute
-    from models.gpt import GPTBlock, GPTConfig
-    from planner.apply_recompute import apply_recompute
+    from planner.runtime.apply_recompute import apply_recompute
 
-    block = GPTBlock(GPTConfig(vocab=1, hidden=options.hidden, layers=1, heads=options.heads, seq=options.seq))
+    block = gpt_block(options)
     wrapped = {mode: copy.deepcopy(block) for mode in (Recompute.SELECTIVE, Recompute.FULL)}
     for mode, layer in wrapped.items():
         apply_recompute([layer], mode)
@@ -529,8 +391,8 @@ def measure_recompute(options: FrameworkOptions, timer: _Timer) -> dict[str, Pas
                       _attention_core_pass(options)])
     plain_f, plain_b, core = t[:, 0, 0], t[:, 0, 1], t[:, 3, 0]
     rerun = {Recompute.SELECTIVE: core, Recompute.FULL: plain_f}
-    return {mode.value: PassCost(_median_clamped(t[:, j, 0] - plain_f),
-                                 _median_clamped(t[:, j, 1] - plain_b - rerun[mode]))
+    return {mode.value: PassCost(median_clamped(t[:, j, 0] - plain_f),
+                                 median_clamped(t[:, j, 1] - plain_b - rerun[mode]))
             for j, mode in enumerate(wrapped, start=1)}
 
 
@@ -550,7 +412,7 @@ def _pass_json(cost: PassCost) -> list[float]:
     return [cost.forward_s, cost.backward_s]
 
 
-def _measure_all(meshes: Mapping[int, Any], options: FrameworkOptions, timer: _Timer) -> dict[str, Any]:
+def _measure_all(meshes: Mapping[int, Any], options: FrameworkOptions, timer: Timer) -> dict[str, Any]:
     """Every measurement, as the JSON `_costs_from_json` reads (group sizes as keys; [forward, backward])."""
     plain, dtensor = measure_optimizer(meshes[max(meshes)], options, timer)
     dp: dict[str, dict[int, list[float]]] = {}
@@ -575,7 +437,7 @@ def _framework_worker(rank: int, world: int, port: int, options: FrameworkOption
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    timer = _Timer(options.warmup, options.repeats)
+    timer = Timer(options.warmup, options.repeats)
     try:
         result = _measure_all({g: _group_mesh(world, g) for g in options.group_sizes}, options, timer)
         if rank == 0:

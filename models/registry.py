@@ -1,13 +1,13 @@
-"""The CLI's model registry: MODEL names and `--set key=value` strings -> a built model with example inputs.
+"""The model registry: MODEL names and `--set key=value` strings -> a built model with example inputs.
 
 MODEL is a zoo family ("gpt", "llama", ...: the family's default config), a preset ("gpt3-175b", ...),
-"hf:ARCH" or "hf:path/to/config.json" for a Hugging Face transformers model (`planner.cli.hf_registry`), or
-"package.module:factory" for a user's own model. With its hf: branch, this is the only non-test code that
-imports `models`.
+"hf:ARCH" or "hf:path/to/config.json" for a Hugging Face transformers model (`models.hf`), or
+"package.module:factory" for a user's own model. This module is the only entry to `models` for code outside it
+(the planner, the CLI); tests, bench and scripts may import the zoo directly.
 
 `--set` values are parsed to the config field's declared type (int, float, bool, str, enum, `X | None`,
 `tuple[int, ...]` as comma-separated values) and validated by the config itself; every mistake is a
-one-line `UserError` naming the bad key or value and listing the valid ones.
+one-line `ModelError` naming the bad key or value and listing the valid ones.
 
 A user factory is called with the `--set` values as keyword arguments (parsed by its annotations), plus
 `batch` and `seq` when its signature names them; it returns an `nn.Module` or `(module, example_inputs)`.
@@ -20,6 +20,7 @@ import difflib
 import enum
 import importlib
 import inspect
+import json
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -31,11 +32,16 @@ from torch import nn
 
 from models.family import Family
 from models.zoo import FAMILIES, PRESETS
-from planner.errors import UserError
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
 _NONE = ("none", "null")
+
+
+
+class ModelError(Exception):
+    """A bad model name, `--set` key or value, in one line naming it and the valid choices (the CLI exits 2)."""
+
 
 Loss = Callable[[Any, tuple[torch.Tensor, ...]], torch.Tensor]
 
@@ -102,14 +108,14 @@ def resolve_config(name: str, sets: Sequence[str] = (), *, seq: int | None = Non
     if seq is not None:
         if family.seq_field is None:
             of = "" if name == family.name else f" ({family.name})"
-            raise UserError(f"model {name}{of} has no free sequence length; --seq does not apply")
+            raise ModelError(f"model {name}{of} has no free sequence length; --seq does not apply")
         if overrides.get(family.seq_field, seq) != seq:
-            raise UserError(f"--seq {seq} contradicts --set {family.seq_field}={overrides[family.seq_field]}")
+            raise ModelError(f"--seq {seq} contradicts --set {family.seq_field}={overrides[family.seq_field]}")
         overrides[family.seq_field] = _check_positive("--seq", seq)
     try:
         config = dataclasses.replace(base, **overrides)
     except ValueError as e:
-        raise UserError(f"model {name}: {e}") from None
+        raise ModelError(f"model {name}: {e}") from None
     return family, config, overrides
 
 
@@ -124,9 +130,7 @@ def build_model(
     """Build MODEL with `--set` overrides on `device`, with example inputs of `batch` samples."""
     _check_positive("batch", batch)
     torch_device = _device(device)
-    if name.startswith("hf:"):  # Hugging Face transformers models (planner/cli/hf_registry.py)
-        from planner.cli.hf_registry import build_hf_model
-
+    if name.startswith(HF_PREFIX):  # Hugging Face transformers models (models/hf.py)
         return build_hf_model(name, sets, batch=batch, seq=seq, device=torch_device)
     if ":" in name:
         return _build_user_model(name, sets, batch=batch, seq=seq, device=torch_device)
@@ -135,7 +139,7 @@ def build_model(
         module = family.build(config, torch_device)
         inputs = family.example_inputs(config, batch, None, torch_device)
     except ValueError as e:
-        raise UserError(f"model {name}: {e}") from None
+        raise ModelError(f"model {name}: {e}") from None
     return BuiltModel(
         name=name,
         family=family.name,
@@ -165,7 +169,7 @@ def _lookup(name: str) -> tuple[Family, Any]:
     known = [*FAMILIES, *PRESETS]
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
-    raise UserError(
+    raise ModelError(
         f"unknown model {name!r}{hint}; families: {', '.join(FAMILIES)}; presets: {', '.join(PRESETS)}; "
         "or package.module:factory"
     )
@@ -179,17 +183,17 @@ def _parse_pairs(
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise UserError(f"--set {item!r}: expected KEY=VALUE")
+            raise ModelError(f"--set {item!r}: expected KEY=VALUE")
         if key not in valid:
-            raise UserError(f"--set {key}: unknown setting for {owner}; valid keys: {', '.join(sorted(valid))}")
+            raise ModelError(f"--set {key}: unknown setting for {owner}; valid keys: {', '.join(sorted(valid))}")
         if key in parsed:
-            raise UserError(f"--set {key} given twice")
+            raise ModelError(f"--set {key} given twice")
         parsed[key] = _parse_value(key, raw.strip(), hints.get(key, str))
     return parsed
 
 
 def _parse_value(key: str, raw: str, hint: Any) -> Any:
-    """Parse `raw` as the annotated type `hint`; a UserError names the key, the value and what is valid."""
+    """Parse `raw` as the annotated type `hint`; a ModelError names the key, the value and what is valid."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if type(None) in args and raw.lower() in _NONE:
@@ -197,23 +201,23 @@ def _parse_value(key: str, raw: str, hint: Any) -> Any:
         options = [a for a in args if a is not type(None)]
         if len(options) == 1:
             return _parse_value(key, raw, options[0])
-        raise UserError(f"--set {key}: cannot parse a value of type {hint}")
+        raise ModelError(f"--set {key}: cannot parse a value of type {hint}")
     if origin is typing.Literal:
         choices = [str(a) for a in args]
         if raw not in choices:
-            raise UserError(f"--set {key}={raw}: not one of {', '.join(choices)}")
+            raise ModelError(f"--set {key}={raw}: not one of {', '.join(choices)}")
         return args[choices.index(raw)]
     if origin is tuple:
         item = args[0] if args else str
         parts = [p.strip() for p in raw.split(",") if p.strip()]
         if not parts:
-            raise UserError(f"--set {key}: expected comma-separated values, got {raw!r}")
+            raise ModelError(f"--set {key}: expected comma-separated values, got {raw!r}")
         return tuple(_parse_value(key, p, item) for p in parts)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         try:
             return hint(raw)
         except ValueError:
-            raise UserError(
+            raise ModelError(
                 f"--set {key}={raw}: not one of {', '.join(str(m.value) for m in hint)}"
             ) from None
     if hint is bool:
@@ -221,18 +225,18 @@ def _parse_value(key: str, raw: str, hint: Any) -> Any:
             return True
         if raw.lower() in _FALSE:
             return False
-        raise UserError(f"--set {key}={raw}: expected a boolean (true/false)")
+        raise ModelError(f"--set {key}={raw}: expected a boolean (true/false)")
     if hint in (int, float):
         try:
             return hint(raw)
         except ValueError:
-            raise UserError(f"--set {key}={raw}: expected {'an integer' if hint is int else 'a number'}") from None
+            raise ModelError(f"--set {key}={raw}: expected {'an integer' if hint is int else 'a number'}") from None
     return raw
 
 
 def _check_positive(what: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserError(f"{what} must be a positive integer, got {value!r}")
+        raise ModelError(f"{what} must be a positive integer, got {value!r}")
     return value
 
 
@@ -240,20 +244,20 @@ def _device(device: str | torch.device) -> torch.device:
     try:
         return torch.device(device)
     except (RuntimeError, TypeError):
-        raise UserError(f"unknown device {device!r}; e.g. meta, cpu, cuda, cuda:0") from None
+        raise ModelError(f"unknown device {device!r}; e.g. meta, cpu, cuda, cuda:0") from None
 
 
 def _load_factory(spec: str) -> Callable[..., Any]:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise UserError(f"model {spec!r}: expected package.module:factory")
+        raise ModelError(f"model {spec!r}: expected package.module:factory")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise UserError(f"model {spec}: cannot import {module_name}: {e}") from None
+        raise ModelError(f"model {spec}: cannot import {module_name}: {e}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise UserError(f"model {spec}: {module_name} has no callable {attr!r}")
+        raise ModelError(f"model {spec}: {module_name} has no callable {attr!r}")
     return factory
 
 
@@ -273,17 +277,17 @@ def _build_user_model(
         kwargs["batch"] = batch
     if seq is not None:
         if "seq" not in params:
-            raise UserError(f"model {spec}: the factory takes no `seq` argument, so --seq does not apply")
+            raise ModelError(f"model {spec}: the factory takes no `seq` argument, so --seq does not apply")
         kwargs["seq"] = seq
         settings = tuple(sorted([*settings, ("seq", seq)]))
     try:
         with device:
             result = factory(**kwargs)
     except (TypeError, ValueError) as e:
-        raise UserError(f"model {spec}: the factory failed: {e}") from None
+        raise ModelError(f"model {spec}: the factory failed: {e}") from None
     module, inputs = result if isinstance(result, tuple) else (result, ())
     if not isinstance(module, nn.Module):
-        raise UserError(f"model {spec}: the factory returned {type(module).__name__}, expected an nn.Module "
+        raise ModelError(f"model {spec}: the factory returned {type(module).__name__}, expected an nn.Module "
                         "or (module, example_inputs)")
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     return BuiltModel(spec, "user", settings, module, inputs, seq, _mean_square_loss, None)
@@ -297,3 +301,68 @@ def _mean_square_loss(output: Any, inputs: tuple[torch.Tensor, ...]) -> torch.Te
     elif isinstance(output, dict):
         output = next(iter(output.values()))
     return output.float().pow(2).mean()
+
+
+# ---- hf:ARCH and hf:path/to/config.json ----------------------------------------------------------------------
+#
+# `--set key=value` sets any field of the transformers config class, parsed with the field's declared type
+# (structured fields -- dicts, lists, unions -- take JSON); unknown keys, bad values and a missing transformers
+# install are one-line `ModelError`s.
+
+HF_PREFIX = "hf:"
+
+
+def is_hf_name(name: str) -> bool:
+    return name.startswith(HF_PREFIX)
+
+
+def build_hf_model(name: str, sets: Sequence[str], *, batch: int, seq: int | None, device: torch.device) -> BuiltModel:
+    """Build `hf:SPEC` with `--set` overrides and `batch` example samples of `seq` tokens on `device`."""
+    spec = name[len(HF_PREFIX):]
+    if not spec:
+        raise ModelError(f"model {name!r}: expected hf:ARCH or hf:path/to/config.json")
+    try:
+        from models import hf
+    except ImportError as e:  # models.hf itself imports nothing optional; keep the message if that changes
+        raise ModelError(f"model {name}: {e}") from None
+    if seq is not None:
+        _check_positive("--seq", seq)
+    try:
+        hints = hf.setting_types(spec)
+        overrides = _parse_hf_pairs(sets, hints, owner=name)
+        built = hf.build(spec, overrides, batch=batch, seq=seq, device=device)
+    except ImportError as e:
+        raise ModelError(f"model {name}: {e}") from None
+    except ValueError as e:
+        raise ModelError(f"model {name}: {' '.join(str(e).split())}") from None
+    settings = dict(overrides)
+    if seq is not None:
+        settings["seq"] = seq
+    return BuiltModel(
+        name=name,
+        family="hf",
+        settings=tuple(sorted(settings.items())),
+        module=built.module,
+        example_inputs=built.example_inputs,
+        seq_len=built.seq_len,
+        loss=built.loss,
+        config=built.config,
+    )
+
+
+def _parse_hf_pairs(sets: Sequence[str], hints: dict[str, Any], *, owner: str) -> dict[str, Any]:
+    from models.hf import Json
+
+    plain = {k: (str if v is Json else v) for k, v in hints.items()}
+    parsed = _parse_pairs(sets, plain, sorted(hints), owner=owner)
+    return {k: (_parse_json(k, v) if hints[k] is Json else v) for k, v in parsed.items()}
+
+
+def _parse_json(key: str, raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        if raw.lower() in ("none", "null"):
+            return None
+        # A bare word is a string (e.g. --set hidden_act=gelu on a field typed `str | Callable`).
+        return _parse_value(key, raw, str)

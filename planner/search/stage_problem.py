@@ -58,48 +58,10 @@ from costmodel.pipeline import in_flight_per_chunk
 from costmodel.step_time import DataParallelComm, data_parallel_comm, overlapped_exposed
 from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
 from ir.layer_chain import LayerChain
-from planner.layer_costs import AxisSplit, LayerCostTable
-from planner.mesh_search import MeshCandidate
-from planner.stage_partition import Partition, PartitionProblem, StageKind, stage_kind
-
-_SCHEDULE_ORDER: dict[Schedule, int] = {s: i for i, s in enumerate(Schedule)}
-"""Declaration order of the schedules, for `Candidate.sort_key` (a dict: `list(Schedule)` per call costs tens of
-microseconds, and the search sorts thousands of candidates)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """Everything of a strategy except the stage partition and the recomputation (which the DP chooses)."""
-
-    mesh: MeshCandidate
-    microbatch_size: int
-    num_microbatches: int
-    schedule: Schedule
-    virtual_stages: int
-    zero_stage: int
-    sequence_parallel: bool
-
-    def strategy(self, stages: Sequence[StageSpec] = (), recompute: Recompute = Recompute.NONE) -> Strategy:
-        m = self.mesh
-        return Strategy(dp=m.dp, tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep, microbatch_size=self.microbatch_size,
-                        num_microbatches=self.num_microbatches, schedule=self.schedule,
-                        virtual_stages=self.virtual_stages, zero_stage=self.zero_stage,
-                        sequence_parallel=self.sequence_parallel, recompute=recompute, stages=tuple(stages),
-                        mesh_order=m.mesh_order)
-
-    @property
-    def sort_key(self) -> tuple:
-        """Deterministic order among candidates of equal priority."""
-        m = self.mesh
-        return (m.tp, m.pp, m.dp, m.cp, m.ep, tuple(a.value for a in m.mesh_order), self.microbatch_size,
-                _SCHEDULE_ORDER[self.schedule], self.virtual_stages, self.zero_stage, self.sequence_parallel)
-
-    @property
-    def label(self) -> str:
-        sched = f"interleaved:{self.virtual_stages}" if self.schedule is Schedule.INTERLEAVED else self.schedule.value
-        sp = " sp" if self.sequence_parallel else ""
-        return (f"{self.mesh.label} mbs={self.microbatch_size} m={self.num_microbatches} {sched} "
-                f"zero={self.zero_stage}{sp}")
+from planner.search.candidates import Candidate
+from planner.search.layer_costs import AxisSplit, LayerCostTable
+from planner.search.meshes import MeshCandidate
+from planner.search.stage_partition import Partition, PartitionProblem, StageKind, stage_kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,7 +360,7 @@ class StageProblemBuilder:
         shape = (len(options), n + 1, n + 1)
         arrays: dict[str, list[np.ndarray]] = {name: [] for name in ("s", "u", "base", "act", "e", "c", "d")}
         pruned = False
-        total = float(np.min([_work(self.segment_costs(cand, pl.device), pl.speed) for pl in placements],
+        total = float(np.min([segment_work(self.segment_costs(cand, pl.device), pl.speed) for pl in placements],
                              axis=0).sum())
         for k in reps:
             ctx, kind = contexts[k], stage_kind(k, p)
@@ -413,7 +375,7 @@ class StageProblemBuilder:
             b_arr = np.full(shape, np.inf)  # a stage left unpriced never fits
             # Lower bounds: this stage's compute + TP communication at its own speed, and the whole chain's at
             # the cheapest rank (another rank may be faster than this one).
-            prefix = np.concatenate([[0.0], np.cumsum(_work(costs, ctx.speed))])
+            prefix = np.concatenate([[0.0], np.cumsum(segment_work(costs, ctx.speed))])
             for comp, a0, b0, aa, bb in self._composition_groups():
                 keep = _stage_shape_mask(kind, aa, bb, n, p)
                 if math.isfinite(upper_bound):
@@ -502,7 +464,7 @@ class StageProblemBuilder:
         return StageProblem(cand, problem, placements, chunks)
 
 
-def _work(costs: Sequence[LayerCost], speed: float) -> np.ndarray:
+def segment_work(costs: Sequence[LayerCost], speed: float) -> np.ndarray:
     """Per segment: (forward + backward compute) / speed + forward + backward TP communication, seconds."""
     return np.array([(c.fwd_compute_s + c.bwd_compute_s) / speed + c.fwd_comm_s + c.bwd_comm_s for c in costs])
 
@@ -534,72 +496,3 @@ def _gpipe_objective(m: int):
     def phi(s, u):
         return s[0] + (m - 1) * u[0] + s[1] + (m - 1) * u[1] + u[2] + u[3] + u[4]
     return phi
-
-
-def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: float) -> float:
-    """A lower bound on the candidate's step time from tp == 1 prices, without solving any sharding.
-
-    `replicated_s`: forward + backward compute of one micro-batch of the whole chain replicated on one device,
-    divided by the fastest rank's speed. Tensor parallelism at best divides a replicated op's time by tp (the
-    GEMM efficiency curve only rises with size, the memory and launch terms scale at most as 1/tp),
-    communication and recomputation are >= 0, and the busiest pipeline rank carries at least 1/p of the work:
-    ``T >= S/v + (m - 1/v) S/p`` with ``S = replicated_s / tp`` (v = 1 for GPipe and 1F1B), plus the smallest
-    possible optimizer step (`optimizer_s`, computed by the caller for an even split)."""
-    total = replicated_s / (cand.mesh.tp * cand.mesh.cp)  # issue 10: cp splits every op's work cp ways
-    m, p = cand.num_microbatches, cand.mesh.pp
-    v = cand.virtual_stages if cand.schedule is Schedule.INTERLEAVED else 1
-    return total / v + (m - 1 / v) * total / p + optimizer_s
-
-
-def _min_max_partition(prefix: np.ndarray, p: int) -> float:
-    """A lower bound (within 1e-9 relative) on min over contiguous p-partitions of the largest part sum."""
-    total = float(prefix[-1])
-    lo, hi = total / p, total  # some part is at least the mean; one part holding everything is feasible
-    if lo <= 0:
-        return 0.0
-
-    def feasible(x: float) -> bool:
-        pos, n = 0, len(prefix) - 1
-        for _ in range(p):
-            pos = int(np.searchsorted(prefix, prefix[pos] + x, side="right")) - 1
-            if pos >= n:
-                return True
-        return False
-
-    if feasible(lo):
-        return lo
-    for _ in range(60):
-        if hi - lo <= 1e-9 * hi:
-            break
-        mid = 0.5 * (lo + hi)
-        if feasible(mid):
-            hi = mid
-        else:
-            lo = mid
-    return lo
-
-
-def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost], float]], *, optimizer_s: float,
-                      chunks: Sequence[StageSpec] = (), p2p: Sequence[float] = ()) -> float:
-    """A lower bound on the candidate's step time from its own layer prices (tp sharding solved).
-
-    `costs`: per pipeline rank, its segment prices and speed. Per segment ``w_j`` is the least over ranks of
-    ``(forward + backward compute) / speed + forward + backward TP communication`` (recomputation and
-    data-parallel communication are >= 0). The pipeline's bottleneck rank carries at least the min-max
-    contiguous split of ``w`` over p stages; for interleaved, whose chunks are fixed, exactly its chunks' ``w``
-    plus their sends (`p2p`, one per chunk boundary). So ``T >= W / v + (m - 1/v) U + optimizer_s``."""
-    w = np.min([_work(segs, speed) for segs, speed in costs], axis=0)
-    prefix = np.concatenate([[0.0], np.cumsum(w)])
-    m, p = cand.num_microbatches, cand.mesh.pp
-    total = float(prefix[-1])
-    if cand.schedule is Schedule.INTERLEAVED and chunks:
-        v = cand.virtual_stages
-        n = len(chunks)
-        per_chunk = [float(prefix[c.stop] - prefix[c.start]) + (p2p[j - 1] if j > 0 else 0.0)
-                     + (p2p[j] if j < n - 1 else 0.0) for j, c in enumerate(chunks)]
-        u = max(sum(per_chunk[r::p]) for r in range(p))
-        total = sum(per_chunk)
-    else:
-        v = 1
-        u = _min_max_partition(prefix, p)
-    return total / v + (m - 1 / v) * u + optimizer_s

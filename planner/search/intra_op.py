@@ -62,7 +62,7 @@ from costmodel.sharding_problem import FIXED, NO_GRAD, UNITS_PER_SECOND, Problem
 from costmodel.sharding_rules import Style
 from ir.graph import Node
 from planner.errors import UserError
-from planner.plan import ModuleSharding, ShardStyle
+from planner.plan import ModuleSharding
 
 DEFAULT_TIME_LIMIT = 20.0
 """CP-SAT deterministic-time limit per solve (its "deterministic seconds", about wall seconds on one core)."""
@@ -252,7 +252,7 @@ class LayerSharding:
     module_prefix: str
     """Module path that owns the segment ("blocks.3"); `module_styles` paths are relative to it."""
     styles: tuple[tuple[str, str], ...]
-    """(relative module path, ShardStyle value) for every module whose strategy has a module form."""
+    """(relative module path, Style value) for every module whose strategy has a module form."""
     collectives: tuple[tuple[str, str, str], ...]
     """(tensor, "forward"/"backward", collective) for every collective the layout runs, in graph order."""
     status: SolveStatus
@@ -262,7 +262,7 @@ class LayerSharding:
     """Wall time of the solve (0 for a cache hit); not part of the result's identity."""
 
     def module_styles(self) -> tuple[ModuleSharding, ...]:
-        return tuple(ModuleSharding(module=m, style=ShardStyle(s)) for m, s in self.styles)
+        return tuple(ModuleSharding(module=m, style=Style(s)) for m, s in self.styles)
 
     def choice(self, node_name: str) -> str:
         for name, strategy in self.choices:

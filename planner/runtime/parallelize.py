@@ -4,7 +4,7 @@
 model. The order follows torchtitan: tensor parallelism first (DTensor parameters), expert parallelism (this
 rank's experts, all-to-all routing), context parallelism (attention over the cp ranks' keys), then activation
 checkpointing, the sequence split hooks, the pipeline split, and FSDP2 / replication over the dp (x cp) ranks per
-model part. The result is a `ParallelModel` that `planner.train_step.train_step` drives, pipelined or not.
+model part. The result is a `ParallelModel` that `planner.runtime.train_step.train_step` drives, pipelined or not.
 
 A plan is refused (`PlanLoadError`) when it was made for another world size, another parameter count or, when
 the layer chain is known, another traced graph (fingerprint).
@@ -19,32 +19,34 @@ from typing import Any
 import torch
 from torch import nn
 
+from costmodel.estimate import even_stages
 from costmodel.strategy import StageSpec, Strategy
 from ir.layer_chain import LayerChain
-from planner.apply_cp import (
+from planner.errors import PlanLoadError, UserError
+from planner.plan import Plan
+from planner.runtime.apply_cp import (
     CpGroup,
     SequenceShard,
     apply_context_parallel,
     install_gather_hook,
     install_split_hook,
 )
-from planner.apply_ep import EpGroup, apply_expert_parallel
-from planner.apply_fsdp import apply_data_parallel
-from planner.apply_pipeline import (
+from planner.runtime.apply_ep import EpGroup, apply_expert_parallel
+from planner.runtime.apply_fsdp import apply_data_parallel
+from planner.runtime.apply_pipeline import (
     build_schedule,
     build_stage_modules,
-    even_stages,
     module_stages,
     stage_indices_of_rank,
 )
-from planner.apply_recompute import apply_recompute
-from planner.apply_tp import (
+from planner.runtime.apply_recompute import apply_recompute
+from planner.runtime.apply_tp import (
     BLOCKS_ATTR,
     apply_tensor_parallel,
     install_sequence_parallel_hooks,
     shared_parameters,
 )
-from planner.device_mesh import (
+from planner.runtime.device_mesh import (
     MeshLayout,
     PlanMeshes,
     build_mesh,
@@ -52,8 +54,7 @@ from planner.device_mesh import (
     derive_meshes,
     mesh_layout,
 )
-from planner.errors import PlanLoadError, UserError
-from planner.plan import Plan
+from planner.tracing import trace_one_sample
 
 LossFn = Callable[[Any, tuple[torch.Tensor, ...]], torch.Tensor]
 """`loss_fn(output, batch)`: a scalar loss of a (micro-)batch, a mean over its samples (the zoo's `loss`)."""
@@ -167,12 +168,15 @@ class ParallelModel:
         return self
 
 
-def plan_stages(strategy: Strategy, num_segments: int) -> tuple[StageSpec, ...]:
-    """The plan's stages, or (when it lists none) the even split the estimator assumes, with its recompute."""
+def plan_stages(strategy: Strategy, chain: LayerChain) -> tuple[StageSpec, ...]:
+    """The plan's stages, or (when it lists none) the split `costmodel.estimate` priced: its `even_stages`, with
+    the strategy's recompute."""
     if strategy.stages:
         return strategy.stages
     count = strategy.pp * strategy.virtual_stages
-    return tuple(StageSpec(s.start, s.stop, strategy.recompute) for s in even_stages(num_segments, count))
+    if count > len(chain):
+        raise UserError(f"cannot cut a layer chain of {len(chain)} segments into {count} pipeline stages")
+    return even_stages(chain, count, strategy.recompute)
 
 
 def count_trainable_params(model: nn.Module) -> int:
@@ -196,17 +200,6 @@ def check_plan_matches(model: nn.Module, plan: Plan, *, chain: LayerChain | None
         if found != plan.model.fingerprint:
             raise PlanLoadError(f"the plan's model fingerprint {plan.model.fingerprint} does not match this "
                                 f"model's {found}; the plan was made for another model or configuration")
-
-
-def trace_chain(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, dtype: str | None = None) -> LayerChain:
-    """The layer chain of `model`, traced as `stratagem plan` traces it (one sample, shapes only, in the plan's
-    training dtype so that the fingerprint is computed on the same graph)."""
-    import ir
-    from ir.graph import TensorSpec
-
-    specs = tuple(TensorSpec(shape=(1, *t.shape[1:]), dtype=str(t.dtype).removeprefix("torch."))
-                  for t in example_inputs)
-    return ir.build_layer_chain(ir.trace(model, specs, dtype=dtype))
 
 
 def _check_mesh(mesh: Any, layout: MeshLayout) -> None:
@@ -315,12 +308,12 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: Any = None,
     else:
         _check_mesh(mesh, layout)
     if chain is None and example_inputs is not None:
-        chain = trace_chain(model, example_inputs, dtype=plan.training.dtype)
+        chain = trace_one_sample(model, example_inputs, dtype=plan.training.dtype)
     check_plan_matches(model, plan, chain=chain, world_size=dist.get_world_size())
     loss_fn = loss_fn or model_output_is_loss
     if strategy.pp > 1 and chain is None:
         raise UserError("a pipeline plan cuts the model's layer chain: pass example_inputs= (or chain=)")
-    stages = plan_stages(strategy, len(chain)) if chain is not None else strategy.stages
+    stages = plan_stages(strategy, chain) if chain is not None else strategy.stages
 
     meshes = derive_meshes(mesh, strategy)
 

@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from planner.apply_recompute import attention_modules
-from planner.apply_tp import BLOCKS_ATTR, SEQUENCE_DIM
 from planner.errors import UserError
+from planner.runtime.apply_recompute import attention_modules
+from planner.runtime.apply_tp import BLOCKS_ATTR, SEQUENCE_DIM
 
 POSITION_TABLES: tuple[str, ...] = ("cos", "sin")
 """Buffers of a rotary-embedding module that hold one row per position (models/rope.py)."""

@@ -1,29 +1,20 @@
-"""Mixed device types: which devices run what, and how work is shared between device types (issue 7).
+"""Group data parallelism: data-parallel replicas on different device types, each group on its own batch share.
 
-Two ways to use devices of different speed in one training step, both priced with `costmodel.estimate`:
+Each device group trains its own replicas (its best strategy from the search on the group alone) on a share of
+the global batch; the shares balance the groups' step times exactly:
 
-- **Pipeline stages on different types.** A pipeline rank is a lockstep group (its tensor- and data-parallel
-  peers wait for each other), so it must sit on one device type; stages on a fast type then get more layers.
-  The search's stage partition does that exactly (each pipeline rank is priced on its own device and speed and
-  its memory capacity caps what it holds); `mixed_type_problem` tells the search which meshes would put two types
-  in one lockstep group, and `with_device_groups` writes the chosen group into every `StageSpec.device_group`
-  so the plan says which devices run what (`device_map` lists the physical ranks).
-  `proportional_split` is the closed form the partition approaches on a uniform chain: counts proportional to
-  speed, capped by what fits in memory (largest remainders).
+    minimize  max_g T_g(m_g) + sync     subject to  sum_g dp_g * mbs_g * m_g = global_batch,  m_g >= 0,
 
-- **Data-parallel replicas on different types** (`plan_group_data_parallel`). Each device group trains its own
-  replicas (its best strategy from the search on the group alone) on a share of the global batch; the shares
-  balance the groups' step times exactly:
+where T_g(m) is `costmodel.estimate` of group g's strategy with m micro-batches (non-decreasing in m) and `sync`
+is the gradient all-reduce between the groups (one rank of each group, over the tier that connects them, the bytes
+of the largest gradient shard a device holds; it is not overlapped with the backward: a conservative price).
+`balance_shares` solves the min-max exactly by bisection on the step time with a bounded subset-sum feasibility
+test (`tests/test_heterogeneous.py` checks it against brute force). `proportional_split` is the closed form the
+stage partition approaches on a uniform chain: counts proportional to speed, capped by what fits in memory
+(largest remainders).
 
-      minimize  max_g T_g(m_g) + sync     subject to  sum_g dp_g * mbs_g * m_g = global_batch,  m_g >= 0,
-
-  where T_g(m) is `costmodel.estimate` of group g's strategy with m micro-batches (non-decreasing in m) and
-  `sync` is the gradient all-reduce between the groups (one rank of each group, over the tier that connects
-  them, the bytes of the largest gradient shard a device holds; it is not overlapped with the backward: a
-  conservative price). `balance_shares` solves the min-max exactly by bisection on the step time with a bounded
-  subset-sum feasibility test (`tests/test_heterogeneous.py` checks it against brute force).
-
-Logical rank i runs on the i-th available device (`Cluster.available_ranks`), as in `costmodel.estimate`.
+The other way to use devices of different speed, pipeline stages on different types, is the search's own
+(`planner.search.device_groups`).
 """
 
 from __future__ import annotations
@@ -37,122 +28,13 @@ from typing import Any
 from costmodel.breakdown import Estimate
 from costmodel.cluster import Cluster
 from costmodel.collectives import Collective, CommGroup, collective_time
-from costmodel.estimate import axis_strides, dp_group, p2p_group, rank_speeds, stage_ranks, tp_group
 from costmodel.estimate import estimate as costmodel_estimate
 from costmodel.layer_cost import LayerCost
-from costmodel.strategy import MeshAxis, Schedule, Strategy
+from costmodel.strategy import Schedule, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import UserError
-
-# ---- which devices run what ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class StagePlacement:
-    """Pipeline rank `pp_rank`: the physical devices it runs on, their device groups and types, and its pace."""
-
-    pp_rank: int
-    ranks: tuple[int, ...]
-    """Physical (cluster) ranks, ascending; unavailable devices are never among them."""
-    groups: tuple[str, ...]
-    """Names of the device groups these ranks belong to, in cluster order."""
-    devices: tuple[str, ...]
-    """Device types (catalog names) of these ranks, sorted."""
-    speed: float
-    """Slowest speed factor among the ranks: the lockstep group's pace."""
-
-    @property
-    def group(self) -> str | None:
-        """The device group when the rank lies in exactly one, else None."""
-        return self.groups[0] if len(self.groups) == 1 else None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"pp_rank": self.pp_rank, "ranks": list(self.ranks), "groups": list(self.groups),
-                "devices": list(self.devices), "speed": self.speed}
-
-
-def _strategy_of(dp: int, tp: int, pp: int, cp: int, ep: int, mesh_order: Sequence[Any]) -> Strategy:
-    return Strategy(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mesh_order=tuple(mesh_order))
-
-
-def device_map(cluster: Cluster, strategy: Strategy) -> tuple[StagePlacement, ...]:
-    """Per pipeline rank: its physical devices, groups, device types and pace."""
-    physical = cluster.available_ranks()
-    if strategy.num_devices > len(physical):
-        raise ValueError(f"strategy needs {strategy.num_devices} devices, cluster {cluster.name!r} has "
-                         f"{len(physical)} available")
-    speeds = rank_speeds(cluster, strategy)  # the estimate's speeds (shared host cores included)
-    out = []
-    for k in range(strategy.pp):
-        logical = stage_ranks(strategy, k)
-        ranks = tuple(sorted(physical[r] for r in logical))
-        group_ids = sorted({cluster.group_index_of(r) for r in ranks})
-        out.append(StagePlacement(
-            pp_rank=k, ranks=ranks, groups=tuple(cluster.groups[g].name for g in group_ids),
-            devices=tuple(sorted({cluster.groups[g].device.name for g in group_ids})),
-            speed=min(speeds[r] for r in logical)))
-    return tuple(out)
-
-
-def axis_tiers(cluster: Cluster, strategy: Strategy) -> dict[str, str | None]:
-    """The outermost network tier that each parallel axis's traffic crosses, over all pipeline ranks and stage
-    boundaries: "tp" (tensor-parallel collectives), "cp", "dp" (the gradient reduction over dp x cp) and "pp"
-    (the sends between consecutive stages). None for an axis of one rank. Ranks are the cost model's (logical)
-    ones, so this is what the step time was priced with."""
-    st = axis_strides(strategy)
-    groups: dict[str, list[CommGroup]] = {"tp": [], "cp": [], "dp": [], "pp": []}
-    for k in range(strategy.pp):
-        base = k * st[MeshAxis.PP]
-        groups["tp"].append(tp_group(strategy, k))
-        groups["cp"].append(CommGroup(strategy.cp, stride=st[MeshAxis.CP], start=base))
-        groups["dp"].append(dp_group(strategy, k))
-    groups["pp"] = [p2p_group(strategy, j) for j in range(strategy.pp * strategy.virtual_stages - 1)]
-    out: dict[str, str | None] = {}
-    for axis, gs in groups.items():
-        spanned = [cluster.tier_index_spanned(g.size, g.stride, g.start) for g in gs if g.size > 1]
-        spanned = [t for t in spanned if t is not None]
-        out[axis] = cluster.tiers[max(spanned)].name if spanned else None
-    return out
-
-
-def mixed_type_problem(cluster: Cluster, strategy: Strategy) -> str:
-    """Why `strategy`'s mesh puts two device types in one lockstep group ('' when it does not).
-
-    The cost model prices a pipeline rank on one device type; a tensor- or data-parallel group across two types
-    would run at the slower type's pace with the faster type's price. Such replicas are planned by
-    `plan_group_data_parallel` instead, with batch shares that balance the types."""
-    if cluster.is_homogeneous or strategy.num_devices > cluster.num_available:
-        return ""
-    for placement in device_map(cluster, strategy):
-        if len(placement.devices) > 1:
-            return (f"pipeline rank {placement.pp_rank} would mix {' and '.join(placement.devices)} in one "
-                    f"tensor/data-parallel group (replicas on different types get their own batch shares: "
-                    f"group data parallelism)")
-    return ""
-
-
-def mesh_type_problem(cluster: Cluster, *, dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1,
-                      mesh_order: Sequence[Any] = ()) -> str:
-    """`mixed_type_problem` for a mesh given by its degrees and rank order (what the search enumerates)."""
-    if cluster.is_homogeneous:
-        return ""
-    order = tuple(mesh_order) or Strategy().mesh_order
-    return mixed_type_problem(cluster, _strategy_of(dp, tp, pp, cp, ep, order))
-
-
-def with_device_groups(cluster: Cluster, strategy: Strategy) -> Strategy:
-    """`strategy` with `StageSpec.device_group` set to the device group each stage runs on.
-
-    Only for clusters of several groups (one group is the default the field's None stands for); a stage whose
-    ranks span groups keeps None. `costmodel.estimate` prices a stage on its group's device, which is the device
-    of its first rank, so the estimate does not change."""
-    if len(cluster.groups) == 1 or not strategy.stages:
-        return strategy
-    placements = device_map(cluster, strategy)
-    stages = tuple(dataclasses.replace(st, device_group=placements[j % strategy.pp].group)
-                   for j, st in enumerate(strategy.stages))
-    return dataclasses.replace(strategy, stages=stages)
-
+from planner.search.branch_and_bound import SearchOptions, search
+from planner.search.layer_costs import LayerCostTable
 
 # ---- proportional shares --------------------------------------------------------------------------------------
 
@@ -383,11 +265,8 @@ SearchFn = Callable[[LayerChain, Cluster, int], tuple[Strategy, Mapping[tuple[in
 
 def searching(space: Any = None, *, dtype: str = "bfloat16", tables: dict[str, Any] | None = None,
               time_limit_s: float | None = None) -> SearchFn:
-    """A `SearchFn` running `planner.search.search` (time objective) with one `LayerCostTable` per device type,
+    """A `SearchFn` running `planner.search.branch_and_bound.search` (time objective) with one `LayerCostTable` per device type,
     kept in `tables` (device name -> table) so that later calls reuse the layer prices."""
-    from planner.layer_costs import LayerCostTable
-    from planner.search import SearchOptions, search
-
     tables = {} if tables is None else tables
 
     def run(chain: LayerChain, cluster: Cluster, global_batch: int) -> tuple[Strategy, Mapping]:

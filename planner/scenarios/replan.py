@@ -41,14 +41,16 @@ from costmodel.layer_cost import LayerCost
 from costmodel.strategy import MeshAxis, Recompute, Schedule, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import PlanLoadError, UserError
-from planner.heterogeneous import with_device_groups
-from planner.layer_costs import LayerCostTable
-from planner.mesh_search import MeshCandidate, compute_lower_bound_s
 from planner.plan import Alternative, ModuleSharding, Plan, SearchInfo
-from planner.search import SearchOptions, SearchResult, layer_cost_map, search, sharding_of
-from planner.search_space import SearchSpace
-from planner.stage_partition import solve_partition
-from planner.stage_problem import Candidate, StageProblemBuilder
+from planner.search.branch_and_bound import SearchOptions, SearchResult, search
+from planner.search.candidates import Candidate
+from planner.search.device_groups import with_device_groups
+from planner.search.layer_costs import LayerCostTable
+from planner.search.meshes import MeshCandidate, compute_lower_bound_s
+from planner.search.pricing import layer_cost_map, sharding_of
+from planner.search.space import SearchSpace
+from planner.search.stage_partition import solve_partition
+from planner.search.stage_problem import StageProblemBuilder
 
 DEFAULT_STICKINESS = 0.02
 """Accept a plan up to 2% slower than the fastest when it changes less (about the run-to-run noise of a step)."""
@@ -104,7 +106,7 @@ class PlanningSession:
 
     def search(self, cluster: Cluster, *, global_batch: int, space: SearchSpace | None = None,
                options: SearchOptions | None = None) -> SearchResult:
-        """`planner.search.search` with this session's table for the cluster."""
+        """`planner.search.branch_and_bound.search` with this session's table for the cluster."""
         return search(self.chain, cluster, global_batch=global_batch, space=space, options=options,
                       dtype=self.dtype, profile=self.profile, table=self.table_for(cluster))
 

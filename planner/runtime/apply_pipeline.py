@@ -30,20 +30,6 @@ from planner.errors import UserError
 _PLACEHOLDER, _OUTPUT, _GET_ATTR, _CALL_MODULE = "placeholder", "output", "get_attr", "call_module"
 
 
-def even_stages(num_segments: int, num_stages: int) -> tuple[StageSpec, ...]:
-    """Split `num_segments` chain segments into `num_stages` contiguous ranges, sizes differing by at most one
-    (the earlier stages take the extra segments)."""
-    if num_stages > num_segments:
-        raise UserError(f"cannot cut a layer chain of {num_segments} segments into {num_stages} pipeline stages")
-    base, extra = divmod(num_segments, num_stages)
-    stages, start = [], 0
-    for i in range(num_stages):
-        stop = start + base + (1 if i < extra else 0)
-        stages.append(StageSpec(start=start, stop=stop))
-        start = stop
-    return tuple(stages)
-
-
 def segment_stage_index(stages: Sequence[StageSpec], num_segments: int) -> tuple[int, ...]:
     """Stage of each chain segment; the stages must cover `[0, num_segments)` contiguously and in order."""
     owner: list[int] = []

@@ -11,7 +11,7 @@ ZeRO stages (Rajbhandari et al. SC'20) map onto FSDP2 as follows:
   pipelining): every rank keeps everything, gradients all-reduced.
 Gradients are averaged over the dp ranks, so a mean loss per rank gives the global-batch mean gradient.
 
-With context parallelism the mesh is dp x cp flattened (`PlanMeshes.replicas`, see planner/apply_cp.py). With
+With context parallelism the mesh is dp x cp flattened (`PlanMeshes.replicas`, see planner/runtime/apply_cp.py). With
 expert parallelism each experts module is wrapped first, on its own mesh (`PlanMeshes.expert_replicas`: the
 ranks that hold the same experts), so that the part's wrapper leaves its parameters alone.
 """

@@ -17,9 +17,9 @@
 Edits apply to the spec *as written* (the YAML mapping, or the mapping the shorthand stands for) and the spec is
 validated again, so defaults follow: a new device type brings its own NVLink and NIC figures.
 
-Every scenario is planned by the search (`planner.search`, one `PlanningSession` per sequence length so that
+Every scenario is planned by the search (`planner.search.branch_and_bound`, one `PlanningSession` per sequence length so that
 layer prices are shared between scenarios with the same devices and links); a cluster of several device types is
-also planned with group data parallelism (`planner.heterogeneous`) and the better plan is kept. Objectives:
+also planned with group data parallelism (`planner.search.device_groups`) and the better plan is kept. Objectives:
 
 - time (default): the fastest plan of each scenario; the fastest scenario is marked.
 - cost, with an optional throughput floor X (`--min-throughput`, tokens/s, or samples/s for models without a
@@ -43,10 +43,11 @@ from costmodel.cluster import Cluster
 from costmodel.strategy import Schedule, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import UserError
-from planner.heterogeneous import GroupDataParallelPlan, device_map, plan_group_data_parallel, searching
-from planner.replan import PlanningSession
-from planner.search import SearchOptions
-from planner.search_space import Objective, SearchSpace
+from planner.scenarios.group_data_parallel import GroupDataParallelPlan, plan_group_data_parallel, searching
+from planner.scenarios.replan import PlanningSession
+from planner.search.branch_and_bound import SearchOptions
+from planner.search.device_groups import device_map
+from planner.search.space import Objective, SearchSpace
 
 TIER_FIELDS = ("bandwidth", "aggregate_bandwidth", "latency", "efficiency")
 GROUP_FIELDS = ("device", "num_nodes", "price_per_device_hour", "memory")
@@ -521,7 +522,7 @@ def render_table(result: WhatIf) -> str:
 
 def plot_whatif(result: WhatIf, path: str | Path) -> None:
     """Throughput and cost per scenario as bars (matplotlib's object-oriented API, no pyplot state)."""
-    from planner.plot import _matplotlib
+    from planner.reports.plot import _matplotlib
 
     path = Path(path)
     Figure, FigureCanvasAgg = _matplotlib()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.plan import Plan
-from planner.timeline import segment_range
+from planner.reports.timeline import segment_range
 
 GIB = 1 << 30
 

@@ -3,7 +3,7 @@
 Identical layers share a class (`Segment.class_id`), so a class is priced once per key and the result reused by
 every segment of the class: the 96 blocks of GPT-3 cost one solve. With ``tp == 1`` a class is priced replicated
 (`costmodel.layer_pricing.price_segment`); with ``tp > 1`` the intra-operator sharding ILP
-(`planner.intra_op.solve_layer_sharding`) chooses every op's sharding and returns its `LayerCost` and module
+(`planner.search.intra_op.solve_layer_sharding`) chooses every op's sharding and returns its `LayerCost` and module
 styles. `LayerCostTable` is the cache: one per search (or per `planner.estimate` call), never global.
 """
 
@@ -125,7 +125,7 @@ class LayerCostTable:
                                            profile=self.profile)
                 sharding[cid] = ()
                 continue
-            from planner.intra_op import ShardingCache, solve_layer_sharding
+            from planner.search.intra_op import ShardingCache, solve_layer_sharding
 
             if self._sharding_cache is None:
                 self._sharding_cache = ShardingCache()

@@ -4,7 +4,7 @@ partition with per-stage recomputation (inner). Branch and bound over candidates
 Formulation
 -----------
 A *candidate* fixes everything but the stage partition and the recomputation: the mesh (dp, tp, pp [, cp, ep]
-and their rank order, `planner.mesh_search`), the micro-batch size ``mbs`` and count ``m`` with
+and their rank order, `planner.search.meshes`), the micro-batch size ``mbs`` and count ``m`` with
 ``global_batch = dp * mbs * m``, the schedule (1F1B, interleaved with v chunks per rank, GPipe when pinned), the
 ZeRO stage and sequence parallelism. The space, for a free dimension:
 
@@ -22,7 +22,7 @@ ZeRO stage and sequence parallelism. The space, for a free dimension:
 - ZeRO 0..3 when dp > 1 (0 otherwise); SP on and off when tp > 1.
 
 Middle level: `LayerCostTable` prices each layer class once per (device, tp, sp, mbs) -- the intra-operator
-ILP for tp > 1 -- and the inner level (`planner.stage_problem` + `planner.stage_partition`) finds the candidate's
+ILP for tp > 1 -- and the inner level (`planner.search.stage_problem` + `planner.search.stage_partition`) finds the candidate's
 best partition and per-stage recomputation exactly, minimizing the same step-time formula as `costmodel.estimate`.
 
 Branch and bound, best first over a heap of lower bounds, each level valid for everything below it:
@@ -48,44 +48,51 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from costmodel.breakdown import Estimate
 from costmodel.cluster import Cluster
-from costmodel.context_parallel import cp_options, cp_problem
 from costmodel.estimate import estimate as costmodel_estimate
 from costmodel.estimate import even_stages
 from costmodel.expert_parallel import (
-    ep_options,
-    ep_problem,
     expert_param_numel,
     num_experts,
     optimizer_params,
 )
 from costmodel.expert_parallel import model_state_bytes as expert_state_bytes
 from costmodel.layer_cost import LayerCost
-from costmodel.memory import GIB, framework_overhead_bytes, model_state_bytes
+from costmodel.memory import framework_overhead_bytes
 from costmodel.step_time import optimizer_step_time
 from costmodel.strategy import MeshAxis, Recompute, Schedule, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import InfeasibleError, UserError
-from planner.heterogeneous import mesh_type_problem
-from planner.layer_costs import LayerCostTable, module_sharding
-from planner.mesh_search import MeshCandidate, compute_lower_bound_s, divisors, enumerate_meshes
 from planner.plan import Alternative, ModuleSharding
-from planner.search_space import Objective, SearchSpace
-from planner.stage_partition import partition_lower_bound, solve_partition
-from planner.stage_problem import Candidate, StageProblemBuilder, cheap_lower_bound, tight_lower_bound
-
-REL_TOL = 1e-9
-"""Relative tolerance when comparing the search objective with `costmodel.estimate` (float summation order)."""
+from planner.search.bounds import cheap_lower_bound, tight_lower_bound
+from planner.search.candidates import (
+    Candidate,
+    candidates_for,
+    device_counts,
+    enumerate_candidates,
+)
+from planner.search.explanations import empty_space_message, explain_alternatives, nothing_fits_message
+from planner.search.layer_costs import LayerCostTable
+from planner.search.meshes import MeshCandidate, compute_lower_bound_s
+from planner.search.pricing import (
+    layer_cost_map,
+    least_memory_of,
+    price_per_second,
+    sharding_of,
+    summary_recompute,
+)
+from planner.search.space import Objective, SearchSpace
+from planner.search.stage_partition import partition_lower_bound, solve_partition
+from planner.search.stage_problem import StageProblemBuilder
 
 Progress = Callable[[int, int, float | None], None]
 
 FIRST_PLAN_FRACTION = 0.5
-"""With a time limit, once this fraction of it has passed without any plan, `_Search.first_plan` looks for one
+"""With a time limit, once this fraction of it has passed without any plan, `SearchState.first_plan` looks for one
 among the candidates that are cheap to solve, leaving the rest of the limit to improve on it."""
 
 
@@ -152,7 +159,7 @@ class SearchResult:
 
 
 @dataclass(order=True)
-class _Found:
+class Found:
     objective: float
     order: int
     candidate: Candidate = field(compare=False)
@@ -164,184 +171,17 @@ class _Found:
 class _MeshRecord:
     """What happened to one (dp, tp, pp): its best solved candidate, or why none was."""
 
-    best: _Found | None = None
+    best: Found | None = None
     lower_bound: float = math.inf
     memory_need_bytes: float = math.inf
     beyond_slack: bool = False
     """Its partition was solved but nothing came within `explain_slack` of the best."""
 
 
-# ---- the space ---------------------------------------------------------------------------------------------------
-
-def head_problem(chain: LayerChain, tp: int) -> str:
-    """Why tensor parallelism of degree tp cannot shard the attention heads ('' when it can)."""
-    for n in chain.graph.nodes:
-        h = n.attr("num_heads")
-        if h is not None and int(h) % tp:
-            return f"tp={tp} does not divide heads={h}"
-        kv = n.attr("num_kv_heads")
-        if kv is not None and int(kv) % tp and tp % int(kv):
-            return f"tp={tp} and kv heads={kv}: neither divides the other"
-    return ""
-
-
-def _node_size(cluster: Cluster) -> int:
-    return math.gcd(*(g.devices_per_node for g in cluster.groups))
-
-
-def device_counts(cluster: Cluster, space: SearchSpace, objective: Objective) -> tuple[int, ...]:
-    """Device counts to plan for, largest first.
-
-    Always every available device. Also whole-node subsets: for `--objective cost` all of them (fewer devices can
-    be cheaper); for time a power-of-two number of nodes, so that a mesh that does not divide the available
-    devices (after a failure, say) can still use most of them, and every count up to the node size (the counts
-    one node is searched with). So a cluster's counts include those of any cluster with a power-of-two number of
-    its nodes, and going from such a cluster to this one never makes the best time worse (from 3 nodes to 4 it
-    can: 3 nodes' worth of devices is not searched on 4). With `--objective cost`, counts below a node only within
-    one node or with `SearchSpace.whole_nodes_only` False. The level-0 bound prunes the small counts unexpanded
-    whenever a larger one already does better, so they cost nothing for a model that needs the devices."""
-    n = cluster.num_available
-    per_node = _node_size(cluster)
-    nodes = n // per_node
-    if objective is Objective.COST:
-        counts = {n} | {k * per_node for k in range(1, nodes + 1)}
-    else:
-        counts = {n} | {(1 << i) * per_node for i in range(nodes.bit_length()) if (1 << i) <= nodes}
-    if objective is not Objective.COST or not space.whole_nodes_only or n <= per_node:
-        counts |= set(range(1, min(n, per_node) + 1))
-    return tuple(sorted(counts, reverse=True))
-
-
-def _main_class_count(chain: LayerChain) -> int:
-    counts = Counter(s.class_id for s in chain.segments)
-    return max(counts.values())
-
-
-def _schedules(space: SearchSpace, pp: int, m: int, chain: LayerChain, main_count: int
-               ) -> list[tuple[Schedule, int]]:
-    if space.schedule is not None and space.schedule is not Schedule.INTERLEAVED:
-        return [(space.schedule, 1)]
-    # GPipe is not searched unless pinned: for the same stages it is never faster than 1F1B (sum F + (m-1) max F
-    # + sum B + (m-1) max B >= sum (F+B) + (m-1) max (F+B)) and it keeps all m micro-batches in flight instead of
-    # min(p - k, m), with the same drain and tails; so 1F1B is at least as good on every partition.
-    out: list[tuple[Schedule, int]] = []
-    if space.schedule is None:
-        out = [(Schedule.ONE_F_ONE_B, 1)]
-    if pp == 1 or m % pp:
-        return out
-    v_options = ([space.virtual_stages] if space.virtual_stages is not None
-                 else range(2, space.max_virtual_stages + 1))
-    for v in v_options:
-        if v >= 2 and pp * v <= len(chain.segments) and main_count % (pp * v) == 0:
-            out.append((Schedule.INTERLEAVED, v))
-    return out
-
-
-def enumerate_candidates(chain: LayerChain, cluster: Cluster, global_batch: int, space: SearchSpace,
-                         objective: Objective = Objective.TIME) -> tuple[list[Candidate], dict[tuple, str]]:
-    """Every candidate of the space (module docstring), and the meshes left out with the reason."""
-    out: list[Candidate] = []
-    invalid: dict[tuple, str] = {}
-    for n in device_counts(cluster, space, objective):
-        out.extend(candidates_for(n, chain, cluster, global_batch, space, invalid))
-    return out, invalid
-
-
-def candidates_for(num_devices: int, chain: LayerChain, cluster: Cluster, global_batch: int, space: SearchSpace,
-                   invalid: dict[tuple, str]) -> list[Candidate]:
-    """The candidates on exactly `num_devices` devices; meshes whose tp cannot shard the heads go to `invalid`."""
-    out: list[Candidate] = []
-    main_count = _main_class_count(chain)
-    # Issue 10: context-parallel degrees the chain allows, expert-parallel degrees dividing its experts.
-    cps = [c for c in cp_options(chain, num_devices) if space.cp in (None, c)]
-    eps = [e for e in ep_options(chain, num_devices) if space.ep in (None, e)]
-    meshes = enumerate_meshes(num_devices, devices_per_node=_node_size(cluster), global_batch=global_batch,
-                              max_pp=len(chain.segments), dp=space.dp, tp=space.tp, pp=space.pp,
-                              tp_across_nodes=space.tp_across_nodes, cp_options=cps, ep_options=eps)
-    for mesh in meshes:
-        # Issue 7 (planner/heterogeneous.py): a tp/dp group never mixes device types; replicas on different
-        # types are planned by group data parallelism, with batch shares that balance them.
-        why = head_problem(chain, mesh.tp) or mesh_type_problem(
-            cluster, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, ep=mesh.ep, mesh_order=mesh.mesh_order)
-        if why:
-            invalid[(mesh.dp, mesh.tp, mesh.pp)] = why
-            continue
-        out.extend(_mesh_candidates(mesh, chain, global_batch, space, main_count))
-    return out
-
-
-def _mesh_candidates(mesh: MeshCandidate, chain: LayerChain, global_batch: int, space: SearchSpace,
-                     main_count: int) -> list[Candidate]:
-    out = []
-    per_replica = global_batch // mesh.dp
-    for mbs in divisors(per_replica):
-        if space.microbatch_size is not None and mbs != space.microbatch_size:
-            continue
-        if space.microbatch_size is None and mbs > space.max_microbatch_size:
-            continue
-        m = per_replica // mbs
-        if space.num_microbatches is not None and m != space.num_microbatches:
-            continue
-        zeros = ([space.zero_stage] if space.zero_stage is not None
-                 else [0] if mesh.dp * mesh.cp == 1 else [0, 1, 2, 3])
-        sps = ([space.sequence_parallel] if space.sequence_parallel is not None
-               else [False] if mesh.tp == 1 else [False, True])
-        if mesh.tp == 1 and any(sps):
-            continue
-        for schedule, v in _schedules(space, mesh.pp, m, chain, main_count):
-            for zero in zeros:
-                for sp in sps:
-                    out.append(Candidate(mesh, mbs, m, schedule, v, zero, sp))
-    return out
-
-
-# ---- pricing helpers ---------------------------------------------------------------------------------------------
-
-def _price_per_second(cluster: Cluster, num_devices: int) -> float:
-    """Sum of the prices of ranks 0..num_devices-1, per second."""
-    total, rank = 0.0, 0
-    for g in cluster.groups:
-        take = min(g.num_devices, num_devices - rank)
-        if take <= 0:
-            break
-        if g.price_per_device_hour is None:
-            raise UserError(f"--objective cost needs a price for every device; group {g.name!r} has none "
-                            f"(set price_per_device_hour in the cluster YAML)")
-        total += take * g.price_per_device_hour
-        rank += take
-    return total / 3600.0
-
-
-def layer_cost_map(builder: StageProblemBuilder, cand: Candidate, placements) -> dict[tuple[int, str], LayerCost]:
-    """`costmodel.estimate`'s layer_costs for a candidate: (class id, device name) -> LayerCost."""
-    out: dict[tuple[int, str], LayerCost] = {}
-    for pl in placements:
-        costs = builder.segment_costs(cand, pl.device)
-        for seg, c in zip(builder.chain.segments, costs, strict=True):
-            out[(seg.class_id, pl.device.name)] = c
-    return out
-
-
-def sharding_of(builder: StageProblemBuilder, cand: Candidate, placements) -> tuple[ModuleSharding, ...]:
-    if cand.mesh.tp == 1:
-        return ()
-    prices = builder.table.prices(placements[0].device, tp=cand.mesh.tp, tp_stride=1,
-                                  sequence_parallel=cand.sequence_parallel, microbatch_size=cand.microbatch_size)
-    return module_sharding(builder.chain, prices)
-
-
-def _summary_recompute(stages) -> Recompute:
-    used = {s.recompute for s in stages}
-    for r in (Recompute.FULL, Recompute.SELECTIVE):
-        if r in used:
-            return r
-    return Recompute.NONE
-
-
 # ---- the search --------------------------------------------------------------------------------------------------
 
 @dataclass
-class _Search:
+class SearchState:
     chain: LayerChain
     cluster: Cluster
     global_batch: int
@@ -350,7 +190,7 @@ class _Search:
     dtype: str
     builder: StageProblemBuilder
     started: float
-    found: list[_Found] = field(default_factory=list)
+    found: list[Found] = field(default_factory=list)
     meshes: dict[tuple[int, int, int], _MeshRecord] = field(default_factory=dict)
     candidates: list[Candidate] = field(default_factory=list)
     invalid: dict[tuple, str] = field(default_factory=dict)
@@ -372,7 +212,7 @@ class _Search:
             return 1.0
         n = cand.mesh.num_devices
         if n not in self._price:
-            self._price[n] = _price_per_second(self.cluster, n)
+            self._price[n] = price_per_second(self.cluster, n)
         return self._price[n]
 
     def options_for(self) -> tuple[Recompute, ...]:
@@ -501,13 +341,13 @@ class _Search:
         part = solve_partition(built.problem, upper_bound=bound)
         if part is None:
             if not built.pruned and not math.isfinite(partition_lower_bound(built.problem)):
-                rec.memory_need_bytes = min(rec.memory_need_bytes, _least_memory(built))
+                rec.memory_need_bytes = min(rec.memory_need_bytes, least_memory_of(built))
             else:
                 rec.beyond_slack = True
             return
         stages = built.stages(part)
-        strategy = cand.strategy(stages, _summary_recompute(stages))
-        found = _Found(part.objective * factor, self.solved, cand, part.objective, strategy)
+        strategy = cand.strategy(stages, summary_recompute(stages))
+        found = Found(part.objective * factor, self.solved, cand, part.objective, strategy)
         if rec.best is None or found < rec.best:
             rec.best = found
         if found.objective < self.kth_best():
@@ -523,7 +363,7 @@ class _Search:
         peak = max(g.device.flops(self.dtype) for g in self.cluster.groups)
         lb = compute_lower_bound_s(flops, num_devices, peak)
         if self.options.objective is Objective.COST:
-            lb *= _price_per_second(self.cluster, num_devices)
+            lb *= price_per_second(self.cluster, num_devices)
         return lb
 
     def run(self, device_counts: Sequence[int]) -> tuple[bool, float]:
@@ -576,28 +416,6 @@ class _Search:
         return False, heap[0][0] if heap else math.inf
 
 
-def _least_memory(built) -> float:
-    """Smallest per-device capacity with which the candidate would fit (bottleneck over stage memories)."""
-    import numpy as np
-
-    problem = built.problem
-    p, n = problem.num_stages, problem.num_segments
-    best = np.full(n + 1, np.inf)
-    best[n] = 0.0
-    for k in range(p - 1, -1, -1):
-        q = problem.profile[k]
-        mem = (problem.base[q] + problem.inflight[k] * problem.act[q]).min(axis=0)  # best option per (a, b)
-        a = np.arange(n + 1)[:, None]
-        b = np.arange(n + 1)[None, :]
-        ok = (b > a) & (a >= k) & (b <= n - (p - 1 - k)) & ((b == n) if k == p - 1 else True)
-        cand = np.where(ok, np.maximum(mem, best[None, :]), np.inf)
-        new = cand.min(axis=1)
-        if k == 0:
-            return float(new[0])
-        best = new
-    return math.inf
-
-
 def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: SearchSpace | None = None,
            options: SearchOptions | None = None, dtype: str = "bfloat16", profile=None,
            table: LayerCostTable | None = None) -> SearchResult:
@@ -608,7 +426,7 @@ def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: Sea
     if options is not None and options.time_limit_s is not None:
         # Load the sharding solver (OR-Tools, about a second to import) before the clock starts: a time limit
         # bounds the search, not the one-time loading of its libraries.
-        import planner.intra_op  # noqa: F401
+        import planner.search.intra_op  # noqa: F401
     started = time.monotonic()
     space = space or SearchSpace()
     options = options or SearchOptions()
@@ -616,26 +434,26 @@ def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: Sea
         raise UserError(f"--batch must be a positive integer, got {global_batch}")
     table = table or LayerCostTable(chain, cluster, dtype=dtype, profile=profile)
     builder = StageProblemBuilder(chain, cluster, table, dtype)
-    state = _Search(chain, cluster, global_batch, space, options, dtype, builder, started)
+    state = SearchState(chain, cluster, global_batch, space, options, dtype, builder, started)
     counts = device_counts(cluster, space, options.objective)
     cut_short, next_bound = state.run(counts)
     if not state.found:
         candidates, invalid = enumerate_candidates(chain, cluster, global_batch, space, options.objective)
         if not candidates:
-            raise UserError(_empty_space_message(chain, cluster, global_batch, space, invalid))
-        raise InfeasibleError(_nothing_fits_message(state, space))
+            raise UserError(empty_space_message(chain, cluster, global_batch, space, invalid))
+        raise InfeasibleError(nothing_fits_message(state, space))
     ranked = tuple(_finish(state, f) for f in state.found)
     best = ranked[0].objective
     lower = min(best, next_bound) if cut_short else best
     gap = (best - lower) / best if best > 0 else 0.0
-    alternatives = _alternatives(state, ranked[0], state.invalid)
+    alternatives = explain_alternatives(state, ranked[0], state.invalid)
     return SearchResult(
         ranked=ranked, alternatives=alternatives, status="feasible" if cut_short else "optimal",
         cut_short=cut_short, lower_bound=lower, optimality_gap=gap, candidates=state.solved, pruned=state.pruned,
         layer_solves=table.solves, time_s=time.monotonic() - started)
 
 
-def _finish(state: _Search, found: _Found) -> RankedStrategy:
+def _finish(state: SearchState, found: Found) -> RankedStrategy:
     cand = found.candidate
     placements = state.builder.placements(cand)
     costs = layer_cost_map(state.builder, cand, placements)
@@ -644,172 +462,3 @@ def _finish(state: _Search, found: _Found) -> RankedStrategy:
     return RankedStrategy(candidate=cand, strategy=found.strategy, objective=found.objective,
                           predicted_step_time_s=found.step_time_s, estimate=est,
                           sharding=sharding_of(state.builder, cand, placements), layer_costs=costs)
-
-
-# ---- explanations ------------------------------------------------------------------------------------------------
-
-_PHRASES = {
-    "compute_s": "slower compute (smaller or less efficient GEMMs per device)",
-    "recompute_s": "more recomputation to fit in memory",
-    "tp_comm_s": "more tensor-parallel communication",
-    "pp_comm_s": "more pipeline send/recv",
-    "dp_comm_s": "more exposed data-parallel communication",
-    "bubble_s": "a larger pipeline bubble",
-    "optimizer_s": "a longer optimizer step",
-    "framework_s": "more framework host work (FSDP2 / DTensor / pipeline / checkpoint machinery)",
-}
-
-
-def _crosses(cluster: Cluster, size: int, stride: int) -> str:
-    if size <= 1:
-        return ""
-    tier = cluster.tier_spanned(size, stride)
-    return tier.name if tier is not None and tier.name != cluster.tiers[0].name else ""
-
-
-def _loss_reason(state: _Search, best: RankedStrategy, alt: _Found) -> str:
-    costs = layer_cost_map(state.builder, alt.candidate, state.builder.placements(alt.candidate))
-    est = costmodel_estimate(state.chain, state.cluster, alt.strategy, layer_costs=costs, dtype=state.dtype,
-                             profile=state.builder.table.profile, global_batch=state.global_batch)
-    ours, theirs = best.estimate.breakdown.to_dict(), est.breakdown.to_dict()
-    worst = max(_PHRASES, key=lambda k: (theirs[k] - ours[k], k))
-    delta = theirs[worst] - ours[worst]
-    pct = 100.0 * (alt.objective - best.objective) / best.objective
-    what = "cost" if state.options.objective is Objective.COST else "step time"
-    phrase = _PHRASES[worst]
-    m = alt.candidate.mesh
-    strides = {a: m.stride(a) for a in (MeshAxis.TP, MeshAxis.DP, MeshAxis.PP)}
-    if worst == "dp_comm_s" and (tier := _crosses(state.cluster, m.dp, strides[MeshAxis.DP])):
-        phrase = f"its gradient all-reduce crosses the {tier} tier"
-    elif worst == "tp_comm_s" and (tier := _crosses(state.cluster, m.tp, strides[MeshAxis.TP])):
-        phrase = f"its tensor-parallel all-reduces cross the {tier} tier"
-    elif worst == "pp_comm_s" and (tier := _crosses(state.cluster, 2, strides[MeshAxis.PP])):
-        phrase = f"its pipeline sends cross the {tier} tier"
-    return f"+{pct:.1f}% {what}: {phrase} (+{delta:.3g} s)"
-
-
-def _alternatives(state: _Search, best: RankedStrategy, invalid: Mapping[tuple, str]) -> tuple[Alternative, ...]:
-    """Best per distinct (dp, tp, pp) other than the winner's, with why it lost; a fixed order and size."""
-    win = (best.candidate.mesh.dp, best.candidate.mesh.tp, best.candidate.mesh.pp)
-    rows: list[tuple[tuple, Alternative]] = []
-    what = "cost" if state.options.objective is Objective.COST else "step time"
-    for key, rec in state.meshes.items():
-        if key == win:
-            continue
-        summary = f"dp={key[0]} tp={key[1]} pp={key[2]}"
-        if rec.best is not None:
-            found = rec.best
-            rows.append(((0, found.objective, key), Alternative(found.candidate.label, found.step_time_s,
-                                                               _loss_reason(state, best, found))))
-        elif rec.beyond_slack:
-            slack = 100.0 * state.options.explain_slack
-            rows.append(((1, rec.lower_bound, key), Alternative(
-                summary, None, f"more than +{slack:.0f}% {what} (its best partition was not priced exactly)")))
-        elif math.isfinite(rec.lower_bound):
-            pct = 100.0 * (rec.lower_bound - best.objective) / best.objective
-            reason = f"at least {pct:+.1f}% {what} (lower bound {rec.lower_bound:.4g})"
-            if math.isfinite(rec.memory_need_bytes):
-                reason = f"does not fit: needs at least {rec.memory_need_bytes / GIB:.1f} GiB per device"
-            rows.append(((1, rec.lower_bound, key), Alternative(summary, None, reason)))
-        elif math.isfinite(rec.memory_need_bytes):
-            rows.append(((2, rec.memory_need_bytes, key), Alternative(
-                summary, None, f"does not fit: needs at least {rec.memory_need_bytes / GIB:.1f} GiB per device")))
-    for key, why in invalid.items():
-        rows.append(((3, 0.0, key), Alternative(f"dp={key[0]} tp={key[1]} pp={key[2]}", None, why)))
-    rows.sort(key=lambda r: r[0])
-    return tuple(a for _, a in rows[:state.options.num_alternatives])
-
-
-def _empty_space_message(chain: LayerChain, cluster: Cluster, global_batch: int, space: SearchSpace,
-                         invalid: Mapping[tuple, str]) -> str:
-    pins = ", ".join(f"{k}={v}" for k, v in space.pinned().items())
-    if invalid and len(set(invalid.values())) == 1:
-        return f"no valid strategy: {next(iter(invalid.values()))}" + (f" (pinned: {pins})" if pins else "")
-    n, per_node = cluster.num_available, _node_size(cluster)
-    # Name the first pin that cannot work on its own, else describe the whole space.
-    # Issue 10: a pinned cp / ep the model cannot use (costmodel/context_parallel.py, expert_parallel.py).
-    why = (cp_problem(chain, space.cp) if space.cp is not None else "") or (
-        ep_problem(chain, space.ep) if space.ep is not None else "")
-    if why:
-        return f"no valid strategy: {why}"
-    if space.tp is not None:
-        if not space.tp_across_nodes and per_node % space.tp:
-            return (f"no valid strategy: tp={space.tp} does not divide the {per_node} devices per node (tensor "
-                    f"parallelism stays inside a node; --tp-across-nodes lets it span nodes)")
-        why = head_problem(chain, space.tp)
-        if why:
-            return f"no valid strategy: {why}"
-    if space.dp is not None and global_batch % space.dp:
-        return f"no valid strategy: dp={space.dp} does not divide the global batch {global_batch}"
-    if space.pp is not None and space.pp > len(chain.segments):
-        return (f"no valid strategy: pp={space.pp} is more than the {len(chain.segments)} segments of the layer "
-                f"chain (each stage needs one)")
-    hint = f"pinned: {pins}; " if pins else ""
-    return (f"no strategy matches: {hint}{n} devices, global batch {global_batch}, {len(chain.segments)} "
-            f"layer-chain segments (dp must divide the batch, dp*tp*pp the devices, tp the devices per node)")
-
-
-def least_memory(state: _Search) -> tuple[float, Candidate | None]:
-    """The smallest per-device memory with which some strategy of the space fits, and its candidate.
-
-    Exact: candidates are visited in order of their parameter-state bound, each priced at its best partition
-    and recomputation for memory (`_least_memory`), until the bound exceeds the best found."""
-    candidates, _ = enumerate_candidates(state.chain, state.cluster, state.global_batch, state.space,
-                                         state.options.objective)
-    options = state.options_for()
-    bounded = []
-    for cand in candidates:
-        placements = state.builder.placements(cand)
-        if placements is None:
-            continue
-        m = cand.mesh
-        even = -(-state.chain.graph.param_count // (m.tp * m.pp))
-        need = model_state_bytes(even, zero_stage=cand.zero_stage, dp=m.dp * m.cp, dtype=state.dtype).total
-        bounded.append((need + framework_overhead_bytes(placements[0].device.name), cand.sort_key, cand))
-    bounded.sort(key=lambda t: (t[0], t[1]))
-    best, arg = math.inf, None
-    for lower, _, cand in bounded:
-        if lower >= best:
-            break
-        built = state.builder.build(cand, options)
-        if built is not None:
-            need = _least_memory(built)
-            if need < best:
-                best, arg = need, cand
-    return best, arg
-
-
-def _digits_to_tell_apart(need: float, capacity: float) -> int:
-    """Decimals of GiB that show `need` and `capacity` as different numbers (2 unless they round together)."""
-    digits = 2
-    while digits < 6 and math.isfinite(need) and f"{need / GIB:.{digits}f}" == f"{capacity / GIB:.{digits}f}":
-        digits += 1
-    return digits
-
-
-def _nothing_fits_message(state: _Search, space: SearchSpace) -> str:
-    need, cand = least_memory(state)
-    capacity = max(g.device.memory_bytes for g in state.cluster.groups)
-    n = state.cluster.num_available
-    sharded = model_state_bytes(-(-state.chain.graph.param_count // n), zero_stage=3, dp=1,
-                                dtype=state.dtype).total
-    if need <= capacity:
-        # Only possible when the memory-optimal strategy is outside what the search may return (never for the
-        # default space); say so rather than print a contradiction.
-        return f"nothing fits in {capacity / GIB:.2f} GiB per device within the search space"
-    pins = space.pinned()
-    helps = []
-    if pins:
-        helps.append(f"remove or relax --fix {', '.join(sorted(pins))}")
-    if sharded + framework_overhead_bytes(state.cluster.device_of(0).name) > capacity:
-        spread = "on the one device" if n == 1 else f"fully sharded over all {n} devices"
-        helps.append(f"more devices or devices with more memory (the parameter state alone, {spread}, needs "
-                     f"{sharded / GIB:.2f} GiB per device)")
-    else:
-        helps.append("more devices to spread layers and activations over (a larger tp or pp), a shorter sequence "
-                     "(--seq), or devices with more memory")
-    where = f" ({cand.label}, recompute=full where needed)" if cand is not None else ""
-    digits = _digits_to_tell_apart(need, capacity)
-    need_text = f"{need / GIB:.{digits}f} GiB" if math.isfinite(need) else "more than any device has"
-    return (f"nothing fits in {capacity / GIB:.{digits}f} GiB per device: the least memory any strategy needs is "
-            f"{need_text} per device{where}; what would help: {'; '.join(helps)}")

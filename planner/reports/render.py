@@ -1,0 +1,95 @@
+"""The plan as text, as `stratagem plan` and `stratagem estimate` print it: the device mesh with the network tier
+each axis spans, the stage table (segments, devices, recomputation, memory against capacity, micro-batches in
+flight), the predicted step and its breakdown, the tensor-parallel sharding, the search status and the
+runner-ups."""
+
+from __future__ import annotations
+
+from costmodel.cluster import Cluster
+from costmodel.estimate import axis_strides
+from costmodel.memory import GIB
+from costmodel.strategy import MeshAxis, Schedule
+from planner.plan import Plan
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def mesh_line(plan: Plan, cluster: Cluster) -> str:
+    s = plan.strategy
+    strides = axis_strides(s)
+    parts = []
+    for axis in s.mesh_order:
+        size = {MeshAxis.TP: s.tp, MeshAxis.CP: s.cp, MeshAxis.DP: s.dp, MeshAxis.PP: s.pp, MeshAxis.EP: s.ep}[axis]
+        if size == 1 and axis is not MeshAxis.DP:
+            continue
+        if axis is MeshAxis.EP:
+            parts.append(f"ep={size} (on dp ranks)")
+            continue
+        stride = strides[axis]
+        # pp neighbours are `stride` apart; the other axes form groups of `size` ranks `stride` apart.
+        tier = cluster.tier_spanned(2 if axis is MeshAxis.PP and size > 1 else size, stride)
+        parts.append(f"{axis.value}={size} ({tier.name if tier else 'one device'})")
+    used = s.num_devices
+    total = cluster.num_devices
+    count = f"{used} devices" if used == total else f"{used} of {total} devices"
+    return f"mesh: {' x '.join(parts)}  = {count}, innermost first"
+
+
+def stage_table(plan: Plan) -> list[str]:
+    s, est = plan.strategy, plan.predicted
+    per_rank = s.tp * s.cp * s.dp
+    rows = []
+    for r, se in enumerate(est.stages):
+        chunks = s.stages[r::s.pp] if s.stages else ()
+        segs = ", ".join(f"{c.start}-{c.stop - 1}" if c.stop - c.start > 1 else f"{c.start}" for c in chunks) \
+            or f"{se.start}-{se.stop - 1}"
+        recompute = ",".join(sorted({c.recompute.value for c in chunks})) or s.recompute.value
+        mem = f"{_gib(se.memory.total)} / {_gib(se.capacity_bytes)} GiB"
+        rows.append((str(r), segs, str(per_rank), recompute, mem, str(se.in_flight_microbatches)))
+    head = ("stage", "segments", "devices", "recompute", "memory / capacity", "in flight")
+    widths = [max(len(x[i]) for x in (head, *rows)) for i in range(len(head))]
+    align = (">", "<", ">", "<", ">", ">")
+    return ["  " + "  ".join(f"{cell:{a}{w}}" for cell, a, w in zip(row, align, widths, strict=True))
+            for row in (head, *rows)]
+
+
+def render_plan(plan: Plan, cluster: Cluster) -> str:
+    s, est, info = plan.strategy, plan.predicted, plan.search
+    sched = f"interleaved (v={s.virtual_stages})" if s.schedule is Schedule.INTERLEAVED else s.schedule.value
+    seq = f", seq {plan.training.seq_len}" if plan.training.seq_len else ""
+    lines = [
+        f"plan for {plan.model.name} ({plan.model.params / 1e9:.2f}B params) on {cluster.name} "
+        f"({cluster.num_devices} devices), global batch {plan.training.global_batch}{seq}",
+        mesh_line(plan, cluster),
+        f"schedule: {sched}, {s.num_microbatches} micro-batch{'es' if s.num_microbatches > 1 else ''} of "
+        f"{s.microbatch_size}, ZeRO-{s.zero_stage}, "
+        f"sequence parallel {'on' if s.sequence_parallel else 'off'}",
+        "stages:",
+        *stage_table(plan),
+    ]
+    throughput = (f"{est.tokens_per_s:,.0f} tokens/s" if est.tokens_per_s is not None
+                  else f"{est.samples_per_s:,.1f} samples/s")
+    lines += [
+        f"step time: {est.step_time_s:.4g} s   throughput: {throughput}   "
+        f"{est.model_tflops_per_device:.1f} TFLOP/s per device   MFU {100 * est.mfu:.1f}%",
+        "breakdown: " + ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.3g} s "
+                                  f"({100 * v / est.step_time_s:.0f}%)"
+                                  for k, v in est.breakdown.to_dict().items() if v > 0),
+    ]
+    if not est.fits:
+        lines.append("DOES NOT FIT: " + "; ".join(est.problems))
+    if plan.sharding:
+        styles = ", ".join(f"{m.module}={m.style.value}" for m in plan.sharding if m.style.value != "replicate")
+        lines.append(f"tensor-parallel sharding: {styles or 'all replicated'}")
+    if info.status == "fixed":
+        lines.append("search: none (strategy given)")
+    else:
+        cut = " (cut short by --time-limit)" if info.status == "feasible" else ""
+        lines.append(f"search: {info.status}{cut}, {info.candidates} candidates priced in {info.time_s:.2f} s, "
+                     f"optimality gap {100 * info.optimality_gap:.1f}% (lower bound {info.lower_bound_s:.4g} s)")
+    if info.alternatives:
+        lines.append("runner-ups:")
+        lines += [f"  {a.summary}: {a.reason}" for a in info.alternatives]
+    return "\n".join(lines)

@@ -1,0 +1,82 @@
+"""Lower bounds on a candidate's step time for the branch and bound (`planner.search.branch_and_bound`): a cheap
+one before its layer classes are priced (level 1), a tight one from its own layer prices (level 2)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from costmodel.layer_cost import LayerCost
+from costmodel.strategy import Schedule, StageSpec
+from planner.search.candidates import Candidate
+from planner.search.stage_problem import segment_work
+
+
+def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: float) -> float:
+    """A lower bound on the candidate's step time from tp == 1 prices, without solving any sharding.
+
+    `replicated_s`: forward + backward compute of one micro-batch of the whole chain replicated on one device,
+    divided by the fastest rank's speed. Tensor parallelism at best divides a replicated op's time by tp (the
+    GEMM efficiency curve only rises with size, the memory and launch terms scale at most as 1/tp),
+    communication and recomputation are >= 0, and the busiest pipeline rank carries at least 1/p of the work:
+    ``T >= S/v + (m - 1/v) S/p`` with ``S = replicated_s / tp`` (v = 1 for GPipe and 1F1B), plus the smallest
+    possible optimizer step (`optimizer_s`, computed by the caller for an even split)."""
+    total = replicated_s / (cand.mesh.tp * cand.mesh.cp)  # issue 10: cp splits every op's work cp ways
+    m, p = cand.num_microbatches, cand.mesh.pp
+    v = cand.virtual_stages if cand.schedule is Schedule.INTERLEAVED else 1
+    return total / v + (m - 1 / v) * total / p + optimizer_s
+
+
+def _min_max_partition(prefix: np.ndarray, p: int) -> float:
+    """A lower bound (within 1e-9 relative) on min over contiguous p-partitions of the largest part sum."""
+    total = float(prefix[-1])
+    lo, hi = total / p, total  # some part is at least the mean; one part holding everything is feasible
+    if lo <= 0:
+        return 0.0
+
+    def feasible(x: float) -> bool:
+        pos, n = 0, len(prefix) - 1
+        for _ in range(p):
+            pos = int(np.searchsorted(prefix, prefix[pos] + x, side="right")) - 1
+            if pos >= n:
+                return True
+        return False
+
+    if feasible(lo):
+        return lo
+    for _ in range(60):
+        if hi - lo <= 1e-9 * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo
+
+
+def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost], float]], *, optimizer_s: float,
+                      chunks: Sequence[StageSpec] = (), p2p: Sequence[float] = ()) -> float:
+    """A lower bound on the candidate's step time from its own layer prices (tp sharding solved).
+
+    `costs`: per pipeline rank, its segment prices and speed. Per segment ``w_j`` is the least over ranks of
+    ``(forward + backward compute) / speed + forward + backward TP communication`` (recomputation and
+    data-parallel communication are >= 0). The pipeline's bottleneck rank carries at least the min-max
+    contiguous split of ``w`` over p stages; for interleaved, whose chunks are fixed, exactly its chunks' ``w``
+    plus their sends (`p2p`, one per chunk boundary). So ``T >= W / v + (m - 1/v) U + optimizer_s``."""
+    w = np.min([segment_work(segs, speed) for segs, speed in costs], axis=0)
+    prefix = np.concatenate([[0.0], np.cumsum(w)])
+    m, p = cand.num_microbatches, cand.mesh.pp
+    total = float(prefix[-1])
+    if cand.schedule is Schedule.INTERLEAVED and chunks:
+        v = cand.virtual_stages
+        n = len(chunks)
+        per_chunk = [float(prefix[c.stop] - prefix[c.start]) + (p2p[j - 1] if j > 0 else 0.0)
+                     + (p2p[j] if j < n - 1 else 0.0) for j, c in enumerate(chunks)]
+        u = max(sum(per_chunk[r::p]) for r in range(p))
+        total = sum(per_chunk)
+    else:
+        v = 1
+        u = _min_max_partition(prefix, p)
+    return total / v + (m - 1 / v) * u + optimizer_s

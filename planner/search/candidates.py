@@ -1,0 +1,185 @@
+"""Candidates: what the outer level of the search enumerates, and the space they come from.
+
+A `Candidate` fixes everything but the stage partition and the recomputation: the mesh (dp, tp, pp [, cp, ep] and
+their rank order, `planner.search.meshes`), the micro-batch size and count, the schedule (with its virtual
+stages), the ZeRO stage and sequence parallelism. `enumerate_candidates` lists them for a chain, cluster, global
+batch and `SearchSpace`, per device count (`device_counts`); the space is spelled out in the "Formulation" of
+`planner.search.branch_and_bound`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from costmodel.cluster import Cluster
+from costmodel.context_parallel import cp_options
+from costmodel.expert_parallel import ep_options
+from costmodel.strategy import Recompute, Schedule, StageSpec, Strategy
+from ir.layer_chain import LayerChain
+from planner.search.device_groups import mesh_type_problem
+from planner.search.meshes import MeshCandidate, divisors, enumerate_meshes
+from planner.search.space import Objective, SearchSpace
+
+_SCHEDULE_ORDER: dict[Schedule, int] = {s: i for i, s in enumerate(Schedule)}
+"""Declaration order of the schedules, for `Candidate.sort_key` (a dict: `list(Schedule)` per call costs tens of
+microseconds, and the search sorts thousands of candidates)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """Everything of a strategy except the stage partition and the recomputation (which the DP chooses)."""
+
+    mesh: MeshCandidate
+    microbatch_size: int
+    num_microbatches: int
+    schedule: Schedule
+    virtual_stages: int
+    zero_stage: int
+    sequence_parallel: bool
+
+    def strategy(self, stages: Sequence[StageSpec] = (), recompute: Recompute = Recompute.NONE) -> Strategy:
+        m = self.mesh
+        return Strategy(dp=m.dp, tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep, microbatch_size=self.microbatch_size,
+                        num_microbatches=self.num_microbatches, schedule=self.schedule,
+                        virtual_stages=self.virtual_stages, zero_stage=self.zero_stage,
+                        sequence_parallel=self.sequence_parallel, recompute=recompute, stages=tuple(stages),
+                        mesh_order=m.mesh_order)
+
+    @property
+    def sort_key(self) -> tuple:
+        """Deterministic order among candidates of equal priority."""
+        m = self.mesh
+        return (m.tp, m.pp, m.dp, m.cp, m.ep, tuple(a.value for a in m.mesh_order), self.microbatch_size,
+                _SCHEDULE_ORDER[self.schedule], self.virtual_stages, self.zero_stage, self.sequence_parallel)
+
+    @property
+    def label(self) -> str:
+        sched = f"interleaved:{self.virtual_stages}" if self.schedule is Schedule.INTERLEAVED else self.schedule.value
+        sp = " sp" if self.sequence_parallel else ""
+        return (f"{self.mesh.label} mbs={self.microbatch_size} m={self.num_microbatches} {sched} "
+                f"zero={self.zero_stage}{sp}")
+
+
+def head_problem(chain: LayerChain, tp: int) -> str:
+    """Why tensor parallelism of degree tp cannot shard the attention heads ('' when it can)."""
+    for n in chain.graph.nodes:
+        h = n.attr("num_heads")
+        if h is not None and int(h) % tp:
+            return f"tp={tp} does not divide heads={h}"
+        kv = n.attr("num_kv_heads")
+        if kv is not None and int(kv) % tp and tp % int(kv):
+            return f"tp={tp} and kv heads={kv}: neither divides the other"
+    return ""
+
+
+def node_size(cluster: Cluster) -> int:
+    return math.gcd(*(g.devices_per_node for g in cluster.groups))
+
+
+def device_counts(cluster: Cluster, space: SearchSpace, objective: Objective) -> tuple[int, ...]:
+    """Device counts to plan for, largest first.
+
+    Always every available device. Also whole-node subsets: for `--objective cost` all of them (fewer devices can
+    be cheaper); for time a power-of-two number of nodes, so that a mesh that does not divide the available
+    devices (after a failure, say) can still use most of them, and every count up to the node size (the counts
+    one node is searched with). So a cluster's counts include those of any cluster with a power-of-two number of
+    its nodes, and going from such a cluster to this one never makes the best time worse (from 3 nodes to 4 it
+    can: 3 nodes' worth of devices is not searched on 4). With `--objective cost`, counts below a node only within
+    one node or with `SearchSpace.whole_nodes_only` False. The level-0 bound prunes the small counts unexpanded
+    whenever a larger one already does better, so they cost nothing for a model that needs the devices."""
+    n = cluster.num_available
+    per_node = node_size(cluster)
+    nodes = n // per_node
+    if objective is Objective.COST:
+        counts = {n} | {k * per_node for k in range(1, nodes + 1)}
+    else:
+        counts = {n} | {(1 << i) * per_node for i in range(nodes.bit_length()) if (1 << i) <= nodes}
+    if objective is not Objective.COST or not space.whole_nodes_only or n <= per_node:
+        counts |= set(range(1, min(n, per_node) + 1))
+    return tuple(sorted(counts, reverse=True))
+
+
+def _main_class_count(chain: LayerChain) -> int:
+    counts = Counter(s.class_id for s in chain.segments)
+    return max(counts.values())
+
+
+def _schedules(space: SearchSpace, pp: int, m: int, chain: LayerChain, main_count: int
+               ) -> list[tuple[Schedule, int]]:
+    if space.schedule is not None and space.schedule is not Schedule.INTERLEAVED:
+        return [(space.schedule, 1)]
+    # GPipe is not searched unless pinned: for the same stages it is never faster than 1F1B (sum F + (m-1) max F
+    # + sum B + (m-1) max B >= sum (F+B) + (m-1) max (F+B)) and it keeps all m micro-batches in flight instead of
+    # min(p - k, m), with the same drain and tails; so 1F1B is at least as good on every partition.
+    out: list[tuple[Schedule, int]] = []
+    if space.schedule is None:
+        out = [(Schedule.ONE_F_ONE_B, 1)]
+    if pp == 1 or m % pp:
+        return out
+    v_options = ([space.virtual_stages] if space.virtual_stages is not None
+                 else range(2, space.max_virtual_stages + 1))
+    for v in v_options:
+        if v >= 2 and pp * v <= len(chain.segments) and main_count % (pp * v) == 0:
+            out.append((Schedule.INTERLEAVED, v))
+    return out
+
+
+def enumerate_candidates(chain: LayerChain, cluster: Cluster, global_batch: int, space: SearchSpace,
+                         objective: Objective = Objective.TIME) -> tuple[list[Candidate], dict[tuple, str]]:
+    """Every candidate of the space (module docstring), and the meshes left out with the reason."""
+    out: list[Candidate] = []
+    invalid: dict[tuple, str] = {}
+    for n in device_counts(cluster, space, objective):
+        out.extend(candidates_for(n, chain, cluster, global_batch, space, invalid))
+    return out, invalid
+
+
+def candidates_for(num_devices: int, chain: LayerChain, cluster: Cluster, global_batch: int, space: SearchSpace,
+                   invalid: dict[tuple, str]) -> list[Candidate]:
+    """The candidates on exactly `num_devices` devices; meshes whose tp cannot shard the heads go to `invalid`."""
+    out: list[Candidate] = []
+    main_count = _main_class_count(chain)
+    # Issue 10: context-parallel degrees the chain allows, expert-parallel degrees dividing its experts.
+    cps = [c for c in cp_options(chain, num_devices) if space.cp in (None, c)]
+    eps = [e for e in ep_options(chain, num_devices) if space.ep in (None, e)]
+    meshes = enumerate_meshes(num_devices, devices_per_node=node_size(cluster), global_batch=global_batch,
+                              max_pp=len(chain.segments), dp=space.dp, tp=space.tp, pp=space.pp,
+                              tp_across_nodes=space.tp_across_nodes, cp_options=cps, ep_options=eps)
+    for mesh in meshes:
+        # Issue 7 (planner/search/device_groups.py): a tp/dp group never mixes device types; replicas on different
+        # types are planned by group data parallelism, with batch shares that balance them.
+        why = head_problem(chain, mesh.tp) or mesh_type_problem(
+            cluster, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, ep=mesh.ep, mesh_order=mesh.mesh_order)
+        if why:
+            invalid[(mesh.dp, mesh.tp, mesh.pp)] = why
+            continue
+        out.extend(_mesh_candidates(mesh, chain, global_batch, space, main_count))
+    return out
+
+
+def _mesh_candidates(mesh: MeshCandidate, chain: LayerChain, global_batch: int, space: SearchSpace,
+                     main_count: int) -> list[Candidate]:
+    out = []
+    per_replica = global_batch // mesh.dp
+    for mbs in divisors(per_replica):
+        if space.microbatch_size is not None and mbs != space.microbatch_size:
+            continue
+        if space.microbatch_size is None and mbs > space.max_microbatch_size:
+            continue
+        m = per_replica // mbs
+        if space.num_microbatches is not None and m != space.num_microbatches:
+            continue
+        zeros = ([space.zero_stage] if space.zero_stage is not None
+                 else [0] if mesh.dp * mesh.cp == 1 else [0, 1, 2, 3])
+        sps = ([space.sequence_parallel] if space.sequence_parallel is not None
+               else [False] if mesh.tp == 1 else [False, True])
+        if mesh.tp == 1 and any(sps):
+            continue
+        for schedule, v in _schedules(space, mesh.pp, m, chain, main_count):
+            for zero in zeros:
+                for sp in sps:
+                    out.append(Candidate(mesh, mbs, m, schedule, v, zero, sp))
+    return out

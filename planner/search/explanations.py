@@ -1,0 +1,197 @@
+"""Why the search chose what it chose: why each losing mesh lost (`alternatives`), and what to relax when the
+space is empty or nothing fits in memory (the messages of `UserError` / `InfeasibleError`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from costmodel.cluster import Cluster
+from costmodel.context_parallel import cp_problem
+from costmodel.estimate import estimate as costmodel_estimate
+from costmodel.expert_parallel import (
+    ep_problem,
+)
+from costmodel.memory import GIB, framework_overhead_bytes, model_state_bytes
+from costmodel.strategy import MeshAxis
+from ir.layer_chain import LayerChain
+from planner.plan import Alternative
+from planner.search.candidates import (
+    Candidate,
+    enumerate_candidates,
+    head_problem,
+    node_size,
+)
+from planner.search.pricing import layer_cost_map, least_memory_of
+from planner.search.space import Objective, SearchSpace
+
+if TYPE_CHECKING:
+    from planner.search.branch_and_bound import Found, RankedStrategy, SearchState
+
+
+_PHRASES = {
+    "compute_s": "slower compute (smaller or less efficient GEMMs per device)",
+    "recompute_s": "more recomputation to fit in memory",
+    "tp_comm_s": "more tensor-parallel communication",
+    "pp_comm_s": "more pipeline send/recv",
+    "dp_comm_s": "more exposed data-parallel communication",
+    "bubble_s": "a larger pipeline bubble",
+    "optimizer_s": "a longer optimizer step",
+    "framework_s": "more framework host work (FSDP2 / DTensor / pipeline / checkpoint machinery)",
+}
+
+
+def _crosses(cluster: Cluster, size: int, stride: int) -> str:
+    if size <= 1:
+        return ""
+    tier = cluster.tier_spanned(size, stride)
+    return tier.name if tier is not None and tier.name != cluster.tiers[0].name else ""
+
+
+def _loss_reason(state: SearchState, best: RankedStrategy, alt: Found) -> str:
+    costs = layer_cost_map(state.builder, alt.candidate, state.builder.placements(alt.candidate))
+    est = costmodel_estimate(state.chain, state.cluster, alt.strategy, layer_costs=costs, dtype=state.dtype,
+                             profile=state.builder.table.profile, global_batch=state.global_batch)
+    ours, theirs = best.estimate.breakdown.to_dict(), est.breakdown.to_dict()
+    worst = max(_PHRASES, key=lambda k: (theirs[k] - ours[k], k))
+    delta = theirs[worst] - ours[worst]
+    pct = 100.0 * (alt.objective - best.objective) / best.objective
+    what = "cost" if state.options.objective is Objective.COST else "step time"
+    phrase = _PHRASES[worst]
+    m = alt.candidate.mesh
+    strides = {a: m.stride(a) for a in (MeshAxis.TP, MeshAxis.DP, MeshAxis.PP)}
+    if worst == "dp_comm_s" and (tier := _crosses(state.cluster, m.dp, strides[MeshAxis.DP])):
+        phrase = f"its gradient all-reduce crosses the {tier} tier"
+    elif worst == "tp_comm_s" and (tier := _crosses(state.cluster, m.tp, strides[MeshAxis.TP])):
+        phrase = f"its tensor-parallel all-reduces cross the {tier} tier"
+    elif worst == "pp_comm_s" and (tier := _crosses(state.cluster, 2, strides[MeshAxis.PP])):
+        phrase = f"its pipeline sends cross the {tier} tier"
+    return f"+{pct:.1f}% {what}: {phrase} (+{delta:.3g} s)"
+
+
+def explain_alternatives(state: SearchState, best: RankedStrategy, invalid: Mapping[tuple, str]) -> tuple[Alternative, ...]:
+    """Best per distinct (dp, tp, pp) other than the winner's, with why it lost; a fixed order and size."""
+    win = (best.candidate.mesh.dp, best.candidate.mesh.tp, best.candidate.mesh.pp)
+    rows: list[tuple[tuple, Alternative]] = []
+    what = "cost" if state.options.objective is Objective.COST else "step time"
+    for key, rec in state.meshes.items():
+        if key == win:
+            continue
+        summary = f"dp={key[0]} tp={key[1]} pp={key[2]}"
+        if rec.best is not None:
+            found = rec.best
+            rows.append(((0, found.objective, key), Alternative(found.candidate.label, found.step_time_s,
+                                                               _loss_reason(state, best, found))))
+        elif rec.beyond_slack:
+            slack = 100.0 * state.options.explain_slack
+            rows.append(((1, rec.lower_bound, key), Alternative(
+                summary, None, f"more than +{slack:.0f}% {what} (its best partition was not priced exactly)")))
+        elif math.isfinite(rec.lower_bound):
+            pct = 100.0 * (rec.lower_bound - best.objective) / best.objective
+            reason = f"at least {pct:+.1f}% {what} (lower bound {rec.lower_bound:.4g})"
+            if math.isfinite(rec.memory_need_bytes):
+                reason = f"does not fit: needs at least {rec.memory_need_bytes / GIB:.1f} GiB per device"
+            rows.append(((1, rec.lower_bound, key), Alternative(summary, None, reason)))
+        elif math.isfinite(rec.memory_need_bytes):
+            rows.append(((2, rec.memory_need_bytes, key), Alternative(
+                summary, None, f"does not fit: needs at least {rec.memory_need_bytes / GIB:.1f} GiB per device")))
+    for key, why in invalid.items():
+        rows.append(((3, 0.0, key), Alternative(f"dp={key[0]} tp={key[1]} pp={key[2]}", None, why)))
+    rows.sort(key=lambda r: r[0])
+    return tuple(a for _, a in rows[:state.options.num_alternatives])
+
+
+def empty_space_message(chain: LayerChain, cluster: Cluster, global_batch: int, space: SearchSpace,
+                         invalid: Mapping[tuple, str]) -> str:
+    pins = ", ".join(f"{k}={v}" for k, v in space.pinned().items())
+    if invalid and len(set(invalid.values())) == 1:
+        return f"no valid strategy: {next(iter(invalid.values()))}" + (f" (pinned: {pins})" if pins else "")
+    n, per_node = cluster.num_available, node_size(cluster)
+    # Name the first pin that cannot work on its own, else describe the whole space.
+    # Issue 10: a pinned cp / ep the model cannot use (costmodel/context_parallel.py, expert_parallel.py).
+    why = (cp_problem(chain, space.cp) if space.cp is not None else "") or (
+        ep_problem(chain, space.ep) if space.ep is not None else "")
+    if why:
+        return f"no valid strategy: {why}"
+    if space.tp is not None:
+        if not space.tp_across_nodes and per_node % space.tp:
+            return (f"no valid strategy: tp={space.tp} does not divide the {per_node} devices per node (tensor "
+                    f"parallelism stays inside a node; --tp-across-nodes lets it span nodes)")
+        why = head_problem(chain, space.tp)
+        if why:
+            return f"no valid strategy: {why}"
+    if space.dp is not None and global_batch % space.dp:
+        return f"no valid strategy: dp={space.dp} does not divide the global batch {global_batch}"
+    if space.pp is not None and space.pp > len(chain.segments):
+        return (f"no valid strategy: pp={space.pp} is more than the {len(chain.segments)} segments of the layer "
+                f"chain (each stage needs one)")
+    hint = f"pinned: {pins}; " if pins else ""
+    return (f"no strategy matches: {hint}{n} devices, global batch {global_batch}, {len(chain.segments)} "
+            f"layer-chain segments (dp must divide the batch, dp*tp*pp the devices, tp the devices per node)")
+
+
+def least_memory(state: SearchState) -> tuple[float, Candidate | None]:
+    """The smallest per-device memory with which some strategy of the space fits, and its candidate.
+
+    Exact: candidates are visited in order of their parameter-state bound, each priced at its best partition
+    and recomputation for memory (`least_memory_of`), until the bound exceeds the best found."""
+    candidates, _ = enumerate_candidates(state.chain, state.cluster, state.global_batch, state.space,
+                                         state.options.objective)
+    options = state.options_for()
+    bounded = []
+    for cand in candidates:
+        placements = state.builder.placements(cand)
+        if placements is None:
+            continue
+        m = cand.mesh
+        even = -(-state.chain.graph.param_count // (m.tp * m.pp))
+        need = model_state_bytes(even, zero_stage=cand.zero_stage, dp=m.dp * m.cp, dtype=state.dtype).total
+        bounded.append((need + framework_overhead_bytes(placements[0].device.name), cand.sort_key, cand))
+    bounded.sort(key=lambda t: (t[0], t[1]))
+    best, arg = math.inf, None
+    for lower, _, cand in bounded:
+        if lower >= best:
+            break
+        built = state.builder.build(cand, options)
+        if built is not None:
+            need = least_memory_of(built)
+            if need < best:
+                best, arg = need, cand
+    return best, arg
+
+
+def _digits_to_tell_apart(need: float, capacity: float) -> int:
+    """Decimals of GiB that show `need` and `capacity` as different numbers (2 unless they round together)."""
+    digits = 2
+    while digits < 6 and math.isfinite(need) and f"{need / GIB:.{digits}f}" == f"{capacity / GIB:.{digits}f}":
+        digits += 1
+    return digits
+
+
+def nothing_fits_message(state: SearchState, space: SearchSpace) -> str:
+    need, cand = least_memory(state)
+    capacity = max(g.device.memory_bytes for g in state.cluster.groups)
+    n = state.cluster.num_available
+    sharded = model_state_bytes(-(-state.chain.graph.param_count // n), zero_stage=3, dp=1,
+                                dtype=state.dtype).total
+    if need <= capacity:
+        # Only possible when the memory-optimal strategy is outside what the search may return (never for the
+        # default space); say so rather than print a contradiction.
+        return f"nothing fits in {capacity / GIB:.2f} GiB per device within the search space"
+    pins = space.pinned()
+    helps = []
+    if pins:
+        helps.append(f"remove or relax --fix {', '.join(sorted(pins))}")
+    if sharded + framework_overhead_bytes(state.cluster.device_of(0).name) > capacity:
+        spread = "on the one device" if n == 1 else f"fully sharded over all {n} devices"
+        helps.append(f"more devices or devices with more memory (the parameter state alone, {spread}, needs "
+                     f"{sharded / GIB:.2f} GiB per device)")
+    else:
+        helps.append("more devices to spread layers and activations over (a larger tp or pp), a shorter sequence "
+                     "(--seq), or devices with more memory")
+    where = f" ({cand.label}, recompute=full where needed)" if cand is not None else ""
+    digits = _digits_to_tell_apart(need, capacity)
+    need_text = f"{need / GIB:.{digits}f} GiB" if math.isfinite(need) else "more than any device has"
+    return (f"nothing fits in {capacity / GIB:.{digits}f} GiB per device: the least memory any strategy needs is "
+            f"{need_text} per device{where}; what would help: {'; '.join(helps)}")
