@@ -11,8 +11,11 @@ from plan_factory import GIB, make_plan
 from costmodel.strategy import Schedule
 from planner.cli.main import main
 from planner.plan import Alternative
-from planner.reports.explain import explain_plan, render_explanation, strategy_summary
+from planner.reports.explain import explain_plan, render_explanation
 from planner.reports.timeline import build_timeline
+from planner.search.candidates import Candidate
+from planner.search.meshes import PP_INSIDE_DP, MeshCandidate
+from planner.strategy_label import Detail, strategy_label
 
 ALTERNATIVES = (
     Alternative("dp=1 tp=8 pp=4", None, "does not fit: stage 0 needs 93.1 GiB > 80.0 GiB"),
@@ -90,10 +93,16 @@ def test_timeline_gap_becomes_a_note():
     assert any("takes 1.125 s longer than the cost model's closed form" in n for n in e.notes)
 
 
-def test_strategy_summary():
+def test_one_strategy_label_at_every_level_of_detail():
     plan = make_plan(schedule=Schedule.INTERLEAVED, v=2)
-    assert strategy_summary(plan) == ("dp=2 tp=2 pp=4, micro-batch 1 x 8, interleaved (v=2), ZeRO-1, "
-                                      "sequence parallel, recompute none")
+    assert explain_plan(plan).strategy == strategy_label(plan.strategy)
+    assert strategy_label(plan.strategy) == "dp=2 tp=2 pp=4 mbs=1 m=8 interleaved:2 zero=1 sp recompute=none"
+    assert strategy_label(plan.strategy, Detail.DEGREES) == "dp=2 tp=2 pp=4"
+    assert strategy_label(plan.strategy, Detail.MESH) == "dp=2 tp=2 pp=4 (dp inside pp)"
+    cand = Candidate(MeshCandidate(dp=2, tp=1, pp=2, cp=2, mesh_order=PP_INSIDE_DP), 1, 4, Schedule.ONE_F_ONE_B, 1,
+                     1, False)
+    assert cand.label == "dp=2 tp=1 pp=2 cp=2 (pp inside dp) mbs=1 m=4 1f1b zero=1"
+    assert cand.mesh.label == strategy_label(cand.strategy(), Detail.MESH)
 
 
 def test_render_has_every_section():

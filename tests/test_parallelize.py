@@ -108,7 +108,7 @@ def test_expert_parallelism_must_divide_dp():
 def test_world_size_mismatch_is_refused_with_both_numbers():
     with pytest.raises(PlanLoadError, match=r"needs 8 processes .*world size is 4"):
         check_world_size(Strategy(dp=2, tp=2, pp=2), 4)
-    with pytest.raises(PlanLoadError, match=r"needs 4 processes \(dp=1 x tp=2 x pp=1 x cp=2\)"):
+    with pytest.raises(PlanLoadError, match=r"needs 4 processes \(dp=1 tp=2 pp=1 cp=2\)"):
         check_world_size(Strategy(tp=2, cp=2), 2)
 
 
@@ -626,7 +626,7 @@ def test_run_refuses_a_wrong_process_count(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     plan.write_text(_plan_for(tiny_gpt(), dict(dp=2, tp=2)).to_json())
     code, _, err = _main(capsys, "run", "gpt", "--plan", str(plan), "--nproc", "2")
-    assert code == 2 and err.count("\n") == 1 and "--nproc 2 but the plan needs 4 processes (dp=2 x tp=2" in err
+    assert code == 2 and err.count("\n") == 1 and "--nproc 2 but the plan needs 4 processes (dp=2 tp=2" in err
     code, _, err = _main(capsys, "run", "gpt", "--plan", str(plan))
     assert code == 2 and "pass --nproc 4 or launch under torchrun" in err
     code, _, err = _main(capsys, "run", "gpt", "--plan", str(tmp_path / "missing.json"))

@@ -83,10 +83,10 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     world = plan.strategy.num_devices
     if args.nproc is not None and args.nproc != world:
-        from planner.runtime.device_mesh import describe_degrees
+        from planner.strategy_label import Detail, strategy_label
 
         raise UserError(f"--nproc {args.nproc} but the plan needs {world} processes "
-                        f"({describe_degrees(plan.strategy)})")
+                        f"({strategy_label(plan.strategy, Detail.DEGREES)})")
     if _under_torchrun():
         return _run_rank(args, plan)
     if args.nproc is not None and args.nproc > 1:

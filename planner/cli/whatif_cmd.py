@@ -55,10 +55,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from planner.reports.plot import plot_whatif
     from planner.scenarios.whatif import (
         WhatIfOptions,
         parse_vary,
-        plot_whatif,
         render_table,
         scenarios,
         whatif,

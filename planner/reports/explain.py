@@ -15,6 +15,7 @@ from typing import Any
 from costmodel.breakdown import StageEstimate
 from planner.plan import Plan
 from planner.reports.timeline import StepTimeline, segment_range
+from planner.strategy_label import strategy_label
 
 GIB = 1 << 30
 
@@ -120,22 +121,6 @@ class Explanation:
                 "notes": list(self.notes)}
 
 
-def strategy_summary(plan: Plan) -> str:
-    s = plan.strategy
-    parts = [f"dp={s.dp} tp={s.tp} pp={s.pp}"]
-    if s.cp > 1 or s.ep > 1:
-        parts[0] += f" cp={s.cp} ep={s.ep}"
-    schedule = s.schedule.value + (f" (v={s.virtual_stages})" if s.virtual_stages > 1 else "")
-    parts.append(f"micro-batch {s.microbatch_size} x {s.num_microbatches}")
-    parts.append(schedule)
-    parts.append(f"ZeRO-{s.zero_stage}")
-    if s.sequence_parallel:
-        parts.append("sequence parallel")
-    modes = sorted({st.recompute.value for st in s.stages} or {s.recompute.value})
-    parts.append("recompute " + "/".join(modes))
-    return ", ".join(parts)
-
-
 def explain_plan(plan: Plan, *, timeline: StepTimeline | None = None) -> Explanation:
     """Read the plan's prediction and search record into an `Explanation` (`timeline`, when given, adds a note
     if the event simulation and the closed form disagree)."""
@@ -157,7 +142,7 @@ def explain_plan(plan: Plan, *, timeline: StepTimeline | None = None) -> Explana
     title = (f"Plan for {model.name} ({_count(model.params)} parameters) on {cluster_name}, "
              f"global batch {plan.training.global_batch}{seq}")
     return Explanation(
-        title=title, strategy=strategy_summary(plan), step_time_s=step, terms=tuple(terms),
+        title=title, strategy=strategy_label(plan.strategy), step_time_s=step, terms=tuple(terms),
         bottleneck_stage=bottleneck, bottleneck=_bottleneck_text(predicted.stages, bottleneck, plan),
         stages=rows, tightest_stage=tightest, alternatives=tuple(lost), problems=predicted.problems,
         notes=tuple(_notes(plan, rows, timeline)))

@@ -7,11 +7,12 @@ global backend or figure state is touched.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from planner.errors import UserError
 from planner.plan import Plan
 from planner.reports.timeline import EventKind, StepTimeline, build_timeline, plan_title, write_timeline
+from planner.search.space import Objective
 
 GIB = 1 << 30
 
@@ -30,6 +31,10 @@ MEMORY_COLORS: dict[str, str] = {
     "params": "#1f77b4", "grads": "#aec7e8", "optimizer": "#ff7f0e", "activations": "#2ca02c",
     "temporary": "#98df8a", "overhead": "#7f7f7f",
 }
+
+
+if TYPE_CHECKING:
+    from planner.scenarios.whatif import WhatIf
 
 
 def _matplotlib() -> tuple[Any, Any]:
@@ -126,3 +131,38 @@ def write_pictures(plan: Plan, *, timeline_path: Path | None, plot_path: Path | 
         write_timeline(plan, timeline_path)
     if plot_path is not None:
         plot_plan(plan, plot_path)
+
+
+def plot_whatif(result: WhatIf, path: str | Path) -> None:
+    """Throughput and cost per scenario as bars (matplotlib's object-oriented API, no pyplot state)."""
+    path = Path(path)
+    Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=(max(6.0, 1.2 * len(result.rows) + 2), 6.5), dpi=100, layout="constrained")
+    canvas = FigureCanvasAgg(fig)
+    fmt = path.suffix.lstrip(".").lower()
+    if fmt not in canvas.get_supported_filetypes():
+        raise UserError(f"--plot {path}: unknown image type {fmt!r}; use one of "
+                        f"{', '.join(sorted(canvas.get_supported_filetypes()))}")
+    labels = ["\n".join(f"{k}={v}" for k, v in r.values) or r.cluster for r in result.rows]
+    has_cost = any(r.cost_per_million is not None for r in result.rows)
+    axes = fig.subplots(2 if has_cost else 1, 1, sharex=True, squeeze=False)[:, 0]
+    x = list(range(len(result.rows)))
+    colors = ["#2ca02c" if i == result.best else "#1f77b4" for i in x]
+    axes[0].bar(x, [r.throughput if r.ok else 0.0 for r in result.rows], color=colors)
+    axes[0].set_ylabel(result.throughput_unit)
+    if result.min_throughput is not None:
+        axes[0].axhline(result.min_throughput, color="#d62728", linestyle="--", label="floor")
+        axes[0].legend()
+    for i, r in enumerate(result.rows):
+        if r.ok:
+            axes[0].annotate(f"MFU {100 * r.mfu:.0f}%", (i, r.throughput), ha="center", va="bottom", fontsize=8)
+    if has_cost:
+        per = "1M tokens" if result.throughput_unit == "tokens/s" else "1M samples"
+        axes[1].bar(x, [r.cost_per_million or 0.0 for r in result.rows], color=colors)
+        axes[1].set_ylabel(f"cost per {per}")
+    axes[-1].set_xticks(x, labels, fontsize=8)
+    fig.suptitle("what-if: best plan per scenario (green: " +
+                 ("fastest" if result.objective is Objective.TIME else "cheapest") + ")")
+    if not path.parent.is_dir():
+        raise UserError(f"--plot {path}: folder {path.parent} does not exist")
+    fig.savefig(path)

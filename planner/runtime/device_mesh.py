@@ -22,6 +22,7 @@ from typing import Any
 
 from costmodel.strategy import MeshAxis, Strategy
 from planner.errors import PlanLoadError, UserError
+from planner.strategy_label import Detail, strategy_label
 
 MESH_AXES: tuple[MeshAxis, ...] = (MeshAxis.TP, MeshAxis.CP, MeshAxis.DP, MeshAxis.PP)
 """Axes of the root mesh; ep rides on dp."""
@@ -70,16 +71,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def describe_degrees(strategy: Strategy) -> str:
-    """The degrees that multiply to the device count: "dp=2 x tp=2 x pp=1", with " x cp=2" when cp > 1."""
-    text = f"dp={strategy.dp} x tp={strategy.tp} x pp={strategy.pp}"
-    return text + (f" x cp={strategy.cp}" if strategy.cp > 1 else "")
-
-
 def check_world_size(strategy: Strategy, world_size: int) -> None:
     if world_size != strategy.num_devices:
         raise PlanLoadError(
-            f"the plan needs {strategy.num_devices} processes ({describe_degrees(strategy)}) but the world size "
+            f"the plan needs {strategy.num_devices} processes ({strategy_label(strategy, Detail.DEGREES)}) but the world size "
             f"is {world_size}; launch with --nproc-per-node {strategy.num_devices} or make a plan for "
             f"{world_size} devices")
 

@@ -35,6 +35,7 @@ from ir.layer_chain import LayerChain
 from planner.errors import UserError
 from planner.search.branch_and_bound import SearchOptions, search
 from planner.search.layer_costs import LayerCostTable
+from planner.strategy_label import Detail, strategy_label
 
 # ---- proportional shares --------------------------------------------------------------------------------------
 
@@ -247,7 +248,7 @@ class GroupDataParallelPlan:
 
     def summary(self) -> str:
         parts = [f"{s.group}: {s.samples} samples on {s.num_devices}x {s.device} "
-                 f"({_degrees(s.strategy)} mbs={s.strategy.microbatch_size} "
+                 f"({strategy_label(s.strategy, Detail.DEGREES)} mbs={s.strategy.microbatch_size} "
                  f"m={s.strategy.num_microbatches}, {s.step_time_s:.4g} s)" if s.samples else f"{s.group}: idle"
                  for s in self.shares]
         return "group data parallel: " + "; ".join(parts) + f"; cross-group sync {self.sync_s:.3g} s"
@@ -378,11 +379,6 @@ def _balanced(chain: LayerChain, cluster: Cluster, subs: Sequence[Cluster], glob
     for i, g in enumerate(active):  # without a balance, the searched shares make the batch exactly
         counts[g] = found[0][i] if found is not None else planned[g][0].num_microbatches  # type: ignore[index]
     return _assemble(chain, cluster, global_batch, planned, counts, est, dtype)
-
-
-def _degrees(st: Strategy) -> str:
-    extra = (f" cp={st.cp}" if st.cp > 1 else "") + (f" ep={st.ep}" if st.ep > 1 else "")
-    return f"dp={st.dp} tp={st.tp} pp={st.pp}{extra}"
 
 
 def _assemble(chain: LayerChain, cluster: Cluster, global_batch: int, planned: Sequence[Any],

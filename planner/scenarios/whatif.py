@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from costmodel.cluster import Cluster
-from costmodel.strategy import Schedule, Strategy
+from costmodel.strategy import Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import UserError
 from planner.scenarios.group_data_parallel import GroupDataParallelPlan, plan_group_data_parallel, searching
@@ -48,6 +48,7 @@ from planner.scenarios.replan import PlanningSession
 from planner.search.branch_and_bound import SearchOptions
 from planner.search.device_groups import device_map
 from planner.search.space import Objective, SearchSpace
+from planner.strategy_label import strategy_label
 
 TIER_FIELDS = ("bandwidth", "aggregate_bandwidth", "latency", "efficiency")
 GROUP_FIELDS = ("device", "num_nodes", "price_per_device_hour", "memory")
@@ -332,14 +333,6 @@ class _Outcome:
     price_per_hour: float | None
 
 
-def _strategy_summary(s: Strategy) -> str:
-    sched = f"interleaved:{s.virtual_stages}" if s.schedule is Schedule.INTERLEAVED else s.schedule.value
-    extra = (f" cp={s.cp}" if s.cp > 1 else "") + (f" ep={s.ep}" if s.ep > 1 else "")
-    rc = sorted({st.recompute.value for st in s.stages}) or [s.recompute.value]
-    return (f"dp={s.dp} tp={s.tp} pp={s.pp}{extra} mbs={s.microbatch_size} m={s.num_microbatches} {sched} "
-            f"zero={s.zero_stage}{' sp' if s.sequence_parallel else ''} recompute={','.join(rc)}")
-
-
 def used_price_per_hour(cluster: Cluster, strategy: Strategy) -> float | None:
     """Hourly price of the physical devices `strategy` runs on (None when one of them has no price)."""
     total = 0.0
@@ -354,12 +347,12 @@ def used_price_per_hour(cluster: Cluster, strategy: Strategy) -> float | None:
 
 def _from_search(cluster: Cluster, ranked: Any) -> _Outcome:
     e = ranked.estimate
-    return _Outcome(_strategy_summary(ranked.strategy), ranked.strategy.num_devices, e.step_time_s, e.samples_per_s,
+    return _Outcome(strategy_label(ranked.strategy), ranked.strategy.num_devices, e.step_time_s, e.samples_per_s,
                     e.tokens_per_s, e.mfu, used_price_per_hour(cluster, ranked.strategy))
 
 
 def _from_groups(plan: GroupDataParallelPlan) -> _Outcome:
-    parts = [f"{s.group} {s.samples}/{plan.global_batch}: {_strategy_summary(s.strategy)}" for s in plan.shares
+    parts = [f"{s.group} {s.samples}/{plan.global_batch}: {strategy_label(s.strategy)}" for s in plan.shares
              if s.samples]
     return _Outcome("group dp [" + "; ".join(parts) + "]", plan.num_devices, plan.step_time_s, plan.samples_per_s,
                     plan.tokens_per_s, plan.mfu, plan.price_per_hour)
@@ -518,40 +511,3 @@ def render_table(result: WhatIf) -> str:
             what += f" reaching {result.min_throughput:,.0f} {unit}"
         lines.append(f"* {what}")
     return "\n".join(lines)
-
-
-def plot_whatif(result: WhatIf, path: str | Path) -> None:
-    """Throughput and cost per scenario as bars (matplotlib's object-oriented API, no pyplot state)."""
-    from planner.reports.plot import _matplotlib
-
-    path = Path(path)
-    Figure, FigureCanvasAgg = _matplotlib()
-    fig = Figure(figsize=(max(6.0, 1.2 * len(result.rows) + 2), 6.5), dpi=100, layout="constrained")
-    canvas = FigureCanvasAgg(fig)
-    fmt = path.suffix.lstrip(".").lower()
-    if fmt not in canvas.get_supported_filetypes():
-        raise UserError(f"--plot {path}: unknown image type {fmt!r}; use one of "
-                        f"{', '.join(sorted(canvas.get_supported_filetypes()))}")
-    labels = ["\n".join(f"{k}={v}" for k, v in r.values) or r.cluster for r in result.rows]
-    has_cost = any(r.cost_per_million is not None for r in result.rows)
-    axes = fig.subplots(2 if has_cost else 1, 1, sharex=True, squeeze=False)[:, 0]
-    x = list(range(len(result.rows)))
-    colors = ["#2ca02c" if i == result.best else "#1f77b4" for i in x]
-    axes[0].bar(x, [r.throughput if r.ok else 0.0 for r in result.rows], color=colors)
-    axes[0].set_ylabel(result.throughput_unit)
-    if result.min_throughput is not None:
-        axes[0].axhline(result.min_throughput, color="#d62728", linestyle="--", label="floor")
-        axes[0].legend()
-    for i, r in enumerate(result.rows):
-        if r.ok:
-            axes[0].annotate(f"MFU {100 * r.mfu:.0f}%", (i, r.throughput), ha="center", va="bottom", fontsize=8)
-    if has_cost:
-        per = "1M tokens" if result.throughput_unit == "tokens/s" else "1M samples"
-        axes[1].bar(x, [r.cost_per_million or 0.0 for r in result.rows], color=colors)
-        axes[1].set_ylabel(f"cost per {per}")
-    axes[-1].set_xticks(x, labels, fontsize=8)
-    fig.suptitle("what-if: best plan per scenario (green: " +
-                 ("fastest" if result.objective is Objective.TIME else "cheapest") + ")")
-    if not path.parent.is_dir():
-        raise UserError(f"--plot {path}: folder {path.parent} does not exist")
-    fig.savefig(path)

@@ -22,6 +22,7 @@ from ir.layer_chain import LayerChain
 from planner.search.device_groups import mesh_type_problem
 from planner.search.meshes import MeshCandidate, divisors, enumerate_meshes
 from planner.search.space import Objective, SearchSpace
+from planner.strategy_label import Detail, strategy_label
 
 _SCHEDULE_ORDER: dict[Schedule, int] = {s: i for i, s in enumerate(Schedule)}
 """Declaration order of the schedules, for `Candidate.sort_key` (a dict: `list(Schedule)` per call costs tens of
@@ -57,10 +58,7 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        sched = f"interleaved:{self.virtual_stages}" if self.schedule is Schedule.INTERLEAVED else self.schedule.value
-        sp = " sp" if self.sequence_parallel else ""
-        return (f"{self.mesh.label} mbs={self.microbatch_size} m={self.num_microbatches} {sched} "
-                f"zero={self.zero_stage}{sp}")
+        return strategy_label(self.strategy(), Detail.CANDIDATE)
 
 
 def head_problem(chain: LayerChain, tp: int) -> str:

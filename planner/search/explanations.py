@@ -14,7 +14,7 @@ from costmodel.expert_parallel import (
     ep_problem,
 )
 from costmodel.memory import GIB, framework_overhead_bytes, model_state_bytes
-from costmodel.strategy import MeshAxis
+from costmodel.strategy import MeshAxis, Strategy
 from ir.layer_chain import LayerChain
 from planner.plan import Alternative
 from planner.search.candidates import (
@@ -25,6 +25,7 @@ from planner.search.candidates import (
 )
 from planner.search.pricing import layer_cost_map, least_memory_of
 from planner.search.space import Objective, SearchSpace
+from planner.strategy_label import Detail, strategy_label
 
 if TYPE_CHECKING:
     from planner.search.branch_and_bound import Found, RankedStrategy, SearchState
@@ -78,7 +79,7 @@ def explain_alternatives(state: SearchState, best: RankedStrategy, invalid: Mapp
     for key, rec in state.meshes.items():
         if key == win:
             continue
-        summary = f"dp={key[0]} tp={key[1]} pp={key[2]}"
+        summary = strategy_label(Strategy(dp=key[0], tp=key[1], pp=key[2]), Detail.DEGREES)
         if rec.best is not None:
             found = rec.best
             rows.append(((0, found.objective, key), Alternative(found.candidate.label, found.step_time_s,
@@ -97,7 +98,8 @@ def explain_alternatives(state: SearchState, best: RankedStrategy, invalid: Mapp
             rows.append(((2, rec.memory_need_bytes, key), Alternative(
                 summary, None, f"does not fit: needs at least {rec.memory_need_bytes / GIB:.1f} GiB per device")))
     for key, why in invalid.items():
-        rows.append(((3, 0.0, key), Alternative(f"dp={key[0]} tp={key[1]} pp={key[2]}", None, why)))
+        degrees = strategy_label(Strategy(dp=key[0], tp=key[1], pp=key[2]), Detail.DEGREES)
+        rows.append(((3, 0.0, key), Alternative(degrees, None, why)))
     rows.sort(key=lambda r: r[0])
     return tuple(a for _, a in rows[:state.options.num_alternatives])
 

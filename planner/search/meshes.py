@@ -35,7 +35,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from costmodel.strategy import DEFAULT_MESH_ORDER, MeshAxis
+from costmodel.strategy import DEFAULT_MESH_ORDER, MeshAxis, Strategy
+from planner.strategy_label import Detail, strategy_label
 
 DP_INSIDE_PP: tuple[MeshAxis, ...] = DEFAULT_MESH_ORDER
 """tp, cp, ep, dp, pp: Megatron-LM's rank order; pipeline stages are the outermost (slowest) axis."""
@@ -72,9 +73,8 @@ class MeshCandidate:
 
     @property
     def label(self) -> str:
-        order = "pp inside dp" if self.mesh_order == PP_INSIDE_DP else "dp inside pp"
-        extra = (f" cp={self.cp}" if self.cp > 1 else "") + (f" ep={self.ep}" if self.ep > 1 else "")
-        return f"dp={self.dp} tp={self.tp} pp={self.pp}{extra} ({order})"
+        strategy = Strategy(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, mesh_order=self.mesh_order)
+        return strategy_label(strategy, Detail.MESH)
 
 
 def divisors(n: int) -> tuple[int, ...]:
