@@ -1,4 +1,4 @@
-"""Messy clusters (issue 7): plan quality and search time for two device types, one straggler at 0.5x, two
+"""Messy clusters: plan quality and search time for two device types, one straggler at 0.5x, two
 datacenters and a what-if sweep.
 
     python bench/messy_clusters.py                 # all four scenarios

@@ -142,7 +142,7 @@ def validate_strategy(chain: LayerChain, cluster: Cluster, strategy: Strategy, g
                         f"{strategy.microbatch_size}*{strategy.num_microbatches} = {strategy.global_batch}")
     from planner.search.candidates import head_problem
 
-    why = head_problem(chain, strategy.tp) or mixed_type_problem(cluster, strategy)  # issue 7: one type per group
+    why = head_problem(chain, strategy.tp) or mixed_type_problem(cluster, strategy)  # one device type per lockstep group
     if why:
         raise UserError(why)
     segments = len(chain.segments)
@@ -197,7 +197,7 @@ def _search_info(result: SearchResult, step_time_s: float) -> SearchInfo:
 
 def _plan_of(chain: LayerChain, cluster: Cluster, info: ModelInfo, global_batch: int, dtype: str,
              strategy: Strategy, sharding: Sequence[ModuleSharding], est: Estimate, search_info: SearchInfo) -> Plan:
-    # Issue 7: every stage names the device group it runs on (planner/search/device_groups.py; no-op for one group).
+    # Every stage names the device group it runs on (planner/search/device_groups.py; no-op for one group).
     strategy = with_device_groups(cluster, strategy)
     return Plan(model=info, cluster=cluster.to_dict(),
                 training=TrainingConfig(global_batch=global_batch, seq_len=chain.graph.seq_len, dtype=dtype),

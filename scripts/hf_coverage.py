@@ -1,4 +1,4 @@
-"""Which transformers causal-LM model types `hf:` covers (issue 20), as a markdown table:
+"""Which transformers causal-LM model types `hf:` covers, as a markdown table:
 
     python scripts/hf_coverage.py                      # every causal-LM model type of the installed transformers
     python scripts/hf_coverage.py deepseek_v3 qwen3    # only these

@@ -1,6 +1,6 @@
 """Bad input through the real CLI: every user mistake exits 2 with one line naming the bad value, no traceback.
 
-`BAD_INPUTS` is the table of mistakes (issue 9); `docs/bad_inputs.md` is generated from it together with what
+`BAD_INPUTS` is the table of mistakes; `docs/bad_inputs.md` is generated from it together with what
 each one actually prints, and `test_docs_table_is_current` keeps the two equal. Regenerate the docs with
 
     python tests/test_bad_input.py --write-docs

@@ -1,4 +1,4 @@
-"""Expert parallelism and context parallelism (issue 10): closed-form prices, and the search choosing them.
+"""Expert parallelism and context parallelism: closed-form prices, and the search choosing them.
 
 The prices are checked against the formulas of `costmodel.expert_parallel` / `costmodel.context_parallel` computed
 here from the model's configuration; the search is checked to pick ep > 1 exactly when the all-to-alls cost less

@@ -1,4 +1,4 @@
-"""Mixed device types and stragglers (issue 7): layer counts follow speed and memory, batch shares balance device
+"""Mixed device types and stragglers: layer counts follow speed and memory, batch shares balance device
 types, and every plan says which devices run what. Hand-checkable cases against closed forms and brute force."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The models people train now, from transformers' own config classes (issue 20): DeepSeek-V3, Qwen3, Qwen3-MoE,
+"""The models people train now, from transformers' own config classes: DeepSeek-V3, Qwen3, Qwen3-MoE,
 GPT-OSS, Llama 4 text and Gemma 3 text, built small on meta, traced, recognized and planned.
 
 Recognition is structural (`ir.moe_structure`): routed experts in any layout, their router's k, shared experts

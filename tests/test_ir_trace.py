@@ -348,7 +348,7 @@ def test_zoo_families_trace_and_match_flop_counter_mode(name: str) -> None:
 
 
 def test_gpt3_175b_traces_fast_with_published_size_and_flops() -> None:
-    """Issue 2 acceptance: GPT-3 175B (Brown et al. 2020, Table 2.1: 96 layers, d_model 12288, 96 heads, seq 2048;
+    """GPT-3 175B (Brown et al. 2020, Table 2.1: 96 layers, d_model 12288, 96 heads, seq 2048;
     vocab 51200 as in Narayanan et al. 2021) traces in seconds, has 174.6B parameters with tied embeddings, and
     its forward FLOPs match the closed form per layer 24*b*s*h^2 + 4*b*s^2*h plus logits 2*b*s*h*V."""
     from models.registry import build_model

@@ -25,7 +25,7 @@ PUBLISHED: dict[str, tuple[float, float, str]] = {
     "gpt3-1.3b": (1.3e9, 0.02, "Brown et al. 2020, Table 2.1 (vocab 51200 adds 1.5M vs 50257)"),
     "gpt3-6.7b": (6.7e9, 0.01, "Brown et al. 2020, Table 2.1"),
     "gpt3-13b": (13.0e9, 0.015, "Brown et al. 2020, Table 2.1"),
-    "gpt3-175b": (174.6e9, 0.005, "issue 2: vocab 51200, seq 2048, tied embeddings -> 174.6B"),
+    "gpt3-175b": (174.6e9, 0.005, "vocab 51200, seq 2048, tied embeddings -> 174.6B"),
     "gpt-22b": (22e9, 0.005, "Korthikanti et al. 2022, Table 3"),
     "gpt-530b": (530e9, 0.005, "Smith et al. 2022 (MT-NLG)"),
     "gpt-1t": (1008e9, 0.001, "Narayanan et al. SC'21, Table 1"),

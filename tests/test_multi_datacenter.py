@@ -1,4 +1,4 @@
-"""Multi-tier networks (issue 7): with a cross-datacenter link at 1/100 of the in-datacenter bandwidth, the
+"""Multi-tier networks: with a cross-datacenter link at 1/100 of the in-datacenter bandwidth, the
 communication-heavy axes stay inside the fast tiers -- tensor parallelism inside a node, data parallelism inside a
 datacenter -- and only pipeline sends cross the slow link; the mesh-order search is what finds this."""
 

@@ -1,4 +1,4 @@
-"""Re-planning after the cluster changed (issue 7): a straggler, a failure; reuse of layer prices, the stickiness
+"""Re-planning after the cluster changed: a straggler, a failure; reuse of layer prices, the stickiness
 knob, agreement with a search from scratch, and `stratagem replan`."""
 
 from __future__ import annotations

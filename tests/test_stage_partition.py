@@ -45,8 +45,10 @@ def _random_problem(rng: np.random.Generator, n: int, p: int, num_options: int, 
         tail = tuple(draw(()) * 2 for _ in StageKind)
         drain = tuple(draw(()) for _ in StageKind)
         const = tuple(draw(()) * 0.3 for _ in StageKind)
-    return PartitionProblem(n, p, OPTIONS[:num_options], sums, maxes, base, act, profile, inflight, capacity,
-                            objective, tail, drain, const)
+    return PartitionProblem(num_segments=n, num_stages=p, options=OPTIONS[:num_options], additive=sums,
+                            bottleneck=maxes, memory_base=base, memory_per_microbatch=act, stage_profile=profile,
+                            in_flight=inflight, capacity=capacity, objective=objective, tail=tail, drain=drain,
+                            tail_const=const)
 
 
 def _brute_force(problem: PartitionProblem) -> float:
@@ -103,8 +105,9 @@ def test_even_split_is_optimal_for_identical_layers() -> None:
     length = np.maximum(idx[None, :] - idx[:, None], 0).astype(float)
     sums = tuple(length[None, :, :, None] for _ in StageKind)
     zeros = (np.zeros((1, n + 1, n + 1)),) * 4
-    problem = PartitionProblem(n, p, ("none",), sums, sums, zeros, zeros, (0, 1, 1, 2), (4, 3, 2, 1), (1.0,) * p,
-                               lambda s, u: s[0] + (m - 1) * u[0])
+    problem = PartitionProblem(num_segments=n, num_stages=p, options=("none",), additive=sums, bottleneck=sums,
+                               memory_base=zeros, memory_per_microbatch=zeros, stage_profile=(0, 1, 1, 2),
+                               in_flight=(4, 3, 2, 1), capacity=(1.0,) * p, objective=lambda s, u: s[0] + (m - 1) * u[0])
     got = solve_partition(problem)
     assert got is not None and got.objective == 22.0
     assert [(s.start, s.stop) for s in got.stages] == [(0, 2), (2, 4), (4, 6), (6, 8)]
@@ -118,8 +121,10 @@ def test_memory_forces_recompute_on_early_stages_only() -> None:
     time = np.stack([length, 1.3 * length])            # full recompute costs 30% more
     act = np.stack([length, 0.1 * length])             # and keeps a tenth of the activations
     sums = tuple(time[..., None] for _ in StageKind)
-    problem = PartitionProblem(n, p, ("none", "full"), sums, sums, (np.zeros_like(time),) * 4, (act,) * 4,
-                               (0, 2), (2, 1), (3.0, 3.0), lambda s, u: s[0] + (m - 1) * u[0])
+    problem = PartitionProblem(num_segments=n, num_stages=p, options=("none", "full"), additive=sums,
+                               bottleneck=sums, memory_base=(np.zeros_like(time),) * 4, memory_per_microbatch=(act,) * 4,
+                               stage_profile=(0, 2), in_flight=(2, 1), capacity=(3.0, 3.0),
+                               objective=lambda s, u: s[0] + (m - 1) * u[0])
     got = solve_partition(problem)
     assert got is not None
     # Stage 0 holds 2 micro-batches: 2 layers * 2 = 4 > 3, so it recomputes; stage 1 (1 in flight) does not.
@@ -134,8 +139,10 @@ def test_slow_device_gets_fewer_layers() -> None:
     length = np.maximum(idx[None, :] - idx[:, None], 0).astype(float)[None]
     fast, slow = length[..., None], 2.0 * length[..., None]
     zeros = (np.zeros_like(length),) * 2
-    problem = PartitionProblem(n, p, ("none",), (fast, slow), (fast, slow), zeros, zeros, (0, 1), (2, 1),
-                               (1.0, 1.0), lambda s, u: s[0] + (m - 1) * u[0])
+    problem = PartitionProblem(num_segments=n, num_stages=p, options=("none",), additive=(fast, slow),
+                               bottleneck=(fast, slow), memory_base=zeros, memory_per_microbatch=zeros,
+                               stage_profile=(0, 1), in_flight=(2, 1), capacity=(1.0, 1.0),
+                               objective=lambda s, u: s[0] + (m - 1) * u[0])
     got = solve_partition(problem)
     assert got is not None
     assert [(s.start, s.stop) for s in got.stages] == [(0, 4), (4, 6)]

@@ -88,7 +88,7 @@ def test_untraceable_user_model_is_a_user_error(capsys) -> None:
 
 
 def test_gpt3_175b_json_time_and_memory() -> None:
-    """Issue 2: `stratagem trace gpt3-175b --json` in < 20 s with < 3 GiB peak RSS (aim: < 5 s)."""
+    """`stratagem trace gpt3-175b --json` in < 20 s with < 3 GiB peak RSS (aim: < 5 s)."""
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "planner.cli.main", "trace", "gpt3-175b", "--json"],
                           capture_output=True, text=True, timeout=120, check=False)

@@ -1,4 +1,4 @@
-"""What-if sweeps and cost (issue 7): `--vary` parsing and cluster edits, monotone answers, the cheapest
+"""What-if sweeps and cost: `--vary` parsing and cluster edits, monotone answers, the cheapest
 configuration above a throughput floor, and `stratagem whatif`."""
 
 from __future__ import annotations

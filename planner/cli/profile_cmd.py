@@ -103,13 +103,12 @@ def _catalog_device(args: argparse.Namespace) -> str:
     if name is None and args.device == "cuda":
         import torch
 
-        gpu = torch.cuda.get_device_name(0).lower()
-        guesses = [n for key, n in (("h200", "h200"), ("h100", "h100-sxm"), ("b200", "b200"), ("a100", "a100-80gb"),
-                                    ("l4", "l4"), ("a10g", "a10g"), ("t4", "t4"), ("v100", "v100-32gb"),
-                                    ("mi300", "mi300x"), ("mi250", "mi250x")) if key in gpu]
-        if not guesses:
-            raise UserError(f"cannot tell the catalog name of GPU {gpu!r}; pass --catalog-device NAME")
-        name = guesses[0]
+        from planner.profiling.machine import catalog_name_of_gpu
+
+        gpu = torch.cuda.get_device_name(0)
+        name = catalog_name_of_gpu(gpu)
+        if name is None:
+            raise UserError(f"cannot tell the catalog name of GPU {gpu.lower()!r}; pass --catalog-device NAME")
     try:
         return get_device(name or "cpu").name
     except ValueError as e:
@@ -146,11 +145,11 @@ def framework_processes(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from costmodel.profile_db import OpProfile
-    from planner.profiling.collectives import CollectiveOptions, collective_profile
-    from planner.profiling.framework import FrameworkOptions, framework_meta, measure_framework
+    from planner.profiling.collectives import CollectiveOptions
+    from planner.profiling.framework import FrameworkOptions
+    from planner.profiling.machine import profile_machine
     from planner.profiling.options import ProfileOptions, Statistic
-    from planner.profiling.requests import STANDARD_SET, ModelRequest, profile_concurrently, profile_requests
+    from planner.profiling.requests import STANDARD_SET, ModelRequest
 
     _check(args)
     out = check_output_path(args.output)
@@ -161,33 +160,25 @@ def run(args: argparse.Namespace) -> int:
                              memory_budget_bytes=int(args.memory_budget * 1024 ** 3), dtype=args.dtype,
                              statistic=statistic, min_window_s=MEAN_WINDOW_S if statistic is Statistic.MEAN else 0.0)
     requests = [ModelRequest(m, tuple(args.sets), args.seq) for m in args.models] or [ModelRequest(STANDARD_SET)]
-    try:
-        if args.concurrent > 1:
-            result = profile_concurrently(requests, concurrent=args.concurrent, device_name=device_name,
-                                          options=options)
-        else:
-            device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
-            result = profile_requests(requests, device=device, device_name=device_name, options=options)
-    except (ValueError, TypeError) as e:
-        raise UserError(f"cannot profile: {' '.join(str(e).split())}") from None
-    profile = result.profile
     collectives = None
     if args.collectives:
-        processes = args.concurrent if args.concurrent > 1 else None
-        collectives = collective_profile(CollectiveOptions(max_ranks=max(args.nproc, 2), processes=processes,
-                                                           statistic=statistic, device_name=device_name,
-                                                           use_cuda=args.device == "cuda"))
-        profile = OpProfile(entries=profile.entries, meta=profile.meta, collectives=collectives)
-    framework = None
+        collectives = CollectiveOptions(max_ranks=max(args.nproc, 2),
+                                        processes=args.concurrent if args.concurrent > 1 else None,
+                                        statistic=statistic, device_name=device_name, use_cuda=args.device == "cuda")
+    framework_options = None
     if args.framework:
         try:
             framework_options = FrameworkOptions(processes=framework_processes(args), warmup=args.warmup,
                                                  repeats=args.repeats)
         except ValueError as e:
             raise UserError(f"--framework: {e}") from None
-        framework = measure_framework(framework_options)
-        profile = profile.merged(OpProfile(entries=framework.entries(device_name),
-                                           meta=framework_meta(framework_options)))
+    try:
+        measured = profile_machine(requests, device=torch.device("cuda:0" if args.device == "cuda" else "cpu"),
+                                   device_name=device_name, options=options, concurrent=args.concurrent,
+                                   collectives=collectives, framework=framework_options)
+    except (ValueError, TypeError) as e:
+        raise UserError(f"cannot profile: {' '.join(str(e).split())}") from None
+    result, profile, framework = measured.ops, measured.profile, measured.framework
     write_text(out, json.dumps(profile.to_dict(), indent=1, sort_keys=True) + "\n")
     summary = _summary(result, profile, str(out), framework)
     print(json.dumps(summary, indent=2, sort_keys=True) if args.json else _text(summary))

@@ -21,15 +21,14 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from planner.cli.common import add_model_arguments, positive_float, positive_int
 from planner.errors import PlanLoadError, UserError
 from planner.plan import Plan
+from planner.runtime.measure import MeasuredRun, peak_memory_per_stage, time_training, train_unsharded
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")
@@ -119,12 +118,6 @@ def _explain_mismatch(plan: Any, check: Any) -> Any:
         raise PlanLoadError(f"{e} (the plan was made for {made_for})") from None
 
 
-@dataclass(frozen=True)
-class _Run:
-    losses: list[float]
-    step_times: list[float]
-
-
 def _run_rank(args: argparse.Namespace, plan: Any) -> int:
     import torch
     import torch.distributed as dist
@@ -186,7 +179,7 @@ def _train_and_report(args: argparse.Namespace, plan: Any, device: Any) -> int:
     chain = trace_chain(probe, dtype=plan.training.dtype)
     pm = _explain_mismatch(plan, lambda: _parallelize(built, plan, chain))
     measured = _train(args, pm, built, device)
-    peaks = _peak_memory_per_stage(pm, device)
+    peaks = peak_memory_per_stage(pm, device)
     passed = True
     if args.check:
         payload = [reference]
@@ -206,78 +199,25 @@ def _parallelize(built: Any, plan: Any, chain: Any) -> Any:
     return parallelize(built.module, plan, chain=chain, loss_fn=built.loss)
 
 
-def _train(args: argparse.Namespace, pm: Any, built: Any, device: Any) -> _Run:
-    import torch
-
-    from planner.runtime.train_step import local_batch, train_step
+def _train(args: argparse.Namespace, pm: Any, built: Any, device: Any) -> MeasuredRun:
+    from planner.runtime.train_step import local_batch
 
     optimizer = _optimizer(args, list(pm.parameters()))
-    batch = local_batch(pm, built.example_inputs)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    losses, times = [], []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        losses.append(train_step(pm, batch, optimizer))  # returns after a collective: all ranks are done
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return _Run(losses=losses, step_times=_max_over_ranks(times))
+    return time_training(pm, local_batch(pm, built.example_inputs), optimizer, args.steps, device)
 
 
-def _reference(args: argparse.Namespace, plan: Any, device: Any) -> _Run:
+def _reference(args: argparse.Namespace, plan: Any, device: Any) -> MeasuredRun:
     """The unsharded model trained on the whole global batch in this one process."""
     built, _ = _build(args, plan, device)
     optimizer = _optimizer(args, built.module.parameters())
-    losses, times = [], []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = built.loss(built.module(*built.example_inputs), built.example_inputs)
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach().float().item()))
-        times.append(time.perf_counter() - start)
-    return _Run(losses=losses, step_times=times)
-
-
-def _max_over_ranks(values: Sequence[float]) -> list[float]:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor(list(values), dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [float(x) for x in t.cpu()]
-
-
-def _peak_memory_per_stage(pm: Any, device: Any) -> list[int]:
-    """Peak bytes per pipeline rank (max over its dp/tp ranks): CUDA allocator peak, or on CPU the process's
-    peak resident set size (an upper bound: it includes the Python runtime and torch itself)."""
-    import resource
-
-    import torch
-    import torch.distributed as dist
-
-    if device.type == "cuda":
-        peak = int(torch.cuda.max_memory_allocated(device))
-    else:
-        peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
-    pp_rank = pm.mesh["pp"].get_local_rank()
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (pp_rank, peak))
-    per_stage = [0] * pm.strategy.pp
-    for stage, value in gathered:
-        per_stage[stage] = max(per_stage[stage], value)
-    return per_stage
+    return train_unsharded(built.module, built.loss, built.example_inputs, optimizer, args.steps)
 
 
 def _max_rel_diff(losses: Sequence[float], reference: Sequence[float]) -> float:
     return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference, strict=True))
 
 
-def _report(args: argparse.Namespace, plan: Any, measured: _Run, reference: _Run | None,
+def _report(args: argparse.Namespace, plan: Any, measured: MeasuredRun, reference: MeasuredRun | None,
             peaks: Sequence[int], memory_kind: str) -> dict[str, Any]:
     steps = [{"step": i + 1, "loss": loss, "time_s": t}
              for i, (loss, t) in enumerate(zip(measured.losses, measured.step_times, strict=True))]

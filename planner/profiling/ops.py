@@ -218,8 +218,8 @@ def profile_module(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, 
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         if device.type == "meta":
             raise ValueError("profile_module needs a model with real weights, not one on the meta device")
-        # Keys come from a trace in the training dtype, as `stratagem plan --dtype` traces (planner.cli.common.
-        # trace_chain); the ops then run in that dtype too.
+        # Keys come from a trace in the training dtype, as `stratagem plan --dtype` traces the model; the ops
+        # then run in that dtype too.
         graph, chain = _trace(model, example_inputs, name, options.dtype)
         model, example_inputs = _cast(model, example_inputs, options.dtype)
         gm = runnable_graph(model, len(example_inputs))

@@ -1,4 +1,4 @@
-"""Re-planning when the cluster changes: a device slows down or fails, a link gets faster, prices move (issue 7).
+"""Re-planning when the cluster changes: a device slows down or fails, a link gets faster, prices move.
 
 `replan(old_plan, chain, new_cluster)` looks at four kinds of plan and picks one:
 
@@ -271,13 +271,7 @@ def replan(old: Plan, chain: LayerChain, cluster: Cluster, *, session: PlanningS
     search raises (InfeasibleError, UserError) when nothing runs on the new cluster."""
     started = time.monotonic()
     scope = ReplanScope(scope)
-    if not (stickiness >= 0 and math.isfinite(stickiness)):
-        raise UserError(f"stickiness must be a fraction >= 0 (0.02 = 2%), got {stickiness!r}")
-    import ir
-
-    if ir.fingerprint(chain.graph) != old.model.fingerprint:
-        raise PlanLoadError(f"the plan was made for another model (fingerprint {old.model.fingerprint[:12]}, this "
-                            f"model {ir.fingerprint(chain.graph)[:12]}); plan it with `stratagem plan`")
+    _check_inputs(old, chain, stickiness)
     dtype = old.training.dtype
     session = session or PlanningSession(chain, dtype=dtype)
     warm = pricing_signature(cluster) in session.tables
@@ -315,19 +309,10 @@ def replan(old: Plan, chain: LayerChain, cluster: Cluster, *, session: PlanningS
                             options=SearchOptions(top_k=top_k, time_limit_s=time_limit_s, explain_slack=0.0))
     for r in result.ranked:
         add(OptionKind.SEARCH, r.strategy)
-    slowed = [r for r in cluster.available_ranks() if cluster.speed_of(r) < 1.0]
-    if exclude_slowed and slowed and len(slowed) < cluster.num_available:
-        without = cluster
-        for r in slowed:
-            without = without.with_speed(r, 0.0)
-        try:
-            excluded = session.search(without, global_batch=batch, space=searched_space,
-                                      options=SearchOptions(time_limit_s=time_limit_s, explain_slack=0.0))
-        except UserError:  # nothing runs without them
-            excluded = None
-        if excluded is not None:
-            add(OptionKind.EXCLUDE, excluded.best.strategy, without,
-                StageProblemBuilder(chain, without, session.table_for(without), dtype))
+    if exclude_slowed and (found := _search_without_slowed(session, cluster, batch, searched_space, time_limit_s)):
+        without, excluded = found
+        add(OptionKind.EXCLUDE, excluded.best.strategy, without,
+            StageProblemBuilder(chain, without, session.table_for(without), dtype))
     if not options:
         raise UserError("no plan fits on the new cluster")
     fastest = min(options, key=lambda o: (o.step_time_s, o.distance))
@@ -337,6 +322,33 @@ def replan(old: Plan, chain: LayerChain, cluster: Cluster, *, session: PlanningS
     plan = _plan(old, chain, priced_on[id(chosen)], chosen, fastest, options, result, scope, elapsed, dtype)
     return Replan(plan=plan, chosen=chosen, fastest=fastest, kept=kept, options=tuple(options), scope=scope,
                   stickiness=stickiness, time_s=elapsed, warm_start=warm, search=result)
+
+
+def _check_inputs(old: Plan, chain: LayerChain, stickiness: float) -> None:
+    if not (stickiness >= 0 and math.isfinite(stickiness)):
+        raise UserError(f"stickiness must be a fraction >= 0 (0.02 = 2%), got {stickiness!r}")
+    import ir
+
+    if ir.fingerprint(chain.graph) != old.model.fingerprint:
+        raise PlanLoadError(f"the plan was made for another model (fingerprint {old.model.fingerprint[:12]}, this "
+                            f"model {ir.fingerprint(chain.graph)[:12]}); plan it with `stratagem plan`")
+
+
+def _search_without_slowed(session: PlanningSession, cluster: Cluster, batch: int, space: SearchSpace | None,
+                           time_limit_s: float | None) -> tuple[Cluster, SearchResult] | None:
+    """(the cluster with its slowed devices marked unavailable, the search there), or None when no device is
+    slowed, all are, or nothing runs without them."""
+    slowed = [r for r in cluster.available_ranks() if cluster.speed_of(r) < 1.0]
+    if not slowed or len(slowed) >= cluster.num_available:
+        return None
+    without = cluster
+    for r in slowed:
+        without = without.with_speed(r, 0.0)
+    try:
+        return without, session.search(without, global_batch=batch, space=space,
+                                       options=SearchOptions(time_limit_s=time_limit_s, explain_slack=0.0))
+    except UserError:  # nothing runs without them
+        return None
 
 
 def _plan(old: Plan, chain: LayerChain, cluster: Cluster, chosen: ReplanOption, fastest: ReplanOption,

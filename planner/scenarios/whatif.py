@@ -1,4 +1,4 @@
-"""What-if sweeps: re-plan a model for each value of one or more cluster or training knobs (issue 7).
+"""What-if sweeps: re-plan a model for each value of one or more cluster or training knobs.
 
 `--vary KEY=V1,V2,...` keys (several `--vary` make the cartesian product, first key slowest):
 

@@ -22,7 +22,7 @@ def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: floa
     communication and recomputation are >= 0, and the busiest pipeline rank carries at least 1/p of the work:
     ``T >= S/v + (m - 1/v) S/p`` with ``S = replicated_s / tp`` (v = 1 for GPipe and 1F1B), plus the smallest
     possible optimizer step (`optimizer_s`, computed by the caller for an even split)."""
-    total = replicated_s / (cand.mesh.tp * cand.mesh.cp)  # issue 10: cp splits every op's work cp ways
+    total = replicated_s / (cand.mesh.tp * cand.mesh.cp)  # context parallelism splits every op's work cp ways
     m, p = cand.num_microbatches, cand.mesh.pp
     v = cand.virtual_stages if cand.schedule is Schedule.INTERLEAVED else 1
     return total / v + (m - 1 / v) * total / p + optimizer_s

@@ -29,10 +29,10 @@ Branch and bound, best first over a heap of lower bounds, each level valid for e
 
 - level 0, a device count d: the step's model FLOPs at the dense peak of the fastest device, spread over d;
 - level 1, a candidate: tp == 1 prices divided by tp (and cp), the pipeline's (m - 1/v)/p share, and the
-  optimizer step of an even parameter split (`stage_problem.cheap_lower_bound`); inf when the parameter state
+  optimizer step of an even parameter split (`bounds.cheap_lower_bound`); inf when the parameter state
   alone cannot fit;
 - level 2, a candidate with its layer classes priced (the sharding ILP): compute + TP communication, the
-  bottleneck of the best contiguous split (`stage_problem.tight_lower_bound`);
+  bottleneck of the best contiguous split (`bounds.tight_lower_bound`);
 - then the exact partition DP, which itself prunes with the same incumbent.
 
 An entry is expanded (0), refined (1) or solved (2) only while its bound is below the K-th best objective found;
@@ -251,7 +251,7 @@ class SearchState:
         key = (m.tp * m.pp, m.dp * m.cp, m.ep, cand.zero_stage)
         need = self._memory_need.get(key)
         if need is None:
-            # Issue 10: experts split over ep hold 1/ep of their weights, ZeRO-sharded over dp*cp/ep ranks.
+            # Experts split over ep hold 1/ep of their weights, ZeRO-sharded over dp*cp/ep ranks.
             even, even_experts = self._even_params(m)
             state = expert_state_bytes(even, even_experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp,
                                        ep=m.ep, dtype=self.dtype).total
@@ -280,8 +280,8 @@ class SearchState:
         return self._expert_numel
 
     def _even_params(self, m: MeshCandidate) -> tuple[int, int]:
-        """(parameters, of which expert weights) on a rank holding an even 1/(tp*pp) share, experts split ep ways
-        (issue 10): the fullest rank holds at least that."""
+        """(parameters, of which expert weights) on a rank holding an even 1/(tp*pp) share, experts split ep ways:
+        the fullest rank holds at least that."""
         experts = self.expert_numel()
         local_experts = -(-experts // m.ep) if m.ep > 1 else 0
         total = self.chain.graph.param_count - experts + local_experts if m.ep > 1 else self.chain.graph.param_count
@@ -310,7 +310,7 @@ class SearchState:
         key = (tuple(sorted({(pl.device.name, pl.speed) for pl in placements})), m.tp, m.stride(MeshAxis.TP), cand.sequence_parallel, cand.microbatch_size, m.pp,
                cand.num_microbatches, cand.virtual_stages if interleaved else 1,
                (m.dp, m.cp, m.mesh_order) if interleaved and m.pp > 1 else (),
-               # Issue 10: cp / ep change the segment prices (planner/layer_costs.AxisSplit).
+               # cp / ep change the segment prices (planner.search.layer_costs.AxisSplit).
                (m.cp, m.stride(MeshAxis.CP), m.ep, m.stride(MeshAxis.DP), m.num_devices))
         pipe = self._pipeline_bound.get(key)
         if pipe is None:

@@ -140,15 +140,15 @@ def candidates_for(num_devices: int, chain: LayerChain, cluster: Cluster, global
     """The candidates on exactly `num_devices` devices; meshes whose tp cannot shard the heads go to `invalid`."""
     out: list[Candidate] = []
     main_count = _main_class_count(chain)
-    # Issue 10: context-parallel degrees the chain allows, expert-parallel degrees dividing its experts.
+    # Context-parallel degrees the chain allows, expert-parallel degrees dividing its experts.
     cps = [c for c in cp_options(chain, num_devices) if space.cp in (None, c)]
     eps = [e for e in ep_options(chain, num_devices) if space.ep in (None, e)]
     meshes = enumerate_meshes(num_devices, devices_per_node=node_size(cluster), global_batch=global_batch,
                               max_pp=len(chain.segments), dp=space.dp, tp=space.tp, pp=space.pp,
                               tp_across_nodes=space.tp_across_nodes, cp_options=cps, ep_options=eps)
     for mesh in meshes:
-        # Issue 7 (planner/search/device_groups.py): a tp/dp group never mixes device types; replicas on different
-        # types are planned by group data parallelism, with batch shares that balance them.
+        # A tp/dp group never mixes device types (planner.search.device_groups); replicas on different types are
+        # planned by group data parallelism, with batch shares that balance them.
         why = head_problem(chain, mesh.tp) or mesh_type_problem(
             cluster, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, ep=mesh.ep, mesh_order=mesh.mesh_order)
         if why:

@@ -111,7 +111,7 @@ def empty_space_message(chain: LayerChain, cluster: Cluster, global_batch: int, 
         return f"no valid strategy: {next(iter(invalid.values()))}" + (f" (pinned: {pins})" if pins else "")
     n, per_node = cluster.num_available, node_size(cluster)
     # Name the first pin that cannot work on its own, else describe the whole space.
-    # Issue 10: a pinned cp / ep the model cannot use (costmodel/context_parallel.py, expert_parallel.py).
+    # A pinned cp / ep the model cannot use (costmodel/context_parallel.py, expert_parallel.py).
     why = (cp_problem(chain, space.cp) if space.cp is not None else "") or (
         ep_problem(chain, space.ep) if space.ep is not None else "")
     if why:

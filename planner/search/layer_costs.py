@@ -25,7 +25,7 @@ from planner.plan import ModuleSharding
 
 @dataclass(frozen=True, slots=True)
 class AxisSplit:
-    """Context- and expert-parallel degrees of a candidate and their rank strides (issue 10): segment prices
+    """Context- and expert-parallel degrees of a candidate and their rank strides: segment prices
     at (tp, sp, mbs) are turned into cp / ep prices by `costmodel.context_parallel` and
     `costmodel.expert_parallel`."""
 
@@ -78,7 +78,7 @@ class LayerCostTable:
         expert parallelism."""
         prices = self.prices(device, tp=tp, tp_stride=tp_stride, sequence_parallel=sequence_parallel,
                              microbatch_size=microbatch_size)
-        if split is not None and (split.cp > 1 or split.ep > 1):  # issue 10: cp / ep on top of the tp prices
+        if split is not None and (split.cp > 1 or split.ep > 1):  # cp / ep priced on top of the tp prices
             key = (device.name, tp, tp_stride, sequence_parallel, microbatch_size, split)
             costs = self._split_cache.get(key)
             if costs is None:
@@ -167,9 +167,9 @@ def _without_earlier_params(cost: LayerCost, chain_params: int, nodes: Sequence[
 
 
 def _group_on(cluster: Cluster, device: DeviceSpec, size: int, stride: int) -> Any:
-    """The communication group of `size` ranks `stride` apart that starts at the first device of this type
-    (issue 7): a type's collectives run over its own nodes' links (a V100 node's NVLink 2, not the NVLink 3 of
-    the A100 node at rank 0). From rank 0 when no group has the type or the group would not fit after it."""
+    """The communication group of `size` ranks `stride` apart that starts at the first device of this type: a
+    type's collectives run over its own nodes' links (a V100 node's NVLink 2, not the NVLink 3 of the A100 node
+    at rank 0). From rank 0 when no group has the type or the group would not fit after it."""
     from costmodel.collectives import CommGroup
 
     for i, g in enumerate(cluster.groups):

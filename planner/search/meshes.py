@@ -9,7 +9,7 @@ For a device count ``N`` the meshes are every ordered factorization ``N = dp * t
   parallelism within a node");
 - ``dp`` divides the global batch (each replica gets ``global_batch / dp`` samples);
 - ``pp`` is at most the number of chain segments (every stage holds at least one segment);
-- ``ep`` (expert parallelism, issue 10) rides on the data-parallel ranks: the caller's ``ep_options`` (divisors
+- ``ep`` (expert parallelism) rides on the data-parallel ranks: the caller's ``ep_options`` (divisors
   of the experts, `costmodel.expert_parallel.ep_options`) that divide ``dp``; it does not multiply the device
   count. ``cp`` (context parallelism) comes from ``cp_options`` (`costmodel.context_parallel.cp_options`).
 
@@ -92,7 +92,7 @@ def _distinct_orders(dp: int, pp: int, orders: Sequence[tuple[MeshAxis, ...]], c
     With cp > 1 only orders where cp and dp are neighbours (ep rides on dp and has no stride): the gradient
     reduction spans the dp x cp ranks, which `costmodel.estimate.dp_group` prices as one regular group -- exact
     only for neighbouring axes. Pipeline stages between them would be priced as if the reduction stayed inside
-    them (issue 7: a cross-datacenter gradient all-reduce priced as intra-node)."""
+    them (a cross-datacenter gradient all-reduce priced as intra-node)."""
     if cp > 1:
         orders = [o for o in orders if _neighbours(o, MeshAxis.CP, MeshAxis.DP)] or [orders[0]]
     if dp == 1 or pp == 1:
@@ -133,7 +133,7 @@ def enumerate_meshes(num_devices: int, *, devices_per_node: int, global_batch: i
                 if p > max_pp or global_batch % d:
                     continue
                 for order in _distinct_orders(d, p, orders, cp):
-                    # Issue 10: expert parallelism rides on the dp ranks (ep divides dp).
+                    # Expert parallelism rides on the dp ranks (ep divides dp).
                     out.extend(MeshCandidate(dp=d, tp=t, pp=p, cp=cp, ep=e, mesh_order=order)
                                for e in sorted(set(ep_options)) if d % e == 0)
     return out

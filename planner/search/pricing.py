@@ -67,8 +67,8 @@ def least_memory_of(built) -> float:
     best = np.full(n + 1, np.inf)
     best[n] = 0.0
     for k in range(p - 1, -1, -1):
-        q = problem.profile[k]
-        mem = (problem.base[q] + problem.inflight[k] * problem.act[q]).min(axis=0)  # best option per (a, b)
+        q = problem.stage_profile[k]
+        mem = (problem.memory_base[q] + problem.in_flight[k] * problem.memory_per_microbatch[q]).min(axis=0)  # best option per (a, b)
         a = np.arange(n + 1)[:, None]
         b = np.arange(n + 1)[None, :]
         ok = (b > a) & (a >= k) & (b <= n - (p - 1 - k)) & ((b == n) if k == p - 1 else True)

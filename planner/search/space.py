@@ -45,9 +45,9 @@ class SearchSpace:
     tp: int | None = None
     pp: int | None = None
     cp: int | None = None
-    """Context-parallel degree (issue 10; searched over the degrees the sequence allows when free)."""
+    """Context-parallel degree (searched over the degrees the sequence allows when free)."""
     ep: int | None = None
-    """Expert-parallel degree (issue 10; searched over divisors of dp and of the experts when free)."""
+    """Expert-parallel degree (searched over divisors of dp and of the experts when free)."""
     microbatch_size: int | None = None
     num_microbatches: int | None = None
     schedule: Schedule | None = None

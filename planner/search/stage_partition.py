@@ -73,24 +73,25 @@ Objective = Callable[[Sequence[float], Sequence[float]], float]
 """Phi(sums, maxima) -> step time; must be non-decreasing in every argument."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PartitionProblem:
     """Arrays over stage candidates. ``L`` segments, ``R`` options, ``NS`` additive terms, ``NU`` bottleneck terms.
 
-    ``sums[q]`` has shape (R, L+1, L+1, NS) and ``maxes[q]`` (R, L+1, L+1, NU) for stage profile q: entry
-    ``[r, a, b]`` is the stage ``[a, b)`` with option r (entries with ``b <= a`` are ignored). ``base[q]`` and
-    ``act[q]`` have shape (R, L+1, L+1); ``profile``, ``inflight`` and ``capacity`` have one entry per stage.
+    ``additive[q]`` has shape (R, L+1, L+1, NS) and ``bottleneck[q]`` (R, L+1, L+1, NU) for stage profile q: entry
+    ``[r, a, b]`` is the stage ``[a, b)`` with option r (entries with ``b <= a`` are ignored). ``memory_base[q]`` and
+    ``memory_per_microbatch[q]`` have shape (R, L+1, L+1); ``stage_profile``, ``in_flight`` and ``capacity`` have
+    one entry per stage.
     """
 
     num_segments: int
     num_stages: int
     options: tuple[str, ...]
-    sums: tuple[np.ndarray, ...]
-    maxes: tuple[np.ndarray, ...]
-    base: tuple[np.ndarray, ...]
-    act: tuple[np.ndarray, ...]
-    profile: tuple[int, ...]
-    inflight: tuple[int, ...]
+    additive: tuple[np.ndarray, ...]
+    bottleneck: tuple[np.ndarray, ...]
+    memory_base: tuple[np.ndarray, ...]
+    memory_per_microbatch: tuple[np.ndarray, ...]
+    stage_profile: tuple[int, ...]
+    in_flight: tuple[int, ...]
     capacity: tuple[float, ...]
     objective: Objective
     tail: tuple[np.ndarray, ...] | None = None
@@ -108,11 +109,11 @@ class PartitionProblem:
         n, p, r = self.num_segments, self.num_stages, len(self.options)
         if not 1 <= p <= n:
             raise ValueError(f"cannot cut {n} segments into {p} non-empty stages")
-        if not len(self.profile) == len(self.inflight) == len(self.capacity) == p:
-            raise ValueError(f"profile, inflight and capacity need {p} entries each")
-        q = len(self.sums)
-        if not len(self.maxes) == len(self.base) == len(self.act) == q or not all(0 <= x < q for x in self.profile):
-            raise ValueError(f"sums, maxes, base and act need one array per profile; profiles used: {self.profile}")
+        if not len(self.stage_profile) == len(self.in_flight) == len(self.capacity) == p:
+            raise ValueError(f"stage_profile, in_flight and capacity need {p} entries each")
+        q = len(self.additive)
+        if not len(self.bottleneck) == len(self.memory_base) == len(self.memory_per_microbatch) == q or not all(0 <= x < q for x in self.stage_profile):
+            raise ValueError(f"additive, bottleneck, memory_base and memory_per_microbatch need one array per profile; profiles used: {self.stage_profile}")
         if (self.tail is None) != (self.drain is None):
             raise ValueError("tail and drain go together")
         extra = (*self.tail, *self.drain) if self.tail is not None and self.drain is not None else ()
@@ -122,14 +123,14 @@ class PartitionProblem:
             extra = (*extra, *self.tail_const)
         if extra and len(extra) != (3 if self.tail_const is not None else 2) * q:
             raise ValueError("tail and drain need one array per profile")
-        for arr in (*self.sums, *self.maxes, *self.base, *self.act, *extra):
+        for arr in (*self.additive, *self.bottleneck, *self.memory_base, *self.memory_per_microbatch, *extra):
             if arr.shape[:3] != (r, n + 1, n + 1):
                 raise ValueError(f"array shape {arr.shape[:3]} != {(r, n + 1, n + 1)}")
 
     def fits(self, k: int) -> np.ndarray:
         """Boolean (R, L+1, L+1): which stage candidates fit in memory at stage index k."""
-        q = self.profile[k]
-        return self.base[q] + self.inflight[k] * self.act[q] <= self.capacity[k]
+        q = self.stage_profile[k]
+        return self.memory_base[q] + self.in_flight[k] * self.memory_per_microbatch[q] <= self.capacity[k]
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,17 +179,17 @@ def _suffix_bounds(problem: PartitionProblem, masks: list[np.ndarray]) -> tuple[
     Each coordinate is minimized on its own, so each is a valid lower bound on every completion. The exposed
     drain tail (when present) is bounded below by 0 and is not part of g."""
     n, p = problem.num_segments, problem.num_stages
-    ns = problem.sums[0].shape[3]
-    nu = problem.maxes[0].shape[3]
+    ns = problem.additive[0].shape[3]
+    nu = problem.bottleneck[0].shape[3]
     h = np.full((p + 1, n + 1, ns), np.inf)
     g = np.full((p + 1, n + 1, nu), np.inf)
     h[p, n, :] = 0.0
     g[p, n, :] = -np.inf
     for k in range(p - 1, -1, -1):
-        q = problem.profile[k]
+        q = problem.stage_profile[k]
         mask = masks[k][:, :, :, None]
-        s = np.where(mask, problem.sums[q], np.inf)          # (R, a, b, NS)
-        u = np.where(mask, problem.maxes[q], np.inf)
+        s = np.where(mask, problem.additive[q], np.inf)          # (R, a, b, NS)
+        u = np.where(mask, problem.bottleneck[q], np.inf)
         h[k] = np.min(s + h[k + 1][None, None, :, :], axis=(0, 2))
         g[k] = np.min(np.maximum(u, g[k + 1][None, None, :, :]), axis=(0, 2))
     return h, g
@@ -203,10 +204,10 @@ def _bottleneck_partition(problem: PartitionProblem, masks: list[np.ndarray]) ->
     best[p, n] = -np.inf
     best_sum[p, n] = 0.0
     for k in range(p - 1, -1, -1):
-        q = problem.profile[k]
+        q = problem.stage_profile[k]
         mask = masks[k]                                                   # (R, a, b)
-        cand_u = np.where(mask, np.maximum(problem.maxes[q][..., 0], best[k + 1][None, None, :]), np.inf)
-        cand_s = np.where(mask, problem.sums[q][..., 0] + best_sum[k + 1][None, None, :], np.inf)
+        cand_u = np.where(mask, np.maximum(problem.bottleneck[q][..., 0], best[k + 1][None, None, :]), np.inf)
+        cand_s = np.where(mask, problem.additive[q][..., 0] + best_sum[k + 1][None, None, :], np.inf)
         flat_u = cand_u.transpose(1, 0, 2).reshape(n + 1, -1)             # (a, R*b), flat index r*(n+1)+b
         flat_s = cand_s.transpose(1, 0, 2).reshape(n + 1, -1)
         min_u = flat_u.min(axis=1)
@@ -230,17 +231,17 @@ def _bottleneck_partition(problem: PartitionProblem, masks: list[np.ndarray]) ->
 def evaluate(problem: PartitionProblem, stages: Sequence[StageChoice]
              ) -> tuple[float, tuple[float, ...], tuple[float, ...]]:
     """Phi of a given partition (inf when a stage does not fit), with its sums and maxima (tail last)."""
-    ns = problem.sums[0].shape[3]
-    nu = problem.maxes[0].shape[3]
+    ns = problem.additive[0].shape[3]
+    nu = problem.bottleneck[0].shape[3]
     sums, maxes = [0.0] * ns, [-math.inf] * nu
     tail, drain = 0.0, 0.0
     for k, st in enumerate(stages):
         r = problem.options.index(st.option)
         if not problem.fits(k)[r, st.start, st.stop]:
             return math.inf, tuple(sums), tuple(maxes)
-        q = problem.profile[k]
-        sums = [x + float(y) for x, y in zip(sums, problem.sums[q][r, st.start, st.stop], strict=True)]
-        maxes = [max(x, float(y)) for x, y in zip(maxes, problem.maxes[q][r, st.start, st.stop], strict=True)]
+        q = problem.stage_profile[k]
+        sums = [x + float(y) for x, y in zip(sums, problem.additive[q][r, st.start, st.stop], strict=True)]
+        maxes = [max(x, float(y)) for x, y in zip(maxes, problem.bottleneck[q][r, st.start, st.stop], strict=True)]
         if problem.tail is not None and problem.drain is not None:
             const = float(problem.tail_const[q][r, st.start, st.stop]) if problem.tail_const is not None else 0.0
             tail = max(tail, max(float(problem.tail[q][r, st.start, st.stop]) - drain, 0.0) + const)
@@ -293,13 +294,13 @@ def solve_partition(problem: PartitionProblem, *, upper_bound: float = math.inf)
             incumbent = (value, seed)
     bound = incumbent[0] if incumbent else upper_bound
 
-    ns = problem.sums[0].shape[3]
-    nu = problem.maxes[0].shape[3]
+    ns = problem.additive[0].shape[3]
+    nu = problem.bottleneck[0].shape[3]
     root = _Label((0.0,) * ns, (-math.inf,) * nu + ((0.0,) if problem.has_tail else ()), 0.0, None, None)
     fronts: dict[tuple[int, int], list[_Label]] = {(0, 0): [root]}
     created = 1
     for k in range(p):
-        q = problem.profile[k]
+        q = problem.stage_profile[k]
         last = k + 1 == p
         for a in range(n):
             front = fronts.pop((a, k), None)
@@ -308,8 +309,8 @@ def solve_partition(problem: PartitionProblem, *, upper_bound: float = math.inf)
             rs, bs = np.nonzero(masks[k][:, a, :])
             order = np.lexsort((rs, bs))  # shorter stages first, then options in the given order
             rs, bs = rs[order], bs[order]
-            s_c = problem.sums[q][rs, a, bs]                     # (C, NS)
-            u_c = problem.maxes[q][rs, a, bs]                    # (C, NU)
+            s_c = problem.additive[q][rs, a, bs]                     # (C, NS)
+            u_c = problem.bottleneck[q][rs, a, bs]                    # (C, NU)
             lb_rest_s = h[k + 1, bs]
             lb_rest_u = g[k + 1, bs]
             if problem.tail is not None and problem.drain is not None:

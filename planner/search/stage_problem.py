@@ -195,7 +195,7 @@ class StageProblemBuilder:
 
     def segment_costs(self, cand: Candidate, device: DeviceSpec) -> tuple[LayerCost, ...]:
         m = cand.mesh
-        # Issue 10: context / expert parallelism priced on top of the tp prices (planner/layer_costs.AxisSplit).
+        # Context / expert parallelism priced on top of the tp prices (planner.search.layer_costs.AxisSplit).
         split = AxisSplit(cp=m.cp, cp_stride=m.stride(MeshAxis.CP), ep=m.ep, ep_stride=m.stride(MeshAxis.DP),
                           num_devices=m.num_devices)
         return self.table.segment_costs(device, tp=m.tp, tp_stride=m.stride(MeshAxis.TP),
@@ -343,8 +343,29 @@ class StageProblemBuilder:
                           placements: tuple[RankPlacement, ...], upper_bound: float) -> StageProblem:
         n, p, m = len(self.chain.segments), cand.mesh.pp, cand.num_microbatches
         gpipe = cand.schedule is Schedule.GPIPE
-        ns, nu = (2, 4) if gpipe else (1, 3)
         contexts = [self._context(cand, k, pl) for k, pl in enumerate(placements)]
+        profile, reps = self._stage_profiles(cand, contexts)
+        arrays: dict[str, list[np.ndarray]] = {}
+        pruned = False
+        total = float(np.min([segment_work(self.segment_costs(cand, pl.device), pl.speed) for pl in placements],
+                             axis=0).sum())
+        for k in reps:
+            terms, cut = self._profile_arrays(cand, k, contexts[k], options, upper_bound, total)
+            pruned = pruned or cut
+            for name, arr in terms.items():
+                arrays.setdefault(name, []).append(arr)
+        in_flight = tuple(in_flight_per_chunk(cand.schedule, p, k, m, 1)[0] for k in range(p))
+        capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
+        objective = _gpipe_objective(m) if gpipe else _one_f_one_b_objective(m, 1)
+        problem = PartitionProblem(num_segments=n, num_stages=p, options=tuple(o.value for o in options),
+                                   stage_profile=tuple(profile), in_flight=in_flight, capacity=capacity,
+                                   objective=objective, **{name: tuple(arrs) for name, arrs in arrays.items()})
+        return StageProblem(cand, problem, placements, pruned=pruned)
+
+    def _stage_profiles(self, cand: Candidate, contexts: Sequence[_RankContext]) -> tuple[list[int], list[int]]:
+        """(the profile of each pipeline rank, the first rank of each profile): ranks in the same position, on
+        the same device and speed, with the same sends, share their stage terms."""
+        p = cand.mesh.pp
         strategy = self.strategy_of(cand)
         profile_index: dict[tuple, int] = {}
         profile: list[int] = []
@@ -357,70 +378,73 @@ class StageProblemBuilder:
                 profile_index[key] = len(profile_index)
                 reps.append(k)
             profile.append(profile_index[key])
+        return profile, reps
+
+    def _profile_arrays(self, cand: Candidate, k: int, ctx: _RankContext, options: Sequence[Recompute],
+                        upper_bound: float, total: float) -> tuple[dict[str, np.ndarray], bool]:
+        """The `PartitionProblem` arrays of pipeline rank k's profile (every stage [a, b) it may hold, with
+        every recomputation option), and whether the upper bound pruned some stages."""
+        n, p, m = len(self.chain.segments), cand.mesh.pp, cand.num_microbatches
+        gpipe = cand.schedule is Schedule.GPIPE
+        ns, nu = (2, 4) if gpipe else (1, 3)
         shape = (len(options), n + 1, n + 1)
-        arrays: dict[str, list[np.ndarray]] = {name: [] for name in ("s", "u", "base", "act", "e", "c", "d")}
+        kind = stage_kind(k, p)
+        costs = self.segment_costs(cand, ctx.device)
+        # recv[a]: the send into a stage starting at a (boundary after segment a-1); send[b]: out of one
+        # ending at b. Index 0 is never used by a stage that receives.
+        sizes = [c.boundary_bytes for c in costs]
+        recv = np.array([0.0] + [self._p2p(cand, k - 1, x) if k > 0 else 0.0 for x in sizes])
+        send = np.array([0.0] + [self._p2p(cand, k, x) if k < p - 1 else 0.0 for x in sizes])
+        additive, bottleneck = np.zeros(shape + (ns,)), np.zeros(shape + (nu,))
+        tail, tail_const, drain, per_microbatch = (np.zeros(shape) for _ in range(4))
+        memory_base = np.full(shape, np.inf)  # a stage left unpriced never fits
+        # Lower bounds: this stage's compute + TP communication at its own speed, and the whole chain's at
+        # the cheapest rank (another rank may be faster than this one).
+        prefix = np.concatenate([[0.0], np.cumsum(segment_work(costs, ctx.speed))])
         pruned = False
-        total = float(np.min([segment_work(self.segment_costs(cand, pl.device), pl.speed) for pl in placements],
-                             axis=0).sum())
-        for k in reps:
-            ctx, kind = contexts[k], stage_kind(k, p)
-            costs = self.segment_costs(cand, ctx.device)
-            # recv[a]: the send into a stage starting at a (boundary after segment a-1); send[b]: out of one
-            # ending at b. Index 0 is never used by a stage that receives.
-            sizes = [c.boundary_bytes for c in costs]
-            recv = np.array([0.0] + [self._p2p(cand, k - 1, x) if k > 0 else 0.0 for x in sizes])
-            send = np.array([0.0] + [self._p2p(cand, k, x) if k < p - 1 else 0.0 for x in sizes])
-            s_arr, u_arr = np.zeros(shape + (ns,)), np.zeros(shape + (nu,))
-            e_arr, c_arr, d_arr, a_arr = (np.zeros(shape) for _ in range(4))
-            b_arr = np.full(shape, np.inf)  # a stage left unpriced never fits
-            # Lower bounds: this stage's compute + TP communication at its own speed, and the whole chain's at
-            # the cheapest rank (another rank may be faster than this one).
-            prefix = np.concatenate([[0.0], np.cumsum(segment_work(costs, ctx.speed))])
-            for comp, a0, b0, aa, bb in self._composition_groups():
-                keep = _stage_shape_mask(kind, aa, bb, n, p)
-                if math.isfinite(upper_bound):
-                    # A stage's f + b is at least its compute and TP communication, and the bottleneck stage
-                    # costs (m - 1) times that on top of the total: stages that alone reach the bound are useless.
-                    useful = total + (m - 1) * (prefix[bb] - prefix[aa]) < upper_bound
-                    pruned = pruned or bool((keep & ~useful).any())
-                    keep &= useful
-                if not keep.any():
-                    continue
-                aa, bb = aa[keep], bb[keep]
-                for r, rc in enumerate(options):
-                    cache_key = (ctx.signature, rc, comp)
-                    t = self._terms.get(cache_key)
-                    if t is None:
-                        segs = [PricedSegment(costs[j], rc) for j in range(a0, b0)]
-                        shared = -(-self.shared_params(a0, b0) // cand.mesh.tp)
-                        t = self._rank_terms(cand, ctx, [segs], shared, None)
-                        self._terms[cache_key] = t
-                    fwd = t.fwd[0] + recv[aa]        # the send into this stage delays its forward
-                    bwd = t.bwd[0] + send[bb]        # the gradient coming back delays its backward
-                    if gpipe:
-                        s_arr[r, aa, bb, 0], s_arr[r, aa, bb, 1] = fwd, bwd
-                        u_arr[r, aa, bb, 0], u_arr[r, aa, bb, 1] = fwd, bwd
-                        u_arr[r, aa, bb, 2], u_arr[r, aa, bb, 3] = t.post, t.optimizer
-                    else:
-                        s_arr[r, aa, bb, 0] = fwd + bwd
-                        u_arr[r, aa, bb, 0] = fwd + bwd
-                        u_arr[r, aa, bb, 1], u_arr[r, aa, bb, 2] = t.post, t.optimizer
-                    b_arr[r, aa, bb] = t.memory0
-                    a_arr[r, aa, bb] = t.memory1 - t.memory0
-                    e_arr[r, aa, bb] = t.tail
-                    c_arr[r, aa, bb] = t.tail_const
-                    d_arr[r, aa, bb] = t.bwd[0] + send[bb]   # drain behind it: its backward and the send
-            for name, arr in zip(("s", "u", "base", "act", "e", "c", "d"),
-                                 (s_arr, u_arr, b_arr, a_arr, e_arr, c_arr, d_arr), strict=True):
-                arrays[name].append(arr)
-        inflight = tuple(in_flight_per_chunk(cand.schedule, p, k, m, 1)[0] for k in range(p))
-        capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
-        objective = _gpipe_objective(m) if gpipe else _one_f_one_b_objective(m, 1)
-        problem = PartitionProblem(
-            n, p, tuple(o.value for o in options), tuple(arrays["s"]), tuple(arrays["u"]), tuple(arrays["base"]),
-            tuple(arrays["act"]), tuple(profile), inflight, capacity, objective, tuple(arrays["e"]),
-            tuple(arrays["d"]), tuple(arrays["c"]))
-        return StageProblem(cand, problem, placements, pruned=pruned)
+        for comp, a0, b0, aa, bb in self._composition_groups():
+            keep = _stage_shape_mask(kind, aa, bb, n, p)
+            if math.isfinite(upper_bound):
+                # A stage's f + b is at least its compute and TP communication, and the bottleneck stage
+                # costs (m - 1) times that on top of the total: stages that alone reach the bound are useless.
+                useful = total + (m - 1) * (prefix[bb] - prefix[aa]) < upper_bound
+                pruned = pruned or bool((keep & ~useful).any())
+                keep &= useful
+            if not keep.any():
+                continue
+            aa, bb = aa[keep], bb[keep]
+            for r, rc in enumerate(options):
+                t = self._composition_terms(cand, ctx, costs, rc, comp, a0, b0)
+                fwd = t.fwd[0] + recv[aa]        # the send into this stage delays its forward
+                bwd = t.bwd[0] + send[bb]        # the gradient coming back delays its backward
+                if gpipe:
+                    additive[r, aa, bb, 0], additive[r, aa, bb, 1] = fwd, bwd
+                    bottleneck[r, aa, bb, 0], bottleneck[r, aa, bb, 1] = fwd, bwd
+                    bottleneck[r, aa, bb, 2], bottleneck[r, aa, bb, 3] = t.post, t.optimizer
+                else:
+                    additive[r, aa, bb, 0] = fwd + bwd
+                    bottleneck[r, aa, bb, 0] = fwd + bwd
+                    bottleneck[r, aa, bb, 1], bottleneck[r, aa, bb, 2] = t.post, t.optimizer
+                memory_base[r, aa, bb] = t.memory0
+                per_microbatch[r, aa, bb] = t.memory1 - t.memory0
+                tail[r, aa, bb] = t.tail
+                tail_const[r, aa, bb] = t.tail_const
+                drain[r, aa, bb] = t.bwd[0] + send[bb]   # drain behind it: its backward and the send
+        return {"additive": additive, "bottleneck": bottleneck, "memory_base": memory_base,
+                "memory_per_microbatch": per_microbatch, "tail": tail, "tail_const": tail_const,
+                "drain": drain}, pruned
+
+    def _composition_terms(self, cand: Candidate, ctx: _RankContext, costs: Sequence[LayerCost], rc: Recompute,
+                           comp: tuple[int, ...], a0: int, b0: int) -> _Terms:
+        """The terms of a stage holding the class composition `comp` (first seen as segments [a0, b0)) with
+        recomputation `rc` on this rank, priced once per (rank signature, rc, composition)."""
+        cache_key = (ctx.signature, rc, comp)
+        t = self._terms.get(cache_key)
+        if t is None:
+            segs = [PricedSegment(costs[j], rc) for j in range(a0, b0)]
+            shared = -(-self.shared_params(a0, b0) // cand.mesh.tp)
+            t = self._terms[cache_key] = self._rank_terms(cand, ctx, [segs], shared, None)
+        return t
 
     def _build_interleaved(self, cand: Candidate, options: Sequence[Recompute],
                            placements: tuple[RankPlacement, ...]) -> StageProblem:
@@ -428,8 +452,8 @@ class StageProblemBuilder:
         chunks = even_stages(self.chain, p * v)
         nchunks = len(chunks)
         shape = (len(options), p + 1, p + 1)
-        s_arr, u_arr = np.zeros(shape + (1,)), np.zeros(shape + (3,))
-        b_arr, a_arr, e_arr, c_arr, d_arr = (np.zeros(shape) for _ in range(5))
+        additive, bottleneck = np.zeros(shape + (1,)), np.zeros(shape + (3,))
+        memory_base, per_microbatch, tail, tail_const, drain = (np.zeros(shape) for _ in range(5))
         costs_of = {pl.device.name: self.segment_costs(cand, pl.device) for pl in placements}
         shared = [-(-x // cand.mesh.tp) for x in self.shared_copies(chunks, p)]
         p2p = self.interleaved_p2p(cand, chunks, placements)
@@ -447,20 +471,23 @@ class StageProblemBuilder:
                     segs = [[PricedSegment(costs[i], rc) for i in range(chunks[j].start, chunks[j].stop)]
                             for j in mine]
                     t = self._terms[cache_key] = self._rank_terms(cand, ctx, segs, shared[k], counts)
-                d = 0.0
+                work = 0.0
                 for j, f, b in zip(mine, t.fwd, t.bwd, strict=True):
-                    d += f + b + (p2p[j - 1] if j > 0 else 0.0) + (p2p[j] if j < nchunks - 1 else 0.0)
-                s_arr[r, k, k + 1, 0] = d
-                u_arr[r, k, k + 1] = (d, t.post, t.optimizer)
-                b_arr[r, k, k + 1] = t.memory0
-                e_arr[r, k, k + 1] = t.tail
-                c_arr[r, k, k + 1] = t.tail_const
+                    work += f + b + (p2p[j - 1] if j > 0 else 0.0) + (p2p[j] if j < nchunks - 1 else 0.0)
+                additive[r, k, k + 1, 0] = work
+                bottleneck[r, k, k + 1] = (work, t.post, t.optimizer)
+                memory_base[r, k, k + 1] = t.memory0
+                tail[r, k, k + 1] = t.tail
+                tail_const[r, k, k + 1] = t.tail_const
                 # The drain behind rank k+1 runs through virtual stage k (this rank's first chunk) and its send.
-                d_arr[r, k, k + 1] = t.bwd[0] + (p2p[k] if k < nchunks - 1 else 0.0)
+                drain[r, k, k + 1] = t.bwd[0] + (p2p[k] if k < nchunks - 1 else 0.0)
         capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
-        problem = PartitionProblem(p, p, tuple(o.value for o in options), (s_arr,), (u_arr,), (b_arr,), (a_arr,),
-                                   (0,) * p, (0,) * p, capacity, _one_f_one_b_objective(m, v), (e_arr,), (d_arr,),
-                                   (c_arr,))
+        # The units are the pipeline ranks, one profile; memory is all in `memory_base` (no micro-batch count).
+        problem = PartitionProblem(num_segments=p, num_stages=p, options=tuple(o.value for o in options),
+                                   additive=(additive,), bottleneck=(bottleneck,), memory_base=(memory_base,),
+                                   memory_per_microbatch=(per_microbatch,), stage_profile=(0,) * p,
+                                   in_flight=(0,) * p, capacity=capacity, objective=_one_f_one_b_objective(m, v),
+                                   tail=(tail,), drain=(drain,), tail_const=(tail_const,))
         return StageProblem(cand, problem, placements, chunks)
 
 

@@ -169,7 +169,7 @@ CONFIGS: dict[str, Config] = {
     "user_pp2_fsdp2": Config("user", dict(pp=2, dp=2, microbatch_size=1, num_microbatches=4, zero_stage=3)),
     "pp2_interleaved_dp2": Config("llama", dict(pp=2, dp=2, virtual_stages=2, microbatch_size=1,
                                                 num_microbatches=4, schedule="interleaved")),
-    # context parallelism (seq 8 = 2*cp chunks of 2 tokens) and expert parallelism (issue 10)
+    # context parallelism (seq 8 = 2*cp chunks of 2 tokens) and expert parallelism
     "cp2": Config("gpt", dict(cp=2, microbatch_size=2, num_microbatches=2)),
     "cp2_llama_recompute": Config("llama", dict(cp=2, microbatch_size=4, num_microbatches=1, recompute="full")),
     "ep2": Config("moe", dict(dp=2, ep=2, microbatch_size=2, num_microbatches=2)),
