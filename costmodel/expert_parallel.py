@@ -31,7 +31,6 @@ fit at all.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Sequence
 
 from costmodel.cluster import Cluster
@@ -40,31 +39,26 @@ from costmodel.layer_cost import LayerCost
 from costmodel.memory import ModelState
 from costmodel.memory import model_state_bytes as _dense_state_bytes
 from costmodel.operators import retype_ratio
-from ir.graph import Node, OpKind
+from ir.graph import Node
 from ir.layer_chain import LayerChain
+from ir.moe_structure import num_routed_experts, routed_expert_linears, routed_experts
 
 
 def num_experts(nodes: Iterable[Node]) -> int | None:
-    """Experts per MoE layer among `nodes` (top-k routing ops record it), None when there is no routing."""
-    counts = {int(n.attr("num_experts")) for n in nodes
-              if n.op_kind is OpKind.ROUTING and n.attr("num_experts") is not None}
-    return math.gcd(*counts) if counts else None
+    """Experts per MoE layer among `nodes` (a top-k router with expert weights of that count,
+    `ir.moe_structure`), None when there are none."""
+    return num_routed_experts(nodes)
 
 
 def expert_linears(nodes: Sequence[Node], experts: int) -> list[Node]:
-    """Linear ops whose weight stacks one matrix per expert: a 3-D parameter with leading dim `experts`."""
-    return [n for n in nodes if n.op_kind is OpKind.LINEAR
-            and any(len(s.shape) == 3 and s.shape[0] == experts for s in n.param_specs)]
+    """Linear ops of the routed experts: stacked (E, ...) weights or one module per expert (`ir.moe_structure`)."""
+    return routed_expert_linears(nodes, experts)
 
 
 def expert_param_numel(nodes: Sequence[Node], experts: int) -> int:
     """Parameters of the expert weights among `nodes` (each counted once)."""
-    seen: dict[str, int] = {}
-    for n in expert_linears(nodes, experts):
-        for name, spec in zip(n.param_names, n.param_specs, strict=False):
-            if len(spec.shape) == 3 and spec.shape[0] == experts:
-                seen[name] = spec.numel
-    return sum(seen.values())
+    found = routed_experts(nodes)
+    return found.param_numel if found is not None and found.num_experts == experts else 0
 
 
 def dispatch_bytes(nodes: Sequence[Node], experts: int) -> int:

@@ -238,7 +238,7 @@ def _assemble(graph: Graph, runs: list[_Run], live: Liveness) -> LayerChain:
     for index, run in enumerate(runs):
         seg_nodes = nodes[run.start:run.stop]
         name = _run_name(run)
-        h = segment_hash(graph, run.start, run.stop, name, readers)
+        h = segment_hash(graph, run.start, run.stop, name, readers, live.is_activation)
         class_id = class_of.setdefault(h, len(class_of))
         params = 0
         pbytes = 0
@@ -285,10 +285,13 @@ def _relative_path(path: str, prefix: str) -> str:
 
 
 def segment_hash(graph: Graph, start: int, stop: int, prefix: str = "",
-                 last_reader: Sequence[int] | None = None) -> str:
+                 last_reader: Sequence[int] | None = None, is_activation: Sequence[bool] | None = None) -> str:
     """sha256 of the structure of nodes [start, stop): names ignored, wiring relative to the segment,
     module paths relative to `prefix`, plus which local values are read after the segment.
-    `last_reader[i]` (position of node i's last consumer) may be passed to avoid rescanning the graph."""
+    `last_reader[i]` (position of node i's last consumer) may be passed to avoid rescanning the graph.
+    With `is_activation` (`Liveness.is_activation`), only activations count as read after the segment: torch.export
+    chains per-layer casts of constants (Llama 4's rotary table: layer i casts layer i-1's cast), which would
+    otherwise set every layer but the last apart."""
     nodes = graph.nodes
     if last_reader is None:
         last_reader = last_readers(graph)
@@ -303,7 +306,8 @@ def segment_hash(graph: Graph, start: int, stop: int, prefix: str = "",
             else:
                 wiring.append(("X", external.setdefault(s, len(external))))
         records.append(_node_record(node, _relative_path(node.module_path, prefix), wiring))
-    escapes = [i - start for i in range(start, stop) if last_reader[i] >= stop]
+    escapes = [i - start for i in range(start, stop)
+               if last_reader[i] >= stop and (is_activation is None or is_activation[i])]
     payload = json.dumps({"nodes": records, "escapes": escapes}, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
 

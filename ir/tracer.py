@@ -77,8 +77,9 @@ def trace(
     binding = _bind_inputs(model, inputs, model_name)
     fx_error: BaseException | None = None
     try:
-        program = _fx_program(model, binding, fake, leaf_modules)
-        nodes = _build(fake, program)
+        with _disabled_torch_loggers():  # fake-tensor failures log tracebacks; the TraceError says it once
+            program = _fx_program(model, binding, fake, leaf_modules)
+            nodes = _build(fake, program)
         tracer = "fx"
     except Exception as e:  # fx could not trace or run the model: try torch.export before giving up
         fx_error = e
@@ -244,23 +245,32 @@ def _export_program(model: nn.Module, binding: _Binding, fake: FakeModel) -> Pro
                    constants=constants, user_outputs=user_outputs, rewrite_devices=True)
 
 
-_NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export", "torch._dynamo")
+_NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export", "torch._dynamo",
+                  "torch._subclasses.fake_tensor")
+"""Loggers silenced while exporting. fake_tensor logs every failed fake kernel as ERROR with a full traceback
+(dozens of "E... fake_tensor.py" lines for one bad shape) through torch's own stderr handler, which
+`redirect_stderr` does not reach, so the loggers are disabled rather than raised in level."""
+
+
+@contextlib.contextmanager
+def _disabled_torch_loggers() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    disabled = [lg.disabled for lg in loggers]
+    for lg in loggers:
+        lg.disabled = True
+    try:
+        yield
+    finally:
+        for lg, was in zip(loggers, disabled, strict=True):
+            lg.disabled = was
 
 
 @contextlib.contextmanager
 def _quiet_torch_logs() -> Iterator[None]:
     """torch.export logs whole graphs as warnings when it gives up; our TraceError says it in one line."""
-    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        # On failure torch.export also prints the partial graph to stderr (torch/export/_trace.py).
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
+    # On failure torch.export also prints the partial graph to stderr (torch/export/_trace.py).
+    with _disabled_torch_loggers(), contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 def _export_input(value: Any, device: torch.device) -> Any:

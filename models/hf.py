@@ -224,10 +224,26 @@ def _resolve(spec: str) -> _Resolved:
     path = Path(spec)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
-        raise ValueError(f"hf:{spec}: not a built-in architecture ({', '.join(ARCHS)}) nor a config.json file "
-                         "or a folder holding one")
-    return _resolve_config_file(transformers, path)
+    if path.is_file():
+        return _resolve_config_file(transformers, path)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if spec in CONFIG_MAPPING_NAMES:
+        return _resolve_model_type(transformers, spec)
+    raise ValueError(f"hf:{spec}: not a built-in architecture ({', '.join(ARCHS)}), a transformers model type "
+                     "(deepseek_v3, qwen3_moe, ...) nor a config.json file or a folder holding one")
+
+
+def _resolve_model_type(transformers: Any, model_type: str) -> _Resolved:
+    """A transformers model type with its config class's defaults: the published model's sizes
+    (`DeepseekV3Config()` is DeepSeek-V3 671B), as `config_class().save_pretrained(dir)` then `hf:dir` gives."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    config_class = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
+    model_class, task = _head_for(transformers, model_type, {}, Path(model_type))
+    with _quiet_transformers():
+        limit = getattr(config_class(), "max_position_embeddings", None) or MAX_DEFAULT_SEQ
+    return _Resolved(config_class, model_class, task, {}, None, min(int(limit), MAX_DEFAULT_SEQ))
 
 
 def _resolve_config_file(transformers: Any, path: Path) -> _Resolved:
@@ -333,7 +349,12 @@ def _config_kwargs(values: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _is_moe(config: Any) -> bool:
-    return any(getattr(config, key, None) for key in ("num_local_experts", "num_experts"))
+    """Whether the config declares routed experts: an expert-count field above 1 ("num_local_experts",
+    "n_routed_experts", ...; per-token and shared-expert counts aside), whatever the model calls it."""
+    fields = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+    return any("expert" in key and "per_tok" not in key and "shared" not in key
+               and isinstance(value, int) and not isinstance(value, bool) and value > 1
+               for key, value in fields.items())
 
 
 def _sequence_length(resolved: _Resolved, config: Any, seq: int | None) -> int:
@@ -355,16 +376,29 @@ def _sequence_length(resolved: _Resolved, config: Any, seq: int | None) -> int:
 def _construct(model_class: type, config: Any, device: torch.device) -> nn.Module:
     if getattr(model_class, "_supports_sdpa", False):
         config._attn_implementation = hf_tracing.ATTENTION
-    if _is_moe(config) and hasattr(config, "_experts_implementation"):
-        config._experts_implementation = hf_tracing.EXPERTS
     with _quiet_transformers():
         try:
             with device:
                 model = model_class(config)
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"{model_class.__name__}: {' '.join(str(e).split())}") from None
+    _use_capacity_experts(model, config)
     model.train()
     return model
+
+
+def _use_capacity_experts(model: nn.Module, config: Any) -> None:
+    """Route every experts module transformers' `use_experts_implementation` built (it reads
+    `config._experts_implementation` at each call) through `hf_tracing.EXPERTS`, whatever the model calls its
+    expert-count field; set after construction so the config's own checks see transformers' default."""
+    experts = [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")
+               and isinstance(getattr(m, "num_experts", None), int)]
+    for module in experts:
+        module.config._experts_implementation = hf_tracing.EXPERTS
+        setattr(module, hf_tracing.EXPERT_BUFFERS_ATTR, types.MethodType(hf_tracing.expert_buffers_forward, module))
+        if not hasattr(module.config, hf_tracing.CAPACITY_FACTOR_ATTR):
+            setattr(module.config, hf_tracing.CAPACITY_FACTOR_ATTR,
+                    getattr(config, hf_tracing.CAPACITY_FACTOR_ATTR, hf_tracing.DEFAULT_CAPACITY_FACTOR))
 
 
 @contextlib.contextmanager

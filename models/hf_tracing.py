@@ -39,6 +39,9 @@ ATTENTION = "stratagem_sdpa"
 """`config._attn_implementation` of models built by `models.hf` (when the model class supports SDPA)."""
 EXPERTS = "stratagem_capacity"
 """`config._experts_implementation` of mixture-of-experts models built by `models.hf`."""
+EXPERT_BUFFERS_ATTR = "expert_buffers_forward"
+"""Instance attribute of an experts module: its experts on (E, tokens, h) buffers, the entry point that expert
+parallelism (planner/runtime/apply_ep.py) wraps with all-to-alls; `models.hf` binds `expert_buffers_forward` there."""
 CAPACITY_FACTOR_ATTR = "stratagem_capacity_factor"
 """Config attribute holding the capacity factor that `EXPERTS` reads."""
 DEFAULT_CAPACITY_FACTOR = 1.25
@@ -107,13 +110,20 @@ def capacity_experts_forward(
                                           top_k_weights.reshape(-1, group, top_k), num_experts, slots)
     xg = hidden_states.reshape(-1, group, hidden)  # (G, S, h)
     expert_in = torch.einsum("gsec,gsh->egch", dispatch.to(xg.dtype), xg).flatten(1, 2)  # (E, G*C, h)
-    up = self.gate_up_proj if self.has_gate else self.up_proj
-    out = _expert_linear(self, expert_in, up, "gate_up_proj_bias" if self.has_gate else "up_proj_bias")
-    out = self._apply_gate(out) if self.has_gate else self.act_fn(out)  # (E, G*C, f)
-    out = _expert_linear(self, out, self.down_proj, "down_proj_bias")  # (E, G*C, h)
-    out = out.unflatten(1, (-1, slots))  # (E, G, C, h)
+    # Expert parallelism (planner/runtime/apply_ep.py) replaces the instance's `expert_buffers_forward` with its
+    # all-to-all dispatch around this rank's experts; otherwise every expert runs here.
+    run_experts = getattr(self, EXPERT_BUFFERS_ATTR, None) or (lambda x: expert_buffers_forward(self, x))
+    out = run_experts(expert_in).unflatten(1, (-1, slots))  # (E, G, C, h)
     y = torch.einsum("gsec,egch->gsh", combine.to(out.dtype), out)  # (G, S, h)
     return y.reshape(num_tokens, hidden).to(hidden_states.dtype)
+
+
+def expert_buffers_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The experts on per-expert token buffers: x (E', N, h) -> (E', N, h) for the module's E' (local) experts."""
+    up = self.gate_up_proj if self.has_gate else self.up_proj
+    out = _expert_linear(self, x, up, "gate_up_proj_bias" if self.has_gate else "up_proj_bias")
+    out = self._apply_gate(out) if self.has_gate else self.act_fn(out)  # (E', N, f)
+    return _expert_linear(self, out, self.down_proj, "down_proj_bias")  # (E', N, h)
 
 
 def _expert_linear(self: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias_name: str) -> torch.Tensor:

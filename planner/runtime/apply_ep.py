@@ -66,10 +66,10 @@ class EpGroup:
 
 def is_experts_module(module: nn.Module) -> bool:
     """The zoo's experts layout: an int `num_experts` and direct parameters that all stack `num_experts`
-    matrices on dim 0."""
+    matrices on dim 0 (at least one a 3-D weight: a router's (E, h) weight with `num_experts` is not experts)."""
     experts = getattr(module, "num_experts", None)
     params = list(module.parameters(recurse=False))
-    return (isinstance(experts, int) and experts > 0 and bool(params)
+    return (isinstance(experts, int) and experts > 0 and any(p.dim() >= 3 for p in params)
             and all(p.dim() >= 2 and p.size(0) == experts for p in params))
 
 
@@ -142,7 +142,10 @@ def apply_expert_parallel(model: nn.Module, ep: EpGroup) -> ExpertShards:
         if experts % ep.size:
             raise UserError(f"ep={ep.size} does not divide the {experts} experts of {path}; valid ep: "
                             f"{', '.join(str(d) for d in range(1, experts + 1) if experts % d == 0)}")
-        if not _takes_expert_buffers(module):
+        # An experts module that routes its own tokens may expose its experts on per-expert buffers as
+        # `expert_buffers_forward` (models/hf_tracing.py); that is what the all-to-alls wrap, not its forward.
+        entry = "expert_buffers_forward" if callable(getattr(module, "expert_buffers_forward", None)) else "forward"
+        if entry == "forward" and not _takes_expert_buffers(module):
             raise UserError(f"expert parallelism: {path} ({type(module).__name__}) is not called with per-expert "
                             "token buffers (experts, tokens, features), the layout whose dispatch it implements; "
                             "plan with ep=1")
@@ -153,5 +156,5 @@ def apply_expert_parallel(model: nn.Module, ep: EpGroup) -> ExpertShards:
             part = p.detach().narrow(0, ep.rank * local, local).clone()
             setattr(module, pname, nn.Parameter(part, requires_grad=p.requires_grad))
             names.append(f"{path}.{pname}" if path else pname)
-        module.forward = ExpertParallelForward(module.forward, ep, experts, path)
+        setattr(module, entry, ExpertParallelForward(getattr(module, entry), ep, experts, path))
     return ExpertShards(modules=tuple(m for _, m in found), param_names=tuple(names))

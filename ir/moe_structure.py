@@ -1,0 +1,109 @@
+"""Routed experts found from the traced graph's structure, not from module class names.
+
+A mixture-of-experts layer is recognized by two things every layout transformers (and the zoo) uses has:
+
+1. a top-k over E scores: the router (ROUTING nodes record ("k", int) and ("num_experts", int) from `topk`);
+2. expert weights for those E experts, in either layout:
+   - stacked: a LINEAR whose parameter is 3-D with leading dim E (`gate_up_proj` (E, 2f, h) or (E, h, 2f),
+     `down_proj` (E, h, f), the zoo's `Experts`), one matmul for all experts;
+   - listed: E LINEAR modules whose module paths differ only in one list index that takes E values below the
+     layer's own index ("layers.3.mlp.experts.0.gate_proj" ... "experts.7.gate_proj").
+
+A router may run several top-k's: DeepSeek-V3's group-limited routing first picks `topk_group` of `n_group`
+groups (a top-k over n_group, and one over the experts of each group) and then `num_experts_per_tok` of all E.
+Only a top-k whose width has expert weights of that count is the routing top-k, so E and k come from it.
+Everything else in the layer -- shared experts (DeepSeek, Qwen2-MoE, Llama 4), the router's own linear -- is dense:
+replicated or tensor-parallel like any feed-forward, never split over expert-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ir.graph import Node, OpKind
+
+
+class ExpertLayout(enum.StrEnum):
+    """How the experts' weights are held."""
+
+    STACKED = "stacked"  # one (E, ...) parameter per projection
+    LISTED = "listed"    # one module per expert in a list
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedExperts:
+    """The routed experts among some nodes (a segment, or the whole graph)."""
+
+    num_experts: int
+    top_k: int
+    layout: ExpertLayout
+    linears: tuple[str, ...]
+    """Names of the LINEAR nodes that compute the routed experts."""
+    param_names: tuple[str, ...]
+    """Names of the routed experts' parameters (each once), sorted."""
+    param_numel: int
+
+
+def routed_experts(nodes: Sequence[Node]) -> RoutedExperts | None:
+    """The routed experts among `nodes` (see the module docstring); None when there are none."""
+    widths = sorted({int(n.attr("num_experts")) for n in nodes
+                     if n.op_kind is OpKind.ROUTING and n.attr("num_experts") is not None}, reverse=True)
+    for experts in widths:  # widest first: a group top-k is narrower than the routing top-k
+        found = _stacked(nodes, experts) or _listed(nodes, experts)
+        if found is not None:
+            layout, linears, params = found
+            top_k = max(int(n.attr("k")) for n in nodes
+                        if n.op_kind is OpKind.ROUTING and n.attr("num_experts") == experts and n.attr("k"))
+            return RoutedExperts(experts, top_k, layout, tuple(n.name for n in linears),
+                                 tuple(sorted(params)), sum(params.values()))
+    return None
+
+
+def num_routed_experts(nodes: Iterable[Node]) -> int | None:
+    """Experts per MoE layer, None for a dense model."""
+    found = routed_experts(tuple(nodes))
+    return found.num_experts if found is not None else None
+
+
+def routed_expert_linears(nodes: Sequence[Node], experts: int) -> list[Node]:
+    """The LINEAR nodes of routed experts, for a model with `experts` experts per layer."""
+    found = _stacked(nodes, experts) or _listed(nodes, experts)
+    return list(found[1]) if found is not None else []
+
+
+def _stacked(nodes: Sequence[Node], experts: int) -> tuple[ExpertLayout, list[Node], dict[str, int]] | None:
+    linears: list[Node] = []
+    params: dict[str, int] = {}
+    for n in nodes:
+        if n.op_kind is not OpKind.LINEAR:
+            continue
+        stacked = {name: spec.numel for name, spec in zip(n.param_names, n.param_specs, strict=False)
+                   if len(spec.shape) == 3 and spec.shape[0] == experts}
+        if stacked:
+            linears.append(n)
+            params.update(stacked)
+    return (ExpertLayout.STACKED, linears, params) if linears else None
+
+
+_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
+
+
+def _listed(nodes: Sequence[Node], experts: int) -> tuple[ExpertLayout, list[Node], dict[str, int]] | None:
+    """Linears under a list whose index (past the layer's own, the first index of the path) takes `experts`
+    values: "a.3.b.experts.5.c" groups as ("a.3.b.experts.*.c") with index 5."""
+    groups: dict[str, dict[int, list[Node]]] = {}
+    for n in nodes:
+        if n.op_kind is not OpKind.LINEAR or not n.param_names:
+            continue
+        indices = list(_INDEX.finditer(n.module_path))
+        for m in indices[1:]:
+            key = n.module_path[:m.start()] + ".*" + n.module_path[m.end():]
+            groups.setdefault(key, {}).setdefault(int(m.group(1)), []).append(n)
+    linears = [n for by_index in groups.values() if len(by_index) == experts for ns in by_index.values() for n in ns]
+    if not linears:
+        return None
+    params = {name: spec.numel for n in linears for name, spec in zip(n.param_names, n.param_specs, strict=False)}
+    return ExpertLayout.LISTED, linears, params

@@ -1,0 +1,201 @@
+"""The models people train now, from transformers' own config classes: DeepSeek-V3, Qwen3, Qwen3-MoE,
+GPT-OSS, Llama 4 text and Gemma 3 text, built small on meta, traced, recognized and planned.
+
+Recognition is structural (`ir.moe_structure`): routed experts in any layout, their router's k, shared experts
+and dense first layers left dense, identical blocks one layer class.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ir
+import planner.api
+from costmodel.expert_parallel import ep_options, ep_problem, expert_param_numel
+from ir.moe_structure import ExpertLayout, routed_experts
+from models.registry import build_model
+from planner.cli.main import main
+from planner.errors import UserError
+from planner.search.space import SearchSpace
+
+transformers = pytest.importorskip("transformers")
+
+_SMALL = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "num_hidden_layers": 4, "vocab_size": 512, "max_position_embeddings": 512}
+_MLA = {"kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32}
+
+CONFIGS = {
+    # name: (config class, overrides, block classes, (experts, k) or None)
+    "deepseek_v3": ("DeepseekV3Config", {**_SMALL, **_MLA, "num_key_value_heads": 4, "moe_intermediate_size": 64,
+                                         "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                                         "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1}, 2, (8, 2)),
+    "qwen3": ("Qwen3Config", {**_SMALL, "head_dim": 32}, 1, None),
+    "qwen3_moe": ("Qwen3MoeConfig", {**_SMALL, "head_dim": 32, "moe_intermediate_size": 64, "num_experts": 8,
+                                     "num_experts_per_tok": 2}, 1, (8, 2)),
+    "gpt_oss": ("GptOssConfig", {**_SMALL, "head_dim": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                 "sliding_window": 64}, 1, (8, 2)),
+    # Layer 3 of 4 is a NoPE full-attention layer (no_rope_layers): legitimately its own class.
+    "llama4_text": ("Llama4TextConfig", {**_SMALL, "head_dim": 32, "intermediate_size_mlp": 256,
+                                         "num_local_experts": 4, "num_experts_per_tok": 1}, 2, (4, 1)),
+    "gemma3_text": ("Gemma3TextConfig", {**_SMALL, "head_dim": 32, "sliding_window": 64}, 1, None),
+}
+
+
+def _saved(tmp_path_factory, name: str, **extra) -> str:
+    cls, overrides, _, _ = CONFIGS[name]
+    folder = tmp_path_factory.mktemp(name)
+    getattr(transformers, cls)(**{**overrides, **extra}).save_pretrained(folder)
+    return f"hf:{folder}"
+
+
+def _trace(name: str, *, seq: int = 64, batch: int = 1):
+    built = build_model(name, seq=seq, batch=batch)
+    graph = ir.trace(built.module, built.example_inputs, model_name=name)
+    return built, graph, ir.build_layer_chain(graph)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_parameters_layer_classes_and_experts(tmp_path_factory, name):
+    _, _, block_classes, moe = CONFIGS[name]
+    built, graph, chain = _trace(_saved(tmp_path_factory, name))
+    assert graph.param_count == built.module.num_parameters()
+    blocks = [s for s in chain.segments if s.name.startswith("model.layers.")]
+    assert len(blocks) == 4 and len({s.class_id for s in blocks}) == block_classes
+    found = routed_experts(graph.nodes)
+    if moe is None:
+        assert found is None and ep_problem(chain, 2) == "ep=2: the model has no mixture-of-experts layers"
+        return
+    assert (found.num_experts, found.top_k, found.layout) == (*moe, ExpertLayout.STACKED)
+    # Shared experts, routers and attention stay dense: only the stacked (E, ...) weights are routed experts.
+    assert all(".experts." in p for p in found.param_names)
+    assert moe[0] in ep_options(chain, 8)
+
+
+def test_deepseek_dense_first_layers_and_group_routing(tmp_path_factory):
+    """first_k_dense_replace=2: two dense blocks, then MoE blocks -- two classes; group-limited routing's
+    top-k over n_group=2 groups does not pass for the expert count."""
+    _, graph, chain = _trace(_saved(tmp_path_factory, "deepseek_v3", first_k_dense_replace=2, num_hidden_layers=5))
+    blocks = [s.class_id for s in chain.segments if s.name.startswith("model.layers.")]
+    assert blocks[0] == blocks[1] != blocks[2] == blocks[3] == blocks[4]
+    dense, moe = chain.segments[1], chain.segments[3]
+    assert routed_experts(chain.nodes_of(dense)) is None
+    layer = routed_experts(chain.nodes_of(moe))
+    h, f, e = 128, 64, 8
+    assert (layer.num_experts, layer.top_k) == (8, 2) and layer.param_numel == e * 3 * h * f
+    assert expert_param_numel(graph.nodes, 8) == 3 * layer.param_numel
+    # MLA: queries and keys carry nope + rope dims, values their own.
+    attention = [n for n in chain.nodes_of(moe) if n.op_kind.value == "attention"]
+    assert [(n.attr("head_dim"), n.input_specs[2].shape[-1]) for n in attention] == [(48, 32)]
+
+
+def test_expert_parallelism_is_searched_and_priced_for_deepseek(tmp_path_factory):
+    built, _, chain = _trace(_saved(tmp_path_factory, "deepseek_v3"), seq=64)
+    fixed = planner.api.plan(chain, None, "1x8xh100-sxm", global_batch=64, model_name=built.name,
+                             space=SearchSpace(ep=8))
+    assert fixed.strategy.ep == 8 and fixed.predicted.fits
+    assert fixed.model.params == built.module.num_parameters()
+
+
+def test_listed_experts_are_recognized():
+    """One module per expert in a ModuleList (the pre-fused transformers layout) is the same structure."""
+
+    class ListedMoe(nn.Module):
+        def __init__(self, h: int = 16, experts: int = 4) -> None:
+            super().__init__()
+            self.gate = nn.Linear(h, experts, bias=False)
+            self.experts = nn.ModuleList(nn.Linear(h, h) for _ in range(experts))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (N, h)
+            weights, index = torch.topk(self.gate(x).softmax(-1), 2, dim=-1)  # (N, 2)
+            outs = torch.stack([e(x) for e in self.experts], dim=1)  # (N, E, h)
+            picked = torch.gather(outs, 1, index[..., None].expand(-1, -1, x.size(-1)))  # (N, 2, h)
+            return (picked * weights[..., None]).sum(1)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(ListedMoe() for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = x + layer(x)
+            return x
+
+    graph = ir.trace(Model(), (torch.randn(8, 16),))
+    found = routed_experts(graph.nodes)
+    assert (found.num_experts, found.top_k, found.layout) == (4, 2, ExpertLayout.LISTED)
+    assert found.param_numel == 2 * 4 * (16 * 16 + 16)
+    assert not any("gate" in p for p in found.param_names)
+
+
+def test_transformers_model_type_builds_its_default_config():
+    """hf:MODEL_TYPE is transformers' own config class with its defaults (the published sizes) plus --set."""
+    built = build_model("hf:qwen3_moe", ("num_hidden_layers=1", "hidden_size=64", "num_attention_heads=2",
+                                         "num_key_value_heads=1", "moe_intermediate_size=32",
+                                         "num_experts=4", "num_experts_per_tok=2", "vocab_size=256"), seq=32)
+    assert type(built.module).__name__ == "Qwen3MoeForCausalLM"
+    assert built.module.config._experts_implementation == "stratagem_capacity"
+    graph = ir.trace(built.module, built.example_inputs)
+    assert graph.param_count == built.module.num_parameters()
+
+
+def test_inconsistent_mla_dims_fail_in_one_line(tmp_path_factory, capsys):
+    name = _saved(tmp_path_factory, "deepseek_v3")
+    assert main(["trace", name, "--set", "qk_rope_head_dim=10", "--seq", "32"]) == 2
+    captured = capsys.readouterr()
+    lines = [line for line in (captured.err + captured.out).splitlines() if line.strip()]
+    assert len(lines) == 1 and "cannot trace" in lines[0]
+
+
+def test_deepseek_capacity_dispatch_without_drops_matches_transformers_on_cpu(tmp_path_factory):
+    name = _saved(tmp_path_factory, "deepseek_v3", num_hidden_layers=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        built = build_model(name, ("capacity_factor=4",), batch=2, seq=16, device="cpu")
+    ids = built.example_inputs[0]
+    ours = built.module(ids).logits
+    for m in built.module.modules():
+        if hasattr(m, "has_gate"):
+            m.config._experts_implementation = "eager"
+    torch.testing.assert_close(ours, built.module(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_parallel_beyond_the_kv_heads_replicates_them():
+    """hf:llama has 4 query and 2 KV heads: tp=4 plans (KV heads replicated in pairs); tp=3 is refused with why."""
+    built = build_model("hf:llama", seq=64)
+    plan = planner.api.plan(built.module, built.example_inputs, "1x4xa100-80gb", global_batch=4,
+                            space=SearchSpace(tp=4, dp=1, pp=1))
+    assert plan.strategy.tp == 4 and plan.predicted.fits
+    with pytest.raises(UserError, match="tp=3 does not divide heads=4"):
+        planner.api.plan(built.module, built.example_inputs, "1x3xa100-80gb", global_batch=3,
+                         space=SearchSpace(tp=3, dp=1, pp=1))
+
+
+@pytest.mark.multiprocess
+def test_tiny_qwen3_moe_trains_under_ep2_dp4_like_one_process(tmp_path_factory):
+    """`stratagem run --check`: 4 gloo processes, experts split over ep=2 of dp=4 ranks (all-to-all around
+    transformers' experts, through `expert_buffers_forward`), against the unsharded loss. capacity_factor = E / k
+    drops no token, so each rank's routing groups give what the single process's do."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    name = _saved(tmp_path_factory, "qwen3_moe", num_hidden_layers=2)
+    sets = ("capacity_factor=4",)
+    built = build_model(name, sets, seq=16)
+    plan = planner.api.plan(built.module, built.example_inputs, "1x4xcpu", global_batch=8, model_name=name,
+                            settings=(("capacity_factor", 4.0), ("seq", 16)),
+                            space=SearchSpace(ep=2, dp=4, tp=1, pp=1))
+    assert plan.strategy.ep == 2
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    path.write_text(json.dumps(plan.to_dict()))
+    cmd = [sys.executable, "-m", "planner.cli.main", "run", name, "--set", sets[0], "--seq", "16", "--plan",
+           str(path), "--steps", "3", "--nproc", "4", "--check", "--json"]
+    ran = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert ran.returncode == 0, ran.stderr[-4000:]
+    report = json.loads(ran.stdout)
+    assert report["strategy"]["ep"] == 2 and report["strategy"]["dp"] == 4
+    assert report["check"]["passed"] and report["check"]["max_rel_loss_diff"] <= 1e-4
