@@ -1,1 +1,2 @@
-"""The search: space, meshes, candidates, layer-cost table, intra-op ILP, stage problem and partition DP, branch and bound."""
+"""The search: the space, meshes, candidates, the layer-cost table, the intra-op ILP, the stage problem and
+partition DP, branch and bound."""
