@@ -1,0 +1,1 @@
+"""Measuring this machine: operators, collectives and framework overheads, into a profile the cost model reads."""
