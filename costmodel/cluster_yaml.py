@@ -79,7 +79,8 @@ _COLLECTIVE_LINK_KEYS = {"latency": True, "bandwidth": True}
 _DEVICE_KEYS = {"name": True, "display_name": False, "peak_flops": True, "matmul_efficiency": True,
                 "memory_bytes": True, "memory_bandwidth": True, "memory_efficiency": True,
                 "intra_node_bandwidth": True, "inter_node_bandwidth": True, "sources": False,
-                "intra_node_link": False, "inter_node_link": False}
+                "intra_node_link": False, "inter_node_link": False, "training_efficiency": False,
+                "prediction_error": False, "best_published_mfu": False}
 
 # Multipliers to bytes/s. Lower-case "b" is bits, upper-case "B" bytes; prefixes are decimal (as link specs are)
 # except the binary "Gi"-style ones.
@@ -286,9 +287,17 @@ def _device(v: Any, path: str) -> DeviceSpec:
             sources={str(k): str(s) for k, s in sources.items()},
             intra_node_link=str(v.get("intra_node_link") or ""),
             inter_node_link=str(v.get("inter_node_link") or ""),
+            training_efficiency=_number(v.get("training_efficiency", 1.0), f"{path}.training_efficiency", 0, 1,
+                                        lo_open=True),
+            prediction_error=_optional_fraction(v.get("prediction_error"), f"{path}.prediction_error"),
+            best_published_mfu=_optional_fraction(v.get("best_published_mfu"), f"{path}.best_published_mfu"),
         )
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+
+
+def _optional_fraction(v: Any, path: str) -> float | None:
+    return None if v is None else _number(v, path, 0, 1, lo_open=True)
 
 
 def _flops(v: Any, path: str) -> float:

@@ -18,6 +18,7 @@ from costmodel.layer_pricing import price_segment
 from costmodel.operators import node_time
 from costmodel.profile_db import OpProfile, OpTiming, op_signature, segment_signature
 from costmodel.sharding_cost import build_sharding_model
+from costmodel.training_loss import loss_inputs
 from ir.graph import OpKind
 from planner.cli.main import main
 from planner.cli.profile_cmd import microbatch_sizes
@@ -109,9 +110,13 @@ def test_price_segment_sums_the_measured_entries(tiny, tmp_path):
         entries = [prof.lookup("cpu", op_signature(n, flops_scale=2, bytes_scale=2)) for n in nodes
                    if n.op_kind not in (OpKind.PLACEHOLDER, OpKind.OUTPUT)]
         glue = prof.lookup("cpu", segment_signature(seg.structural_hash, 2, "float32")) or OpTiming(0.0, 0.0)
-        assert cost.fwd_compute_s == pytest.approx(sum(e.forward_s for e in entries) + glue.forward_s, rel=1e-12)
-        assert cost.bwd_compute_s == pytest.approx(sum(e.backward_s for e in entries) + glue.backward_s,
-                                                   rel=1e-12)
+        measured_fwd = sum(e.forward_s for e in entries) + glue.forward_s
+        measured_bwd = sum(e.backward_s for e in entries) + glue.backward_s
+        if loss_inputs(nodes):  # the segment returning the logits also pays the (unprofiled) training loss
+            assert cost.fwd_compute_s > measured_fwd and cost.bwd_compute_s > measured_bwd
+            continue
+        assert cost.fwd_compute_s == pytest.approx(measured_fwd, rel=1e-12)
+        assert cost.bwd_compute_s == pytest.approx(measured_bwd, rel=1e-12)
 
 
 def test_tensor_parallel_shards_are_measured():

@@ -50,6 +50,7 @@ def prefer_simplest(ranked: Sequence[Ranked]) -> list[Ranked]:
         return []
     best = ranked[0]
     band = best.estimate.error_band
-    tied = [r for r in ranked if within_band(r.objective, best.objective, band)]
+    tied = [r for r in ranked if within_band(r.objective, best.objective, band)
+            and r.strategy.num_devices == best.strategy.num_devices]
     lead = min(tied, key=lambda r: (simplicity_key(r.strategy), r.objective))
     return [lead] + [r for r in ranked if r is not lead]
