@@ -37,7 +37,8 @@ from tests.published_reference import (  # noqa: E402
 )
 
 
-def free_plan(run: PublishedRun, chains: dict, pinned: dict[str, float]) -> tuple[float, str]:
+def free_plan(run: PublishedRun, chains: dict, pinned: dict[str, float], time_limit_s: float
+              ) -> tuple[float, str]:
     """The free planner's plan for the run's model, cluster and batch (same runtime options as the source's), and
     where it differs: its label plus the breakdown term it saves the most time on against the pinned config."""
     from planner.api import plan
@@ -45,7 +46,7 @@ def free_plan(run: PublishedRun, chains: dict, pinned: dict[str, float]) -> tupl
 
     chain = chains.get((run.name, run.microbatch_size or 1)) or build_chain(run, 1)
     p = plan(chain, None, cluster_of(run), global_batch=run.global_batch,
-             space=SearchSpace(runtime=run.runtime))
+             space=SearchSpace(runtime=run.runtime), time_limit_s=time_limit_s)
     s = p.strategy
     label = (f"dp{s.dp} tp{s.tp} pp{s.pp} cp{s.cp} mbs{s.microbatch_size}x{s.num_microbatches} "
              f"{s.schedule.value}{':' + str(s.virtual_stages) if s.virtual_stages > 1 else ''} zero{s.zero_stage} "
@@ -54,6 +55,8 @@ def free_plan(run: PublishedRun, chains: dict, pinned: dict[str, float]) -> tupl
     term, saved = max(((k, pinned.get(k, 0.0) - v) for k, v in mine.items()), key=lambda kv: kv[1])
     if saved > 0:
         label += f" (saves {saved:.3g} s of {term.removesuffix('_s').replace('_', ' ')})"
+    if p.search.status == "feasible":
+        label += f" [search cut at {time_limit_s:.0f} s, gap {p.search.optimality_gap:.1%}]"
     return p.predicted.step_time_s, label
 
 
@@ -141,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-free", action="store_true", help="skip the free planner's reference plans")
     ap.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     ap.add_argument("--fit", action="store_true", help="fit the training efficiency per device class instead")
+    ap.add_argument("--free-time-limit", type=float, default=120.0, metavar="SEC",
+                    help="time limit of each free-planner reference search (default 120 s; the gap is shown)")
     args = ap.parse_args(argv)
     if args.fit:
         fit([r for r in all_runs() if args.only.lower() in r.name.lower()])
@@ -151,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         started = time.monotonic()
         pred = predict(run, chains)
-        free_s, free_label = (None, "") if args.no_free else free_plan(run, chains, pred.breakdown)
+        free_s, free_label = ((None, "") if args.no_free
+                              else free_plan(run, chains, pred.breakdown, args.free_time_limit))
         err = pred.step_s / run.measured_step_s - 1
         mem_err = (pred.memory_gib / run.measured_memory_gib - 1) if run.measured_memory_gib else None
         rows.append({"run": run.name, "gpus": run.num_gpus, "device": run.device, "counts": run.counts,

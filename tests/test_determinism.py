@@ -102,7 +102,9 @@ def test_plan_json_identical_across_runs_and_hash_seeds(runs: list[dict[str, Any
     assert len(top[0]["search"]["alternatives"]) >= 2
     assert {g["name"] for g in top[0]["cluster"]["groups"]} == {"fast", "slow"}
     times = [p["predicted"]["step_time_s"] for p in top]
-    assert times == sorted(times)
+    # The simplest plan tied with the fastest leads (planner.search.ranking); the others follow by time.
+    assert times[1:] == sorted(times[1:])
+    assert times[0] <= min(times) * (1 + top[0]["predicted"]["error_band"])
     for run in runs[1:]:
         assert [_without_time(p) for p in run["top3"]] == [_without_time(p) for p in top]
         # the written plan file, byte for byte except its time_s
