@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from costmodel.collective_kind import Collective
 from costmodel.device import DeviceSpec
 
 MAX_DEVICES = 1 << 20
@@ -49,10 +50,8 @@ MAX_DEVICES = 1 << 20
 exhaust memory before any error could be reported."""
 
 
-COLLECTIVE_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv",
-                                     "broadcast")
-"""Values of `costmodel.collectives.Collective`, spelled out here because `collectives` imports this module (a
-test keeps the two equal)."""
+COLLECTIVE_KINDS: tuple[str, ...] = tuple(k.value for k in Collective)
+"""Values of `costmodel.collective_kind.Collective`, the kinds a tier may override."""
 
 
 @dataclass(frozen=True)

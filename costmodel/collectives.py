@@ -52,15 +52,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from costmodel.cluster import Cluster, CollectiveLink, NetworkTier
-
-
-class Collective(enum.StrEnum):
-    ALL_REDUCE = "all_reduce"
-    ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_TO_ALL = "all_to_all"
-    SEND_RECV = "send_recv"
-    BROADCAST = "broadcast"
+from costmodel.collective_kind import Collective
 
 
 class Algorithm(enum.StrEnum):

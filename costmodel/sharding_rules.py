@@ -45,7 +45,7 @@ _SUM_LIKE = frozenset({"sum", "mean"})
 
 
 class Style(enum.StrEnum):
-    """Module-level forms a strategy maps to (the values of planner.plan.ShardStyle)."""
+    """Module-level forms a strategy maps to: the style the plan records and the runtime applies per module."""
 
     REPLICATE = "replicate"
     COLWISE = "colwise"
