@@ -33,10 +33,6 @@ def error_band(devices: Iterable[DeviceSpec]) -> float:
     return max(bands, default=unvalidated_band())
 
 
-def is_validated(devices: Iterable[DeviceSpec]) -> bool:
-    return all(d.prediction_error is not None for d in devices)
-
-
 def within_band(step_s: float, best_s: float, band: float) -> bool:
     """Whether `step_s` ties with `best_s` under a relative error band `band`."""
     return step_s <= best_s * (1 + band)

@@ -32,7 +32,6 @@ from planner.search.branch_and_bound import SearchOptions, SearchResult, search
 from planner.search.candidates import Candidate
 from planner.search.device_groups import mixed_type_problem, with_device_groups
 from planner.search.layer_costs import LayerCostTable
-from planner.search.meshes import MeshCandidate
 from planner.search.pricing import layer_cost_map, sharding_of
 from planner.search.ranking import TIE_POOL, prefer_simplest
 from planner.search.space import Objective, SearchSpace
@@ -162,18 +161,11 @@ def validate_strategy(chain: LayerChain, cluster: Cluster, strategy: Strategy, g
     return replace(strategy, stages=stages)
 
 
-def _candidate_of(strategy: Strategy) -> Candidate:
-    mesh = MeshCandidate(dp=strategy.dp, tp=strategy.tp, pp=strategy.pp, cp=strategy.cp, ep=strategy.ep,
-                         mesh_order=strategy.mesh_order)
-    return Candidate(mesh, strategy.microbatch_size, strategy.num_microbatches, strategy.schedule,
-                     strategy.virtual_stages, strategy.zero_stage, strategy.sequence_parallel, strategy.runtime)
-
-
 def _estimate_with_sharding(chain: LayerChain, cluster: Cluster, strategy: Strategy, global_batch: int | None,
                             dtype: str, profile: Any) -> tuple[Estimate, tuple[ModuleSharding, ...]]:
     table = LayerCostTable(chain, cluster, dtype=dtype, profile=profile)
     builder = StageProblemBuilder(chain, cluster, table, dtype)
-    cand = _candidate_of(strategy)
+    cand = Candidate.of(strategy)
     placements = builder.placements(cand)
     if placements is None:
         raise UserError(f"the strategy needs {strategy.num_devices} devices, the cluster has "

@@ -46,7 +46,7 @@ from planner.search.branch_and_bound import SearchOptions, SearchResult, search
 from planner.search.candidates import Candidate
 from planner.search.device_groups import with_device_groups
 from planner.search.layer_costs import LayerCostTable
-from planner.search.meshes import MeshCandidate, compute_lower_bound_s
+from planner.search.meshes import compute_lower_bound_s
 from planner.search.pricing import layer_cost_map, sharding_of, summary_recompute
 from planner.search.space import SearchSpace
 from planner.search.stage_partition import solve_partition
@@ -199,16 +199,9 @@ def _without_device_groups(strategy: Strategy) -> Strategy:
                                                       for s in strategy.stages))
 
 
-def _candidate_of(strategy: Strategy) -> Candidate:
-    mesh = MeshCandidate(dp=strategy.dp, tp=strategy.tp, pp=strategy.pp, cp=strategy.cp, ep=strategy.ep,
-                         mesh_order=strategy.mesh_order)
-    return Candidate(mesh, strategy.microbatch_size, strategy.num_microbatches, strategy.schedule,
-                     strategy.virtual_stages, strategy.zero_stage, strategy.sequence_parallel, strategy.runtime)
-
-
 def _priced(builder: StageProblemBuilder, cluster: Cluster, strategy: Strategy, global_batch: int, dtype: str,
             profile: Any) -> tuple[Estimate, tuple[ModuleSharding, ...], Mapping[tuple[int, str], LayerCost]] | None:
-    cand = _candidate_of(strategy)
+    cand = Candidate.of(strategy)
     placements = builder.placements(cand)
     if placements is None:
         return None
@@ -223,7 +216,7 @@ def _priced(builder: StageProblemBuilder, cluster: Cluster, strategy: Strategy, 
 
 def _repartitioned(builder: StageProblemBuilder, strategy: Strategy) -> Strategy | None:
     """The old candidate with its stage partition and recomputation solved again (None if nothing fits)."""
-    cand = _candidate_of(strategy)
+    cand = Candidate.of(strategy)
     built = builder.build(cand, tuple(Recompute))
     if built is None:
         return None

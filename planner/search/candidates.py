@@ -50,6 +50,14 @@ class Candidate:
                         sequence_parallel=self.sequence_parallel, recompute=recompute, stages=tuple(stages),
                         mesh_order=m.mesh_order, runtime=self.runtime)
 
+    @classmethod
+    def of(cls, strategy: Strategy) -> Candidate:
+        """The candidate a given strategy belongs to (the inverse of `strategy`, without stages)."""
+        s = strategy
+        mesh = MeshCandidate(dp=s.dp, tp=s.tp, pp=s.pp, cp=s.cp, ep=s.ep, mesh_order=s.mesh_order)
+        return cls(mesh, s.microbatch_size, s.num_microbatches, s.schedule, s.virtual_stages, s.zero_stage,
+                   s.sequence_parallel, s.runtime)
+
     @property
     def sort_key(self) -> tuple:
         """Deterministic order among candidates of equal priority."""
