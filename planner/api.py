@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
-
-import torch.nn as nn
+from typing import TYPE_CHECKING, Any
 
 import ir
 from costmodel.breakdown import Estimate
@@ -36,7 +34,9 @@ from planner.search.pricing import layer_cost_map, sharding_of
 from planner.search.ranking import TIE_POOL, prefer_simplest
 from planner.search.space import Objective, SearchSpace
 from planner.search.stage_problem import StageProblemBuilder
-from planner.tracing import trace_one_sample
+
+if TYPE_CHECKING:
+    import torch.nn as nn
 
 Progress = Callable[[int, int, float | None], None]
 
@@ -49,6 +49,11 @@ def as_chain(model_or_chain: nn.Module | Graph | LayerChain, inputs: Any = None,
         return model_or_chain
     if isinstance(model_or_chain, Graph):
         return ir.build_layer_chain(model_or_chain)
+    # torch is imported here, not at the top: planning a chain (a cached trace) never needs it.
+    import torch.nn as nn
+
+    from planner.tracing import trace_one_sample
+
     if isinstance(model_or_chain, nn.Module):
         if inputs is None:
             raise ValueError("planning an nn.Module needs its example inputs (a tuple of tensors or TensorSpecs, "
