@@ -23,15 +23,16 @@ from planner.cli.common import (
     add_model_arguments,
     add_output_arguments,
     add_profile_argument,
-    build_model,
+    add_trace_cache_arguments,
     check_output_path,
     input_paths,
     parse_cluster,
     positive_int,
-    trace_chain,
+    trace_cache,
 )
 from planner.cli.plan_cmd import emit
 from planner.errors import UserError
+from planner.tracing import trace_model
 
 
 def schedule_arg(text: str) -> tuple[Schedule, int]:
@@ -77,6 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp-overlap", action="store_true",
                    help="tensor-parallel collectives overlap the GEMMs (Megatron-Core --tp-comm-overlap)")
     add_output_arguments(p)
+    add_trace_cache_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -98,10 +100,8 @@ def run(args: argparse.Namespace) -> int:
                                                    tp_overlap=args.tp_overlap))
     except ValueError as e:
         raise UserError(f"invalid strategy: {e}") from None
-    built = build_model(args.model, args.sets, seq=args.seq)
-    chain = trace_chain(built, dtype=args.dtype)
-    plan = estimate_plan(chain, cluster, strategy, profile=profile, global_batch=args.batch, dtype=args.dtype,
-                         model_name=built.name,
-                         settings=built.settings)
+    traced = trace_model(args.model, args.sets, seq=args.seq, dtype=args.dtype, cache=trace_cache(args))
+    plan = estimate_plan(traced.chain, cluster, strategy, profile=profile, global_batch=args.batch, dtype=args.dtype,
+                         model_name=traced.name, settings=traced.settings)
     emit([plan], cluster, args.json, outputs)
     return 0

@@ -47,16 +47,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
-    except Exception as e:
-        if not _is_user_error(e):
-            raise
-        print(f"stratagem: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("stratagem: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as e:
+        if not _is_user_error(e):
+            raise
+        print(f"stratagem: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _is_user_error(e: Exception) -> bool:

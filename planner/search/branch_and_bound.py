@@ -48,7 +48,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from costmodel.breakdown import Estimate
@@ -68,6 +68,7 @@ from costmodel.strategy import MeshAxis, Recompute, Schedule, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import InfeasibleError, UserError
 from planner.plan import Alternative, ModuleSharding
+from planner.progress import Phase, ProgressCallback
 from planner.search.bounds import cheap_lower_bound, tight_lower_bound
 from planner.search.candidates import (
     Candidate,
@@ -85,11 +86,10 @@ from planner.search.pricing import (
     sharding_of,
     summary_recompute,
 )
+from planner.search.reporting import SearchReporter
 from planner.search.space import Objective, SearchSpace
 from planner.search.stage_partition import partition_lower_bound, solve_partition
 from planner.search.stage_problem import StageProblemBuilder
-
-Progress = Callable[[int, int, float | None], None]
 
 FIRST_PLAN_FRACTION = 0.5
 """With a time limit, once this fraction of it has passed without any plan, `SearchState.first_plan` looks for one
@@ -104,8 +104,8 @@ class SearchOptions:
     time_limit_s: float | None = None
     """Stop after this many seconds of search with the best found so far (status "feasible"). The limit is checked
     between candidates; if it passes before any plan is found, the search stops at the first one."""
-    progress: Progress | None = None
-    """Called as progress(candidates done, candidates total, best objective so far)."""
+    progress: ProgressCallback | None = None
+    """Called with a `planner.progress.PlanProgress` record, at most every `reporting.INTERVAL_S` and at the end."""
     num_alternatives: int = 8
     """How many losing meshes (distinct dp, tp, pp) to explain in `alternatives`."""
     explain_slack: float = 0.1
@@ -376,8 +376,7 @@ class SearchState:
         best objective, which proves the K best optimal."""
         heap: list[tuple[float, int, tuple, int]] = [(self.device_bound(n), 0, (-n,), n) for n in device_counts]
         heapq.heapify(heap)
-        done = 0
-        progress = self.options.progress
+        report = SearchReporter.of(self)
         rushed = False
         while heap:
             if not self.found and not rushed and self.out_of_time(FIRST_PLAN_FRACTION):
@@ -389,6 +388,8 @@ class SearchState:
             if not math.isfinite(lb) or lb >= self.kth_best():
                 break
             if self.out_of_time() and self.found:
+                if report:
+                    report.done(lb)
                 return True, lb
             heapq.heappop(heap)
             if level == 0:
@@ -396,23 +397,26 @@ class SearchState:
                                            self.invalid):
                     self.candidates.append(cand)
                     heapq.heappush(heap, (max(lb, self.bound(cand)), 1, cand.sort_key, len(self.candidates) - 1))
+                if report:
+                    report(Phase.PRICE, lb)
                 continue
             cand = self.candidates[payload]
             if level == 1:
                 heapq.heappush(heap, (max(lb, self.refine(cand)), 2, key, payload))
+                if report:
+                    report(Phase.PRICE, lb)
                 continue
             self.visit(cand)
-            done += 1
-            if progress:
-                progress(done, len(self.candidates), self.found[0].objective if self.found else None)
+            if report:
+                report(Phase.SEARCH, lb)
         self.pruned = sum(1 for entry in heap if entry[1] > 0)
         for lb_left, level_left, _, payload_left in heap:  # what is known of the candidates never solved
             if level_left > 0:
                 mesh = self.candidates[payload_left].mesh
                 rec = self.meshes.setdefault((mesh.dp, mesh.tp, mesh.pp), _MeshRecord())
                 rec.lower_bound = min(rec.lower_bound, lb_left)
-        if progress and done:
-            progress(len(self.candidates), len(self.candidates), self.found[0].objective if self.found else None)
+        if report:
+            report.done(heap[0][0] if heap else math.inf)
         return False, heap[0][0] if heap else math.inf
 
 
