@@ -127,7 +127,7 @@ class TraceCache:
         path = self.path(key)
         try:
             data = path.read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no entry (a folder that cannot exist is noted on store)
             return None
         except OSError as e:
             self.note(f"cannot read trace cache entry {path} ({e.strerror or e}); tracing again")
