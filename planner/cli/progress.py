@@ -25,7 +25,7 @@ def describe(record: PlanProgress) -> str:
     if record.phase is Phase.TRACE:
         return "building and tracing the model on the meta device"
     unit = "s" if record.objective == "time" else "per step"
-    parts = [f"{record.candidates_priced:,} candidates priced of {record.candidates_seen:,}",
+    parts = [f"{record.candidates_priced:,}/{record.candidates_seen:,} candidates priced",
              f"{record.layer_solves:,} layer pricings"]
     if record.best is not None:
         parts.append(f"best {record.best:.4g} {unit}")
@@ -45,13 +45,17 @@ def live(enabled: bool = True, console: Console | None = None) -> Iterator[Progr
         return
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Column
 
     console = console or Console(stderr=True)
     if not console.is_terminal:
         yield None
         return
-    columns = (SpinnerColumn(), TextColumn("[bold]{task.description}"), TextColumn("{task.fields[detail]}"),
-               TimeElapsedColumn())
+    # The phase keeps its width and the details give way: a narrow terminal cuts them short, never the phase.
+    phase = Column(min_width=max(len(p.value) for p in Phase), no_wrap=True)
+    detail = Column(no_wrap=True, overflow="ellipsis")
+    columns = (SpinnerColumn(), TextColumn("[bold]{task.description}", table_column=phase),
+               TextColumn("{task.fields[detail]}", table_column=detail), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         yield progress
 

@@ -36,6 +36,8 @@ class SearchReporter:
         self.last = now
         s = self.state
         best = s.found[0].objective if s.found else None
+        if best is not None:  # the search keeps the K best: its bound can pass the best while it looks for more
+            lower_bound = min(lower_bound, best)
         self.callback(PlanProgress(
             phase=phase, elapsed_s=now - s.started, candidates_priced=s.solved, candidates_seen=len(s.candidates),
             layer_solves=s.builder.table.solves, best=best, lower_bound=lower_bound,
