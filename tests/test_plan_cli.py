@@ -129,7 +129,7 @@ def test_output_file_round_trips_and_never_overwrites_inputs(capsys: pytest.Capt
     (["--fix", "dp=3"], "no valid strategy: dp=3 does not divide the global batch 32"),
     (["--fix", "pp=7"], "no valid strategy: pp=7 is more than the 6 segments"),
     (["--top", "0"], "expected a positive integer"),
-    (["--time-limit", "-1"], "expected a positive number"),
+    (["--time-limit", "-1"], "expected a number of seconds >= 0 (0: no limit), got -1"),
     (["--objective", "cost"], "--objective cost needs a price for every device"),
 ])
 def test_plan_user_errors(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
