@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 import ir
-from costmodel.cluster import Cluster
+from costmodel.hardware.cluster import Cluster
 from costmodel.layer_pricing import price_segment
 from models.registry import build_model
 from planner import api

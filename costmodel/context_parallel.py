@@ -43,9 +43,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from costmodel.cluster import Cluster
-from costmodel.collectives import Collective, CommGroup, collective_time
-from costmodel.device import DeviceSpec
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import Collective, CommGroup, collective_time
+from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.operators import node_time, retype_ratio
 from ir.graph import Node, OpKind

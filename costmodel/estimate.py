@@ -31,12 +31,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from costmodel.breakdown import Estimate, StageEstimate, TimeBreakdown
-from costmodel.cluster import Cluster
-from costmodel.collectives import Collective, CommGroup, collective_time
 from costmodel.context_parallel import cp_problem
-from costmodel.device import DeviceSpec
 from costmodel.expert_parallel import dp_synced_params, ep_problem, optimizer_params
 from costmodel.framework import FrameworkCosts
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import Collective, CommGroup, collective_time
+from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import op_policy_kept, price_segment, selective_recompute_region
 from costmodel.memory import GIB, GRAD_BYTES, PricedSegment, rank_memory

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from costmodel.catalog import get_device
-from costmodel.cluster import Cluster, DeviceGroup, NetworkTier
-from costmodel.cluster_yaml import cluster_from_dict, parse_bandwidth, parse_bytes, parse_duration
+from costmodel.hardware.catalog import get_device
+from costmodel.hardware.cluster import Cluster, DeviceGroup, NetworkTier
+from costmodel.hardware.cluster_yaml import cluster_from_dict, parse_bandwidth, parse_bytes, parse_duration
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))

@@ -12,8 +12,8 @@ import pytest
 from costmodel_graphs import GptShape, gpt_chain
 
 from costmodel import Cluster, Recompute, Schedule, StageSpec, Strategy, estimate
-from costmodel.collectives import Collective, CommGroup, collective_time
 from costmodel.estimate import axis_strides, even_stages, stage_ranks
+from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.layer_pricing import price_segment
 from costmodel.memory import GPU_FRAMEWORK_OVERHEAD_BYTES
 from costmodel.pipeline import pipeline_step_time

@@ -38,7 +38,7 @@ CORE = frozenset({"planner.errors", "planner.plan", "planner.strategy_label", "p
 SIBLING_EDGES = frozenset({("planner.profiling", "planner.runtime")})
 KNOWN_CYCLES = frozenset({
     # costmodel's own layout is reorganized separately (cluster specs and their YAML); drop this when it lands
-    frozenset({"costmodel.cluster", "costmodel.cluster_yaml"}),
+    frozenset({"costmodel.hardware.cluster", "costmodel.hardware.cluster_yaml"}),
 })
 
 

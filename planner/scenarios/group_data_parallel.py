@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from costmodel.breakdown import Estimate
-from costmodel.cluster import Cluster
-from costmodel.collectives import Collective, CommGroup, collective_time
 from costmodel.estimate import estimate as costmodel_estimate
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.layer_cost import LayerCost
 from costmodel.strategy import Schedule, Strategy
 from ir.layer_chain import LayerChain

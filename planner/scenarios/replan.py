@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from costmodel.breakdown import Estimate
-from costmodel.cluster import Cluster
 from costmodel.estimate import estimate as costmodel_estimate
+from costmodel.hardware.cluster import Cluster
 from costmodel.layer_cost import LayerCost
 from costmodel.strategy import MeshAxis, Recompute, Schedule, Strategy
 from ir.layer_chain import LayerChain

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from costmodel.cluster import Cluster
+from costmodel.hardware.cluster import Cluster
 from costmodel.strategy import Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import UserError
@@ -147,7 +147,7 @@ def spec_mapping(spec: str) -> dict[str, Any]:
 
 
 def _tiers_of(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    if "tiers" not in spec:  # the defaults a spec without tiers gets (costmodel.cluster_yaml)
+    if "tiers" not in spec:  # the defaults a spec without tiers gets (costmodel.hardware.cluster_yaml)
         spec["tiers"] = [{"name": "node"}, {"name": "cluster"}]
     return spec["tiers"]
 

@@ -52,7 +52,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from costmodel.breakdown import Estimate
-from costmodel.cluster import Cluster
 from costmodel.estimate import estimate as costmodel_estimate
 from costmodel.estimate import even_stages
 from costmodel.expert_parallel import (
@@ -61,6 +60,7 @@ from costmodel.expert_parallel import (
     optimizer_params,
 )
 from costmodel.expert_parallel import model_state_bytes as expert_state_bytes
+from costmodel.hardware.cluster import Cluster
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import framework_overhead_bytes
 from costmodel.step_time import optimizer_step_time

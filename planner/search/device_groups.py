@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from costmodel.cluster import Cluster
-from costmodel.collectives import CommGroup
 from costmodel.estimate import axis_strides, dp_group, p2p_group, rank_speeds, stage_ranks, tp_group
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import CommGroup
 from costmodel.strategy import MeshAxis, Strategy
 
 # ---- which devices run what ---------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from costmodel.cluster import Cluster
-from costmodel.device import DeviceSpec
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import owned_param_tensors, price_segment, segment_glue
 from ir.graph import Node
@@ -170,7 +170,7 @@ def _group_on(cluster: Cluster, device: DeviceSpec, size: int, stride: int) -> A
     """The communication group of `size` ranks `stride` apart that starts at the first device of this type: a
     type's collectives run over its own nodes' links (a V100 node's NVLink 2, not the NVLink 3 of the A100 node
     at rank 0). From rank 0 when no group has the type or the group would not fit after it."""
-    from costmodel.collectives import CommGroup
+    from costmodel.hardware.collectives import CommGroup
 
     for i, g in enumerate(cluster.groups):
         if g.device.name == device.name:
@@ -186,7 +186,7 @@ def class_prefixes(chain: LayerChain) -> dict[int, str]:
 
     Module styles come back relative to a segment's owning module (`costmodel.sharding.module_prefix`); this is
     that prefix generalized over every segment of the class, so one pattern covers blocks.0 .. blocks.95."""
-    from costmodel.sharding import module_prefix
+    from costmodel.sharding.layout import module_prefix
 
     prefixes: dict[int, list[list[str]]] = {}
     for s in chain.segments:

@@ -35,9 +35,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from costmodel.cluster import Cluster
-from costmodel.collectives import CommGroup, spans
-from costmodel.device import DeviceSpec
 from costmodel.estimate import (
     RankSetting,
     busy_fraction,
@@ -52,6 +49,9 @@ from costmodel.estimate import (
     tp_group,
 )
 from costmodel.framework import FrameworkCosts
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import CommGroup, spans
+from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment, rank_memory
 from costmodel.pipeline import in_flight_per_chunk

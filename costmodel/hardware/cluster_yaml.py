@@ -20,7 +20,7 @@ YAML format (every key but `groups` optional; see examples/clusters/README.md fo
         bandwidth: 300GB/s           # per device, unidirectional; default: the device catalog
         latency: 3us                 # per algorithm step; default: the link calibration
         efficiency: 0.77             # achievable fraction of bandwidth; default: the link calibration
-        link: nvlink3                # a row of costmodel/data/links.csv to take the defaults from
+        link: nvlink3                # a row of costmodel/hardware/data/links.csv to take the defaults from
         per_collective:              # optional per-kind figures replacing latency and bandwidth x efficiency
           reduce_scatter: {latency: 170us, bandwidth: 0.4GB/s}   # both keys required; bandwidth is achieved
       - name: rack
@@ -53,7 +53,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from costmodel.catalog import (
+from costmodel.hardware.catalog import (
     LinkSpec,
     device_names,
     get_device,
@@ -62,8 +62,8 @@ from costmodel.catalog import (
     intra_node_link_of,
     list_links,
 )
-from costmodel.cluster import COLLECTIVE_KINDS, Cluster, CollectiveLink, DeviceGroup, NetworkTier
-from costmodel.device import DeviceSpec
+from costmodel.hardware.cluster import COLLECTIVE_KINDS, Cluster, CollectiveLink, DeviceGroup, NetworkTier
+from costmodel.hardware.device import DeviceSpec
 
 SHORTHAND_FORM = "NODESxGPUSxDEVICE (e.g. 128x8xa100-80gb or 1x4xcpu)"
 _SHORTHAND = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*[xX]\s*([A-Za-z0-9._-]+)\s*$")
@@ -392,7 +392,7 @@ def _node_tier_from_device(device: DeviceSpec, name: str, size: int) -> NetworkT
         efficiency=link.efficiency, in_network_reduction_efficiency=link.in_network_reduction_efficiency,
         in_network_reduction_latency=link.in_network_reduction_latency, link=link.name,
         source=f"device catalog {device.name} intra_node_bandwidth; link calibration {link.name} "
-               f"(costmodel/data/links.csv)")
+               f"(costmodel/hardware/data/links.csv)")
 
 
 def _outer_tier_from_devices(devices: Sequence[DeviceSpec], name: str, size: int) -> NetworkTier:
@@ -402,7 +402,7 @@ def _outer_tier_from_devices(devices: Sequence[DeviceSpec], name: str, size: int
         name=name, size=size, bandwidth=slowest.inter_node_bandwidth, latency=link.latency,
         efficiency=link.efficiency, link=link.name,
         source=f"device catalog {slowest.name} inter_node_bandwidth (per-device NIC); link calibration "
-               f"{link.name} (costmodel/data/links.csv)")
+               f"{link.name} (costmodel/hardware/data/links.csv)")
 
 
 def _default_tiers(groups: list[DeviceGroup]) -> tuple[list[DeviceGroup], list[NetworkTier]]:
@@ -524,7 +524,7 @@ def _tier(t: Any, path: str, *, index: int, default_name: str, size: int, device
         base = dataclasses.replace(base, latency=link.latency, efficiency=link.efficiency, link=link.name,
                                    in_network_reduction_efficiency=link.in_network_reduction_efficiency,
                                    in_network_reduction_latency=link.in_network_reduction_latency,
-                                   source=f"link calibration {link.name} (costmodel/data/links.csv)")
+                                   source=f"link calibration {link.name} (costmodel/hardware/data/links.csv)")
     if "bandwidth" in t and "aggregate_bandwidth" in t:
         raise ValueError(f"{path}: give either 'bandwidth' (per device) or 'aggregate_bandwidth' (per domain "
                          f"below), not both")

@@ -12,12 +12,12 @@ device keeps its rank (so a spec edit does not renumber the others); `speed_of` 
 
 Bandwidths are per device and unidirectional: a tier's `bandwidth` is what each device gets when every device
 under it sends through the tier at once (a rack uplink of 400 GB/s shared by 32 GPUs is 12.5 GB/s per device).
-`efficiency` is the achievable fraction of it for collectives (calibrated in `costmodel/data/links.csv`).
+`efficiency` is the achievable fraction of it for collectives (calibrated in `costmodel/hardware/data/links.csv`).
 
 One latency and one bandwidth per tier under-price some collectives: gloo on 2 CPU ranks measured 96 us per
 all-reduce step but 170 us per reduce-scatter step, and reduce-scatter reached ~1/3 of all-reduce's bandwidth at
 4 MB. `NetworkTier.per_collective` therefore holds optional per-kind `CollectiveLink` overrides (achieved
-bandwidth and per-step latency) that `costmodel.collectives` uses for that kind instead of the tier's defaults.
+bandwidth and per-step latency) that `costmodel.hardware.collectives` uses for that kind instead of the tier's defaults.
 
 The node tier can differ per device group (an A100 node has NVLink 3, a V100 node NVLink 2):
 `DeviceGroup.node_tier` overrides `tiers[0]` for that group's nodes; `node_tier_of(group_index)` resolves it.
@@ -27,7 +27,7 @@ node in `DeviceGroup.host_cores`; `compute_speeds` turns that into a speed per d
 busy a given fraction of the step (pipeline bubbles free cores for the busy stages).
 
 `Cluster.parse(spec)` takes the shorthand `NODESxGPUSxDEVICE` (`128x8xa100-80gb`, `1x4xcpu`) or a YAML path; the
-format and its validation live in `costmodel.cluster_yaml`.
+format and its validation live in `costmodel.hardware.cluster_yaml`.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from costmodel.collective_kind import Collective
-from costmodel.device import DeviceSpec
+from costmodel.hardware.collective_kind import Collective
+from costmodel.hardware.device import DeviceSpec
 
 MAX_DEVICES = 1 << 20
 """Most devices a cluster spec may have: about ten times the largest announced training cluster (xAI Colossus,
@@ -51,7 +51,7 @@ exhaust memory before any error could be reported."""
 
 
 COLLECTIVE_KINDS: tuple[str, ...] = tuple(k.value for k in Collective)
-"""Values of `costmodel.collective_kind.Collective`, the kinds a tier may override."""
+"""Values of `costmodel.hardware.collective_kind.Collective`, the kinds a tier may override."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class NetworkTier:
     in_network_reduction_latency: float = 0.0
     """Fixed seconds of one in-switch all-reduce."""
     link: str = ""
-    """Link type of `costmodel/data/links.csv` the defaults came from ("" when given explicitly)."""
+    """Link type of `costmodel/hardware/data/links.csv` the defaults came from ("" when given explicitly)."""
     per_collective: tuple[CollectiveLink, ...] = ()
     """Per-kind overrides of `latency` and `effective_bandwidth` (sorted by kind, kinds distinct); the in-network
     reduction fields are not overridden. Edits of `latency`, `bandwidth` or `efficiency` leave them as they are."""
@@ -274,8 +274,8 @@ class Cluster:
 
     @classmethod
     def parse(cls, spec: str) -> Cluster:
-        """`NODESxGPUSxDEVICE` shorthand or a path to a .yaml/.yml spec (see `costmodel.cluster_yaml`)."""
-        from costmodel.cluster_yaml import parse_cluster_spec
+        """`NODESxGPUSxDEVICE` shorthand or a path to a .yaml/.yml spec (see `costmodel.hardware.cluster_yaml`)."""
+        from costmodel.hardware.cluster_yaml import parse_cluster_spec
         return parse_cluster_spec(spec)
 
     def to_dict(self) -> dict[str, Any]:
@@ -286,7 +286,7 @@ class Cluster:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Cluster:
         """Inverse of `to_dict`; also accepts the (less explicit) YAML spec form."""
-        from costmodel.cluster_yaml import cluster_from_dict
+        from costmodel.hardware.cluster_yaml import cluster_from_dict
         return cluster_from_dict(d)
 
     # ---- sizes ------------------------------------------------------------------------------------------------
