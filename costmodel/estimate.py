@@ -1,17 +1,12 @@
 """`costmodel.estimate`: step time, throughput, utilization and peak memory of one strategy on one cluster.
 
-How a strategy maps onto the cluster:
-- Mesh axes are laid out innermost first in `strategy.mesh_order` (default tp, cp, ep, dp, pp as in Megatron-LM):
-  the stride of an axis is the product of the sizes of the axes inside it (ep reuses dp ranks and has no stride of
-  its own). Pipeline rank r holds the global ranks r * stride(pp) + (the tp/cp/dp offsets).
-- The chain is cut into p*v virtual stages (`strategy.stages`, or an even split of the repeated layer class with the
-  leading/trailing segments -- embedding, head -- on the first/last stage); virtual stage j runs on pipeline rank
-  j % p. A stage's device is its `device_group`'s device, else that of its first rank; its speed is the slowest of
-  its ranks (`rank_speeds`: `Cluster.speed_of`, and where devices share host cores, their share at the strategy's
-  `busy_fraction`).
-- Segment prices come from `layer_costs[(class_id, device name)]` (the planner's sharding solutions for the
-  strategy's tp and micro-batch), or, for tp == 1, from `layer_pricing.price_segment`.
-Then `step_time.stage_time` / `data_parallel_comm` / `step_breakdown` give the step time and its breakdown,
+How a strategy maps onto the cluster (`costmodel.rank_layout`): mesh axes innermost first in
+`strategy.mesh_order`, so pipeline rank r holds the global ranks r * stride(pp) + (the tp/cp/dp offsets); the chain
+cut into p*v virtual stages (`strategy.stages`, or `rank_layout.even_stages`), virtual stage j on pipeline rank
+j % p. A stage's device is its `device_group`'s device, else that of its first rank; its speed is the slowest of
+its ranks (`rank_layout.rank_speeds`). Segment prices come from `layer_costs[(class_id, device name)]` (the
+planner's sharding solutions for the strategy's tp and micro-batch), or, for tp == 1, from
+`layer_pricing.price_segment`. Then `step_time.stage_time` / `data_parallel_comm` / `step_breakdown` give the step time and its breakdown,
 `memory.rank_memory` the peak bytes per pipeline rank (plus copies of weights shared with another rank:
 `shared_parameter_copies`), and:
 
@@ -26,7 +21,6 @@ the cluster has, tp > 1 without layer costs) raises ValueError.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -35,13 +29,14 @@ from costmodel.context_parallel import cp_problem
 from costmodel.expert_parallel import dp_synced_params, ep_problem, optimizer_params
 from costmodel.framework import FrameworkCosts
 from costmodel.hardware.cluster import Cluster
-from costmodel.hardware.collectives import Collective, CommGroup, collective_time
+from costmodel.hardware.collectives import Collective, collective_time
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import op_policy_kept, price_segment, selective_recompute_region
 from costmodel.memory import GIB, GRAD_BYTES, PricedSegment, rank_memory
-from costmodel.pipeline import bubble_fraction, in_flight_per_chunk
+from costmodel.pipeline import in_flight_per_chunk
 from costmodel.profile_db import OpProfile
+from costmodel.rank_layout import device_map, dp_group, even_stages, p2p_group, shared_weight_group, tp_group
 from costmodel.step_time import (
     DataParallelComm,
     RankTail,
@@ -53,7 +48,7 @@ from costmodel.step_time import (
     step_breakdown,
     tp_grad_sync_time,
 )
-from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
+from costmodel.strategy import Recompute, Schedule, StageSpec, Strategy
 from costmodel.validation import error_band
 from ir import build_layer_chain
 from ir.graph import Graph, dtype_bytes
@@ -70,54 +65,6 @@ def param_tensor_kinds(strategy: Strategy, costs: Iterable[LayerCost]) -> tuple[
         return 0, total
     dtensors = sum(c.dtensor_param_tensors for c in costs) if strategy.tp > 1 else 0
     return total - dtensors, dtensors
-
-
-def axis_strides(strategy: Strategy) -> dict[MeshAxis, int]:
-    """Rank stride of each mesh axis (innermost first in `strategy.mesh_order`; ep shares the dp ranks)."""
-    sizes = {MeshAxis.TP: strategy.tp, MeshAxis.CP: strategy.cp, MeshAxis.DP: strategy.dp,
-             MeshAxis.PP: strategy.pp}
-    strides: dict[MeshAxis, int] = {}
-    stride = 1
-    for axis in strategy.mesh_order:
-        if axis is MeshAxis.EP:
-            continue
-        strides[axis] = stride
-        stride *= sizes[axis]
-    strides[MeshAxis.EP] = strides[MeshAxis.DP]
-    return strides
-
-
-def stage_ranks(strategy: Strategy, pp_rank: int) -> list[int]:
-    """Global ranks of pipeline rank `pp_rank` (all its tp x cp x dp devices), ascending."""
-    st = axis_strides(strategy)
-    base = pp_rank * st[MeshAxis.PP]
-    return sorted(base + t * st[MeshAxis.TP] + c * st[MeshAxis.CP] + d * st[MeshAxis.DP]
-                  for t in range(strategy.tp) for c in range(strategy.cp) for d in range(strategy.dp))
-
-
-def dp_group(strategy: Strategy, pp_rank: int) -> CommGroup:
-    """The data-parallel (x context-parallel) group of the first device of pipeline rank `pp_rank`.
-
-    When cp > 1 the gradient reduction spans dp*cp ranks at the inner of the two strides (exact when the two axes
-    are adjacent in the mesh order, as in the default)."""
-    st = axis_strides(strategy)
-    stride = min(st[MeshAxis.DP], st[MeshAxis.CP]) if strategy.cp > 1 else st[MeshAxis.DP]
-    return CommGroup(strategy.dp * strategy.cp, stride=stride, start=pp_rank * st[MeshAxis.PP])
-
-
-def tp_group(strategy: Strategy, pp_rank: int) -> CommGroup:
-    """The tensor-parallel group of the first device of pipeline rank `pp_rank`."""
-    st = axis_strides(strategy)
-    return CommGroup(strategy.tp, stride=st[MeshAxis.TP], start=pp_rank * st[MeshAxis.PP])
-
-
-def p2p_group(strategy: Strategy, boundary: int) -> CommGroup:
-    """The pair that carries virtual-stage boundary `boundary` (stage j -> j+1): pipeline rank j % pp to the next,
-    or from the last rank back to the first between interleaved chunks."""
-    pp, stride = strategy.pp, axis_strides(strategy)[MeshAxis.PP]
-    if (boundary + 1) % pp:
-        return CommGroup(2, stride=stride, start=(boundary % pp) * stride)
-    return CommGroup(2, stride=stride * (pp - 1), start=0)
 
 
 def p2p_time(strategy: Strategy, boundary: int, nbytes: float, cluster: Cluster) -> float:
@@ -145,34 +92,6 @@ def shared_parameter_copies(chain: LayerChain, stages: Sequence[StageSpec], pp: 
     return tuple(sum(n for name, n in used[r].items() if owner[name] != r) for r in range(pp))
 
 
-def even_stages(chain: LayerChain, num_stages: int, recompute: Recompute = Recompute.NONE) -> tuple[StageSpec, ...]:
-    """Split the chain into `num_stages` contiguous stages, dividing the repeated layer class evenly.
-
-    The most frequent class (the transformer block) is spread as evenly as possible (the last stages take the
-    remainder: they hold fewer in-flight micro-batches); segments before its first and after its last occurrence
-    (embedding, final norm and head) join the first and last stage, as Megatron-LM places them. Chains without a
-    contiguous run of a repeated class are split by segment count.
-    """
-    n = len(chain.segments)
-    if not 1 <= num_stages <= n:
-        raise ValueError(f"pp*virtual_stages={num_stages} must be between 1 and the {n} segments of the layer chain")
-    counts = Counter(s.class_id for s in chain.segments)
-    main, count = max(counts.items(), key=lambda kv: (kv[1], -kv[0]))
-    idx = [s.index for s in chain.segments if s.class_id == main]
-    contiguous = idx[-1] - idx[0] + 1 == count
-    if contiguous and count >= num_stages:
-        first, total = idx[0], count
-    else:
-        first, total = 0, n
-    base, extra = divmod(total, num_stages)
-    sizes = [base + (1 if i >= num_stages - extra else 0) for i in range(num_stages)]
-    bounds = [first]
-    for size in sizes:
-        bounds.append(bounds[-1] + size)
-    bounds[0], bounds[-1] = 0, n
-    return tuple(StageSpec(start=bounds[i], stop=bounds[i + 1], recompute=recompute) for i in range(num_stages))
-
-
 def resolve_stages(chain: LayerChain, strategy: Strategy) -> tuple[StageSpec, ...]:
     """The strategy's stages, checked to cover the chain in order, or an even split."""
     num = strategy.pp * strategy.virtual_stages
@@ -194,7 +113,6 @@ class _Rank:
     index: int
     device: DeviceSpec
     speed: float
-    ranks: tuple[int, ...]
 
 
 def _group_device(cluster: Cluster, name: str) -> DeviceSpec:
@@ -205,30 +123,12 @@ def _group_device(cluster: Cluster, name: str) -> DeviceSpec:
                      f"{', '.join(g.name for g in cluster.groups)}")
 
 
-def busy_fraction(strategy: Strategy) -> float:
-    """Fraction of the step a pipeline rank computes with equal stages: 1 / (1 + bubble fraction)."""
-    return 1.0 / (1.0 + bubble_fraction(strategy.schedule, strategy.pp, strategy.num_microbatches,
-                                        strategy.virtual_stages))
-
-
-def rank_speeds(cluster: Cluster, strategy: Strategy) -> tuple[float, ...]:
-    """Per logical rank the speed of its device running `strategy` (`Cluster.compute_speeds`: devices that share
-    host cores compute faster when pipeline bubbles leave some of them idle). Logical rank i runs on the i-th
-    available device (unavailable slots are skipped)."""
-    physical = cluster.available_ranks()[:strategy.num_devices]
-    return cluster.compute_speeds(physical, busy_fraction(strategy))
-
-
 def _pipeline_ranks(cluster: Cluster, strategy: Strategy, stages: Sequence[StageSpec]) -> list[_Rank]:
-    physical = cluster.available_ranks()
-    speeds = rank_speeds(cluster, strategy)
     out = []
-    for r in range(strategy.pp):
-        ranks = stage_ranks(strategy, r)
-        group = stages[r].device_group
-        device = _group_device(cluster, group) if group else cluster.device_of(physical[ranks[0]])
-        speed = min(speeds[k] for k in ranks)
-        out.append(_Rank(r, device, speed, tuple(ranks)))
+    for placement in device_map(cluster, strategy):
+        group = stages[placement.pp_rank].device_group
+        device = _group_device(cluster, group) if group else cluster.device_of(placement.ranks[0])
+        out.append(_Rank(placement.pp_rank, device, placement.speed))
     return out
 
 
@@ -388,7 +288,7 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
     if shared_params and r > 0:
         # The copy's gradient is all-reduced with the owner (the first rank, for a tied embedding).
         shared_sync = collective_time(Collective.ALL_REDUCE, shared_params * GRAD_BYTES,
-                                      CommGroup(2, stride=r * axis_strides(strategy)[MeshAxis.PP]), cluster,
+                                      shared_weight_group(strategy, r), cluster,
                                       concurrent=strategy.num_devices // pp)
     return times, RankTail(
         end_reduce_s=end_reduce, end_reduce_chunks=max(end_chunks, 1),

@@ -19,10 +19,10 @@ import torch.nn as nn
 import ir
 from costmodel.breakdown import Estimate
 from costmodel.estimate import estimate as costmodel_estimate
-from costmodel.estimate import even_stages
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collective_fit import calibrated_cluster
 from costmodel.profile_db import OpProfile
+from costmodel.rank_layout import even_stages
 from costmodel.strategy import Schedule, Strategy
 from ir.graph import Graph
 from ir.layer_chain import LayerChain

@@ -294,7 +294,7 @@ class Cluster:
     @property
     def num_devices(self) -> int:
         """Device slots, unavailable ones included (see the module docstring)."""
-        return sum(g.num_devices for g in self.groups)
+        return self._num_device_slots
 
     @property
     def num_available(self) -> int:
@@ -325,6 +325,18 @@ class Cluster:
             starts.append(total)
             total += g.num_devices
         return tuple(starts)
+
+    @functools.cached_property
+    def _num_device_slots(self) -> int:
+        return sum(g.num_devices for g in self.groups)
+
+    @functools.cached_property
+    def _speed_list(self) -> tuple[float, ...]:
+        return tuple(g.speed_of(i) for g in self.groups for i in range(g.num_devices))
+
+    @functools.cached_property
+    def _available_rank_list(self) -> tuple[int, ...]:
+        return tuple(r for r, speed in enumerate(self._speed_list) if speed > 0)
 
     @functools.cached_property
     def _node_start_list(self) -> tuple[int, ...]:
@@ -369,7 +381,8 @@ class Cluster:
 
     def speed_of(self, rank: int) -> float:
         """Speed factor of `rank`: 1 nominal, 0.5 half speed, 0 unavailable."""
-        return self.group_of(rank).speed_of(self.local_index(rank))
+        self._check_rank(rank)
+        return self._speed_list[rank]
 
     @functools.cached_property
     def shares_host_cores(self) -> bool:
@@ -400,7 +413,7 @@ class Cluster:
         return self.speed_of(rank) > 0
 
     def available_ranks(self) -> tuple[int, ...]:
-        return tuple(r for r in range(self.num_devices) if self.is_available(r))
+        return self._available_rank_list
 
     def node_of(self, rank: int) -> int:
         """Global node index of `rank` (nodes numbered across groups in rank order)."""

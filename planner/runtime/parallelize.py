@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from costmodel.estimate import even_stages
+from costmodel.rank_layout import even_stages
 from costmodel.strategy import StageSpec, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import PlanLoadError, UserError
@@ -169,7 +169,7 @@ class ParallelModel:
 
 
 def plan_stages(strategy: Strategy, chain: LayerChain) -> tuple[StageSpec, ...]:
-    """The plan's stages, or (when it lists none) the split `costmodel.estimate` priced: its `even_stages`, with
+    """The plan's stages, or (when it lists none) the split `costmodel.estimate` priced: `costmodel.rank_layout.even_stages`, with
     the strategy's recompute."""
     if strategy.stages:
         return strategy.stages
