@@ -2,8 +2,10 @@
 
 from costmodel.breakdown import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
 from costmodel.estimate import estimate
-from costmodel.hardware.cluster import Cluster, DeviceGroup, NetworkTier
+from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.device import DeviceSpec
+from costmodel.hardware.device_group import DeviceGroup
+from costmodel.hardware.network import NetworkTier
 from costmodel.layer_cost import LayerCost
 from costmodel.strategy import MeshAxis, Recompute, RuntimeOptions, Schedule, StageSpec, Strategy
 

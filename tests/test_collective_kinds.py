@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from costmodel.hardware.catalog import get_link
-from costmodel.hardware.cluster import COLLECTIVE_KINDS, Cluster, CollectiveLink, NetworkTier
+from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collective_fit import (
     CollectiveProfile,
     CollectiveSample,
@@ -23,6 +23,7 @@ from costmodel.hardware.collective_fit import (
     ring_terms,
 )
 from costmodel.hardware.collectives import Collective, CommGroup, collective_cost, collective_time, spans
+from costmodel.hardware.network import COLLECTIVE_KINDS, CollectiveLink, NetworkTier
 
 RS_ALPHA, RS_BANDWIDTH = 170e-6, 0.4e9
 RS_LINK = CollectiveLink("reduce_scatter", latency=RS_ALPHA, bandwidth=RS_BANDWIDTH)

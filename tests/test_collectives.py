@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from costmodel.hardware.catalog import get_device
-from costmodel.hardware.cluster import Cluster, DeviceGroup, NetworkTier
+from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import (
     Algorithm,
     Collective,
@@ -22,6 +22,8 @@ from costmodel.hardware.collectives import (
     collective_time,
     spans,
 )
+from costmodel.hardware.device_group import DeviceGroup
+from costmodel.hardware.network import NetworkTier
 
 US = 1e-6
 

@@ -36,8 +36,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from costmodel.hardware.cluster import Cluster, CollectiveLink, NetworkTier
+from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import Collective
+from costmodel.hardware.network import CollectiveLink, NetworkTier
 
 COLLECTIVE_PROFILE_KEYS = frozenset({"samples", "fits"})
 _SAMPLE_KEYS = frozenset({"device", "backend", "kind", "group_size", "nbytes", "seconds", "repeats"})
