@@ -6,9 +6,9 @@ cut into p*v virtual stages (`strategy.stages`, or `rank_layout.even_stages`), v
 j % p. A stage's device is its `device_group`'s device, else that of its first rank; its speed is the slowest of
 its ranks (`rank_layout.rank_speeds`). Segment prices come from `layer_costs[(class_id, device name)]` (the
 planner's sharding solutions for the strategy's tp and micro-batch), or, for tp == 1, from
-`layer_pricing.price_segment`. Then `step_time.stage_time` / `data_parallel_comm` / `step_breakdown` give the step time and its breakdown,
-`memory.rank_memory` the peak bytes per pipeline rank (plus copies of weights shared with another rank:
-`shared_parameter_copies`), and:
+`layer_pricing.price_segment`. Then `step_time.stage_time` / `data_parallel_comm` / `step_breakdown` give the
+step time and its breakdown, `memory.rank_memory` the peak bytes per pipeline rank (plus copies of weights shared
+with another rank: `shared_parameter_copies`), and:
 
     model FLOPs per step    = (graph forward + backward FLOPs) * global_batch / traced batch   (no recomputation)
     hardware FLOPs per step = model FLOPs + recomputed forward FLOPs of every micro-batch of every replica
@@ -29,7 +29,7 @@ from costmodel.context_parallel import cp_problem
 from costmodel.expert_parallel import dp_synced_params, ep_problem, optimizer_params
 from costmodel.framework import FrameworkCosts
 from costmodel.hardware.cluster import Cluster
-from costmodel.hardware.collectives import Collective, collective_time
+from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import op_policy_kept, price_segment, selective_recompute_region
@@ -253,43 +253,22 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
     This is the one per-rank composition of the model: `estimate` calls it for every rank and the planner's
     partition problem (`planner.stage_problem`) for every candidate stage, so the search's objective is the
     estimate. `dp_comm` is `step_time.data_parallel_comm` or a cache of it."""
-    pp = strategy.pp
-    wbytes = dtype_bytes(dtype)
-    dp_size = strategy.dp * strategy.cp
     group = dp_group(strategy, rank.index)
     times: list[StageTime] = []
     post = end_reduce = 0.0
     end_chunks = 0
-    runtime = strategy.runtime
-    tp_chunks = strategy.tp if runtime.tp_overlap else 0
     for segs in chunks:
-        plain = stage_time(segs, speed=rank.speed)
-        # Expert weights are reduced over dp*cp/ep ranks (costmodel/expert_parallel.py).
-        params = dp_synced_params((s.cost for s in segs), dp_size=dp_size, ep=strategy.ep)
-        # Every (tp, pp) coordinate runs its own data-parallel reduction at the same time. Gradients are reduced
-        # in fp32 (`memory.GRAD_BYTES`), weights gathered in the training dtype.
-        comm = dp_comm(zero_stage=strategy.zero_stage, grad_bytes=params * GRAD_BYTES, param_bytes=params * wbytes,
-                       num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
-                       bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=group, cluster=cluster,
-                       concurrent=strategy.tp * pp, overlap=runtime.dp_overlap,
-                       reshard_after_forward=runtime.reshard_after_forward)
-        host = host_time(segs, rank.framework, zero_stage=strategy.zero_stage, dp_size=dp_size, pipeline_size=pp)
-        times.append(stage_time(segs, speed=rank.speed, dp_fwd_s=comm.per_microbatch_fwd_s,
-                                dp_bwd_s=comm.per_microbatch_bwd_s, host=host, tp_overlap_chunks=tp_chunks))
+        chunk, comm = _chunk_time(segs, strategy, rank, cluster, dtype_bytes(dtype), group, dp_comm)
+        times.append(chunk)
         post += comm.post_step_s
         end_reduce += comm.end_reduce_s
         end_chunks += comm.end_reduce_chunks
     costs = [s.cost for c in chunks for s in c]
     experts = sum(c.expert_param_count for c in costs)  # ZeRO shards expert state over dp*cp/ep
     local_params = optimizer_params(sum(c.param_count for c in costs) + shared_params, experts,
-                                    zero_stage=strategy.zero_stage, dp_size=dp_size, ep=strategy.ep)
+                                    zero_stage=strategy.zero_stage, dp_size=strategy.dp * strategy.cp,
+                                    ep=strategy.ep)
     r = rank.index
-    shared_sync = 0.0
-    if shared_params and r > 0:
-        # The copy's gradient is all-reduced with the owner (the first rank, for a tied embedding).
-        shared_sync = collective_time(Collective.ALL_REDUCE, shared_params * GRAD_BYTES,
-                                      shared_weight_group(strategy, r), cluster,
-                                      concurrent=strategy.num_devices // pp)
     return times, RankTail(
         end_reduce_s=end_reduce, end_reduce_chunks=max(end_chunks, 1),
         last_bwd_window_s=sum(t.compute_bwd_s + t.recompute_s + t.tp_bwd_s for t in times),
@@ -297,11 +276,43 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
             sum(c.grad_sync_bytes for c in costs), sum(c.grad_sync_tensors for c in costs), tp_group(strategy, r),
             cluster, concurrent=strategy.num_devices // strategy.tp,
             per_tensor_s=rank.framework.grad_sync_per_tensor(strategy.tp)),
-        shared_sync_s=shared_sync,
+        shared_sync_s=_shared_sync_time(shared_params, strategy, r, cluster),
         optimizer_s=optimizer_step_time(
             local_params, rank.device, speed=rank.speed,
             host_s=rank.framework.optimizer_host_s(*param_tensor_kinds(strategy, costs))),
-        post_step_s=post, overlap=runtime.dp_overlap)
+        post_step_s=post, overlap=strategy.runtime.dp_overlap)
+
+
+def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSetting, cluster: Cluster,
+                weight_bytes: int, group: CommGroup, dp_comm: Callable[..., DataParallelComm]
+                ) -> tuple[StageTime, DataParallelComm]:
+    """One virtual stage's `StageTime` on `rank`, with its data-parallel communication over `group`."""
+    pp, dp_size, runtime = strategy.pp, strategy.dp * strategy.cp, strategy.runtime
+    plain = stage_time(segs, speed=rank.speed)
+    # Expert weights are reduced over dp*cp/ep ranks (costmodel/expert_parallel.py).
+    params = dp_synced_params((s.cost for s in segs), dp_size=dp_size, ep=strategy.ep)
+    # Every (tp, pp) coordinate runs its own data-parallel reduction at the same time. Gradients are reduced
+    # in fp32 (`memory.GRAD_BYTES`), weights gathered in the training dtype.
+    comm = dp_comm(zero_stage=strategy.zero_stage, grad_bytes=params * GRAD_BYTES,
+                   param_bytes=params * weight_bytes, num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
+                   bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=group, cluster=cluster,
+                   concurrent=strategy.tp * pp, overlap=runtime.dp_overlap,
+                   reshard_after_forward=runtime.reshard_after_forward)
+    host = host_time(segs, rank.framework, zero_stage=strategy.zero_stage, dp_size=dp_size, pipeline_size=pp)
+    chunk = stage_time(segs, speed=rank.speed, dp_fwd_s=comm.per_microbatch_fwd_s,
+                       dp_bwd_s=comm.per_microbatch_bwd_s, host=host,
+                       tp_overlap_chunks=strategy.tp if runtime.tp_overlap else 0)
+    return chunk, comm
+
+
+def _shared_sync_time(shared_params: int, strategy: Strategy, pp_rank: int, cluster: Cluster) -> float:
+    """The copy of a shared weight has its gradient all-reduced with the owner (the first rank, for a tied
+    embedding)."""
+    if not shared_params or pp_rank == 0:
+        return 0.0
+    return collective_time(Collective.ALL_REDUCE, shared_params * GRAD_BYTES,
+                           shared_weight_group(strategy, pp_rank), cluster,
+                           concurrent=strategy.num_devices // strategy.pp)
 
 
 def _step_terms(priced: Sequence[Sequence[PricedSegment]], ranks: Sequence[_Rank], shared: Sequence[int],
