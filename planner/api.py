@@ -18,11 +18,11 @@ import torch.nn as nn
 
 import ir
 from costmodel.breakdown import Estimate
-from costmodel.cluster import Cluster
-from costmodel.collective_fit import calibrated_cluster
 from costmodel.estimate import estimate as costmodel_estimate
-from costmodel.estimate import even_stages
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collective_fit import calibrated_cluster
 from costmodel.profile_db import OpProfile
+from costmodel.rank_layout import even_stages
 from costmodel.strategy import Schedule, Strategy
 from costmodel.validation import error_band
 from ir.graph import Graph
@@ -60,7 +60,7 @@ def as_chain(model_or_chain: nn.Module | Graph | LayerChain, inputs: Any = None,
 
 def as_cluster(cluster: Cluster | str, profile: OpProfile | None = None) -> Cluster:
     """The cluster (parsed from a shorthand or YAML path), with the node links calibrated by the profile's
-    collective fits when it has them (`costmodel.collective_fit.calibrated_cluster`)."""
+    collective fits when it has them (`costmodel.hardware.collective_fit.calibrated_cluster`)."""
     cluster = cluster if isinstance(cluster, Cluster) else Cluster.parse(cluster)
     if profile is None or profile.collectives is None:
         return cluster

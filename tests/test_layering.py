@@ -36,10 +36,7 @@ LAYERS: dict[str, int] = {
 }
 CORE = frozenset({"planner.errors", "planner.plan", "planner.strategy_label", "planner.tracing"})
 SIBLING_EDGES = frozenset({("planner.profiling", "planner.runtime")})
-KNOWN_CYCLES = frozenset({
-    # costmodel's own layout is reorganized separately (cluster specs and their YAML); drop this when it lands
-    frozenset({"costmodel.cluster", "costmodel.cluster_yaml"}),
-})
+KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset()
 
 
 def module_name(path: Path) -> str:

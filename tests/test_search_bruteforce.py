@@ -106,8 +106,9 @@ from dataclasses import dataclass, field, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import ir  # noqa: E402
-from costmodel.cluster import Cluster  # noqa: E402
-from costmodel.estimate import estimate, even_stages  # noqa: E402
+from costmodel.estimate import estimate  # noqa: E402
+from costmodel.hardware.cluster import Cluster  # noqa: E402
+from costmodel.rank_layout import even_stages  # noqa: E402
 from costmodel.strategy import RuntimeOptions, StageSpec, Strategy  # noqa: E402
 from costmodel.validation import error_band  # noqa: E402
 from models.registry import build_model  # noqa: E402

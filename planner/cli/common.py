@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from costmodel.cluster import Cluster
+from costmodel.hardware.cluster import Cluster
 from planner.errors import UserError
 
 

@@ -12,7 +12,7 @@ import argparse
 import json
 from collections.abc import Sequence
 
-from costmodel.cluster import Cluster
+from costmodel.hardware.cluster import Cluster
 from planner.api import load_profile, plan_top
 from planner.cli.common import (
     add_cluster_argument,

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     output = check_output_path(args.output, input_paths(args.plan, args.cluster)) if args.output else None
     old = Plan.load(args.plan)
     cluster = parse_cluster(args.cluster)
-    from costmodel.cluster import Cluster
+    from costmodel.hardware.cluster import Cluster
 
     try:
         old_cluster = Cluster.from_dict(old.cluster)

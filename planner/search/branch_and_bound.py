@@ -52,17 +52,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from costmodel.breakdown import Estimate
-from costmodel.cluster import Cluster
 from costmodel.estimate import estimate as costmodel_estimate
-from costmodel.estimate import even_stages
 from costmodel.expert_parallel import (
     expert_param_numel,
     num_experts,
     optimizer_params,
 )
 from costmodel.expert_parallel import model_state_bytes as expert_state_bytes
+from costmodel.hardware.cluster import Cluster
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import framework_overhead_bytes
+from costmodel.rank_layout import even_stages
 from costmodel.step_time import optimizer_step_time
 from costmodel.strategy import MeshAxis, Recompute, Schedule, Strategy
 from ir.layer_chain import LayerChain
@@ -349,7 +349,7 @@ class SearchState:
                cand.num_microbatches, cand.virtual_stages if interleaved else 1,
                (m.dp, m.cp, m.mesh_order) if interleaved and m.pp > 1 else (),
                # cp / ep change the segment prices (planner.search.layer_costs.AxisSplit).
-               (m.cp, m.stride(MeshAxis.CP), m.ep, m.stride(MeshAxis.DP), m.num_devices))
+               (m.cp, m.stride(MeshAxis.CP), m.ep, m.stride(MeshAxis.EP), m.num_devices))
         pipe = self._pipeline_bound.get(key)
         if pipe is None:
             # Each rank's work priced on its own device and speed; the bound takes the cheapest per segment.
