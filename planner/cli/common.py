@@ -122,6 +122,29 @@ def trace_chain(built: Any, *, dtype: str = "bfloat16") -> Any:
         raise UserError(f"cannot trace {built.name}: {_one_line(e)}") from None
 
 
+def setting_text(value: Any) -> str:
+    """A parsed `--set` value written back as the command line gives it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def plan_model(plan: Any) -> tuple[Any, Any]:
+    """The plan's model rebuilt from its name and settings and traced as `stratagem plan` traced it:
+    (`BuiltModel`, `LayerChain`); a chain whose fingerprint is not the plan's is a user error."""
+    import ir
+
+    sets = [f"{k}={setting_text(v)}" for k, v in plan.model.settings]
+    built = build_model(plan.model.name, sets, seq=None)
+    chain = trace_chain(built, dtype=plan.training.dtype)
+    if ir.fingerprint(chain.graph) != plan.model.fingerprint:
+        raise UserError(f"the plan's model {plan.model.name} traces differently here (fingerprint "
+                        f"{plan.model.fingerprint[:12]} expected); was it planned with another Stratagem version?")
+    return built, chain
+
+
 def input_paths(*candidates: str | None) -> tuple[Path, ...]:
     """Paths of the command's input files that exist (a cluster YAML, a plan JSON), for `check_output_path`."""
     return tuple(Path(c) for c in candidates if c and Path(c).is_file())

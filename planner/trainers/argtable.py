@@ -79,12 +79,23 @@ def _add(parser: argparse.ArgumentParser, a: dict[str, Any]) -> None:
         parser.add_argument(*flags, dest=dest, action="store_const", const=True, default=a["default"])
     else:
         nargs = a["nargs"] if a["nargs"] not in (0,) else None
-        kwargs: dict[str, Any] = {"dest": dest, "default": a["default"], "type": _TYPES.get(a["type"], str)}
+        kwargs: dict[str, Any] = {"dest": dest, "default": _default(a), "type": _TYPES.get(a["type"], str)}
         if nargs is not None:
             kwargs["nargs"] = nargs
         if a["choices"] is not None and a["type"] in ("int", "float", "str"):
             kwargs["choices"] = a["choices"]
         parser.add_argument(*flags, action="append" if kind == "append" else "store", **kwargs)
+
+
+def _default(a: dict[str, Any]) -> Any:
+    """The default, or None where the table kept only its source text (`2 ** 32`): argparse would convert it."""
+    default = a["default"]
+    if isinstance(default, str) and a["type"] in ("int", "float"):
+        try:
+            return _TYPES[a["type"]](default)
+        except ValueError:
+            return None
+    return default
 
 
 @cache
@@ -100,7 +111,7 @@ def argument_tokens(text: str, *, source: str) -> list[str]:
     Accepted: one argument per line or all on one line, `#` comments, backslash continuations, a launcher and
     script before the arguments (`torchrun ... pretrain_gpt.py --tensor-model-parallel-size 8 ...`: everything up
     to the last `*.py` is dropped), bash arrays (`GPT_ARGS=( ... )`). Shell variables are not expanded: a
-    `$VAR` value is an error naming the flag."""
+    `$VAR` value of a flag that needs a number is the trainer's own "invalid int value" error."""
     try:
         tokens = shlex.split(text.replace("\\\n", " "), comments=True)
     except ValueError as e:
@@ -114,8 +125,4 @@ def argument_tokens(text: str, *, source: str) -> list[str]:
             continue
         if tok.startswith("-") or out:
             out.append(tok.rstrip(")") if tok.endswith(")") and not tok.startswith("(") else tok)
-    for i, tok in enumerate(out):
-        if "$" in tok:
-            flag = out[i - 1] if i and out[i - 1].startswith("--") else tok.split("=", 1)[0]
-            raise UserError(f"{source}: {flag} has the unexpanded shell value {tok!r}; give the value itself")
     return out

@@ -48,7 +48,9 @@ class TrainerConfig:
     dp: int | None = None
     microbatch_size: int = 1
     global_batch: int | None = None
-    """Samples per optimizer step; None: one micro-batch per data-parallel rank."""
+    """Samples per optimizer step; None: `samples_per_rank` per data-parallel rank."""
+    samples_per_rank: int | None = None
+    """Samples per data-parallel rank per step when `global_batch` is None (None: one micro-batch)."""
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1
     stage_blocks: tuple[int, ...] | None = None

@@ -75,7 +75,7 @@ def strategy_of_config(cfg: TrainerConfig, layout: BlockLayout, num_devices: int
                         f"cluster's {num_devices} devices")
     if dp < 1:
         raise UserError(f"{where}: tp*pp*cp = {model_parallel} is more than the cluster's {num_devices} devices")
-    global_batch = cfg.global_batch or cfg.microbatch_size * dp
+    global_batch = cfg.global_batch or (cfg.samples_per_rank or cfg.microbatch_size) * dp
     per_step = cfg.microbatch_size * dp
     if global_batch % per_step:
         raise UserError(f"{where}: global batch {global_batch} is not a multiple of micro-batch * dp = "
