@@ -60,8 +60,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=positive_int, default=None, help="sequence length (default: the model's)")
 
 
-def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+def add_dtype_argument(parser: argparse.ArgumentParser, default: str | None = "bfloat16") -> None:
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=default,
                         help="training compute dtype: prices FLOPs at its peak and activations at its size "
                              "(default bfloat16; use float32 for CPU runs)")
 

@@ -115,5 +115,7 @@ def imported_strategy(spec: str, cfg: TrainerConfig, layout: BlockLayout, num_de
     return ImportedConfig(source=spec, config=cfg, strategy=strategy, global_batch=global_batch)
 
 
-__all__ = ["ExportError", "ExportResult", "ImportedConfig", "ModelShape", "Trainer", "export_plan",
+DEFAULT_JSON_NAME = deepspeed.DEFAULT_JSON_NAME
+
+__all__ = ["DEFAULT_JSON_NAME", "ExportError", "ExportResult", "ImportedConfig", "ModelShape", "Trainer", "export_plan",
            "imported_strategy", "parse_source", "read_trainer_config"]
