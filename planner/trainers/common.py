@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from costmodel.strategy import Recompute, RuntimeOptions, Schedule
+from costmodel.strategy import DEFAULT_MESH_ORDER, MeshAxis, Recompute, RuntimeOptions, Schedule
 from planner.errors import UserError
 
 
@@ -59,6 +59,8 @@ class TrainerConfig:
     sequence_parallel: bool = False
     recompute: Recompute = Recompute.NONE
     runtime: RuntimeOptions = RuntimeOptions()
+    mesh_order: tuple[MeshAxis, ...] = DEFAULT_MESH_ORDER
+    """Rank order, innermost first (Megatron-LM's `--use-tp-pp-dp-mapping` puts pp inside dp)."""
     seq_len: int | None = None
     dtype: str | None = None
     """Training dtype ("bfloat16", "float16", "float32"), None when the file does not say."""

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from costmodel.strategy import DEFAULT_MESH_ORDER, Recompute, Strategy
+from costmodel.strategy import DEFAULT_MESH_ORDER, MeshAxis, Recompute, Strategy
 from planner.errors import UserError
 from planner.plan import Plan
 from planner.trainers.common import Notes, Trainer, TrainerConfig
 from planner.trainers.layout import BlockLayout, even_blocks
+
+PP_INSIDE_DP = (MeshAxis.TP, MeshAxis.CP, MeshAxis.EP, MeshAxis.PP, MeshAxis.DP)
+"""The rank order of Megatron-LM's `--use-tp-pp-dp-mapping` (pipeline neighbours closer than data-parallel ones)."""
 
 _STRENGTH = {Recompute.NONE: 0, Recompute.OP: 1, Recompute.SELECTIVE: 2, Recompute.FULL: 3}
 """Recomputed work per mode, least first (per-op keeps more than Megatron's attention-core selective)."""
@@ -28,7 +31,7 @@ def config_of_plan(plan: Plan, layout: BlockLayout, trainer: Trainer, notes: Not
     """The plan's strategy in the trainer-neutral form; what no trainer can express is a note or a UserError."""
     s = plan.strategy
     _check_one_device_type(plan, trainer)
-    if s.mesh_order != DEFAULT_MESH_ORDER:
+    if s.mesh_order != DEFAULT_MESH_ORDER and not (trainer is Trainer.MEGATRON and s.mesh_order == PP_INSIDE_DP):
         notes.add(f"the plan orders the device mesh {'/'.join(a.value for a in s.mesh_order)} (innermost first); "
                   f"{trainer.value} lays ranks out tp/cp/dp/pp, so its ranks sit on other links than priced")
     stages = s.stages
@@ -39,7 +42,8 @@ def config_of_plan(plan: Plan, layout: BlockLayout, trainer: Trainer, notes: Not
         trainer=trainer, tp=s.tp, pp=s.pp, cp=s.cp, ep=s.ep, dp=s.dp, microbatch_size=s.microbatch_size,
         global_batch=plan.training.global_batch, schedule=s.schedule, virtual_stages=s.virtual_stages,
         stage_blocks=blocks, zero_stage=s.zero_stage, sequence_parallel=s.sequence_parallel,
-        recompute=_one_recompute(s, trainer, notes), runtime=s.runtime, seq_len=plan.training.seq_len,
+        recompute=_one_recompute(s, trainer, notes), runtime=s.runtime, mesh_order=s.mesh_order,
+        seq_len=plan.training.seq_len,
         dtype=plan.training.dtype, num_layers=layout.num_blocks)
 
 
@@ -91,7 +95,7 @@ def strategy_of_config(cfg: TrainerConfig, layout: BlockLayout, num_devices: int
             dp=dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, microbatch_size=cfg.microbatch_size,
             num_microbatches=global_batch // per_step, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages,
             zero_stage=cfg.zero_stage, sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
-            stages=layout.stages_of(blocks, cfg.recompute), runtime=cfg.runtime)
+            stages=layout.stages_of(blocks, cfg.recompute), runtime=cfg.runtime, mesh_order=cfg.mesh_order)
     except ValueError as e:
         raise UserError(f"{where}: {e}") from None
     return strategy, global_batch

@@ -12,6 +12,7 @@ are in planner/trainers/data/megatron_lm_arguments.json). What maps to what:
                          selective: --recompute-granularity selective (the attention core)
     ZeRO 1 / 2 / 3       --use-distributed-optimizer / Megatron-FSDP --data-parallel-sharding-strategy
                          optim_grads / optim_grads_params
+    pp inside dp         --use-tp-pp-dp-mapping (rank order tp-cp-ep-pp-dp)
     dp_overlap           --overlap-grad-reduce (+ --overlap-param-gather with a sharded optimizer)
     tp_overlap           --tp-comm-overlap (needs sequence parallelism)
     dtype                --bf16 / --fp16
@@ -23,11 +24,12 @@ from __future__ import annotations
 
 import argparse
 
-from costmodel.strategy import Recompute, RuntimeOptions, Schedule
+from costmodel.strategy import DEFAULT_MESH_ORDER, Recompute, RuntimeOptions, Schedule
 from planner.errors import UserError
 from planner.trainers.argtable import argument_tokens, load_table
 from planner.trainers.common import ModelShape, Notes, Trainer, TrainerConfig
 from planner.trainers.layout import even_blocks, format_megatron_layout, parse_megatron_layout
+from planner.trainers.mapping import PP_INSIDE_DP
 
 TABLE = "megatron_lm"
 _SHARDING = {1: None, 2: "optim_grads", 3: "optim_grads_params"}
@@ -61,6 +63,7 @@ def model_arguments(shape: ModelShape, seq_len: int | None, *, deepspeed_fork: b
 def parallel_arguments(cfg: TrainerConfig, num_layers: int, notes: Notes) -> list[str]:
     """Degrees, pipeline split, batch, recomputation, optimizer sharding, overlap and dtype as arguments."""
     args = [f"--tensor-model-parallel-size {cfg.tp}", f"--pipeline-model-parallel-size {cfg.pp}"]
+    args += ["--use-tp-pp-dp-mapping"] if cfg.mesh_order == PP_INSIDE_DP and cfg.pp > 1 and cfg.dp != 1 else []
     args += [f"--context-parallel-size {cfg.cp}"] if cfg.cp > 1 else []
     args += [f"--expert-model-parallel-size {cfg.ep}"] if cfg.ep > 1 else []
     args += ["--sequence-parallel"] if cfg.sequence_parallel else []
@@ -156,6 +159,7 @@ def read(text: str, *, source: str) -> TrainerConfig:
         stage_blocks=blocks, zero_stage=_read_zero(ns), sequence_parallel=ns.sequence_parallel,
         recompute=_read_recompute(ns, notes),
         runtime=RuntimeOptions(dp_overlap=ns.overlap_grad_reduce, tp_overlap=ns.tp_comm_overlap),
+        mesh_order=PP_INSIDE_DP if ns.use_tp_pp_dp_mapping else DEFAULT_MESH_ORDER,
         seq_len=ns.seq_length, dtype="bfloat16" if ns.bf16 else "float16" if ns.fp16 else "float32",
         num_layers=ns.num_layers, notes=tuple(notes.items))
 
