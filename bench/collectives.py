@@ -1,10 +1,10 @@
-"""Predicted vs measured all-reduce bus bandwidth for every row of costmodel/data/measured_collectives.csv.
+"""Predicted vs measured all-reduce bus bandwidth for every row of costmodel/hardware/data/measured_collectives.csv.
 
     python bench/collectives.py
 
-Each row is priced on the shorthand cluster `NODESxGPUSxDEVICE` of its system with `costmodel.collectives`; rows
+Each row is priced on the shorthand cluster `NODESxGPUSxDEVICE` of its system with `costmodel.hardware.collectives`; rows
 measured with NVLink SHARP disabled are priced with the ring only. The link calibrations used (efficiency,
-per-step latency, in-switch reduction) are printed first; costmodel/data/links.csv says which rows set them, so
+per-step latency, in-switch reduction) are printed first; costmodel/hardware/data/links.csv says which rows set them, so
 rows that set a parameter match by construction and the others are checks.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 import csv
 from importlib import resources
 
-from costmodel.catalog import list_links
-from costmodel.cluster import Cluster
-from costmodel.collectives import Algorithm, Collective, CommGroup, bus_bandwidth, collective_cost
+from costmodel.hardware.catalog import list_links
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import Algorithm, Collective, CommGroup, bus_bandwidth, collective_cost
 
 
 def main() -> None:
@@ -23,7 +23,7 @@ def main() -> None:
     for link in list_links():
         print(f"{link.name:8s} {link.efficiency:10.4f} {link.latency * 1e6:8.2f}us "
               f"{link.in_network_reduction_efficiency:13.4f} {link.in_network_reduction_latency * 1e6:11.2f}us")
-    text = resources.files("costmodel").joinpath("data", "measured_collectives.csv").read_text(encoding="utf-8")
+    text = resources.files("costmodel.hardware").joinpath("data", "measured_collectives.csv").read_text(encoding="utf-8")
     print(f"\n{'system':44s} {'n':>3s} {'nodes':>5s} {'size':>6s} {'measured':>12s} {'predicted':>10s} "
           f"{'model algo':>10s} {'error':>7s}")
     errors = []

@@ -7,7 +7,7 @@ For a small GPT (the zoo's `gpt-tiny`) trained in float32 with AdamW on the CPU 
    at every micro-batch size and tensor-parallel shard the planner prices (median of repeats: the speed of a rank
    with a core to itself -- other users of this shared machine preempt single runs, not the median), and the
    collectives of groups of every size dividing the process count with all groups running at once; fitted
-   alpha/beta calibrate the node tier, per collective kind (`costmodel.collective_fit.calibrated_cluster`); and
+   alpha/beta calibrate the node tier, per collective kind (`costmodel.hardware.collective_fit.calibrated_cluster`); and
    the framework overheads (`planner.profiling.framework`: optimizer per tensor, FSDP2 / replicate units, pipeline
    actions, checkpointing, tensor-parallel modules, partial-gradient syncs) in as many processes. The profile is
    saved as `bench/results/fidelity-profile-<N>proc.json`. The ranks share this machine's cores
@@ -104,7 +104,7 @@ def profile_path(nproc: int) -> Path:
 def profile_cluster(nproc: int) -> Any:
     """Ops timed in `nproc` concurrent processes, collectives of every group size dividing `nproc`, and the
     framework overheads (`planner.profiling.framework`) on the same process count; saved to `profile_path`."""
-    from costmodel.collective_fit import CollectiveProfile
+    from costmodel.hardware.collective_fit import CollectiveProfile
     from costmodel.profile_db import OpProfile
     from planner.profiling.collectives import CollectiveOptions, measure_collectives
     from planner.profiling.framework import FrameworkOptions, measure_framework
@@ -170,8 +170,8 @@ def _prediction(ranked: Any) -> dict[str, Any]:
 
 def enumerate_cases(chain: Any, spec: str, profile: Any, limit: int | None) -> tuple[list[Case], dict[str, Any]]:
     """Every valid strategy on `spec`, priced by the profiled and the analytical model, plus each model's choice."""
-    from costmodel.cluster import Cluster
-    from costmodel.collective_fit import calibrated_cluster
+    from costmodel.hardware.cluster import Cluster
+    from costmodel.hardware.collective_fit import calibrated_cluster
     from costmodel.strategy import Recompute
     from planner.search.branch_and_bound import SearchOptions, search
     from planner.search.candidates import enumerate_candidates

@@ -31,15 +31,16 @@ from pathlib import Path
 import torch
 
 import ir
-from costmodel.cluster import Cluster
+from costmodel.hardware.cluster import Cluster
 from costmodel.layer_pricing import price_segment
+from costmodel.rank_layout import device_map
 from models.registry import build_model
 from planner import api
 from planner.scenarios.group_data_parallel import plan_group_data_parallel, proportional_split, searching
 from planner.scenarios.replan import PlanningSession, ReplanScope, replan
 from planner.scenarios.whatif import WhatIfOptions, parse_vary, render_table, scenarios, whatif
 from planner.search.branch_and_bound import search
-from planner.search.device_groups import axis_tiers, device_map, with_device_groups
+from planner.search.device_groups import axis_tiers, with_device_groups
 from planner.search.space import Objective, SearchSpace
 
 ROOT = Path(__file__).resolve().parents[1]

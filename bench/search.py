@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 import ir
-from costmodel.cluster import Cluster
+from costmodel.hardware.cluster import Cluster
 from models.registry import build_model
 from planner.search.branch_and_bound import search
 

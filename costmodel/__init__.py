@@ -1,9 +1,11 @@
 """Cost model: devices, clusters, operator and collective prices, memory, and step-time estimates."""
 
 from costmodel.breakdown import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
-from costmodel.cluster import Cluster, DeviceGroup, NetworkTier
-from costmodel.device import DeviceSpec
 from costmodel.estimate import estimate
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.device import DeviceSpec
+from costmodel.hardware.device_group import DeviceGroup
+from costmodel.hardware.network import NetworkTier
 from costmodel.layer_cost import LayerCost
 from costmodel.strategy import MeshAxis, Recompute, RuntimeOptions, Schedule, StageSpec, Strategy
 

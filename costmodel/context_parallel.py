@@ -5,7 +5,7 @@ load-balanced causal split of Dubey et al. 2024 "The Llama 3 Herd of Models", Se
 S / cp tokens of every sample (two chunks, i and 2cp-1-i, so that causal attention work is even). All ops but
 attention are token-wise, so they run on 1/cp of the tokens; attention computes its S / cp queries against all S
 keys, which is again 1/cp of the work. Weights are replicated over cp, and their gradients are reduced over the
-dp * cp ranks together (`costmodel.estimate.dp_group`).
+dp * cp ranks together (`costmodel.rank_layout.dp_group`).
 
 A rank's work for a micro-batch of b samples is then exactly that of b / cp whole samples: the token-wise ops see
 b * S / cp tokens either way, and attention does b * (S / cp) * S = (b / cp) * S^2 query-key products. So when cp
@@ -43,9 +43,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from costmodel.cluster import Cluster
-from costmodel.collectives import Collective, CommGroup, collective_time
-from costmodel.device import DeviceSpec
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import Collective, CommGroup, collective_time
+from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.operators import node_time, retype_ratio
 from ir.graph import Node, OpKind

@@ -1,19 +1,14 @@
 """`costmodel.estimate`: step time, throughput, utilization and peak memory of one strategy on one cluster.
 
-How a strategy maps onto the cluster:
-- Mesh axes are laid out innermost first in `strategy.mesh_order` (default tp, cp, ep, dp, pp as in Megatron-LM):
-  the stride of an axis is the product of the sizes of the axes inside it (ep reuses dp ranks and has no stride of
-  its own). Pipeline rank r holds the global ranks r * stride(pp) + (the tp/cp/dp offsets).
-- The chain is cut into p*v virtual stages (`strategy.stages`, or an even split of the repeated layer class with the
-  leading/trailing segments -- embedding, head -- on the first/last stage); virtual stage j runs on pipeline rank
-  j % p. A stage's device is its `device_group`'s device, else that of its first rank; its speed is the slowest of
-  its ranks (`rank_speeds`: `Cluster.speed_of`, and where devices share host cores, their share at the strategy's
-  `busy_fraction`).
-- Segment prices come from `layer_costs[(class_id, device name)]` (the planner's sharding solutions for the
-  strategy's tp and micro-batch), or, for tp == 1, from `layer_pricing.price_segment`.
-Then `step_time.stage_time` / `data_parallel_comm` / `step_breakdown` give the step time and its breakdown,
-`memory.rank_memory` the peak bytes per pipeline rank (plus copies of weights shared with another rank:
-`shared_parameter_copies`), and:
+How a strategy maps onto the cluster (`costmodel.rank_layout`): mesh axes innermost first in
+`strategy.mesh_order`, so pipeline rank r holds the global ranks r * stride(pp) + (the tp/cp/dp offsets); the chain
+cut into p*v virtual stages (`strategy.stages`, or `rank_layout.even_stages`), virtual stage j on pipeline rank
+j % p. A stage's device is its `device_group`'s device, else that of its first rank; its speed is the slowest of
+its ranks (`rank_layout.rank_speeds`). Segment prices come from `layer_costs[(class_id, device name)]` (the
+planner's sharding solutions for the strategy's tp and micro-batch), or, for tp == 1, from
+`layer_pricing.price_segment`. Then `step_time.stage_time` / `data_parallel_comm` / `step_breakdown` give the
+step time and its breakdown, `memory.rank_memory` the peak bytes per pipeline rank (plus copies of weights shared
+with another rank: `shared_parameter_copies`), and:
 
     model FLOPs per step    = (graph forward + backward FLOPs) * global_batch / traced batch   (no recomputation)
     hardware FLOPs per step = model FLOPs + recomputed forward FLOPs of every micro-batch of every replica
@@ -26,22 +21,22 @@ the cluster has, tp > 1 without layer costs) raises ValueError.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from costmodel.breakdown import Estimate, StageEstimate, TimeBreakdown
-from costmodel.cluster import Cluster
-from costmodel.collectives import Collective, CommGroup, collective_time
 from costmodel.context_parallel import cp_problem
-from costmodel.device import DeviceSpec
 from costmodel.expert_parallel import dp_synced_params, ep_problem, optimizer_params
 from costmodel.framework import FrameworkCosts
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import Collective, CommGroup, collective_time
+from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import op_policy_kept, price_segment, selective_recompute_region
 from costmodel.memory import GIB, GRAD_BYTES, PricedSegment, rank_memory
-from costmodel.pipeline import bubble_fraction, in_flight_per_chunk
+from costmodel.pipeline import in_flight_per_chunk
 from costmodel.profile_db import OpProfile
+from costmodel.rank_layout import device_map, dp_group, even_stages, p2p_group, shared_weight_group, tp_group
 from costmodel.step_time import (
     DataParallelComm,
     RankTail,
@@ -53,7 +48,7 @@ from costmodel.step_time import (
     step_breakdown,
     tp_grad_sync_time,
 )
-from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
+from costmodel.strategy import Recompute, Schedule, StageSpec, Strategy
 from costmodel.validation import error_band
 from ir import build_layer_chain
 from ir.graph import Graph, dtype_bytes
@@ -70,54 +65,6 @@ def param_tensor_kinds(strategy: Strategy, costs: Iterable[LayerCost]) -> tuple[
         return 0, total
     dtensors = sum(c.dtensor_param_tensors for c in costs) if strategy.tp > 1 else 0
     return total - dtensors, dtensors
-
-
-def axis_strides(strategy: Strategy) -> dict[MeshAxis, int]:
-    """Rank stride of each mesh axis (innermost first in `strategy.mesh_order`; ep shares the dp ranks)."""
-    sizes = {MeshAxis.TP: strategy.tp, MeshAxis.CP: strategy.cp, MeshAxis.DP: strategy.dp,
-             MeshAxis.PP: strategy.pp}
-    strides: dict[MeshAxis, int] = {}
-    stride = 1
-    for axis in strategy.mesh_order:
-        if axis is MeshAxis.EP:
-            continue
-        strides[axis] = stride
-        stride *= sizes[axis]
-    strides[MeshAxis.EP] = strides[MeshAxis.DP]
-    return strides
-
-
-def stage_ranks(strategy: Strategy, pp_rank: int) -> list[int]:
-    """Global ranks of pipeline rank `pp_rank` (all its tp x cp x dp devices), ascending."""
-    st = axis_strides(strategy)
-    base = pp_rank * st[MeshAxis.PP]
-    return sorted(base + t * st[MeshAxis.TP] + c * st[MeshAxis.CP] + d * st[MeshAxis.DP]
-                  for t in range(strategy.tp) for c in range(strategy.cp) for d in range(strategy.dp))
-
-
-def dp_group(strategy: Strategy, pp_rank: int) -> CommGroup:
-    """The data-parallel (x context-parallel) group of the first device of pipeline rank `pp_rank`.
-
-    When cp > 1 the gradient reduction spans dp*cp ranks at the inner of the two strides (exact when the two axes
-    are adjacent in the mesh order, as in the default)."""
-    st = axis_strides(strategy)
-    stride = min(st[MeshAxis.DP], st[MeshAxis.CP]) if strategy.cp > 1 else st[MeshAxis.DP]
-    return CommGroup(strategy.dp * strategy.cp, stride=stride, start=pp_rank * st[MeshAxis.PP])
-
-
-def tp_group(strategy: Strategy, pp_rank: int) -> CommGroup:
-    """The tensor-parallel group of the first device of pipeline rank `pp_rank`."""
-    st = axis_strides(strategy)
-    return CommGroup(strategy.tp, stride=st[MeshAxis.TP], start=pp_rank * st[MeshAxis.PP])
-
-
-def p2p_group(strategy: Strategy, boundary: int) -> CommGroup:
-    """The pair that carries virtual-stage boundary `boundary` (stage j -> j+1): pipeline rank j % pp to the next,
-    or from the last rank back to the first between interleaved chunks."""
-    pp, stride = strategy.pp, axis_strides(strategy)[MeshAxis.PP]
-    if (boundary + 1) % pp:
-        return CommGroup(2, stride=stride, start=(boundary % pp) * stride)
-    return CommGroup(2, stride=stride * (pp - 1), start=0)
 
 
 def p2p_time(strategy: Strategy, boundary: int, nbytes: float, cluster: Cluster) -> float:
@@ -145,34 +92,6 @@ def shared_parameter_copies(chain: LayerChain, stages: Sequence[StageSpec], pp: 
     return tuple(sum(n for name, n in used[r].items() if owner[name] != r) for r in range(pp))
 
 
-def even_stages(chain: LayerChain, num_stages: int, recompute: Recompute = Recompute.NONE) -> tuple[StageSpec, ...]:
-    """Split the chain into `num_stages` contiguous stages, dividing the repeated layer class evenly.
-
-    The most frequent class (the transformer block) is spread as evenly as possible (the last stages take the
-    remainder: they hold fewer in-flight micro-batches); segments before its first and after its last occurrence
-    (embedding, final norm and head) join the first and last stage, as Megatron-LM places them. Chains without a
-    contiguous run of a repeated class are split by segment count.
-    """
-    n = len(chain.segments)
-    if not 1 <= num_stages <= n:
-        raise ValueError(f"pp*virtual_stages={num_stages} must be between 1 and the {n} segments of the layer chain")
-    counts = Counter(s.class_id for s in chain.segments)
-    main, count = max(counts.items(), key=lambda kv: (kv[1], -kv[0]))
-    idx = [s.index for s in chain.segments if s.class_id == main]
-    contiguous = idx[-1] - idx[0] + 1 == count
-    if contiguous and count >= num_stages:
-        first, total = idx[0], count
-    else:
-        first, total = 0, n
-    base, extra = divmod(total, num_stages)
-    sizes = [base + (1 if i >= num_stages - extra else 0) for i in range(num_stages)]
-    bounds = [first]
-    for size in sizes:
-        bounds.append(bounds[-1] + size)
-    bounds[0], bounds[-1] = 0, n
-    return tuple(StageSpec(start=bounds[i], stop=bounds[i + 1], recompute=recompute) for i in range(num_stages))
-
-
 def resolve_stages(chain: LayerChain, strategy: Strategy) -> tuple[StageSpec, ...]:
     """The strategy's stages, checked to cover the chain in order, or an even split."""
     num = strategy.pp * strategy.virtual_stages
@@ -194,7 +113,6 @@ class _Rank:
     index: int
     device: DeviceSpec
     speed: float
-    ranks: tuple[int, ...]
 
 
 def _group_device(cluster: Cluster, name: str) -> DeviceSpec:
@@ -205,30 +123,12 @@ def _group_device(cluster: Cluster, name: str) -> DeviceSpec:
                      f"{', '.join(g.name for g in cluster.groups)}")
 
 
-def busy_fraction(strategy: Strategy) -> float:
-    """Fraction of the step a pipeline rank computes with equal stages: 1 / (1 + bubble fraction)."""
-    return 1.0 / (1.0 + bubble_fraction(strategy.schedule, strategy.pp, strategy.num_microbatches,
-                                        strategy.virtual_stages))
-
-
-def rank_speeds(cluster: Cluster, strategy: Strategy) -> tuple[float, ...]:
-    """Per logical rank the speed of its device running `strategy` (`Cluster.compute_speeds`: devices that share
-    host cores compute faster when pipeline bubbles leave some of them idle). Logical rank i runs on the i-th
-    available device (unavailable slots are skipped)."""
-    physical = cluster.available_ranks()[:strategy.num_devices]
-    return cluster.compute_speeds(physical, busy_fraction(strategy))
-
-
 def _pipeline_ranks(cluster: Cluster, strategy: Strategy, stages: Sequence[StageSpec]) -> list[_Rank]:
-    physical = cluster.available_ranks()
-    speeds = rank_speeds(cluster, strategy)
     out = []
-    for r in range(strategy.pp):
-        ranks = stage_ranks(strategy, r)
-        group = stages[r].device_group
-        device = _group_device(cluster, group) if group else cluster.device_of(physical[ranks[0]])
-        speed = min(speeds[k] for k in ranks)
-        out.append(_Rank(r, device, speed, tuple(ranks)))
+    for placement in device_map(cluster, strategy):
+        group = stages[placement.pp_rank].device_group
+        device = _group_device(cluster, group) if group else cluster.device_of(placement.ranks[0])
+        out.append(_Rank(placement.pp_rank, device, placement.speed))
     return out
 
 
@@ -353,43 +253,22 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
     This is the one per-rank composition of the model: `estimate` calls it for every rank and the planner's
     partition problem (`planner.stage_problem`) for every candidate stage, so the search's objective is the
     estimate. `dp_comm` is `step_time.data_parallel_comm` or a cache of it."""
-    pp = strategy.pp
-    wbytes = dtype_bytes(dtype)
-    dp_size = strategy.dp * strategy.cp
     group = dp_group(strategy, rank.index)
     times: list[StageTime] = []
     post = end_reduce = 0.0
     end_chunks = 0
-    runtime = strategy.runtime
-    tp_chunks = strategy.tp if runtime.tp_overlap else 0
     for segs in chunks:
-        plain = stage_time(segs, speed=rank.speed)
-        # Expert weights are reduced over dp*cp/ep ranks (costmodel/expert_parallel.py).
-        params = dp_synced_params((s.cost for s in segs), dp_size=dp_size, ep=strategy.ep)
-        # Every (tp, pp) coordinate runs its own data-parallel reduction at the same time. Gradients are reduced
-        # in fp32 (`memory.GRAD_BYTES`), weights gathered in the training dtype.
-        comm = dp_comm(zero_stage=strategy.zero_stage, grad_bytes=params * GRAD_BYTES, param_bytes=params * wbytes,
-                       num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
-                       bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=group, cluster=cluster,
-                       concurrent=strategy.tp * pp, overlap=runtime.dp_overlap,
-                       reshard_after_forward=runtime.reshard_after_forward)
-        host = host_time(segs, rank.framework, zero_stage=strategy.zero_stage, dp_size=dp_size, pipeline_size=pp)
-        times.append(stage_time(segs, speed=rank.speed, dp_fwd_s=comm.per_microbatch_fwd_s,
-                                dp_bwd_s=comm.per_microbatch_bwd_s, host=host, tp_overlap_chunks=tp_chunks))
+        chunk, comm = _chunk_time(segs, strategy, rank, cluster, dtype_bytes(dtype), group, dp_comm)
+        times.append(chunk)
         post += comm.post_step_s
         end_reduce += comm.end_reduce_s
         end_chunks += comm.end_reduce_chunks
     costs = [s.cost for c in chunks for s in c]
     experts = sum(c.expert_param_count for c in costs)  # ZeRO shards expert state over dp*cp/ep
     local_params = optimizer_params(sum(c.param_count for c in costs) + shared_params, experts,
-                                    zero_stage=strategy.zero_stage, dp_size=dp_size, ep=strategy.ep)
+                                    zero_stage=strategy.zero_stage, dp_size=strategy.dp * strategy.cp,
+                                    ep=strategy.ep)
     r = rank.index
-    shared_sync = 0.0
-    if shared_params and r > 0:
-        # The copy's gradient is all-reduced with the owner (the first rank, for a tied embedding).
-        shared_sync = collective_time(Collective.ALL_REDUCE, shared_params * GRAD_BYTES,
-                                      CommGroup(2, stride=r * axis_strides(strategy)[MeshAxis.PP]), cluster,
-                                      concurrent=strategy.num_devices // pp)
     return times, RankTail(
         end_reduce_s=end_reduce, end_reduce_chunks=max(end_chunks, 1),
         last_bwd_window_s=sum(t.compute_bwd_s + t.recompute_s + t.tp_bwd_s for t in times),
@@ -397,11 +276,43 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
             sum(c.grad_sync_bytes for c in costs), sum(c.grad_sync_tensors for c in costs), tp_group(strategy, r),
             cluster, concurrent=strategy.num_devices // strategy.tp,
             per_tensor_s=rank.framework.grad_sync_per_tensor(strategy.tp)),
-        shared_sync_s=shared_sync,
+        shared_sync_s=_shared_sync_time(shared_params, strategy, r, cluster),
         optimizer_s=optimizer_step_time(
             local_params, rank.device, speed=rank.speed,
             host_s=rank.framework.optimizer_host_s(*param_tensor_kinds(strategy, costs))),
-        post_step_s=post, overlap=runtime.dp_overlap)
+        post_step_s=post, overlap=strategy.runtime.dp_overlap)
+
+
+def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSetting, cluster: Cluster,
+                weight_bytes: int, group: CommGroup, dp_comm: Callable[..., DataParallelComm]
+                ) -> tuple[StageTime, DataParallelComm]:
+    """One virtual stage's `StageTime` on `rank`, with its data-parallel communication over `group`."""
+    pp, dp_size, runtime = strategy.pp, strategy.dp * strategy.cp, strategy.runtime
+    plain = stage_time(segs, speed=rank.speed)
+    # Expert weights are reduced over dp*cp/ep ranks (costmodel/expert_parallel.py).
+    params = dp_synced_params((s.cost for s in segs), dp_size=dp_size, ep=strategy.ep)
+    # Every (tp, pp) coordinate runs its own data-parallel reduction at the same time. Gradients are reduced
+    # in fp32 (`memory.GRAD_BYTES`), weights gathered in the training dtype.
+    comm = dp_comm(zero_stage=strategy.zero_stage, grad_bytes=params * GRAD_BYTES,
+                   param_bytes=params * weight_bytes, num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
+                   bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=group, cluster=cluster,
+                   concurrent=strategy.tp * pp, overlap=runtime.dp_overlap,
+                   reshard_after_forward=runtime.reshard_after_forward)
+    host = host_time(segs, rank.framework, zero_stage=strategy.zero_stage, dp_size=dp_size, pipeline_size=pp)
+    chunk = stage_time(segs, speed=rank.speed, dp_fwd_s=comm.per_microbatch_fwd_s,
+                       dp_bwd_s=comm.per_microbatch_bwd_s, host=host,
+                       tp_overlap_chunks=strategy.tp if runtime.tp_overlap else 0)
+    return chunk, comm
+
+
+def _shared_sync_time(shared_params: int, strategy: Strategy, pp_rank: int, cluster: Cluster) -> float:
+    """The copy of a shared weight has its gradient all-reduced with the owner (the first rank, for a tied
+    embedding)."""
+    if not shared_params or pp_rank == 0:
+        return 0.0
+    return collective_time(Collective.ALL_REDUCE, shared_params * GRAD_BYTES,
+                           shared_weight_group(strategy, pp_rank), cluster,
+                           concurrent=strategy.num_devices // strategy.pp)
 
 
 def _step_terms(priced: Sequence[Sequence[PricedSegment]], ranks: Sequence[_Rank], shared: Sequence[int],

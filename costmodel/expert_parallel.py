@@ -33,8 +33,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from costmodel.cluster import Cluster
-from costmodel.collectives import Collective, CommGroup, collective_time
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import ModelState
 from costmodel.memory import model_state_bytes as _dense_state_bytes

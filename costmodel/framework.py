@@ -1,7 +1,7 @@
 """Framework overheads: what the training runtime costs around the operators and the wire, measured per device.
 
 The operator model (`costmodel.operators`, or a profile's op timings) prices the math; the collective model
-(`costmodel.collectives`) prices the bytes and the latency of each collective. Neither prices the machinery
+(`costmodel.hardware.collectives`) prices the bytes and the latency of each collective. Neither prices the machinery
 the strategy runs on: DTensor dispatch around a tensor-parallel module, the hooks, copy-in/copy-out and
 bookkeeping of an FSDP2 / replicate unit, the optimizer's per-tensor work over DTensor parameters. On a GPU with a
 large model that host work hides behind the kernels; on CPU ranks or with small layers it is the step time --
@@ -34,7 +34,7 @@ the sharding model, is the exception: it is divided with the compute):
   Python policy per op);
 - per tensor-parallel-sharded module call and micro-batch, forward and backward, per tensor-parallel group size:
   DTensor dispatch and the layout hooks around the module, net of the module's collectives
-  (`costmodel.sharding_cost` adds it to every node that runs a sharded strategy with parameters).
+  (`costmodel.sharding.cost` adds it to every node that runs a sharded strategy with parameters).
 
 Entries: ``device = <device type>``, ``forward_s`` / ``backward_s`` as below (`backward_s` 0 where there is
 none), signatures::

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from costmodel.device import DeviceSpec
+from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.operators import GEMM_KINDS, node_time, retype_ratio
 from costmodel.profile_db import OpProfile, OpTiming, segment_signature

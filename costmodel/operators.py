@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from costmodel.device import DeviceSpec
+from costmodel.hardware.device import DeviceSpec
 from costmodel.profile_db import OpProfile, op_signature
 from ir.graph import Node, OpKind, dtype_bytes
 

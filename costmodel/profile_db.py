@@ -18,7 +18,7 @@ JSON layout (`schema_version` 1; unknown keys are an error)::
 Version 2 adds one optional top-level key, written only when collectives were measured (a profile without them
 is still written as version 1, so older readers keep reading it); readers accept both versions::
 
-     "collectives": {"samples": [...], "fits": [...]}           # costmodel.collective_fit.CollectiveProfile
+     "collectives": {"samples": [...], "fits": [...]}           # costmodel.hardware.collective_fit.CollectiveProfile
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from costmodel.collective_fit import CollectiveProfile
+from costmodel.hardware.collective_fit import CollectiveProfile
 from ir.graph import Node
 
 PROFILE_SCHEMA_VERSION = 1

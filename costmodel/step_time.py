@@ -52,10 +52,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from costmodel.breakdown import TimeBreakdown
-from costmodel.cluster import Cluster
-from costmodel.collectives import Collective, CommGroup, collective_time
-from costmodel.device import DeviceSpec
 from costmodel.framework import ZERO_PASS, FrameworkCosts, PassCost
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import Collective, CommGroup, collective_time
+from costmodel.hardware.device import DeviceSpec
 from costmodel.memory import PricedSegment
 from costmodel.operators import T_KERNEL_FLOOR_S
 from costmodel.pipeline import drain_slack, pipeline_times

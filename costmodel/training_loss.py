@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from costmodel.device import DeviceSpec
+from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.operators import T_KERNEL_FLOOR_S
 from ir.graph import Node, OpKind, dtype_bytes

@@ -15,8 +15,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 
-from costmodel.catalog import list_devices
-from costmodel.device import DeviceSpec
+from costmodel.hardware.catalog import list_devices
+from costmodel.hardware.device import DeviceSpec
 
 
 @functools.cache

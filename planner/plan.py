@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from costmodel.breakdown import Estimate
-from costmodel.sharding_rules import Style
+from costmodel.sharding.rules import Style
 from costmodel.strategy import Strategy
 from planner.errors import PlanLoadError
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodel.device import DeviceSpec
+from costmodel.hardware.device import DeviceSpec
 from ir.graph import Graph, Node, OpKind, TensorSpec
 from ir.layer_chain import LayerChain, Segment
 

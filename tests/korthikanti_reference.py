@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from costmodel import Cluster, Estimate, LayerCost, Recompute, Schedule, Strategy
-from costmodel.collectives import Collective, CommGroup, collective_time
-from costmodel.device import DeviceSpec
 from costmodel.estimate import estimate
+from costmodel.hardware.collectives import Collective, CommGroup, collective_time
+from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_pricing import region_inputs, selective_recompute_region
 from costmodel.operators import node_time, retype_ratio
 from ir.graph import Node, OpKind, dtype_bytes
@@ -252,7 +252,7 @@ def layer_costs_for(sharding: str, chain: LayerChain, cluster: Cluster, device: 
 def predict_row(row: KorthikantiRow, chain: LayerChain | None = None, *, sharding: str = "ilp"
                 ) -> list[Prediction]:
     """Both published configurations of one model."""
-    from costmodel.catalog import get_device
+    from costmodel.hardware.catalog import get_device
 
     chain = chain if chain is not None else build_chain(row)
     cluster = cluster_for(row)
@@ -272,7 +272,7 @@ def layer_times_22b(chain: LayerChain, *, sharding: str = "ilp") -> dict[str, tu
     """Predicted (forward ms, backward ms) of one 22B transformer layer at tp=8, micro-batch 4 (Table 4)."""
     from collections import Counter
 
-    from costmodel.catalog import get_device
+    from costmodel.hardware.catalog import get_device
 
     row = ROWS[0]
     cluster, device = cluster_for(row), get_device(DEVICE)

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from costmodel.breakdown import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
 from costmodel.pipeline import PipelineTime, pipeline_times
-from costmodel.sharding_rules import Style
+from costmodel.sharding.rules import Style
 from costmodel.strategy import Recompute, Schedule, StageSpec, Strategy
 from planner.plan import Alternative, ModelInfo, ModuleSharding, Plan, SearchInfo, TrainingConfig
 

@@ -22,8 +22,8 @@ import torch
 
 import planner
 import planner.api
-from costmodel.collective_fit import CollectiveProfile, CollectiveSample
-from costmodel.collectives import Collective
+from costmodel.hardware.collective_fit import CollectiveProfile, CollectiveSample
+from costmodel.hardware.collectives import Collective
 from costmodel.profile_db import OpProfile
 from models.registry import build_model
 from planner.cli.main import main

@@ -9,8 +9,8 @@ from importlib import resources
 
 import pytest
 
-from costmodel.catalog import device_names, get_device, get_link, list_devices, list_links
-from costmodel.device import DeviceSpec
+from costmodel.hardware.catalog import device_names, get_device, get_link, list_devices, list_links
+from costmodel.hardware.device import DeviceSpec
 
 REQUIRED = ("v100-32gb", "a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200", "mi250x", "mi300x", "l4", "a10g",
             "t4", "tpu-v4", "tpu-v5e", "cpu")
@@ -19,7 +19,7 @@ SOURCED_FIELDS = ("peak_flops", "matmul_efficiency", "memory_bytes", "memory_ban
 
 
 def _rows(name: str) -> list[dict[str, str]]:
-    text = resources.files("costmodel").joinpath("data", name).read_text(encoding="utf-8")
+    text = resources.files("costmodel.hardware").joinpath("data", name).read_text(encoding="utf-8")
     return list(csv.DictReader(text.splitlines()))
 
 

@@ -9,16 +9,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from costmodel.catalog import get_device
-from costmodel.cluster import Cluster, DeviceGroup, NetworkTier
-from costmodel.cluster_yaml import cluster_from_dict, parse_bandwidth, parse_bytes, parse_duration
+from costmodel.hardware.catalog import get_device
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.cluster_yaml import parse_bandwidth, parse_bytes, parse_duration
+from costmodel.hardware.device_group import DeviceGroup
+from costmodel.hardware.network import NetworkTier
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
 
 
 def _spec(text: str) -> Cluster:
-    return cluster_from_dict(yaml.safe_load(textwrap.dedent(text)))
+    return Cluster.from_dict(yaml.safe_load(textwrap.dedent(text)))
 
 
 def _error(text: str) -> str:

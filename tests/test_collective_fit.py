@@ -1,4 +1,4 @@
-"""The alpha-beta fit of measured collectives (costmodel.collective_fit): closed forms, recovery of known
+"""The alpha-beta fit of measured collectives (costmodel.hardware.collective_fit): closed forms, recovery of known
 parameters from synthetic timings, the profile JSON section, and the calibrated cluster the cost model prices with."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from costmodel.cluster import Cluster
-from costmodel.collective_fit import (
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collective_fit import (
     LINK_FIT_KIND,
     CollectiveFit,
     CollectiveProfile,
@@ -19,7 +19,7 @@ from costmodel.collective_fit import (
     fit_link,
     ring_terms,
 )
-from costmodel.collectives import Collective, CommGroup, collective_time
+from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.profile_db import OpProfile, OpTiming
 
 ALPHA = 85e-6          # seconds per ring step

@@ -14,15 +14,16 @@ import random
 import pytest
 import yaml
 
-from costmodel.catalog import get_link
-from costmodel.cluster import COLLECTIVE_KINDS, Cluster, CollectiveLink, NetworkTier
-from costmodel.collective_fit import (
+from costmodel.hardware.catalog import get_link
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collective_fit import (
     CollectiveProfile,
     CollectiveSample,
     calibrated_cluster,
     ring_terms,
 )
-from costmodel.collectives import Collective, CommGroup, collective_cost, collective_time, spans
+from costmodel.hardware.collectives import Collective, CommGroup, collective_cost, collective_time, spans
+from costmodel.hardware.network import COLLECTIVE_KINDS, CollectiveLink, NetworkTier
 
 RS_ALPHA, RS_BANDWIDTH = 170e-6, 0.4e9
 RS_LINK = CollectiveLink("reduce_scatter", latency=RS_ALPHA, bandwidth=RS_BANDWIDTH)

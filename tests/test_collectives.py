@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costmodel.catalog import get_device
-from costmodel.cluster import Cluster, DeviceGroup, NetworkTier
-from costmodel.collectives import (
+from costmodel.hardware.catalog import get_device
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import (
     Algorithm,
     Collective,
     CommGroup,
@@ -22,6 +22,8 @@ from costmodel.collectives import (
     collective_time,
     spans,
 )
+from costmodel.hardware.device_group import DeviceGroup
+from costmodel.hardware.network import NetworkTier
 
 US = 1e-6
 
@@ -213,7 +215,7 @@ def test_time_grows_with_bytes_and_splits_into_latency_and_bandwidth(kind, small
 # ---- calibration against measured nccl-tests bus bandwidth --------------------------------------------------------
 
 def _measured() -> list[dict[str, str]]:
-    text = resources.files("costmodel").joinpath("data", "measured_collectives.csv").read_text(encoding="utf-8")
+    text = resources.files("costmodel.hardware").joinpath("data", "measured_collectives.csv").read_text(encoding="utf-8")
     return list(csv.DictReader(text.splitlines()))
 
 

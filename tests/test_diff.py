@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 from plan_factory import GIB, make_plan, with_step_time
 
-from costmodel.sharding_rules import Style
+from costmodel.sharding.rules import Style
 from costmodel.strategy import Recompute, Schedule, StageSpec
 from planner.cli.main import main
 from planner.plan import ModelInfo, ModuleSharding, Plan, SearchInfo

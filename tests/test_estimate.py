@@ -12,13 +12,13 @@ import pytest
 from costmodel_graphs import GptShape, gpt_chain
 
 from costmodel import Cluster, Recompute, Schedule, StageSpec, Strategy, estimate
-from costmodel.collectives import Collective, CommGroup, collective_time
-from costmodel.estimate import axis_strides, even_stages, stage_ranks
+from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.layer_pricing import price_segment
 from costmodel.memory import GPU_FRAMEWORK_OVERHEAD_BYTES
 from costmodel.pipeline import pipeline_step_time
+from costmodel.rank_layout import even_stages
 from costmodel.step_time import optimizer_step_time, overlapped_exposed
-from costmodel.strategy import MeshAxis, RuntimeOptions
+from costmodel.strategy import RuntimeOptions
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 SHAPE = GptShape(layers=4, hidden=1024, heads=16, seq=1024, vocab=32000, batch=2)
@@ -135,15 +135,6 @@ def test_interleaved_first_rank_memory_factor(node8):
     embed = price_segment(chain, chain.segments[0], node8.device_of(0), microbatch_size=1).saved_bytes_none
     # Rank 0 holds chunks 0 (embed + 2 layers) and 2 (2 layers); in flight (2p-1, p) = (3, 2).
     assert e.stages[0].memory.activations == 3 * (embed + 2 * per_layer) + 2 * (2 * per_layer)
-
-
-def test_strides_and_ranks():
-    st = Strategy(dp=2, tp=2, pp=2)
-    assert axis_strides(st)[MeshAxis.TP] == 1 and axis_strides(st)[MeshAxis.DP] == 2
-    assert axis_strides(st)[MeshAxis.PP] == 4
-    assert stage_ranks(st, 1) == [4, 5, 6, 7]
-    dp_inner = Strategy(dp=2, tp=2, pp=2, mesh_order=("dp", "tp", "cp", "ep", "pp"))
-    assert axis_strides(dp_inner)[MeshAxis.TP] == 2
 
 
 def test_problems_are_exact(chain, node8):

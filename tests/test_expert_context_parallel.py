@@ -13,10 +13,10 @@ import math
 import pytest
 
 import ir
-from costmodel.cluster import Cluster
-from costmodel.collectives import Collective, CommGroup, collective_time
 from costmodel.context_parallel import MIN_TOKENS_PER_RANK, cp_options, cp_problem, ring_exchange_s
 from costmodel.expert_parallel import dp_synced_params, ep_options, ep_problem, optimizer_params
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment, model_state_bytes, rank_memory
 from models.registry import build_model

@@ -10,8 +10,6 @@ from dataclasses import replace
 import pytest
 from test_search_bruteforce import GPT_INTERLEAVE, GPT_MEMORY, GPT_TINY, chain_of, random_partition
 
-from costmodel.cluster import Cluster
-from costmodel.collectives import Collective, CommGroup, collective_time
 from costmodel.estimate import estimate, param_tensor_kinds
 from costmodel.framework import (
     NO_FRAMEWORK_COSTS,
@@ -20,6 +18,8 @@ from costmodel.framework import (
     PassCost,
     dp_mode,
 )
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.layer_pricing import owned_param_tensors, price_segment
 from costmodel.memory import PricedSegment
 from costmodel.profile_db import OpProfile, OpTiming

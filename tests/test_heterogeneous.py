@@ -13,6 +13,7 @@ from costmodel_graphs import GptShape, gpt_chain
 
 from costmodel import Cluster, Strategy, estimate
 from costmodel.layer_pricing import price_segment
+from costmodel.rank_layout import device_map
 from planner.errors import UserError
 from planner.scenarios.group_data_parallel import (
     balance_shares,
@@ -22,7 +23,7 @@ from planner.scenarios.group_data_parallel import (
     searching,
 )
 from planner.search.branch_and_bound import search
-from planner.search.device_groups import device_map, mixed_type_problem, with_device_groups
+from planner.search.device_groups import mixed_type_problem, with_device_groups
 from planner.search.space import SearchSpace
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"

@@ -8,15 +8,15 @@ import time
 import numpy as np
 import pytest
 
-from costmodel.catalog import get_device
-from costmodel.cluster import Cluster
-from costmodel.collectives import CommGroup
+from costmodel.hardware.catalog import get_device
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import CommGroup
 from costmodel.layer_pricing import price_segment
-from costmodel.sharding import Move
-from costmodel.sharding_cost import Pricer, build_sharding_model
-from costmodel.sharding_dims import propagate_labels
-from costmodel.sharding_problem import FIXED, NO_GRAD, ProblemFlow, ShardingProblem
-from costmodel.sharding_rules import StrategyContext, node_strategies
+from costmodel.sharding.cost import Pricer, build_sharding_model
+from costmodel.sharding.dims import propagate_labels
+from costmodel.sharding.layout import Move
+from costmodel.sharding.problem import FIXED, NO_GRAD, ProblemFlow, ShardingProblem
+from costmodel.sharding.rules import StrategyContext, node_strategies
 from ir import build_layer_chain, trace
 from ir.graph import Node, OpKind, TensorSpec
 from models.registry import build_model

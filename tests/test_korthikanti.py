@@ -109,7 +109,7 @@ def test_traced_layer_activation_memory(chains):
     known difference is taken out: PyTorch's CPU/meta dropout saves its mask in the activation dtype (2 bytes per
     element, which the trace records), CUDA's fused dropout and Korthikanti's count use 1 byte; and LayerNorm also
     saves fp32 statistics (4 bytes per token in the trace), which the paper leaves out."""
-    from costmodel.catalog import get_device
+    from costmodel.hardware.catalog import get_device
     from costmodel.layer_pricing import selective_recompute_region
 
     row = ROWS["22B"]

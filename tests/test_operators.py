@@ -9,7 +9,7 @@ import math
 import pytest
 from costmodel_graphs import A100, GptShape, gpt_chain
 
-from costmodel.device import DeviceSpec
+from costmodel.hardware.device import DeviceSpec
 from costmodel.operators import (
     GEMM_HALF_TIME_S,
     T_KERNEL_FLOOR_S,

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from costmodel.estimate import resolve_stages
-from costmodel.sharding_rules import Style
+from costmodel.sharding.rules import Style
 from costmodel.strategy import MeshAxis, Recompute, StageSpec, Strategy
 from planner.errors import PlanLoadError, UserError
 from planner.plan import ModuleSharding

@@ -9,7 +9,7 @@ import pytest
 
 import ir
 import planner.api
-from costmodel.cluster import Cluster
+from costmodel.hardware.cluster import Cluster
 from models.registry import build_model
 from planner.api import estimate, estimate_plan
 from planner.errors import PlanLoadError

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import ir
-from costmodel.catalog import get_device
+from costmodel.hardware.catalog import get_device
 from costmodel.layer_pricing import price_segment
 from costmodel.operators import node_time
 from costmodel.profile_db import OpProfile, OpTiming, op_signature, segment_signature
-from costmodel.sharding_cost import build_sharding_model
+from costmodel.sharding.cost import build_sharding_model
 from costmodel.training_loss import loss_inputs
 from ir.graph import OpKind
 from planner.cli.main import main
@@ -282,9 +282,9 @@ def test_primary_error_is_the_cause_not_the_echo():
 
 
 def test_profile_loads_and_calibrates_the_cluster(tmp_path):
-    from costmodel.cluster import Cluster
-    from costmodel.collective_fit import CollectiveProfile, CollectiveSample
-    from costmodel.collectives import Collective
+    from costmodel.hardware.cluster import Cluster
+    from costmodel.hardware.collective_fit import CollectiveProfile, CollectiveSample
+    from costmodel.hardware.collectives import Collective
     from planner.api import as_cluster, load_profile
     from planner.errors import UserError
 

@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ir
-from costmodel.cluster import Cluster
+from costmodel.hardware.cluster import Cluster
 from costmodel.memory import GIB, framework_overhead_bytes
 from ir.layer_chain import LayerChain
 from models.registry import build_model

@@ -11,6 +11,7 @@ import pytest
 from costmodel_graphs import GptShape, gpt_chain
 
 from costmodel import Cluster, StageSpec, Strategy
+from costmodel.rank_layout import device_map
 from planner import api
 from planner.cli.main import main
 from planner.errors import PlanLoadError
@@ -24,7 +25,6 @@ from planner.scenarios.replan import (
     replan,
 )
 from planner.search.branch_and_bound import search
-from planner.search.device_groups import device_map
 
 SHAPE = GptShape(layers=12, hidden=1024, heads=16, seq=1024, vocab=128, batch=1)
 BATCH = 32

@@ -10,7 +10,7 @@ import pytest
 from costmodel_graphs import GptShape, gpt_chain
 
 from costmodel import Cluster, Estimate, RuntimeOptions, Strategy, estimate
-from costmodel.catalog import get_device
+from costmodel.hardware.catalog import get_device
 from costmodel.validation import error_band, unvalidated_band, within_band
 from planner.runtime.parallelize import runtime_unsupported
 from planner.search.ranking import prefer_simplest, simplicity_key

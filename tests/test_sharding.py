@@ -1,4 +1,4 @@
-"""Layout algebra, per-node strategies, resharding duals and pricing of costmodel.sharding, checked by hand."""
+"""Layout algebra, per-node strategies, resharding duals and pricing of costmodel.sharding.layout, checked by hand."""
 
 from __future__ import annotations
 
@@ -6,7 +6,16 @@ import math
 
 import pytest
 
-from costmodel.sharding import (
+from costmodel.sharding.cost import (
+    Pricer,
+    boundary_layout,
+    build_sharding_model,
+    saved_fraction,
+    shape_only_reads,
+    structural_key,
+)
+from costmodel.sharding.dims import DimLabel, input_dim_maps, op_name
+from costmodel.sharding.layout import (
     PARTIAL,
     REPLICATED,
     Layout,
@@ -16,16 +25,7 @@ from costmodel.sharding import (
     redistribution,
     shard,
 )
-from costmodel.sharding_cost import (
-    Pricer,
-    boundary_layout,
-    build_sharding_model,
-    saved_fraction,
-    shape_only_reads,
-    structural_key,
-)
-from costmodel.sharding_dims import DimLabel, input_dim_maps, op_name
-from costmodel.sharding_rules import NodeStrategy, StrategyContext, node_strategies
+from costmodel.sharding.rules import NodeStrategy, StrategyContext, node_strategies
 from ir.graph import Node, OpKind, TensorSpec
 
 BF16 = "bfloat16"

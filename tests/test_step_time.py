@@ -8,8 +8,8 @@ import random
 import pytest
 from costmodel_graphs import A100
 
-from costmodel.cluster import Cluster
-from costmodel.collectives import Collective, CommGroup, collective_time
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment
 from costmodel.pipeline import pipeline_step_time

@@ -21,7 +21,7 @@ import pytest
 import ir
 import planner.api
 import planner.search.intra_op  # noqa: F401  (the solver's one-time import is not search time; see planner.search.branch_and_bound)
-from costmodel.cluster import Cluster
+from costmodel.hardware.cluster import Cluster
 from ir.layer_chain import LayerChain
 from models.registry import build_model
 

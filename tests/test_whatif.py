@@ -11,7 +11,7 @@ import pytest
 from costmodel_graphs import GptShape, gpt_chain
 
 from costmodel import Cluster
-from costmodel.catalog import get_device
+from costmodel.hardware.catalog import get_device
 from planner.cli.main import main
 from planner.errors import UserError
 from planner.scenarios.whatif import (

@@ -97,7 +97,7 @@ def microbatch_sizes(batch: int) -> tuple[int, ...]:
 
 
 def _catalog_device(args: argparse.Namespace) -> str:
-    from costmodel.catalog import get_device
+    from costmodel.hardware.catalog import get_device
 
     name = args.catalog_device
     if name is None and args.device == "cuda":

@@ -25,6 +25,7 @@ from planner.cli.common import (
     parse_cluster,
     percent,
     positive_int,
+    setting_text,
     time_limit_note,
     time_limit_s,
     trace_cache,
@@ -63,18 +64,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _setting_text(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list | tuple):
-        return ",".join(str(v) for v in value)
-    return str(value)
-
-
 def _model_chain(plan: Plan, cache: TraceCache | None, progress: Any) -> Any:
     """The plan's model rebuilt from its name and settings, traced as `stratagem plan` traces it (in the plan's
     dtype; a "seq" setting is `--seq`, which is how `stratagem plan` finds it in the trace cache)."""
-    sets = [f"{k}={_setting_text(v)}" for k, v in plan.model.settings if k != "seq"]
+    sets = [f"{k}={setting_text(v)}" for k, v in plan.model.settings if k != "seq"]
     seq = dict(plan.model.settings).get("seq")
     return trace_model(plan.model.name, sets, seq=seq, dtype=plan.training.dtype, cache=cache,
                        progress=progress).chain
@@ -87,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     output = check_output_path(args.output, input_paths(args.plan, args.cluster)) if args.output else None
     old = Plan.load(args.plan)
     cluster = parse_cluster(args.cluster)
-    from costmodel.cluster import Cluster
+    from costmodel.hardware.cluster import Cluster
 
     try:
         old_cluster = Cluster.from_dict(old.cluster)

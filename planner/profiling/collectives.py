@@ -1,5 +1,5 @@
 """Collectives (`measure_collectives`) timed in a spawned gloo (CPU) or NCCL (GPU) process group of 2..K ranks at
-several sizes, and fitted with `costmodel.collective_fit`."""
+several sizes, and fitted with `costmodel.hardware.collective_fit`."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from costmodel.collective_fit import CollectiveProfile, CollectiveSample
-from costmodel.collectives import Collective
+from costmodel.hardware.collective_fit import CollectiveProfile, CollectiveSample
+from costmodel.hardware.collectives import Collective
 from planner.profiling.options import Statistic, parse_statistic
 from planner.profiling.spawn import divisor_group_sizes, free_port
 

@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch import nn
 
 from costmodel.operators import has_backward
-from costmodel.sharding import Layout
+from costmodel.sharding.layout import Layout
 from ir.graph import Node, OpKind
 from planner.profiling.options import Statistic
 from planner.profiling.timing import synchronize, tensors_in, timed_runs

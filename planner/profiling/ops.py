@@ -7,7 +7,7 @@ size; at each node, every profile key the cost model may look up for it and that
 node's actual arguments:
 
 - replicated (tp == 1) keys, as `costmodel.layer_pricing.price_segment` asks for them: scales mbs / traced batch;
-- sharded keys (tp > 1), as the intra-operator pricer (`costmodel.sharding_cost.build_sharding_model`) asks for
+- sharded keys (tp > 1), as the intra-operator pricer (`costmodel.sharding.cost.build_sharding_model`) asks for
   them: the segment of each layer class is priced with a recording pricer, which yields, per node strategy, the
   exact (flops, bytes, params) scales of its lookup; the strategy's input layouts and parameter dims say which
   tensors to cut, so the op runs on its per-device shard (the first of tp equal chunks). A strategy whose op cannot

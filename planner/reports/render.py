@@ -6,9 +6,9 @@ runner-ups."""
 from __future__ import annotations
 
 from costmodel.breakdown import Estimate
-from costmodel.cluster import Cluster
-from costmodel.estimate import axis_strides
+from costmodel.hardware.cluster import Cluster
 from costmodel.memory import GIB
+from costmodel.rank_layout import axis_strides
 from costmodel.strategy import MeshAxis, Schedule, Strategy
 from costmodel.validation import within_band
 from planner.plan import Plan

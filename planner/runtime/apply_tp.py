@@ -34,7 +34,7 @@ from typing import Any
 
 from torch import nn
 
-from costmodel.sharding_rules import Style
+from costmodel.sharding.rules import Style
 from planner.errors import UserError
 from planner.plan import ModuleSharding
 

@@ -7,7 +7,7 @@ is built from the reversed order and the innermost axis (tp by default) gets ran
 
 Expert parallelism reuses data-parallel ranks and has no axis of its own: the dp axis is split into
 (dp / ep, ep), ep innermost, so an ep group is `ep` consecutive dp coordinates -- the group
-`costmodel.estimate` prices (its ep stride is the dp stride). Derived meshes (`PlanMeshes`):
+`costmodel.rank_layout.ep_group` prices (its ep stride is the dp stride). Derived meshes (`PlanMeshes`):
 - `replicas`: the ranks over which dense parameters are data-parallel: dp, or dp x cp flattened when cp > 1
   (context-parallel ranks hold the same weights and see different tokens of the same samples);
 - `ep`: the expert-parallel group (all-to-all dispatch and combine);
@@ -20,12 +20,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from costmodel.rank_layout import mesh_axes
 from costmodel.strategy import MeshAxis, Strategy
 from planner.errors import PlanLoadError, UserError
 from planner.strategy_label import Detail, strategy_label
-
-MESH_AXES: tuple[MeshAxis, ...] = (MeshAxis.TP, MeshAxis.CP, MeshAxis.DP, MeshAxis.PP)
-"""Axes of the root mesh; ep rides on dp."""
 
 EXPERT_REPLICA_AXIS = "edp"
 """Name of the outer part of dp when ep > 1: ranks with the same ep coordinate hold the same experts
@@ -59,12 +57,13 @@ class MeshLayout:
 
 
 def mesh_layout(strategy: Strategy) -> MeshLayout:
-    """The mesh of `strategy`: tp, cp, dp and pp axes (size 1 included) in `mesh_order`, outermost first."""
+    """The mesh of `strategy`: `costmodel.rank_layout.mesh_axes` (tp, cp, dp and pp, size 1 included), outermost
+    first, so that a rank's coordinates are the ones the cost model priced."""
     if strategy.dp % strategy.ep:
         raise UserError(f"ep={strategy.ep} must divide dp={strategy.dp}: expert-parallel groups are data-parallel "
                         f"ranks (valid ep: {', '.join(str(e) for e in _divisors(strategy.dp))})")
-    axes = [a for a in reversed(strategy.mesh_order) if a in MESH_AXES]
-    return MeshLayout(names=tuple(a.value for a in axes), sizes=tuple(getattr(strategy, a.value) for a in axes))
+    outermost_first = tuple(reversed(mesh_axes(strategy)))
+    return MeshLayout(names=tuple(a.value for a, _ in outermost_first), sizes=tuple(n for _, n in outermost_first))
 
 
 def _divisors(n: int) -> list[int]:

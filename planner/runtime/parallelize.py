@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from costmodel.estimate import even_stages
+from costmodel.rank_layout import even_stages
 from costmodel.strategy import StageSpec, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import PlanLoadError, UserError
@@ -169,7 +169,7 @@ class ParallelModel:
 
 
 def plan_stages(strategy: Strategy, chain: LayerChain) -> tuple[StageSpec, ...]:
-    """The plan's stages, or (when it lists none) the split `costmodel.estimate` priced: its `even_stages`, with
+    """The plan's stages, or (when it lists none) the split `costmodel.estimate` priced: `costmodel.rank_layout.even_stages`, with
     the strategy's recompute."""
     if strategy.stages:
         return strategy.stages
@@ -318,35 +318,11 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: Any = None,
         raise UserError("a pipeline plan cuts the model's layer chain: pass example_inputs= (or chain=)")
     stages = plan_stages(strategy, chain) if chain is not None else strategy.stages
 
-    meshes = derive_meshes(mesh, strategy)
-
-    if strategy.tp > 1:
-        apply_tensor_parallel(model, plan.sharding, meshes.tp, sequence_parallel=strategy.sequence_parallel)
-    expert_params: tuple[str, ...] = ()
-    experts: tuple[nn.Module, ...] = ()
-    if strategy.ep > 1:
-        shards = apply_expert_parallel(model, EpGroup(strategy.ep, meshes.ep.get_local_rank(),
-                                                      meshes.ep.get_group()))
-        experts, expert_params = shards.modules, shards.param_names
-    cp = None
-    if strategy.cp > 1:
-        cp = CpGroup(SequenceShard(strategy.cp, meshes.cp.get_local_rank()), meshes.cp.get_group())
-        apply_context_parallel(model, cp)
-    _apply_recompute(model, stages, chain if strategy.pp > 1 else None, strategy)
-    # Sequence hooks after recomputation (see install_sequence_parallel_hooks); the first block's input is split
-    # over cp before tp, its last output gathered over tp before cp.
-    if cp is not None:
-        install_split_hook(model, cp)
-    if strategy.sequence_parallel:
-        install_sequence_parallel_hooks(model, meshes.tp)
-    if cp is not None:
-        install_gather_hook(model, cp)
-
-    sharded = _Sharded(meshes=meshes, experts=experts, expert_params=frozenset(expert_params))
+    sharded = _model_parallel(model, plan, derive_meshes(mesh, strategy), stages, chain)
     if strategy.pp == 1:
         _data_parallel(model, model_layers(model), sharded, strategy)
         return ParallelModel(plan=plan, mesh=mesh, parts={0: model}, loss_fn=loss_fn, device=device,
-                             meshes=meshes, expert_params=sharded.expert_params)
+                             meshes=sharded.meshes, expert_params=sharded.expert_params)
     return _pipeline(model, plan, mesh, layout, chain, stages, loss_fn, device, sharded)
 
 
@@ -369,6 +345,34 @@ def _data_parallel(part: nn.Module, layers: Sequence[tuple[str, nn.Module]], sha
     apply_data_parallel(part, [m for _, m in layers], sharded.meshes.replicas, zero_stage=strategy.zero_stage,
                         experts=experts, experts_mesh=sharded.meshes.expert_replicas,
                         reshard_after_forward=strategy.runtime.reshard_after_forward)
+
+
+def _model_parallel(model: nn.Module, plan: Plan, meshes: PlanMeshes, stages: Sequence[StageSpec],
+                    chain: LayerChain | None) -> _Sharded:
+    """Tensor, expert and context parallelism and recomputation, applied in place, in torchtitan's order."""
+    strategy = plan.strategy
+    if strategy.tp > 1:
+        apply_tensor_parallel(model, plan.sharding, meshes.tp, sequence_parallel=strategy.sequence_parallel)
+    expert_params: tuple[str, ...] = ()
+    experts: tuple[nn.Module, ...] = ()
+    if strategy.ep > 1:
+        shards = apply_expert_parallel(model, EpGroup(strategy.ep, meshes.ep.get_local_rank(),
+                                                      meshes.ep.get_group()))
+        experts, expert_params = shards.modules, shards.param_names
+    cp = None
+    if strategy.cp > 1:
+        cp = CpGroup(SequenceShard(strategy.cp, meshes.cp.get_local_rank()), meshes.cp.get_group())
+        apply_context_parallel(model, cp)
+    _apply_recompute(model, stages, chain if strategy.pp > 1 else None, strategy)
+    # Sequence hooks after recomputation (see install_sequence_parallel_hooks); the first block's input is split
+    # over cp before tp, its last output gathered over tp before cp.
+    if cp is not None:
+        install_split_hook(model, cp)
+    if strategy.sequence_parallel:
+        install_sequence_parallel_hooks(model, meshes.tp)
+    if cp is not None:
+        install_gather_hook(model, cp)
+    return _Sharded(meshes=meshes, experts=experts, expert_params=frozenset(expert_params))
 
 
 def runtime_unsupported(strategy: Strategy) -> str:

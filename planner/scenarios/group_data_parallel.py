@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from costmodel.breakdown import Estimate
-from costmodel.cluster import Cluster
-from costmodel.collectives import Collective, CommGroup, collective_time
 from costmodel.estimate import estimate as costmodel_estimate
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.layer_cost import LayerCost
 from costmodel.strategy import Schedule, Strategy
 from ir.layer_chain import LayerChain
@@ -101,62 +101,81 @@ def balance_shares(total: int, units: Sequence[int], step_time: Callable[[int, i
     Exact up to `rel_tol`: bisection on the step time; at a threshold V each group takes at most
     cap_g(V) = max{m : step_time(g, m) <= V} (binary search, memoized), and a bounded subset sum decides whether
     the caps can make `total`. Ties: the later groups take as much as they can."""
-    k = len(units)
-    if k == 0 or len(limits) != k or any(u < 1 for u in units):
+    if not units or len(limits) != len(units) or any(u < 1 for u in units):
         raise ValueError("need one positive unit and one limit per group")
-    memo: dict[tuple[int, int], float] = {}
+    shares = _SharesAtThreshold(total, tuple(units), tuple(limits), step_time)
+    best = shares.first_feasible()
+    if best is None:
+        return None
+    lo, hi = 0.0, shares.slowest(best)
+    while hi - lo > rel_tol * hi:
+        mid = 0.5 * (lo + hi)
+        found = shares.counts_at(mid)
+        if found is None:
+            lo = mid
+        else:
+            best, hi = found, shares.slowest(found)
+    return tuple(best), shares.slowest(best)
 
-    def t(g: int, m: int) -> float:
+
+class _SharesAtThreshold:
+    """`balance_shares`' feasibility test: which counts make `total` when no group may exceed a step time."""
+
+    def __init__(self, total: int, units: tuple[int, ...], limits: tuple[int, ...],
+                 step_time: Callable[[int, int], float]) -> None:
+        self.total, self.units, self.limits = total, units, limits
+        self._step_time = step_time
+        self._memo: dict[tuple[int, int], float] = {}
+
+    def time(self, g: int, m: int) -> float:
         if m == 0:
             return 0.0
-        if (g, m) not in memo:
-            memo[g, m] = step_time(g, m)
-        return memo[g, m]
+        if (g, m) not in self._memo:
+            self._memo[g, m] = self._step_time(g, m)
+        return self._memo[g, m]
 
-    def caps_at(v: float) -> list[int]:
+    def slowest(self, counts: Sequence[int]) -> float:
+        return max(self.time(g, m) for g, m in enumerate(counts))
+
+    def caps_at(self, v: float) -> list[int]:
+        """Per group the most it can take within step time `v` (binary search: times grow with the count)."""
         caps = []
-        for g in range(k):
-            lo, hi = 0, limits[g]
+        for g, limit in enumerate(self.limits):
+            lo, hi = 0, limit
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if t(g, mid) <= v:
+                if self.time(g, mid) <= v:
                     lo = mid
                 else:
                     hi = mid - 1
             caps.append(lo)
         return caps
 
-    def feasible(v: float) -> list[int] | None:
-        caps = caps_at(v)
-        reach = _reachable(units, caps, total)
-        if not (reach[-1] >> total) & 1:
+    def counts_at(self, v: float) -> list[int] | None:
+        """Counts within the caps at `v` that make exactly `total` (later groups as much as they can), or None."""
+        caps = self.caps_at(v)
+        reach = _reachable(self.units, caps, self.total)
+        if not (reach[-1] >> self.total) & 1:
             return None
-        counts, left = [0] * k, total
-        for g in range(k - 1, -1, -1):
-            for m in range(min(caps[g], left // units[g]), -1, -1):
-                if (reach[g] >> (left - units[g] * m)) & 1:
-                    counts[g], left = m, left - units[g] * m
+        counts, left = [0] * len(self.units), self.total
+        for g in range(len(self.units) - 1, -1, -1):
+            u = self.units[g]
+            for m in range(min(caps[g], left // u), -1, -1):
+                if (reach[g] >> (left - u * m)) & 1:
+                    counts[g], left = m, left - u * m
                     break
         return counts
 
-    top = max(t(g, limits[g]) for g in range(k))
-    best = feasible(top) if math.isfinite(top) else None
-    if best is None:
-        # Some group cannot take its full limit: search over the finite times only.
-        finite = [t(g, m) for g in range(k) for m in range(limits[g] + 1) if math.isfinite(t(g, m))]
-        top = max(finite, default=0.0)
-        best = feasible(top)
+    def first_feasible(self) -> list[int] | None:
+        """Counts at the largest step time any group can have: every group at its limit, or, when some group
+        cannot take its full limit, the largest finite time."""
+        top = max(self.time(g, limit) for g, limit in enumerate(self.limits))
+        best = self.counts_at(top) if math.isfinite(top) else None
         if best is None:
-            return None
-    lo, hi = 0.0, max(t(g, m) for g, m in enumerate(best))
-    while hi - lo > rel_tol * hi:
-        mid = 0.5 * (lo + hi)
-        found = feasible(mid)
-        if found is None:
-            lo = mid
-        else:
-            best, hi = found, max(t(g, m) for g, m in enumerate(found))
-    return tuple(best), max(t(g, m) for g, m in enumerate(best))
+            finite = [self.time(g, m) for g, limit in enumerate(self.limits) for m in range(limit + 1)
+                      if math.isfinite(self.time(g, m))]
+            best = self.counts_at(max(finite, default=0.0))
+        return best
 
 
 # ---- group data parallelism ----------------------------------------------------------------------------------

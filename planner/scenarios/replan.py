@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from costmodel.breakdown import Estimate
-from costmodel.cluster import Cluster
 from costmodel.estimate import estimate as costmodel_estimate
+from costmodel.hardware.cluster import Cluster
 from costmodel.layer_cost import LayerCost
 from costmodel.strategy import MeshAxis, Recompute, Schedule, Strategy
 from ir.layer_chain import LayerChain
@@ -262,55 +262,73 @@ def replan(old: Plan, chain: LayerChain, cluster: Cluster, *, session: PlanningS
     dtype = old.training.dtype
     session = session or PlanningSession(chain, dtype=dtype)
     warm = pricing_signature(cluster) in session.tables
-    table = session.table_for(cluster)
-    batch = old.training.global_batch
+    builder = StageProblemBuilder(chain, cluster, session.table_for(cluster), dtype)
     old_strategy = _without_device_groups(old.strategy)
-    builder = StageProblemBuilder(chain, cluster, table, dtype)
-    n = len(chain.segments)
-
-    options: list[ReplanOption] = []
-    priced_on: dict[int, Cluster] = {}
-    """id(option) -> the cluster it was priced on (the new one, or the new one without its slowed devices)."""
-
-    def add(kind: OptionKind, strategy: Strategy, on: Cluster = cluster,
-            on_builder: StageProblemBuilder = builder) -> None:
-        priced = _priced(on_builder, on, strategy, batch, dtype, session.profile)
-        if priced is None or not priced[0].fits:
-            return
-        strategy = with_device_groups(on, strategy)
-        if any(o.strategy == strategy and priced_on[id(o)] is on for o in options):
-            return  # found twice (the re-partition of a one-stage plan is the plan itself)
-        option = ReplanOption(kind, strategy, priced[0], priced[1], plan_distance(old.strategy, strategy, n))
-        priced_on[id(option)] = on
-        options.append(option)
-
-    kept_strategy = old_strategy if old_strategy.num_devices <= cluster.num_available else None
-    if kept_strategy is not None:
-        add(OptionKind.KEEP, kept_strategy)
-        again = _repartitioned(builder, old_strategy)
-        if again is not None:
-            add(OptionKind.REPARTITION, again)
-    kept = options[0] if options and options[0].kind is OptionKind.KEEP else None
+    found = _Options(old, session.profile)
+    kept = found.add_kept(old_strategy, cluster, builder)
     searched_space = neighbourhood(old_strategy, space) if scope is ReplanScope.NEIGHBOURHOOD else space
-    result = session.search(cluster, global_batch=batch, space=searched_space,
+    result = session.search(cluster, global_batch=old.training.global_batch, space=searched_space,
                             options=SearchOptions(top_k=top_k, time_limit_s=time_limit_s, explain_slack=0.0,
                                                   progress=progress))
     for r in result.ranked:
-        add(OptionKind.SEARCH, r.strategy)
-    if exclude_slowed and (found := _search_without_slowed(session, cluster, batch, searched_space, time_limit_s,
-                                                            progress)):
-        without, excluded = found
-        add(OptionKind.EXCLUDE, excluded.best.strategy, without,
-            StageProblemBuilder(chain, without, session.table_for(without), dtype))
+        found.add(OptionKind.SEARCH, r.strategy, cluster, builder)
+    if exclude_slowed and (without := _search_without_slowed(session, cluster, old.training.global_batch,
+                                                             searched_space, time_limit_s, progress)):
+        smaller, excluded = without
+        found.add(OptionKind.EXCLUDE, excluded.best.strategy, smaller,
+                  StageProblemBuilder(chain, smaller, session.table_for(smaller), dtype))
+    chosen, fastest = _choose(found.options, stickiness)
+    elapsed = time.monotonic() - started
+    plan = _plan(old, chain, found.priced_on[id(chosen)], chosen, fastest, found.options, result, scope, elapsed,
+                 dtype)
+    return Replan(plan=plan, chosen=chosen, fastest=fastest, kept=kept, options=tuple(found.options), scope=scope,
+                  stickiness=stickiness, time_s=elapsed, warm_start=warm, search=result)
+
+
+class _Options:
+    """The options a re-plan chooses from, each priced on the cluster it runs on (the new one, or the new one
+    without its slowed devices); a strategy found twice on one cluster is kept once."""
+
+    def __init__(self, old: Plan, profile: Any) -> None:
+        self.old, self.profile = old, profile
+        self.options: list[ReplanOption] = []
+        self.priced_on: dict[int, Cluster] = {}
+        """id(option) -> the cluster it was priced on."""
+
+    def add(self, kind: OptionKind, strategy: Strategy, on: Cluster, builder: StageProblemBuilder) -> None:
+        """Price `strategy` on `on` and keep it when it fits."""
+        training = self.old.training
+        priced = _priced(builder, on, strategy, training.global_batch, training.dtype, self.profile)
+        if priced is None or not priced[0].fits:
+            return
+        strategy = with_device_groups(on, strategy)
+        if any(o.strategy == strategy and self.priced_on[id(o)] is on for o in self.options):
+            return  # found twice (the re-partition of a one-stage plan is the plan itself)
+        distance = plan_distance(self.old.strategy, strategy, len(builder.chain.segments))
+        option = ReplanOption(kind, strategy, priced[0], priced[1], distance)
+        self.priced_on[id(option)] = on
+        self.options.append(option)
+
+    def add_kept(self, old_strategy: Strategy, cluster: Cluster, builder: StageProblemBuilder
+                 ) -> ReplanOption | None:
+        """The old strategy as it is and with its stages solved again, when the cluster still has its devices;
+        returns the kept option (None when it no longer fits)."""
+        if old_strategy.num_devices > cluster.num_available:
+            return None
+        self.add(OptionKind.KEEP, old_strategy, cluster, builder)
+        again = _repartitioned(builder, old_strategy)
+        if again is not None:
+            self.add(OptionKind.REPARTITION, again, cluster, builder)
+        return self.options[0] if self.options and self.options[0].kind is OptionKind.KEEP else None
+
+
+def _choose(options: Sequence[ReplanOption], stickiness: float) -> tuple[ReplanOption, ReplanOption]:
+    """(chosen, fastest): the option nearest the old plan among those within `stickiness` of the fastest."""
     if not options:
         raise UserError("no plan fits on the new cluster")
     fastest = min(options, key=lambda o: (o.step_time_s, o.distance))
     near = [o for o in options if o.step_time_s <= fastest.step_time_s * (1 + stickiness)]
-    chosen = min(near, key=lambda o: (o.distance, o.step_time_s))
-    elapsed = time.monotonic() - started
-    plan = _plan(old, chain, priced_on[id(chosen)], chosen, fastest, options, result, scope, elapsed, dtype)
-    return Replan(plan=plan, chosen=chosen, fastest=fastest, kept=kept, options=tuple(options), scope=scope,
-                  stickiness=stickiness, time_s=elapsed, warm_start=warm, search=result)
+    return min(near, key=lambda o: (o.distance, o.step_time_s)), fastest
 
 
 def _check_inputs(old: Plan, chain: LayerChain, stickiness: float) -> None:

@@ -39,14 +39,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from costmodel.cluster import Cluster
+from costmodel.hardware.cluster import Cluster
+from costmodel.rank_layout import device_map
 from costmodel.strategy import Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import UserError
 from planner.scenarios.group_data_parallel import GroupDataParallelPlan, plan_group_data_parallel, searching
 from planner.scenarios.replan import PlanningSession
 from planner.search.branch_and_bound import SearchOptions
-from planner.search.device_groups import device_map
 from planner.search.space import Objective, SearchSpace
 from planner.strategy_label import strategy_label
 
@@ -147,7 +147,7 @@ def spec_mapping(spec: str) -> dict[str, Any]:
 
 
 def _tiers_of(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    if "tiers" not in spec:  # the defaults a spec without tiers gets (costmodel.cluster_yaml)
+    if "tiers" not in spec:  # the defaults a spec without tiers gets (costmodel.hardware.cluster_yaml)
         spec["tiers"] = [{"name": "node"}, {"name": "cluster"}]
     return spec["tiers"]
 

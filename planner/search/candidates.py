@@ -14,9 +14,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from costmodel.cluster import Cluster
 from costmodel.context_parallel import cp_options
 from costmodel.expert_parallel import ep_options
+from costmodel.hardware.cluster import Cluster
 from costmodel.strategy import Recompute, RuntimeOptions, Schedule, StageSpec, Strategy
 from ir.layer_chain import LayerChain
 from planner.search.device_groups import mesh_type_problem

@@ -5,72 +5,26 @@ one device type; stages on a fast type then get more layers. The search's stage 
 pipeline rank is priced on its own device and speed and its memory capacity caps what it holds);
 `mixed_type_problem` tells the search which meshes would put two types in one lockstep group, and
 `with_device_groups` writes the chosen group into every `StageSpec.device_group` so the plan says which devices run
-what (`device_map` lists the physical ranks). Replicas on different device types are planned by
-`planner.scenarios.group_data_parallel` instead.
+what (`costmodel.rank_layout.device_map` lists the physical ranks). Replicas on different device types are planned
+by `planner.scenarios.group_data_parallel` instead.
 
-Logical rank i runs on the i-th available device (`Cluster.available_ranks`), as in `costmodel.estimate`.
+Logical rank i runs on the i-th available device (`Cluster.available_ranks`), as `costmodel.rank_layout` maps it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from costmodel.cluster import Cluster
-from costmodel.collectives import CommGroup
-from costmodel.estimate import axis_strides, dp_group, p2p_group, rank_speeds, stage_ranks, tp_group
-from costmodel.strategy import MeshAxis, Strategy
-
-# ---- which devices run what ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class StagePlacement:
-    """Pipeline rank `pp_rank`: the physical devices it runs on, their device groups and types, and its pace."""
-
-    pp_rank: int
-    ranks: tuple[int, ...]
-    """Physical (cluster) ranks, ascending; unavailable devices are never among them."""
-    groups: tuple[str, ...]
-    """Names of the device groups these ranks belong to, in cluster order."""
-    devices: tuple[str, ...]
-    """Device types (catalog names) of these ranks, sorted."""
-    speed: float
-    """Slowest speed factor among the ranks: the lockstep group's pace."""
-
-    @property
-    def group(self) -> str | None:
-        """The device group when the rank lies in exactly one, else None."""
-        return self.groups[0] if len(self.groups) == 1 else None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"pp_rank": self.pp_rank, "ranks": list(self.ranks), "groups": list(self.groups),
-                "devices": list(self.devices), "speed": self.speed}
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import CommGroup
+from costmodel.rank_layout import cp_group, device_map, dp_group, p2p_group, tp_group
+from costmodel.strategy import Strategy
 
 
 def _strategy_of(dp: int, tp: int, pp: int, cp: int, ep: int, mesh_order: Sequence[Any]) -> Strategy:
     return Strategy(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mesh_order=tuple(mesh_order))
-
-
-def device_map(cluster: Cluster, strategy: Strategy) -> tuple[StagePlacement, ...]:
-    """Per pipeline rank: its physical devices, groups, device types and pace."""
-    physical = cluster.available_ranks()
-    if strategy.num_devices > len(physical):
-        raise ValueError(f"strategy needs {strategy.num_devices} devices, cluster {cluster.name!r} has "
-                         f"{len(physical)} available")
-    speeds = rank_speeds(cluster, strategy)  # the estimate's speeds (shared host cores included)
-    out = []
-    for k in range(strategy.pp):
-        logical = stage_ranks(strategy, k)
-        ranks = tuple(sorted(physical[r] for r in logical))
-        group_ids = sorted({cluster.group_index_of(r) for r in ranks})
-        out.append(StagePlacement(
-            pp_rank=k, ranks=ranks, groups=tuple(cluster.groups[g].name for g in group_ids),
-            devices=tuple(sorted({cluster.groups[g].device.name for g in group_ids})),
-            speed=min(speeds[r] for r in logical)))
-    return tuple(out)
 
 
 def axis_tiers(cluster: Cluster, strategy: Strategy) -> dict[str, str | None]:
@@ -78,12 +32,10 @@ def axis_tiers(cluster: Cluster, strategy: Strategy) -> dict[str, str | None]:
     boundaries: "tp" (tensor-parallel collectives), "cp", "dp" (the gradient reduction over dp x cp) and "pp"
     (the sends between consecutive stages). None for an axis of one rank. Ranks are the cost model's (logical)
     ones, so this is what the step time was priced with."""
-    st = axis_strides(strategy)
     groups: dict[str, list[CommGroup]] = {"tp": [], "cp": [], "dp": [], "pp": []}
     for k in range(strategy.pp):
-        base = k * st[MeshAxis.PP]
         groups["tp"].append(tp_group(strategy, k))
-        groups["cp"].append(CommGroup(strategy.cp, stride=st[MeshAxis.CP], start=base))
+        groups["cp"].append(cp_group(strategy, k))
         groups["dp"].append(dp_group(strategy, k))
     groups["pp"] = [p2p_group(strategy, j) for j in range(strategy.pp * strategy.virtual_stages - 1)]
     out: dict[str, str | None] = {}

@@ -7,12 +7,12 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from costmodel.cluster import Cluster
 from costmodel.context_parallel import cp_problem
 from costmodel.estimate import estimate as costmodel_estimate
 from costmodel.expert_parallel import (
     ep_problem,
 )
+from costmodel.hardware.cluster import Cluster
 from costmodel.memory import GIB, framework_overhead_bytes, model_state_bytes
 from costmodel.strategy import MeshAxis, Strategy
 from ir.layer_chain import LayerChain

@@ -2,8 +2,8 @@
 
 Formulation
 -----------
-``costmodel.sharding_cost.build_sharding_model`` prices a segment; its integer form
-``costmodel.sharding_problem.ShardingProblem`` has nodes ``n`` with options ``s`` (strategies) of cost ``c[n, s]``
+``costmodel.sharding.cost.build_sharding_model`` prices a segment; its integer form
+``costmodel.sharding.problem.ShardingProblem`` has nodes ``n`` with options ``s`` (strategies) of cost ``c[n, s]``
 (compute + per-step gradient sync + memory_weight * memory, in picoseconds), and flows (tensors) ``f`` written by
 a source and read by readers, with a forward price ``F_f(a, l)`` per pair (layout written, layout wanted), a
 backward price ``B_f(e, g)`` per pair (gradient layout the source expects, gradient layout a reader produces), and
@@ -50,14 +50,13 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from costmodel.cluster import Cluster
-from costmodel.collectives import CommGroup
-from costmodel.device import DeviceSpec
 from costmodel.framework import FrameworkCosts
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import CommGroup
+from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.profile_db import OpProfile
-from costmodel.sharding import module_prefix, relative_module
-from costmodel.sharding_cost import (
+from costmodel.sharding.cost import (
     DEFAULT_MEMORY_WEIGHT,
     ShardingModel,
     build_sharding_model,
@@ -65,8 +64,9 @@ from costmodel.sharding_cost import (
     make_pricer,
     structural_key,
 )
-from costmodel.sharding_problem import FIXED, NO_GRAD, UNITS_PER_SECOND, ProblemFlow, ShardingProblem
-from costmodel.sharding_rules import Style
+from costmodel.sharding.layout import module_prefix, relative_module
+from costmodel.sharding.problem import FIXED, NO_GRAD, UNITS_PER_SECOND, ProblemFlow, ShardingProblem
+from costmodel.sharding.rules import Style
 from costmodel.training_loss import with_training_loss
 from ir.graph import Node
 from planner.errors import UserError
@@ -423,7 +423,7 @@ def solve_layer_sharding(nodes: Sequence[Node], cluster: Cluster, device: Device
 
     `nodes` are the segment's nodes in graph order; values they read from outside and the values they hand on
     (`outputs`, default: the nodes nothing inside reads) are in the boundary layout. `tp_group` is the
-    `costmodel.collectives.CommGroup` of the tensor-parallel ranks (its size must be `tp`). `sequence_parallel`:
+    `costmodel.hardware.collectives.CommGroup` of the tensor-parallel ranks (its size must be `tp`). `sequence_parallel`:
     True shards the boundary activations on the sequence dim and offers sequence-sharded strategies (Korthikanti
     et al. 2022); False offers none; None solves both and keeps the cheaper. Gradient syncs of replicated
     parameters are spread over `num_microbatches`. `traced_dtype` is the graph's dtype (`Graph.dtype`; inferred

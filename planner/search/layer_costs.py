@@ -14,10 +14,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from costmodel.cluster import Cluster
-from costmodel.device import DeviceSpec
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import owned_param_tensors, price_segment, segment_glue
+from costmodel.rank_layout import type_group
 from ir.graph import Node
 from ir.layer_chain import LayerChain
 from planner.plan import ModuleSharding
@@ -103,11 +104,11 @@ class LayerCostTable:
             segment = self.chain.representative(cid)
             nodes = self.chain.nodes_of(segment)
             cost = context_parallel_cost(cost, nodes, device, self.cluster, cp=split.cp,
-                                         group=_group_on(self.cluster, device, split.cp, split.cp_stride),
+                                         group=type_group(self.cluster, device.name, split.cp, split.cp_stride),
                                          concurrent=split.num_devices // split.cp, microbatch_size=mbs,
                                          traced_batch=batch, tp=tp, dtype=self.dtype, per_rank_base=per_rank)
             out[cid] = expert_parallel_cost(cost, nodes, self.cluster, ep=split.ep,
-                                            group=_group_on(self.cluster, device, split.ep, split.ep_stride),
+                                            group=type_group(self.cluster, device.name, split.ep, split.ep_stride),
                                             concurrent=split.num_devices // split.ep,
                                             segment_params=segment.param_count, microbatch_size=mbs,
                                             traced_batch=batch, traced_dtype=self.chain.graph.dtype,
@@ -131,7 +132,7 @@ class LayerCostTable:
                 self._sharding_cache = ShardingCache()
             solved = solve_layer_sharding(
                 self.chain.nodes_of(segment), self.cluster, device, tp=tp,
-                tp_group=_group_on(self.cluster, device, tp, tp_stride),
+                tp_group=type_group(self.cluster, device.name, tp, tp_stride),
                 microbatch_size=mbs, traced_batch=self.chain.graph.batch_size, sequence_parallel=sp,
                 dtype=self.dtype, cache=self._sharding_cache, profile=self.profile)
             owned = owned_param_tensors(self.chain, segment)
@@ -166,27 +167,12 @@ def _without_earlier_params(cost: LayerCost, chain_params: int, nodes: Sequence[
                                grad_sync_bytes=round(cost.grad_sync_bytes * keep))
 
 
-def _group_on(cluster: Cluster, device: DeviceSpec, size: int, stride: int) -> Any:
-    """The communication group of `size` ranks `stride` apart that starts at the first device of this type: a
-    type's collectives run over its own nodes' links (a V100 node's NVLink 2, not the NVLink 3 of the A100 node
-    at rank 0). From rank 0 when no group has the type or the group would not fit after it."""
-    from costmodel.collectives import CommGroup
-
-    for i, g in enumerate(cluster.groups):
-        if g.device.name == device.name:
-            start = cluster.group_ranks(i).start
-            if start + (size - 1) * stride < cluster.num_devices:
-                return CommGroup(size, stride, start)
-            break
-    return CommGroup(size, stride)
-
-
 def class_prefixes(chain: LayerChain) -> dict[int, str]:
     """Per class, the module path that owns its segments with differing components as "*" ("blocks.*").
 
     Module styles come back relative to a segment's owning module (`costmodel.sharding.module_prefix`); this is
     that prefix generalized over every segment of the class, so one pattern covers blocks.0 .. blocks.95."""
-    from costmodel.sharding import module_prefix
+    from costmodel.sharding.layout import module_prefix
 
     prefixes: dict[int, list[list[str]]] = {}
     for s in chain.segments:

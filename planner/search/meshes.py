@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from costmodel.rank_layout import strides_of
 from costmodel.strategy import DEFAULT_MESH_ORDER, MeshAxis, Strategy
 from planner.strategy_label import Detail, strategy_label
 
@@ -58,18 +59,10 @@ class MeshCandidate:
     def num_devices(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
-    def size(self, axis: MeshAxis) -> int:
-        return {MeshAxis.DP: self.dp, MeshAxis.TP: self.tp, MeshAxis.PP: self.pp, MeshAxis.CP: self.cp,
-                MeshAxis.EP: 1}[axis]
-
     def stride(self, axis: MeshAxis) -> int:
-        """Rank distance between neighbours along `axis`: the product of the sizes of the axes inside it."""
-        stride = 1
-        for a in self.mesh_order:
-            if a is axis:
-                return stride
-            stride *= self.size(a)
-        raise ValueError(f"axis {axis} not in mesh order")
+        """Rank distance between neighbours along `axis` (`costmodel.rank_layout`; ep has the dp stride)."""
+        sizes = {MeshAxis.DP: self.dp, MeshAxis.TP: self.tp, MeshAxis.PP: self.pp, MeshAxis.CP: self.cp}
+        return strides_of(sizes, self.mesh_order)[axis]
 
     @property
     def label(self) -> str:
@@ -90,7 +83,7 @@ def _distinct_orders(dp: int, pp: int, orders: Sequence[tuple[MeshAxis, ...]], c
     """Orders that give different rank layouts: with dp == 1 or pp == 1 the dp/pp order does not matter.
 
     With cp > 1 only orders where cp and dp are neighbours (ep rides on dp and has no stride): the gradient
-    reduction spans the dp x cp ranks, which `costmodel.estimate.dp_group` prices as one regular group -- exact
+    reduction spans the dp x cp ranks, which `costmodel.rank_layout.dp_group` prices as one regular group -- exact
     only for neighbouring axes. Pipeline stages between them would be priced as if the reduction stayed inside
     them (a cross-datacenter gradient all-reduce priced as intra-node)."""
     if cp > 1:

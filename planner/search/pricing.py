@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from costmodel.cluster import Cluster
+from costmodel.hardware.cluster import Cluster
 from costmodel.layer_cost import LayerCost
 from costmodel.strategy import Recompute, StageSpec
 from planner.errors import UserError

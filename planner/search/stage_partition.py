@@ -281,72 +281,113 @@ def solve_partition(problem: PartitionProblem, *, upper_bound: float = math.inf)
 
     `problem.objective` is also called with numpy arrays (one entry per candidate) in place of floats, so it must
     use only elementwise operations (+, -, *, /, np.maximum)."""
-    n, p = problem.num_segments, problem.num_stages
-    masks = [_valid_mask(problem, k) for k in range(p)]
+    masks = [_valid_mask(problem, k) for k in range(problem.num_stages)]
     h, g = _suffix_bounds(problem, masks)
     if not np.isfinite(h[0, 0]).all():
         return None
-    incumbent: tuple[float, list[StageChoice]] | None = None
+    search = _LabelSearch(problem, upper_bound)
     seed = _bottleneck_partition(problem, masks)
     if seed is not None:
-        value = evaluate(problem, seed)[0]
-        if value < upper_bound:
-            incumbent = (value, seed)
-    bound = incumbent[0] if incumbent else upper_bound
-
-    ns = problem.additive[0].shape[3]
-    nu = problem.bottleneck[0].shape[3]
-    root = _Label((0.0,) * ns, (-math.inf,) * nu + ((0.0,) if problem.has_tail else ()), 0.0, None, None)
-    fronts: dict[tuple[int, int], list[_Label]] = {(0, 0): [root]}
-    created = 1
-    for k in range(p):
-        q = problem.stage_profile[k]
-        last = k + 1 == p
-        for a in range(n):
-            front = fronts.pop((a, k), None)
-            if not front:
-                continue
-            rs, bs = np.nonzero(masks[k][:, a, :])
-            order = np.lexsort((rs, bs))  # shorter stages first, then options in the given order
-            rs, bs = rs[order], bs[order]
-            s_c = problem.additive[q][rs, a, bs]                     # (C, NS)
-            u_c = problem.bottleneck[q][rs, a, bs]                    # (C, NU)
-            lb_rest_s = h[k + 1, bs]
-            lb_rest_u = g[k + 1, bs]
-            if problem.tail is not None and problem.drain is not None:
-                e_c = problem.tail[q][rs, a, bs]
-                d_c = problem.drain[q][rs, a, bs]
-                c_c = problem.tail_const[q][rs, a, bs] if problem.tail_const is not None else 0.0
-            for label in front:
-                new_s = np.asarray(label.sums)[None, :] + s_c
-                new_u = np.maximum(np.asarray(label.maxes[:nu])[None, :], u_c)
-                lb_s = new_s + lb_rest_s
-                lb_u = np.maximum(new_u, lb_rest_u)
-                lb_cols = [lb_u[:, i] for i in range(nu)]
-                if problem.has_tail:
-                    new_t = np.maximum(label.maxes[nu], np.maximum(e_c - label.drain, 0.0) + c_c)
-                    lb_cols.append(new_t)
-                with np.errstate(invalid="ignore"):
-                    lb = np.asarray(problem.objective([lb_s[:, i] for i in range(ns)], lb_cols), dtype=float)
-                lb = np.broadcast_to(lb, bs.shape)
-                for c in np.nonzero(lb < bound)[0]:
-                    if lb[c] >= bound:  # the bound tightened while this front was being expanded
-                        continue
-                    maxes = tuple(float(x) for x in new_u[c]) + ((float(new_t[c]),) if problem.has_tail else ())
-                    choice = StageChoice(a, int(bs[c]), problem.options[int(rs[c])])
-                    drain = label.drain + (float(d_c[c]) if problem.has_tail else 0.0)
-                    new = _Label(tuple(float(x) for x in new_s[c]), maxes, drain, label, choice)
-                    if last:  # lb is then the exact objective (no stages remain)
-                        bound = float(lb[c])
-                        incumbent = (bound, _unwind(new))
-                        continue
-                    created += 1
-                    _insert(fronts.setdefault((int(bs[c]), k + 1), []), new)
-    if incumbent is None:
+        search.offer(evaluate(problem, seed)[0], seed)
+    for k in range(problem.num_stages):
+        for a in range(problem.num_segments):
+            front = search.fronts.pop((a, k), None)
+            if front:
+                stages = _NextStages.of(problem, masks, h, g, k, a)
+                for label in front:
+                    search.extend(label, stages, last=k + 1 == problem.num_stages)
+    if search.incumbent is None:
         return None
-    value, stages = incumbent
-    exact, sums, maxes = evaluate(problem, stages)
-    return Partition(tuple(stages), exact, sums, maxes, created)
+    exact, sums, maxes = evaluate(problem, search.incumbent)
+    return Partition(tuple(search.incumbent), exact, sums, maxes, search.created)
+
+
+@dataclass(frozen=True, slots=True)
+class _NextStages:
+    """The stages that may follow a label at (segment `a`, stage `k`), in visiting order (shorter stages first,
+    then options in the given order), with their terms and the least that any completion after them adds."""
+
+    k: int
+    a: int
+    options: np.ndarray
+    stops: np.ndarray
+    sums: np.ndarray          # (C, NS)
+    maxes: np.ndarray         # (C, NU)
+    rest_sums: np.ndarray     # (C, NS): h[k + 1, stop]
+    rest_maxes: np.ndarray    # (C, NU): g[k + 1, stop]
+    tail: np.ndarray | None
+    drain: np.ndarray | None
+    tail_const: np.ndarray | float
+
+    @classmethod
+    def of(cls, problem: PartitionProblem, masks: Sequence[np.ndarray], h: np.ndarray, g: np.ndarray, k: int,
+           a: int) -> _NextStages:
+        q = problem.stage_profile[k]
+        rs, bs = np.nonzero(masks[k][:, a, :])
+        order = np.lexsort((rs, bs))
+        rs, bs = rs[order], bs[order]
+        tail = drain = None
+        const: np.ndarray | float = 0.0
+        if problem.tail is not None and problem.drain is not None:
+            tail, drain = problem.tail[q][rs, a, bs], problem.drain[q][rs, a, bs]
+            if problem.tail_const is not None:
+                const = problem.tail_const[q][rs, a, bs]
+        return cls(k, a, rs, bs, problem.additive[q][rs, a, bs], problem.bottleneck[q][rs, a, bs], h[k + 1, bs],
+                   g[k + 1, bs], tail, drain, const)
+
+
+class _LabelSearch:
+    """The label-setting DP's state: the Pareto front of each (segment, stage), the incumbent and its value."""
+
+    def __init__(self, problem: PartitionProblem, upper_bound: float) -> None:
+        self.problem = problem
+        self.ns, self.nu = problem.additive[0].shape[3], problem.bottleneck[0].shape[3]
+        root = _Label((0.0,) * self.ns, (-math.inf,) * self.nu + ((0.0,) if problem.has_tail else ()), 0.0,
+                      None, None)
+        self.fronts: dict[tuple[int, int], list[_Label]] = {(0, 0): [root]}
+        self.created = 1
+        self.bound = upper_bound
+        """Labels whose completion bound is no better are dropped: the incumbent's value, or the caller's bound."""
+        self.incumbent: list[StageChoice] | None = None
+
+    def offer(self, value: float, stages: list[StageChoice]) -> None:
+        """Take a known partition of objective `value` as the incumbent when it beats the bound."""
+        if value < self.bound:
+            self.bound, self.incumbent = value, stages
+
+    def extend(self, label: _Label, nxt: _NextStages, *, last: bool) -> None:
+        """Append each next stage to `label` whose completion bound beats the incumbent."""
+        new_s, new_u, new_t, lb = self._completion_bounds(label, nxt)
+        has_tail = self.problem.has_tail
+        for c in np.nonzero(lb < self.bound)[0]:
+            if lb[c] >= self.bound:  # the bound tightened while this front was being expanded
+                continue
+            maxes = tuple(float(x) for x in new_u[c]) + ((float(new_t[c]),) if has_tail else ())
+            choice = StageChoice(nxt.a, int(nxt.stops[c]), self.problem.options[int(nxt.options[c])])
+            drain = label.drain + (float(nxt.drain[c]) if has_tail else 0.0)
+            new = _Label(tuple(float(x) for x in new_s[c]), maxes, drain, label, choice)
+            if last:  # lb is then the exact objective (no stages remain)
+                self.bound = float(lb[c])
+                self.incumbent = _unwind(new)
+                continue
+            self.created += 1
+            _insert(self.fronts.setdefault((int(nxt.stops[c]), nxt.k + 1), []), new)
+
+    def _completion_bounds(self, label: _Label, nxt: _NextStages
+                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+        """Per next stage: the new sums, maxima and exposed tail, and Phi's lower bound over every completion."""
+        new_s = np.asarray(label.sums)[None, :] + nxt.sums
+        new_u = np.maximum(np.asarray(label.maxes[:self.nu])[None, :], nxt.maxes)
+        lb_s = new_s + nxt.rest_sums
+        lb_u = np.maximum(new_u, nxt.rest_maxes)
+        lb_cols = [lb_u[:, i] for i in range(self.nu)]
+        new_t = None
+        if self.problem.has_tail:
+            new_t = np.maximum(label.maxes[self.nu], np.maximum(nxt.tail - label.drain, 0.0) + nxt.tail_const)
+            lb_cols.append(new_t)
+        with np.errstate(invalid="ignore"):
+            lb = np.asarray(self.problem.objective([lb_s[:, i] for i in range(self.ns)], lb_cols), dtype=float)
+        return new_s, new_u, new_t, np.broadcast_to(lb, nxt.stops.shape)
 
 
 def _unwind(label: _Label) -> list[StageChoice]:

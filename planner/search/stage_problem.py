@@ -17,7 +17,7 @@ strategy (`tests/test_search_bruteforce.py` checks it on every instance):
   it (`pipeline.drain_slack`: the backward and sends of the stages before it), plus the largest optimizer step
   and the largest post-step gather.
 
-For the interleaved schedule the chain is split into p*v chunks by `costmodel.estimate.even_stages` (the
+For the interleaved schedule the chain is split into p*v chunks by `costmodel.rank_layout.even_stages` (the
 partition Megatron-LM uses), and the problem's units are the pipeline ranks: each rank picks its recomputation,
 and ``T = S / v + (m - 1/v) max_k D_k`` plus the same tails (D_k: the rank's chunks, sends included).
 
@@ -35,26 +35,23 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from costmodel.cluster import Cluster
-from costmodel.collectives import CommGroup, spans
-from costmodel.device import DeviceSpec
-from costmodel.estimate import (
-    RankSetting,
-    busy_fraction,
-    dp_group,
-    even_stages,
-    p2p_group,
-    p2p_time,
-    rank_speeds,
-    rank_step_terms,
-    shared_parameter_copies,
-    stage_ranks,
-    tp_group,
-)
+from costmodel.estimate import RankSetting, p2p_time, rank_step_terms, shared_parameter_copies
 from costmodel.framework import FrameworkCosts
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import CommGroup, spans
+from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment, rank_memory
 from costmodel.pipeline import in_flight_per_chunk
+from costmodel.rank_layout import (
+    busy_fraction,
+    device_map,
+    dp_group,
+    even_stages,
+    p2p_group,
+    shared_weight_group,
+    tp_group,
+)
 from costmodel.step_time import DataParallelComm, data_parallel_comm, tp_exposed
 from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
 from ir.layer_chain import LayerChain
@@ -66,7 +63,7 @@ from planner.search.stage_partition import Partition, PartitionProblem, StageKin
 
 @dataclass(frozen=True, slots=True)
 class RankPlacement:
-    """Pipeline rank k: its logical ranks, the device that prices it and its speed (slowest of its devices)."""
+    """Pipeline rank k: its physical ranks, the device that prices it and its speed (slowest of its devices)."""
 
     ranks: tuple[int, ...]
     device: DeviceSpec
@@ -139,8 +136,6 @@ class StageProblemBuilder:
     _placements: dict[tuple[MeshCandidate, float], tuple[RankPlacement, ...] | None] = field(default_factory=dict,
                                                                                               repr=False)
     _tied: list[tuple[int, np.ndarray, int]] | None = field(default=None, repr=False)
-    _physical: tuple[int, ...] | None = field(default=None, repr=False)
-    _speeds: tuple[float, ...] = field(default=(), repr=False)
     _strategies: dict[tuple, Strategy] = field(default_factory=dict, repr=False)
     _shared: dict[tuple, tuple[int, ...]] = field(default_factory=dict, repr=False)
     _p2p_sig: dict[tuple, tuple] = field(default_factory=dict, repr=False)
@@ -151,7 +146,7 @@ class StageProblemBuilder:
     # -- placement -------------------------------------------------------------------------------------------
     def placements(self, cand: Candidate) -> tuple[RankPlacement, ...] | None:
         """Per pipeline rank its devices, device type and speed (logical rank i runs on the i-th available
-        device, and runs at `costmodel.estimate.rank_speeds`, as `estimate` maps them); None if the mesh needs
+        device, and runs at `costmodel.rank_layout.rank_speeds`, as `estimate` maps them); None if the mesh needs
         more devices than are available. Where devices share host cores their speed depends on the schedule's
         bubbles too, so placements are per (mesh, busy fraction); otherwise per mesh."""
         busy = busy_fraction(self.strategy_of(cand)) if self.cluster.shares_host_cores else 1.0
@@ -161,21 +156,10 @@ class StageProblemBuilder:
         return self._placements[key]
 
     def _place(self, cand: Candidate) -> tuple[RankPlacement, ...] | None:
-        if self._physical is None:
-            self._physical = self.cluster.available_ranks()
-            self._speeds = tuple(self.cluster.speed_of(r) for r in self._physical)
-        physical, speeds = self._physical, self._speeds
-        if cand.mesh.num_devices > len(physical):
+        if cand.mesh.num_devices > self.cluster.num_available:
             return None
-        strategy = self.strategy_of(cand)
-        if self.cluster.shares_host_cores:
-            speeds = rank_speeds(self.cluster, strategy)
-        out = []
-        for k in range(cand.mesh.pp):
-            ranks = tuple(stage_ranks(strategy, k))
-            speed = min(speeds[r] for r in ranks)
-            out.append(RankPlacement(ranks, self.cluster.device_of(physical[ranks[0]]), speed))
-        return tuple(out)
+        return tuple(RankPlacement(pl.ranks, self.cluster.device_of(pl.ranks[0]), pl.speed)
+                     for pl in device_map(self.cluster, self.strategy_of(cand)))
 
     def strategy_of(self, cand: Candidate) -> Strategy:
         """The candidate's strategy without stages (cached: building a Strategy validates it)."""
@@ -196,7 +180,7 @@ class StageProblemBuilder:
     def segment_costs(self, cand: Candidate, device: DeviceSpec) -> tuple[LayerCost, ...]:
         m = cand.mesh
         # Context / expert parallelism priced on top of the tp prices (planner.search.layer_costs.AxisSplit).
-        split = AxisSplit(cp=m.cp, cp_stride=m.stride(MeshAxis.CP), ep=m.ep, ep_stride=m.stride(MeshAxis.DP),
+        split = AxisSplit(cp=m.cp, cp_stride=m.stride(MeshAxis.CP), ep=m.ep, ep_stride=m.stride(MeshAxis.EP),
                           num_devices=m.num_devices)
         return self.table.segment_costs(device, tp=m.tp, tp_stride=m.stride(MeshAxis.TP),
                                         sequence_parallel=cand.sequence_parallel,
@@ -257,7 +241,7 @@ class StageProblemBuilder:
     def _context(self, cand: Candidate, k: int, placement: RankPlacement) -> _RankContext:
         strategy = self.strategy_of(cand)
         dpg, tpg = dp_group(strategy, k), tp_group(strategy, k)
-        shared = CommGroup(2, stride=k * cand.mesh.stride(MeshAxis.PP)) if k > 0 else None
+        shared = shared_weight_group(strategy, k) if k > 0 else None
         m = cand.mesh
         signature = (placement.device.name, placement.speed, m.tp, m.pp, m.dp, m.cp, m.ep, cand.sequence_parallel,
                      cand.microbatch_size, cand.zero_stage, self._sig(dpg), self._sig(tpg), self._sig(shared),

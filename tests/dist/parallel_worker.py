@@ -35,7 +35,7 @@ from costmodel.strategy import Recompute, StageSpec, Strategy
 from models import gpt, llama, moe
 from models.synthetic import normal, token_ids
 from planner.runtime.parallelize import count_trainable_params, parallelize
-from costmodel.sharding_rules import Style
+from costmodel.sharding.rules import Style
 from planner.plan import ModelInfo, ModuleSharding, Plan, SearchInfo, TrainingConfig
 from planner.runtime.train_step import local_batch, train_step
 

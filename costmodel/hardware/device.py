@@ -1,5 +1,5 @@
 """Device specifications: what one accelerator can compute, hold and move. Values come from the catalog
-(`costmodel/data/devices.csv`), each with its source; `cpu` is filled from a profile of this machine."""
+(`costmodel/hardware/data/devices.csv`), each with its source; `cpu` is filled from a profile of this machine."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class DeviceSpec:
     sources: Mapping[str, str] = field(default_factory=dict)
     """Field name -> where its value comes from."""
     intra_node_link: str = ""
-    """Link type inside a node ("nvlink4", "pcie", ...): a row of `costmodel/data/links.csv` that calibrates the
+    """Link type inside a node ("nvlink4", "pcie", ...): a row of `costmodel/hardware/data/links.csv` that calibrates the
     achievable fraction and per-hop latency of collectives; empty for a device the catalog does not know."""
     inter_node_link: str = ""
     """Link type of the per-device NIC between nodes ("nic"); see `intra_node_link`."""

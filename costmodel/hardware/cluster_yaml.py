@@ -1,4 +1,5 @@
-"""Reading cluster specs: the `NODESxGPUSxDEVICE` shorthand, YAML files, and `Cluster.to_dict()` output.
+"""Reading cluster specs -- the `NODESxGPUSxDEVICE` shorthand, YAML files, and `Cluster.to_dict()` output -- into
+the parts `Cluster.parse` and `Cluster.from_dict` assemble.
 
 YAML format (every key but `groups` optional; see examples/clusters/README.md for worked examples):
 
@@ -20,7 +21,7 @@ YAML format (every key but `groups` optional; see examples/clusters/README.md fo
         bandwidth: 300GB/s           # per device, unidirectional; default: the device catalog
         latency: 3us                 # per algorithm step; default: the link calibration
         efficiency: 0.77             # achievable fraction of bandwidth; default: the link calibration
-        link: nvlink3                # a row of costmodel/data/links.csv to take the defaults from
+        link: nvlink3                # a row of costmodel/hardware/data/links.csv to take the defaults from
         per_collective:              # optional per-kind figures replacing latency and bandwidth x efficiency
           reduce_scatter: {latency: 170us, bandwidth: 0.4GB/s}   # both keys required; bandwidth is achieved
       - name: rack
@@ -50,10 +51,11 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from costmodel.catalog import (
+from costmodel.hardware.catalog import (
     LinkSpec,
     device_names,
     get_device,
@@ -62,8 +64,9 @@ from costmodel.catalog import (
     intra_node_link_of,
     list_links,
 )
-from costmodel.cluster import COLLECTIVE_KINDS, Cluster, CollectiveLink, DeviceGroup, NetworkTier
-from costmodel.device import DeviceSpec
+from costmodel.hardware.device import DeviceSpec
+from costmodel.hardware.device_group import DeviceGroup
+from costmodel.hardware.network import COLLECTIVE_KINDS, CollectiveLink, NetworkTier
 
 SHORTHAND_FORM = "NODESxGPUSxDEVICE (e.g. 128x8xa100-80gb or 1x4xcpu)"
 _SHORTHAND = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*[xX]\s*([A-Za-z0-9._-]+)\s*$")
@@ -100,11 +103,23 @@ _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([^\s0-9][^
 
 # ---- entry points -------------------------------------------------------------------------------------------------
 
-def parse_cluster_spec(spec: str) -> Cluster:
+@dataclass(frozen=True, slots=True)
+class ClusterParts:
+    """The validated pieces of a cluster spec; `Cluster` checks how they fit together (tier sizes, names)."""
+
+    name: str
+    groups: tuple[DeviceGroup, ...]
+    tiers: tuple[NetworkTier, ...]
+    error_context: str = ""
+    """What to name in front of an error about how the parts fit ("cluster spec 'x'"); "" for the shorthand,
+    whose errors name the cluster already."""
+
+
+def read_cluster_spec(spec: str) -> ClusterParts:
     """A shorthand `NODESxGPUSxDEVICE` or a path to a .yaml/.yml file."""
     text = str(spec).strip()
     if text.lower().endswith((".yaml", ".yml")) or Path(text).is_file():
-        return load_cluster_yaml(text)
+        return read_cluster_yaml(text)
     m = _SHORTHAND.match(text)
     if not m:
         raise ValueError(f"bad cluster spec {text!r}: expected {SHORTHAND_FORM} or a path to a .yaml/.yml file; "
@@ -117,18 +132,18 @@ def parse_cluster_spec(spec: str) -> Cluster:
     except ValueError:
         raise ValueError(f"bad cluster spec {text!r}: unknown device {device!r}; valid devices: "
                          f"{', '.join(device_names())}") from None
-    return shorthand_cluster(nodes, gpus, spec_device, name=f"{nodes}x{gpus}x{spec_device.name}")
+    return shorthand_parts(nodes, gpus, spec_device, name=f"{nodes}x{gpus}x{spec_device.name}")
 
 
-def shorthand_cluster(num_nodes: int, devices_per_node: int, device: DeviceSpec, *, name: str) -> Cluster:
+def shorthand_parts(num_nodes: int, devices_per_node: int, device: DeviceSpec, *, name: str) -> ClusterParts:
     """`num_nodes` nodes of `devices_per_node` devices: a node tier and a cluster tier from the catalog."""
     group = DeviceGroup(name=device.name, device=device, num_nodes=num_nodes, devices_per_node=devices_per_node)
     tiers = (_node_tier_from_device(device, "node", devices_per_node),
              _outer_tier_from_devices([device], "cluster", num_nodes * devices_per_node))
-    return Cluster(name=name, groups=(group,), tiers=tiers)
+    return ClusterParts(name=name, groups=(group,), tiers=tiers)
 
 
-def load_cluster_yaml(path: str | Path) -> Cluster:
+def read_cluster_yaml(path: str | Path) -> ClusterParts:
     import yaml
 
     p = Path(path)
@@ -140,11 +155,11 @@ def load_cluster_yaml(path: str | Path) -> Cluster:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ValueError(f"cluster spec {p.name}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
-    return cluster_from_dict(data, default_name=p.stem)
+    return read_cluster_dict(data, default_name=p.stem)
 
 
-def cluster_from_dict(d: Any, *, default_name: str = "cluster") -> Cluster:
-    """Validate a spec mapping (YAML form or `Cluster.to_dict()` form) and build the cluster."""
+def read_cluster_dict(d: Any, *, default_name: str = "cluster") -> ClusterParts:
+    """Validate a spec mapping (YAML form or `Cluster.to_dict()` form) into a cluster's parts."""
     _check_keys(d, "cluster spec", _TOP_KEYS)
     name = _string(d.get("name", default_name), "name")
     raw_groups = d["groups"]
@@ -159,10 +174,7 @@ def cluster_from_dict(d: Any, *, default_name: str = "cluster") -> Cluster:
         if not isinstance(raw_tiers, list) or not raw_tiers:
             raise ValueError("tiers: expected a non-empty list of network tiers, innermost (node) first")
         groups, tiers = _tiers(raw_tiers, groups)
-    try:
-        return Cluster(name=name, groups=tuple(groups), tiers=tuple(tiers))
-    except ValueError as e:
-        raise ValueError(f"cluster spec {name!r}: {e}") from None
+    return ClusterParts(name=name, groups=tuple(groups), tiers=tuple(tiers), error_context=f"cluster spec {name!r}")
 
 
 # ---- quantities -----------------------------------------------------------------------------------------------
@@ -392,7 +404,7 @@ def _node_tier_from_device(device: DeviceSpec, name: str, size: int) -> NetworkT
         efficiency=link.efficiency, in_network_reduction_efficiency=link.in_network_reduction_efficiency,
         in_network_reduction_latency=link.in_network_reduction_latency, link=link.name,
         source=f"device catalog {device.name} intra_node_bandwidth; link calibration {link.name} "
-               f"(costmodel/data/links.csv)")
+               f"(costmodel/hardware/data/links.csv)")
 
 
 def _outer_tier_from_devices(devices: Sequence[DeviceSpec], name: str, size: int) -> NetworkTier:
@@ -402,7 +414,7 @@ def _outer_tier_from_devices(devices: Sequence[DeviceSpec], name: str, size: int
         name=name, size=size, bandwidth=slowest.inter_node_bandwidth, latency=link.latency,
         efficiency=link.efficiency, link=link.name,
         source=f"device catalog {slowest.name} inter_node_bandwidth (per-device NIC); link calibration "
-               f"{link.name} (costmodel/data/links.csv)")
+               f"{link.name} (costmodel/hardware/data/links.csv)")
 
 
 def _default_tiers(groups: list[DeviceGroup]) -> tuple[list[DeviceGroup], list[NetworkTier]]:
@@ -524,7 +536,7 @@ def _tier(t: Any, path: str, *, index: int, default_name: str, size: int, device
         base = dataclasses.replace(base, latency=link.latency, efficiency=link.efficiency, link=link.name,
                                    in_network_reduction_efficiency=link.in_network_reduction_efficiency,
                                    in_network_reduction_latency=link.in_network_reduction_latency,
-                                   source=f"link calibration {link.name} (costmodel/data/links.csv)")
+                                   source=f"link calibration {link.name} (costmodel/hardware/data/links.csv)")
     if "bandwidth" in t and "aggregate_bandwidth" in t:
         raise ValueError(f"{path}: give either 'bandwidth' (per device) or 'aggregate_bandwidth' (per domain "
                          f"below), not both")

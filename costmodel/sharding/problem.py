@@ -1,8 +1,8 @@
 """The integer problem of intra-operator sharding, and its reference objective.
 
 Nodes pick one option each; flows (tensors) pay for each distinct pair of layouts between their source and their
-readers, once per pair (see `costmodel.sharding` for the semantics). `ShardingProblem.objective` evaluates any
-assignment directly: the planner's CP-SAT model (`planner.intra_op`) must reach the same value, and brute force in
+readers, once per pair (see `costmodel.sharding.layout` for the semantics). `ShardingProblem.objective` evaluates any
+assignment directly: the planner's CP-SAT model (`planner.search.intra_op`) must reach the same value, and brute force in
 the tests minimizes it.
 """
 

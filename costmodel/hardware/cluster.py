@@ -10,14 +10,7 @@ Global rank order: groups in spec order, nodes in order, devices in order. Ranks
 device keeps its rank (so a spec edit does not renumber the others); `speed_of` is 0 for it and
 `available_ranks()` leaves it out.
 
-Bandwidths are per device and unidirectional: a tier's `bandwidth` is what each device gets when every device
-under it sends through the tier at once (a rack uplink of 400 GB/s shared by 32 GPUs is 12.5 GB/s per device).
-`efficiency` is the achievable fraction of it for collectives (calibrated in `costmodel/data/links.csv`).
-
-One latency and one bandwidth per tier under-price some collectives: gloo on 2 CPU ranks measured 96 us per
-all-reduce step but 170 us per reduce-scatter step, and reduce-scatter reached ~1/3 of all-reduce's bandwidth at
-4 MB. `NetworkTier.per_collective` therefore holds optional per-kind `CollectiveLink` overrides (achieved
-bandwidth and per-step latency) that `costmodel.collectives` uses for that kind instead of the tier's defaults.
+Bandwidths, efficiencies and per-collective overrides are the tiers' (`costmodel.hardware.network`).
 
 The node tier can differ per device group (an A100 node has NVLink 3, a V100 node NVLink 2):
 `DeviceGroup.node_tier` overrides `tiers[0]` for that group's nodes; `node_tier_of(group_index)` resolves it.
@@ -27,7 +20,7 @@ node in `DeviceGroup.host_cores`; `compute_speeds` turns that into a speed per d
 busy a given fraction of the step (pipeline bubbles free cores for the busy stages).
 
 `Cluster.parse(spec)` takes the shorthand `NODESxGPUSxDEVICE` (`128x8xa100-80gb`, `1x4xcpu`) or a YAML path; the
-format and its validation live in `costmodel.cluster_yaml`.
+format and its validation live in `costmodel.hardware.cluster_yaml`.
 """
 
 from __future__ import annotations
@@ -35,198 +28,20 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from costmodel.collective_kind import Collective
-from costmodel.device import DeviceSpec
+from costmodel.hardware.cluster_yaml import ClusterParts, read_cluster_dict, read_cluster_spec
+from costmodel.hardware.device import DeviceSpec
+from costmodel.hardware.device_group import DeviceGroup
+from costmodel.hardware.network import NetworkTier
 
 MAX_DEVICES = 1 << 20
 """Most devices a cluster spec may have: about ten times the largest announced training cluster (xAI Colossus,
 100,000 H100 GPUs, announced September 2024). A bigger count is a typo, and rank tables of that size would
 exhaust memory before any error could be reported."""
-
-
-COLLECTIVE_KINDS: tuple[str, ...] = tuple(k.value for k in Collective)
-"""Values of `costmodel.collective_kind.Collective`, the kinds a tier may override."""
-
-
-@dataclass(frozen=True)
-class CollectiveLink:
-    """A tier's figures for one collective kind, overriding the tier's latency and effective bandwidth for it
-    (measured collectives differ by kind: a gloo reduce-scatter step costs ~2x an all-reduce step)."""
-
-    kind: str
-    """A `COLLECTIVE_KINDS` value (a `Collective` member is accepted and stored as its value)."""
-    latency: float
-    """Seconds per algorithm step of this kind (alpha)."""
-    bandwidth: float
-    """Achieved bytes/s per device for this kind: efficiency already included (unlike `NetworkTier.bandwidth`)."""
-
-    def __post_init__(self) -> None:
-        kind = str(self.kind)
-        if kind not in COLLECTIVE_KINDS:
-            raise ValueError(f"unknown collective kind {self.kind!r} in a per-collective link; valid: "
-                             f"{', '.join(COLLECTIVE_KINDS)}")
-        object.__setattr__(self, "kind", kind)
-        if not (isinstance(self.latency, int | float) and self.latency >= 0 and math.isfinite(self.latency)):
-            raise ValueError(f"{kind} link: latency must be a finite number >= 0 seconds, got {self.latency!r}")
-        if not (isinstance(self.bandwidth, int | float) and self.bandwidth > 0 and math.isfinite(self.bandwidth)):
-            raise ValueError(f"{kind} link: bandwidth must be a finite positive bytes/s, got {self.bandwidth!r}")
-
-    def to_dict(self) -> dict[str, float]:
-        return {"latency": self.latency, "bandwidth": self.bandwidth}
-
-
-@dataclass(frozen=True)
-class NetworkTier:
-    name: str
-    """"node", "rack", "building", "datacenter", ... (free text, unique within a cluster)."""
-    size: int
-    """Devices inside one domain of this tier (8 for a DGX node)."""
-    bandwidth: float
-    """Bytes/s per device, unidirectional, for traffic that crosses into this tier (spec value)."""
-    latency: float
-    """Seconds per message hop (the alpha of alpha-beta)."""
-    source: str = ""
-    efficiency: float = 1.0
-    """Achievable fraction of `bandwidth` for large collectives (NCCL bus bandwidth / spec)."""
-    in_network_reduction_efficiency: float = 0.0
-    """Fraction of `bandwidth` an in-switch all-reduce reaches (NVLink SHARP, InfiniBand SHARP); 0 = none."""
-    in_network_reduction_latency: float = 0.0
-    """Fixed seconds of one in-switch all-reduce."""
-    link: str = ""
-    """Link type of `costmodel/data/links.csv` the defaults came from ("" when given explicitly)."""
-    per_collective: tuple[CollectiveLink, ...] = ()
-    """Per-kind overrides of `latency` and `effective_bandwidth` (sorted by kind, kinds distinct); the in-network
-    reduction fields are not overridden. Edits of `latency`, `bandwidth` or `efficiency` leave them as they are."""
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("network tier needs a non-empty name")
-        self._check_per_collective()
-        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
-            raise ValueError(f"tier {self.name!r}: size must be a positive integer, got {self.size!r}")
-        if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
-            raise ValueError(f"tier {self.name!r}: bandwidth must be positive bytes/s, got {self.bandwidth!r}")
-        if not (self.latency >= 0 and math.isfinite(self.latency)):
-            raise ValueError(f"tier {self.name!r}: latency must be >= 0 seconds, got {self.latency!r}")
-        if not 0 < self.efficiency <= 1:
-            raise ValueError(f"tier {self.name!r}: efficiency must be in (0, 1], got {self.efficiency!r}")
-        if not 0 <= self.in_network_reduction_efficiency <= 1:
-            raise ValueError(f"tier {self.name!r}: in_network_reduction_efficiency must be in [0, 1], "
-                             f"got {self.in_network_reduction_efficiency!r}")
-        if not (self.in_network_reduction_latency >= 0 and math.isfinite(self.in_network_reduction_latency)):
-            raise ValueError(f"tier {self.name!r}: in_network_reduction_latency must be >= 0 seconds")
-
-    def _check_per_collective(self) -> None:
-        links = tuple(self.per_collective)
-        bad = [x for x in links if not isinstance(x, CollectiveLink)]
-        if bad:
-            raise ValueError(f"tier {self.name!r}: per_collective must hold CollectiveLink values, got {bad[0]!r}")
-        kinds = [x.kind for x in links]
-        dup = sorted({k for k in kinds if kinds.count(k) > 1})
-        if dup:
-            raise ValueError(f"tier {self.name!r}: per_collective lists kind {dup[0]!r} more than once; give each "
-                             f"kind at most one link")
-        # Sorted so that equal overrides compare (and serialize) equal whatever order they were given in.
-        object.__setattr__(self, "per_collective", tuple(sorted(links, key=lambda x: x.kind)))
-
-    def link_for(self, kind: str) -> tuple[float, float]:
-        """(effective bandwidth bytes/s, latency s) a `kind` collective gets on this tier."""
-        for x in self.per_collective:
-            if x.kind == kind:
-                return x.bandwidth, x.latency
-        return self.effective_bandwidth, self.latency
-
-    @property
-    def effective_bandwidth(self) -> float:
-        """Bytes/s per device that collectives reach on large messages."""
-        return self.bandwidth * self.efficiency
-
-    @property
-    def has_in_network_reduction(self) -> bool:
-        return self.in_network_reduction_efficiency > 0
-
-    def to_dict(self) -> dict[str, Any]:
-        """`per_collective` appears only when non-empty, so specs (and golden plans) without it are unchanged."""
-        out: dict[str, Any] = {
-            "name": self.name, "size": self.size, "bandwidth": self.bandwidth, "latency": self.latency,
-            "efficiency": self.efficiency, "in_network_reduction_efficiency": self.in_network_reduction_efficiency,
-            "in_network_reduction_latency": self.in_network_reduction_latency, "link": self.link,
-            "source": self.source}
-        if self.per_collective:
-            out["per_collective"] = {x.kind: x.to_dict() for x in self.per_collective}
-        return out
-
-
-@dataclass(frozen=True)
-class DeviceGroup:
-    name: str
-    device: DeviceSpec
-    num_nodes: int
-    devices_per_node: int
-    slowdown: Mapping[int, float] = field(default_factory=dict)
-    """Device index within the group -> speed factor (0.5 = runs at half speed)."""
-    unavailable: frozenset[int] = frozenset()
-    """Device indices within the group that cannot be used."""
-    price_per_device_hour: float | None = None
-    node_tier: NetworkTier | None = None
-    """This group's link inside a node when it differs from the cluster's `tiers[0]` (mixed device types)."""
-    host_cores: int | None = None
-    """Cores the devices of one node compute on when they share them -- CPU "devices" are processes on the
-    host's cores, e.g. four ranks on two cores -- else None (each device computes on its own)."""
-
-    def __post_init__(self) -> None:
-        for f in ("num_nodes", "devices_per_node"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"group {self.name!r}: {f} must be a positive integer, got {v!r}")
-        n = self.num_devices
-        for i, s in self.slowdown.items():
-            if not 0 <= i < n:
-                raise ValueError(f"group {self.name!r}: slowdown device index {i} is outside 0..{n - 1}")
-            if not 0 < s <= 1:
-                raise ValueError(f"group {self.name!r}: slowdown factor of device {i} must be in (0, 1], got {s!r}")
-        for i in self.unavailable:
-            if not 0 <= i < n:
-                raise ValueError(f"group {self.name!r}: unavailable device index {i} is outside 0..{n - 1}")
-        if self.price_per_device_hour is not None and not self.price_per_device_hour >= 0:
-            raise ValueError(f"group {self.name!r}: price_per_device_hour must be >= 0, "
-                             f"got {self.price_per_device_hour!r}")
-        if self.host_cores is not None and (not isinstance(self.host_cores, int) or isinstance(self.host_cores, bool)
-                                            or self.host_cores < 1):
-            raise ValueError(f"group {self.name!r}: host_cores must be a positive integer, got {self.host_cores!r}")
-        if self.node_tier is not None and self.node_tier.size != self.devices_per_node:
-            raise ValueError(f"group {self.name!r}: node_tier size {self.node_tier.size} must equal "
-                             f"devices_per_node {self.devices_per_node}")
-
-    @property
-    def num_devices(self) -> int:
-        return self.num_nodes * self.devices_per_node
-
-    @property
-    def num_available(self) -> int:
-        return self.num_devices - len(self.unavailable)
-
-    def speed_of(self, index: int) -> float:
-        """Speed factor of device `index` of this group: 0 when unavailable, else its slowdown (1 = nominal)."""
-        return 0.0 if index in self.unavailable else float(self.slowdown.get(index, 1.0))
-
-    def to_dict(self) -> dict[str, Any]:
-        """`host_cores` appears only when set, so specs (and golden plans) without it are unchanged."""
-        out: dict[str, Any] = {
-            "name": self.name, "device": self.device.to_dict(), "num_nodes": self.num_nodes,
-            "devices_per_node": self.devices_per_node, "price_per_device_hour": self.price_per_device_hour,
-            "slowdown": {str(i): float(self.slowdown[i]) for i in sorted(self.slowdown)},
-            "unavailable": sorted(self.unavailable),
-            "node_tier": self.node_tier.to_dict() if self.node_tier is not None else None}
-        if self.host_cores is not None:
-            out["host_cores"] = self.host_cores
-        return out
 
 
 @dataclass(frozen=True)
@@ -274,9 +89,8 @@ class Cluster:
 
     @classmethod
     def parse(cls, spec: str) -> Cluster:
-        """`NODESxGPUSxDEVICE` shorthand or a path to a .yaml/.yml spec (see `costmodel.cluster_yaml`)."""
-        from costmodel.cluster_yaml import parse_cluster_spec
-        return parse_cluster_spec(spec)
+        """`NODESxGPUSxDEVICE` shorthand or a path to a .yaml/.yml spec (see `costmodel.hardware.cluster_yaml`)."""
+        return cls._assemble(read_cluster_spec(spec))
 
     def to_dict(self) -> dict[str, Any]:
         """Normalized, deterministic and complete: `Cluster.from_dict(c.to_dict()) == c`."""
@@ -286,15 +100,24 @@ class Cluster:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Cluster:
         """Inverse of `to_dict`; also accepts the (less explicit) YAML spec form."""
-        from costmodel.cluster_yaml import cluster_from_dict
-        return cluster_from_dict(d)
+        return cls._assemble(read_cluster_dict(d))
+
+    @classmethod
+    def _assemble(cls, parts: ClusterParts) -> Cluster:
+        """The cluster of parts read from a spec; how they fit together is checked here."""
+        try:
+            return cls(name=parts.name, groups=parts.groups, tiers=parts.tiers)
+        except ValueError as e:
+            if not parts.error_context:
+                raise
+            raise ValueError(f"{parts.error_context}: {e}") from None
 
     # ---- sizes ------------------------------------------------------------------------------------------------
 
     @property
     def num_devices(self) -> int:
         """Device slots, unavailable ones included (see the module docstring)."""
-        return sum(g.num_devices for g in self.groups)
+        return self._num_device_slots
 
     @property
     def num_available(self) -> int:
@@ -325,6 +148,18 @@ class Cluster:
             starts.append(total)
             total += g.num_devices
         return tuple(starts)
+
+    @functools.cached_property
+    def _num_device_slots(self) -> int:
+        return sum(g.num_devices for g in self.groups)
+
+    @functools.cached_property
+    def _speed_list(self) -> tuple[float, ...]:
+        return tuple(g.speed_of(i) for g in self.groups for i in range(g.num_devices))
+
+    @functools.cached_property
+    def _available_rank_list(self) -> tuple[int, ...]:
+        return tuple(r for r, speed in enumerate(self._speed_list) if speed > 0)
 
     @functools.cached_property
     def _node_start_list(self) -> tuple[int, ...]:
@@ -369,7 +204,8 @@ class Cluster:
 
     def speed_of(self, rank: int) -> float:
         """Speed factor of `rank`: 1 nominal, 0.5 half speed, 0 unavailable."""
-        return self.group_of(rank).speed_of(self.local_index(rank))
+        self._check_rank(rank)
+        return self._speed_list[rank]
 
     @functools.cached_property
     def shares_host_cores(self) -> bool:
@@ -400,7 +236,7 @@ class Cluster:
         return self.speed_of(rank) > 0
 
     def available_ranks(self) -> tuple[int, ...]:
-        return tuple(r for r in range(self.num_devices) if self.is_available(r))
+        return self._available_rank_list
 
     def node_of(self, rank: int) -> int:
         """Global node index of `rank` (nodes numbered across groups in rank order)."""

@@ -25,15 +25,17 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from costmodel.cluster import Cluster
-from costmodel.collectives import Collective, CommGroup, collective_time
-from costmodel.device import DeviceSpec
 from costmodel.framework import NO_FRAMEWORK_COSTS, ZERO_PASS, FrameworkCosts, PassCost
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import Collective, CommGroup, collective_time
+from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import op_policy_kept, selective_recompute_region
+from costmodel.memory import GRAD_BYTES, OPTIMIZER_BYTES_MIXED
 from costmodel.operators import node_time, retype_ratio
 from costmodel.profile_db import OpProfile
-from costmodel.sharding import (
+from costmodel.sharding.dims import DimLabel, Labels, input_labels, is_float, op_name, propagate_labels
+from costmodel.sharding.layout import (
     REPLICATED,
     Layout,
     Move,
@@ -45,15 +47,15 @@ from costmodel.sharding import (
     relative_module,
     shard,
 )
-from costmodel.sharding_dims import DimLabel, Labels, input_labels, is_float, op_name, propagate_labels
-from costmodel.sharding_problem import FIXED, NO_GRAD, ProblemFlow, ShardingProblem, to_units
-from costmodel.sharding_rules import NodeStrategy, StrategyContext, Style, node_strategies
+from costmodel.sharding.problem import FIXED, NO_GRAD, ProblemFlow, ShardingProblem, to_units
+from costmodel.sharding.rules import NodeStrategy, StrategyContext, Style, node_strategies
 from costmodel.training_loss import loss_inputs
 from ir.graph import Node, OpKind, TensorSpec
 
-BYTES_PER_PARAM_MIXED_ADAM = 16
-"""fp16/bf16 weight (2) + gradient (2) + fp32 master weight, momentum, variance (12): Rajbhandari et al. 2020
-(ZeRO), §3.1, the "K = 12" of mixed-precision Adam."""
+BYTES_PER_PARAM_MIXED_ADAM = 2 + GRAD_BYTES + OPTIMIZER_BYTES_MIXED
+"""bf16 weight (2) + fp32 gradient (`memory.GRAD_BYTES`, as Megatron-LM and FSDP2 keep it) + fp32 master weight,
+momentum, variance (12; Rajbhandari et al. 2020, ZeRO §3.1, the "K = 12" of mixed-precision Adam): the bytes
+`costmodel.memory.model_state_bytes` counts per unsharded parameter."""
 
 DEFAULT_MEMORY_WEIGHT = 1e-15
 """Seconds of objective per byte of per-device memory: 1 GB ~ 1 us. Small enough never to trade speed for
@@ -665,7 +667,7 @@ def structural_key(nodes: Sequence[Node]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The real pricer: costmodel.operators.node_time and costmodel.collectives.collective_time
+# The real pricer: costmodel.operators.node_time and costmodel.hardware.collectives.collective_time
 # ----------------------------------------------------------------------------------------------------------------
 
 def make_pricer(cluster: Cluster, device: DeviceSpec, tp_group: CommGroup, *, dtype: str = "bfloat16",

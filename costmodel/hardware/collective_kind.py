@@ -1,5 +1,5 @@
 """The kinds of collective communication: one enum for the cluster spec's per-kind link overrides
-(`costmodel.cluster.CollectiveLink`) and the collective cost model (`costmodel.collectives`)."""
+(`costmodel.hardware.network.CollectiveLink`) and the collective cost model (`costmodel.hardware.collectives`)."""
 
 from __future__ import annotations
 

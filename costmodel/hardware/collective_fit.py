@@ -2,7 +2,7 @@ r"""Fit the alpha-beta parameters of a local process group's collectives from me
 
 `stratagem profile --collectives` times each collective kind at several message sizes and group sizes on the local
 backend (gloo for CPU processes, NCCL for GPUs). Each measurement is explained by the single-tier (one node) ring
-forms that `costmodel.collectives` prices a node-local group with (group of n ranks, S = the full logical buffer
+forms that `costmodel.hardware.collectives` prices a node-local group with (group of n ranks, S = the full logical buffer
 per device, as there):
 
     kind            steps        bytes per device on the wire
@@ -36,8 +36,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from costmodel.cluster import Cluster, CollectiveLink, NetworkTier
-from costmodel.collectives import Collective
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import Collective
+from costmodel.hardware.network import CollectiveLink, NetworkTier
 
 COLLECTIVE_PROFILE_KEYS = frozenset({"samples", "fits"})
 _SAMPLE_KEYS = frozenset({"device", "backend", "kind", "group_size", "nbytes", "seconds", "repeats"})
@@ -69,7 +70,7 @@ class CollectiveSample:
     kind: Collective
     group_size: int
     nbytes: float
-    """Full logical buffer per device, as `costmodel.collectives.collective_time` takes it."""
+    """Full logical buffer per device, as `costmodel.hardware.collectives.collective_time` takes it."""
     seconds: float
     device: str = "cpu"
     backend: str = "gloo"

@@ -1,4 +1,4 @@
-"""The device and link catalogs: `costmodel/data/devices.csv` and `costmodel/data/links.csv`, as typed values.
+"""The device and link catalogs: `costmodel/hardware/data/devices.csv` and `costmodel/hardware/data/links.csv`, as typed values.
 
 Every number in those files has a source column (a datasheet, a public measurement, or a measurement on this
 build machine for `cpu`); where a value is a documented default rather than a measurement, the source says why.
@@ -18,7 +18,7 @@ import io
 from dataclasses import dataclass
 from importlib import resources
 
-from costmodel.device import DeviceSpec
+from costmodel.hardware.device import DeviceSpec
 
 _PEAK_COLUMNS: tuple[tuple[str, str], ...] = (
     ("peak_bf16_tflops", "bfloat16"),
@@ -31,7 +31,7 @@ _PEAK_COLUMNS: tuple[tuple[str, str], ...] = (
 
 @dataclass(frozen=True, slots=True)
 class LinkSpec:
-    """Calibration of one link type for the collective model (`costmodel.collectives`)."""
+    """Calibration of one link type for the collective model (`costmodel.hardware.collectives`)."""
 
     name: str
     description: str
@@ -47,7 +47,7 @@ class LinkSpec:
 
 
 def _read_csv(name: str) -> list[dict[str, str]]:
-    text = resources.files("costmodel").joinpath("data", name).read_text(encoding="utf-8")
+    text = resources.files("costmodel.hardware").joinpath("data", name).read_text(encoding="utf-8")
     return list(csv.DictReader(io.StringIO(text)))
 
 

@@ -1,9 +1,9 @@
 """Intra-operator sharding over the tensor-parallel axis: the layout algebra (this module) and the model it sets.
 
 Files: layouts, moves and gradient duals here; which tensor dims are batch/sequence and how dims map through an op
-in `sharding_dims`; the strategies of each op kind in `sharding_rules`; the integer problem and its reference
-objective in `sharding_problem`; pricing a segment into that problem and a chosen assignment into a `LayerCost`
-in `sharding_cost`. The ILP that solves the problem is `planner.intra_op`.
+in `dims`; the strategies of each op kind in `rules`; the integer problem and its reference objective in
+`problem`; pricing a segment into that problem and a chosen assignment into a `LayerCost` in `cost`. The ILP
+that solves the problem is `planner.search.intra_op`.
 
 Layouts
 -------
@@ -53,8 +53,8 @@ in forward (all-reduce, reduce-scatter, all-gather: ``INTERNAL_MOVES``): an appl
 between, where nothing would slice a replicated tensor or exchange shards. The slice R -> S(1) is allowed into
 the segment boundary, where the applier splits the sequence for sequence parallelism.
 
-Pricing (``sharding_cost.build_sharding_model``)
-------------------------------------------------
+Pricing (``cost.build_sharding_model``)
+----------------------------------------
 Per node and strategy: compute ``node_time`` with the node's FLOPs and bytes scaled by micro-batch / traced batch
 and by the work fraction; the gradient all-reduce of replicated parameters whose gradients are partial (the node
 runs on a sharded token dim), divided by the number of micro-batches since it happens once per step; and a memory

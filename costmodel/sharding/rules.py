@@ -1,4 +1,4 @@
-"""Per-node sharding strategies over the tensor-parallel axis, one rule per op kind (math in `costmodel.sharding`).
+"""Per-node sharding strategies over the tensor-parallel axis, one rule per op kind (math in `costmodel.sharding.layout`).
 
 Every node has the replicated strategy (first); the rules add, when shapes divide by tp:
 - linear: colwise (R -> S(-1), weight split on output features), rowwise (S(-1) -> P, weight split on input
@@ -19,8 +19,7 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from costmodel.sharding import PARTIAL, REPLICATED, Layout, LayoutKind, Move, shard
-from costmodel.sharding_dims import (
+from costmodel.sharding.dims import (
     DimLabel,
     Labels,
     input_dim_maps,
@@ -29,6 +28,7 @@ from costmodel.sharding_dims import (
     op_name,
     reduced_dims,
 )
+from costmodel.sharding.layout import PARTIAL, REPLICATED, Layout, LayoutKind, Move, shard
 from ir.graph import Node, OpKind, TensorSpec
 
 VOCAB_PARALLEL_LOSS_ALL_REDUCES = 3

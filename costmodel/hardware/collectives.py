@@ -7,8 +7,8 @@ device sends in total; send/recv and broadcast: the message). For tier t (t = 0 
 tier-t domains the group touches (c_{-1} = n; the outermost tier has c = 1). The group *spans* tier t when
 c_{t-1} > c_t; then D_t = c_{t-1} / c_t tier-(t-1) domains talk through tier t, each holding P_t = n / c_{t-1} of
 the group's ranks (P_0 = 1). B_t is the tier's effective bandwidth per device (spec x calibrated efficiency, see
-`costmodel/data/links.csv`) and a_t its per-step latency -- or, when the tier has a `per_collective` override for
-the collective's kind (`costmodel.cluster.CollectiveLink`, e.g. measured by `stratagem profile --collectives`),
+`costmodel/hardware/data/links.csv`) and a_t its per-step latency -- or, when the tier has a `per_collective` override for
+the collective's kind (`costmodel.hardware.network.CollectiveLink`, e.g. measured by `stratagem profile --collectives`),
 that kind's achieved bandwidth and step latency. The node tier of a group touching several device groups takes,
 per kind, the smallest bandwidth and largest latency of their node links.
 
@@ -51,8 +51,9 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from costmodel.cluster import Cluster, CollectiveLink, NetworkTier
-from costmodel.collective_kind import Collective
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collective_kind import Collective
+from costmodel.hardware.network import CollectiveLink, NetworkTier
 
 
 class Algorithm(enum.StrEnum):

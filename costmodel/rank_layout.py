@@ -1,0 +1,247 @@
+"""Where every rank of a strategy sits: the one rank layout that the cost model prices and the runtime builds.
+
+Rank order. The mesh axes are laid out innermost first in `Strategy.mesh_order` (default tp, cp, ep, dp, pp, as
+Megatron-LM orders ranks): the rank at coordinates (t, c, d, p) is
+
+    t * stride(tp) + c * stride(cp) + d * stride(dp) + p * stride(pp)
+
+where the stride of an axis is the product of the sizes of the axes inside it (`mesh_axes`, `axis_strides`).
+Expert parallelism has no axis of its own: an ep group is `ep` consecutive dp coordinates, so its stride is the dp
+stride. `planner.runtime.device_mesh` builds its `DeviceMesh` from `mesh_axes` reversed (row-major, outermost
+first), so the ranks it communicates over are the ones priced here.
+
+Groups. A collective runs over ranks start, start + stride, ... (`CommGroup`). Priced are the groups of the first
+device of each pipeline rank (`tp_group`, `cp_group`, `ep_group`, and `dp_group`, the gradient reduction over
+dp x cp); every other coordinate runs the same collective at the same time over a group of the same shape. Stage
+boundaries send over `p2p_group`, copies of a weight shared with the first pipeline rank sync over
+`shared_weight_group`.
+
+Stages. The chain is cut into p * v virtual stages, the strategy's own or `even_stages`; virtual stage j runs on
+pipeline rank j % p (`stage_ranks` are its devices).
+
+Devices. Logical rank i runs on the i-th available device of the cluster (`Cluster.available_ranks`: failed
+devices are skipped). A pipeline rank runs at the pace of its slowest device (`rank_speeds`: `Cluster.speed_of`,
+and where devices share host cores, their share at the strategy's `busy_fraction`); `device_map` lists what each
+pipeline rank runs on.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import CommGroup
+from costmodel.pipeline import bubble_fraction
+from costmodel.strategy import MeshAxis, Recompute, StageSpec, Strategy
+from ir.layer_chain import LayerChain
+
+# ---- rank order -------------------------------------------------------------------------------------------------
+
+
+def axis_sizes(strategy: Strategy) -> dict[MeshAxis, int]:
+    """Degree of every mesh axis, ep included (it rides on dp and multiplies no device count)."""
+    return {MeshAxis.TP: strategy.tp, MeshAxis.CP: strategy.cp, MeshAxis.EP: strategy.ep, MeshAxis.DP: strategy.dp,
+            MeshAxis.PP: strategy.pp}
+
+
+def mesh_axes(strategy: Strategy) -> tuple[tuple[MeshAxis, int], ...]:
+    """(axis, size) of the axes that have ranks of their own -- tp, cp, dp, pp, size 1 included -- innermost
+    first."""
+    sizes = axis_sizes(strategy)
+    return tuple((a, sizes[a]) for a in strategy.mesh_order if a is not MeshAxis.EP)
+
+
+def strides_of(sizes: Mapping[MeshAxis, int], order: Sequence[MeshAxis]) -> dict[MeshAxis, int]:
+    """Rank stride of each axis of `order` (innermost first) with these sizes; ep gets the dp stride."""
+    strides: dict[MeshAxis, int] = {}
+    stride = 1
+    for axis in order:
+        if axis is MeshAxis.EP:
+            continue
+        strides[axis] = stride
+        stride *= sizes[axis]
+    strides[MeshAxis.EP] = strides[MeshAxis.DP]
+    return strides
+
+
+def axis_strides(strategy: Strategy) -> dict[MeshAxis, int]:
+    """Rank stride of each mesh axis of `strategy` (ep shares the dp stride)."""
+    return strides_of(axis_sizes(strategy), strategy.mesh_order)
+
+
+def rank_of(strategy: Strategy, coordinates: Mapping[MeshAxis, int]) -> int:
+    """Global (logical) rank at these tp, cp, dp and pp coordinates (a missing axis is at 0)."""
+    strides = axis_strides(strategy)
+    sizes = axis_sizes(strategy)
+    rank = 0
+    for axis, index in coordinates.items():
+        if axis is MeshAxis.EP:
+            raise ValueError("ep has no coordinate of its own: give the dp coordinate")
+        if not 0 <= index < sizes[axis]:
+            raise ValueError(f"{axis.value} coordinate {index} is outside 0..{sizes[axis] - 1}")
+        rank += index * strides[axis]
+    return rank
+
+
+def stage_ranks(strategy: Strategy, pp_rank: int) -> list[int]:
+    """Global ranks of pipeline rank `pp_rank` (all its tp x cp x dp devices), ascending."""
+    st = axis_strides(strategy)
+    base = pp_rank * st[MeshAxis.PP]
+    return sorted(base + t * st[MeshAxis.TP] + c * st[MeshAxis.CP] + d * st[MeshAxis.DP]
+                  for t in range(strategy.tp) for c in range(strategy.cp) for d in range(strategy.dp))
+
+
+# ---- communication groups ---------------------------------------------------------------------------------------
+
+
+def tp_group(strategy: Strategy, pp_rank: int) -> CommGroup:
+    """The tensor-parallel group of the first device of pipeline rank `pp_rank`."""
+    st = axis_strides(strategy)
+    return CommGroup(strategy.tp, stride=st[MeshAxis.TP], start=pp_rank * st[MeshAxis.PP])
+
+
+def cp_group(strategy: Strategy, pp_rank: int) -> CommGroup:
+    """The context-parallel ring of the first device of pipeline rank `pp_rank`."""
+    st = axis_strides(strategy)
+    return CommGroup(strategy.cp, stride=st[MeshAxis.CP], start=pp_rank * st[MeshAxis.PP])
+
+
+def ep_group(strategy: Strategy, pp_rank: int) -> CommGroup:
+    """The expert-parallel group of the first device of pipeline rank `pp_rank`: `ep` consecutive dp
+    coordinates."""
+    st = axis_strides(strategy)
+    return CommGroup(strategy.ep, stride=st[MeshAxis.EP], start=pp_rank * st[MeshAxis.PP])
+
+
+def dp_group(strategy: Strategy, pp_rank: int) -> CommGroup:
+    """The data-parallel (x context-parallel) group of the first device of pipeline rank `pp_rank`.
+
+    When cp > 1 the gradient reduction spans dp*cp ranks at the inner of the two strides (exact when the two axes
+    are adjacent in the mesh order, as in the default and in every order the search tries)."""
+    st = axis_strides(strategy)
+    stride = min(st[MeshAxis.DP], st[MeshAxis.CP]) if strategy.cp > 1 else st[MeshAxis.DP]
+    return CommGroup(strategy.dp * strategy.cp, stride=stride, start=pp_rank * st[MeshAxis.PP])
+
+
+def p2p_group(strategy: Strategy, boundary: int) -> CommGroup:
+    """The pair that carries virtual-stage boundary `boundary` (stage j -> j+1): pipeline rank j % pp to the next,
+    or from the last rank back to the first between interleaved chunks."""
+    pp, stride = strategy.pp, axis_strides(strategy)[MeshAxis.PP]
+    if (boundary + 1) % pp:
+        return CommGroup(2, stride=stride, start=(boundary % pp) * stride)
+    return CommGroup(2, stride=stride * (pp - 1), start=0)
+
+
+def shared_weight_group(strategy: Strategy, pp_rank: int) -> CommGroup:
+    """The pair that all-reduces the gradient of a weight pipeline rank `pp_rank` (> 0) shares with the first
+    pipeline rank, which owns it (a tied embedding and LM head)."""
+    if pp_rank < 1:
+        raise ValueError(f"pipeline rank {pp_rank} owns its shared weights; only ranks 1.. sync a copy")
+    return CommGroup(2, stride=pp_rank * axis_strides(strategy)[MeshAxis.PP])
+
+
+def type_group(cluster: Cluster, device_name: str, size: int, stride: int) -> CommGroup:
+    """The group of `size` ranks `stride` apart that starts at the first device of type `device_name`: a type's
+    collectives run over its own nodes' links (a V100 node's NVLink 2, not the NVLink 3 of the A100 node at rank
+    0). From rank 0 when no group has the type or the group would not fit after it."""
+    for i, g in enumerate(cluster.groups):
+        if g.device.name == device_name:
+            start = cluster.group_ranks(i).start
+            if start + (size - 1) * stride < cluster.num_devices:
+                return CommGroup(size, stride, start)
+            break
+    return CommGroup(size, stride)
+
+
+# ---- stages -----------------------------------------------------------------------------------------------------
+
+
+def even_stages(chain: LayerChain, num_stages: int, recompute: Recompute = Recompute.NONE) -> tuple[StageSpec, ...]:
+    """Split the chain into `num_stages` contiguous stages, dividing the repeated layer class evenly.
+
+    The most frequent class (the transformer block) is spread as evenly as possible (the last stages take the
+    remainder: they hold fewer in-flight micro-batches); segments before its first and after its last occurrence
+    (embedding, final norm and head) join the first and last stage, as Megatron-LM places them. Chains without a
+    contiguous run of a repeated class are split by segment count. This is the split of a strategy that lists no
+    stages, for the estimate, the search and the runtime alike.
+    """
+    n = len(chain.segments)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"pp*virtual_stages={num_stages} must be between 1 and the {n} segments of the layer chain")
+    counts = Counter(s.class_id for s in chain.segments)
+    main, count = max(counts.items(), key=lambda kv: (kv[1], -kv[0]))
+    idx = [s.index for s in chain.segments if s.class_id == main]
+    contiguous = idx[-1] - idx[0] + 1 == count
+    if contiguous and count >= num_stages:
+        first, total = idx[0], count
+    else:
+        first, total = 0, n
+    base, extra = divmod(total, num_stages)
+    sizes = [base + (1 if i >= num_stages - extra else 0) for i in range(num_stages)]
+    bounds = [first]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    bounds[0], bounds[-1] = 0, n
+    return tuple(StageSpec(start=bounds[i], stop=bounds[i + 1], recompute=recompute) for i in range(num_stages))
+
+
+# ---- devices and speeds -----------------------------------------------------------------------------------------
+
+
+def busy_fraction(strategy: Strategy) -> float:
+    """Fraction of the step a pipeline rank computes with equal stages: 1 / (1 + bubble fraction)."""
+    return 1.0 / (1.0 + bubble_fraction(strategy.schedule, strategy.pp, strategy.num_microbatches,
+                                        strategy.virtual_stages))
+
+
+def rank_speeds(cluster: Cluster, strategy: Strategy) -> tuple[float, ...]:
+    """Per logical rank the speed of its device running `strategy` (`Cluster.compute_speeds`: devices that share
+    host cores compute faster when pipeline bubbles leave some of them idle)."""
+    physical = cluster.available_ranks()[:strategy.num_devices]
+    return cluster.compute_speeds(physical, busy_fraction(strategy))
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlacement:
+    """Pipeline rank `pp_rank`: the physical devices it runs on, their device groups and types, and its pace."""
+
+    pp_rank: int
+    ranks: tuple[int, ...]
+    """Physical (cluster) ranks, ascending; unavailable devices are never among them."""
+    groups: tuple[str, ...]
+    """Names of the device groups these ranks belong to, in cluster order."""
+    devices: tuple[str, ...]
+    """Device types (catalog names) of these ranks, sorted."""
+    speed: float
+    """Slowest speed factor among the ranks: the lockstep group's pace."""
+
+    @property
+    def group(self) -> str | None:
+        """The device group when the rank lies in exactly one, else None."""
+        return self.groups[0] if len(self.groups) == 1 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pp_rank": self.pp_rank, "ranks": list(self.ranks), "groups": list(self.groups),
+                "devices": list(self.devices), "speed": self.speed}
+
+
+def device_map(cluster: Cluster, strategy: Strategy) -> tuple[StagePlacement, ...]:
+    """Per pipeline rank: its physical devices, groups, device types and pace."""
+    physical = cluster.available_ranks()
+    if strategy.num_devices > len(physical):
+        raise ValueError(f"strategy needs {strategy.num_devices} devices, cluster {cluster.name!r} has "
+                         f"{len(physical)} available")
+    speeds = rank_speeds(cluster, strategy)
+    out = []
+    for k in range(strategy.pp):
+        logical = stage_ranks(strategy, k)
+        ranks = tuple(sorted(physical[r] for r in logical))
+        group_ids = sorted({cluster.group_index_of(r) for r in ranks})
+        out.append(StagePlacement(
+            pp_rank=k, ranks=ranks, groups=tuple(cluster.groups[g].name for g in group_ids),
+            devices=tuple(sorted({cluster.groups[g].device.name for g in group_ids})),
+            speed=min(speeds[r] for r in logical)))
+    return tuple(out)

@@ -1,0 +1,2 @@
+"""Intra-operator sharding over the tensor-parallel axis: the layout algebra (`layout`), tensor dims (`dims`),
+per-op strategies (`rules`), the integer problem (`problem`) and its pricing (`cost`)."""
