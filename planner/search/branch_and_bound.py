@@ -66,7 +66,7 @@ from costmodel.rank_layout import even_stages
 from costmodel.step_time import optimizer_step_time
 from costmodel.strategy import MeshAxis, Recompute, Schedule, Strategy
 from ir.layer_chain import LayerChain
-from planner.errors import InfeasibleError, UserError
+from planner.errors import InfeasibleError, TimeLimitError, UserError
 from planner.plan import Alternative, ModuleSharding
 from planner.progress import Phase, ProgressCallback
 from planner.search.bounds import cheap_lower_bound, tight_lower_bound
@@ -76,7 +76,12 @@ from planner.search.candidates import (
     device_counts,
     enumerate_candidates,
 )
-from planner.search.explanations import empty_space_message, explain_alternatives, nothing_fits_message
+from planner.search.explanations import (
+    empty_space_message,
+    explain_alternatives,
+    nothing_fits_message,
+    out_of_time_message,
+)
 from planner.search.layer_costs import LayerCostTable
 from planner.search.meshes import MeshCandidate, compute_lower_bound_s
 from planner.search.pricing import (
@@ -92,6 +97,10 @@ from planner.search.space import Objective, SearchSpace
 from planner.search.stage_partition import partition_lower_bound, solve_partition
 from planner.search.stage_problem import StageProblemBuilder
 
+NO_PLAN_GRACE_S = 10.0
+"""With a time limit, how long past it the search keeps looking for a first plan before it gives up with a
+`TimeLimitError` (one line: a plan or an error, never an open-ended wait)."""
+
 FIRST_PLAN_FRACTION = 0.5
 """With a time limit, once this fraction of it has passed without any plan, `SearchState.first_plan` looks for one
 among the candidates that are cheap to solve, leaving the rest of the limit to improve on it."""
@@ -104,7 +113,8 @@ class SearchOptions:
     """How many distinct strategies (different candidates) to return, best first."""
     time_limit_s: float | None = None
     """Stop after this many seconds of search with the best found so far (status "feasible"). The limit is checked
-    between candidates; if it passes before any plan is found, the search stops at the first one."""
+    between candidates; if it passes before any plan is found, the search stops at the first one, or with a
+    `TimeLimitError` when none is found within `NO_PLAN_GRACE_S` more."""
     progress: ProgressCallback | None = None
     """Called with a `planner.progress.PlanProgress` record, at most every `reporting.INTERVAL_S` and at the end."""
     num_alternatives: int = 8
@@ -256,10 +266,10 @@ class SearchState:
     def options_for(self) -> tuple[Recompute, ...]:
         return (self.space.recompute,) if self.space.recompute is not None else tuple(Recompute)
 
-    def out_of_time(self, fraction: float = 1.0) -> bool:
-        """Whether `fraction` of the time limit has passed (never without a limit)."""
+    def out_of_time(self, fraction: float = 1.0, extra_s: float = 0.0) -> bool:
+        """Whether `fraction` of the time limit, plus `extra_s`, has passed (never without a limit)."""
         limit = self.options.time_limit_s
-        return limit is not None and time.monotonic() - self.started > fraction * limit
+        return limit is not None and time.monotonic() - self.started > fraction * limit + extra_s
 
     def first_plan(self, heap: list[tuple[float, int, tuple, int]]) -> None:
         """Find some plan fast, for a time limit that would otherwise pass before the first one.
@@ -269,7 +279,7 @@ class SearchState:
         that need no new sharding solve -- already refined, or tp == 1 -- until one fits. The rest go back to the
         heap, so its smallest bound stays a valid lower bound on everything unexplored."""
         kept = []
-        while heap and not self.found:
+        while heap and not self.found and not self.out_of_time(extra_s=NO_PLAN_GRACE_S):
             entry = heapq.heappop(heap)
             _, level, _, payload = entry
             if level == 2 or (level == 1 and self.candidates[payload].mesh.tp == 1):
@@ -434,6 +444,9 @@ class SearchState:
                         report.done(lb)
                     return True, lb
                 break  # the K best are proven; only the search for a simpler tie is cut short
+            if not self.found and self.out_of_time(extra_s=NO_PLAN_GRACE_S):
+                raise TimeLimitError(out_of_time_message(self.options.time_limit_s, NO_PLAN_GRACE_S, self.solved,
+                                                         len(self.candidates)))
             heapq.heappop(heap)
             if not self.may_matter(lb, level, payload):
                 skipped.append((lb, level, key, payload))
