@@ -110,13 +110,16 @@ def test_megatron_layout_strings() -> None:
 def test_a_cut_inside_the_embedding_cannot_be_exported(golden) -> None:
     plan, layout, shape = golden["gpt-tiny-1x4xcpu"]
     layout = replace(layout, lead=2, num_blocks=3)  # pretend the embedding spans two segments
-    bad = replace(plan, strategy=replace(plan.strategy, stages=(StageSpec(0, 1), StageSpec(1, 6))))
+    s = plan.strategy
+    bad = replace(plan, strategy=replace(s, pp=2, dp=s.dp // 2, microbatch_size=2 * s.microbatch_size,
+                                         stages=(StageSpec(0, 1), StageSpec(1, 6))))
     with pytest.raises(UserError, match="inside the embedding or head"):
         export_plan(bad, Trainer.MEGATRON, layout, shape)
 
 
 def test_what_a_trainer_cannot_express_is_a_warning_or_with_strict_an_error(golden) -> None:
-    plan, layout, shape = golden["moe-tiny-1x8xh100"]  # ZeRO-1: torchtitan has FSDP or DDP only
+    plan, layout, shape = golden["moe-tiny-1x8xh100"]
+    plan = replace(plan, strategy=replace(plan.strategy, zero_stage=1))  # torchtitan has FSDP or DDP only
     result = export_plan(plan, Trainer.TORCHTITAN, layout, shape)
     assert any("ZeRO-1 exported as FSDP" in w for w in result.warnings)
     with pytest.raises(ExportError, match="--strict: torchtitan shards"):

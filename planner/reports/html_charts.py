@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from costmodel.estimate import axis_strides
+from costmodel.rank_layout import axis_strides
 from costmodel.strategy import MeshAxis, Strategy
 from planner.plan import Plan
 from planner.reports.svg import (
