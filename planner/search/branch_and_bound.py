@@ -488,9 +488,10 @@ def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: Sea
 
     Raises InfeasibleError when no strategy of the space fits in memory, UserError for an empty space (pins that
     contradict the cluster or batch)."""
-    if options is not None and options.time_limit_s is not None:
+    if options is not None and options.time_limit_s is not None and (space is None or space.tp != 1):
         # Load the sharding solver (OR-Tools, about a second to import) before the clock starts: a time limit
-        # bounds the search, not the one-time loading of its libraries.
+        # bounds the search, not the one-time loading of its libraries. With tp pinned to 1 (a re-plan's
+        # neighbourhood of a plan without tensor parallelism) nothing is sharded: it is never loaded.
         import planner.search.intra_op  # noqa: F401
     started = time.monotonic()
     space = space or SearchSpace()
