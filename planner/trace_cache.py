@@ -149,6 +149,7 @@ class TraceCache:
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=self.directory)
             with os.fdopen(fd, "wb") as f:
                 f.write(_encode(key, traced))
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the entry from others sharing STRATAGEM_CACHE_DIR
             os.replace(tmp, path)
         except OSError as e:
             if tmp is not None:
