@@ -52,13 +52,13 @@ from costmodel.layer_cost import LayerCost
 from costmodel.profile_db import OpProfile
 from costmodel.sharding.cost import (
     DEFAULT_MEMORY_WEIGHT,
-    ShardingModel,
     build_sharding_model,
     default_outputs,
     make_pricer,
     structural_key,
 )
 from costmodel.sharding.layout import module_prefix, relative_module
+from costmodel.sharding.model import ShardingModel
 from costmodel.sharding.problem import FIXED, NO_GRAD, UNITS_PER_SECOND, ProblemFlow, ShardingProblem
 from costmodel.sharding.rules import Style
 from costmodel.training_loss import with_training_loss
