@@ -207,7 +207,7 @@ def _needs_grad(nodes: Sequence[Node], index: Mapping[str, int]) -> dict[str, bo
 
 def _runtime_strategies(node: Node, strategies: Sequence[NodeStrategy], sequence_parallel: bool
                         ) -> Sequence[NodeStrategy]:
-    """The strategies the runtime can run: under sequence parallelism `planner.apply_tp` runs every norm on its
+    """The strategies the runtime can run: under sequence parallelism `planner.runtime.apply_tp` runs every norm on its
     sequence shard (a replicated norm fed a shard would leave its weight gradients unreduced), so a norm with
     parameters that has a sequence-sharded strategy gets only those -- with their partial-gradient sync."""
     if not (sequence_parallel and node.op_kind is OpKind.NORM and node.param_specs):

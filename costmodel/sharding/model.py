@@ -100,7 +100,7 @@ class Flow:
     forward_s: tuple[tuple[Layout, Layout, float], ...]
     backward_s: tuple[tuple[Layout, Layout, float], ...]
     forbidden: tuple[tuple[Layout, Layout], ...] = ()
-    """(written, wanted) pairs no op of the segment may read it in (`costmodel.sharding.allowed_inside`)."""
+    """(written, wanted) pairs no op of the segment may read it in (`costmodel.sharding.layout.allowed_inside`)."""
 
     def _pick(self, node: int, table: Sequence[Layout | None], assignment: Sequence[int]) -> Layout | None:
         return table[0] if node == FIXED else table[assignment[node]]
