@@ -24,6 +24,7 @@ from costmodel.hardware.collective_fit import calibrated_cluster
 from costmodel.profile_db import OpProfile
 from costmodel.rank_layout import even_stages
 from costmodel.strategy import Schedule, Strategy
+from costmodel.validation import error_band
 from ir.graph import Graph
 from ir.layer_chain import LayerChain
 from planner.errors import UserError
@@ -33,7 +34,7 @@ from planner.search.candidates import Candidate
 from planner.search.device_groups import mixed_type_problem, with_device_groups
 from planner.search.layer_costs import LayerCostTable
 from planner.search.pricing import layer_cost_map, sharding_of
-from planner.search.ranking import TIE_POOL, prefer_simplest
+from planner.search.ranking import prefer_simplest
 from planner.search.space import Objective, SearchSpace
 from planner.search.stage_problem import StageProblemBuilder
 from planner.tracing import trace_one_sample
@@ -97,8 +98,8 @@ def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any
     name = model_name or getattr(model_or_chain, "model_name", None) or type(model_or_chain).__name__
     chain = as_chain(model_or_chain, inputs_or_spec, model_name=name, dtype=dtype)
     cluster = as_cluster(cluster, profile)
-    options = SearchOptions(objective=Objective(objective), top_k=max(top_k, TIE_POOL), time_limit_s=time_limit_s,
-                            progress=progress)
+    options = SearchOptions(objective=Objective(objective), top_k=top_k, time_limit_s=time_limit_s,
+                            progress=progress, tie_band=error_band(g.device for g in cluster.groups))
     result = search(chain, cluster, global_batch=global_batch, space=space, options=options, dtype=dtype,
                     profile=profile)
     info = _model_info(chain, model_name or chain.graph.model_name, settings)

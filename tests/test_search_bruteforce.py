@@ -102,7 +102,7 @@ def test_contradicting_fixes() -> None:
 import itertools  # noqa: E402
 import math  # noqa: E402
 import random  # noqa: E402
-from dataclasses import dataclass, replace  # noqa: E402
+from dataclasses import dataclass, field, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import ir  # noqa: E402
@@ -110,12 +110,14 @@ from costmodel.estimate import estimate  # noqa: E402
 from costmodel.hardware.cluster import Cluster  # noqa: E402
 from costmodel.rank_layout import even_stages  # noqa: E402
 from costmodel.strategy import RuntimeOptions, StageSpec, Strategy  # noqa: E402
+from costmodel.validation import error_band  # noqa: E402
 from models.registry import build_model  # noqa: E402
 from planner.errors import InfeasibleError, UserError  # noqa: E402
 from planner.search.branch_and_bound import SearchOptions, search  # noqa: E402
 from planner.search.candidates import Candidate, enumerate_candidates  # noqa: E402
 from planner.search.layer_costs import LayerCostTable  # noqa: E402
 from planner.search.pricing import layer_cost_map  # noqa: E402
+from planner.search.ranking import prefer_simplest, simplicity_key  # noqa: E402
 from planner.search.stage_partition import Partition, StageChoice, evaluate  # noqa: E402
 from planner.search.stage_problem import StageProblem, StageProblemBuilder  # noqa: E402
 
@@ -190,6 +192,7 @@ class BruteResult:
     best: float
     per_candidate: dict          # candidate -> its best fitting step time (GPipe twins included)
     estimates: int
+    per_strategy: dict = field(default_factory=dict)   # candidate -> the strategy of that best partition
 
 
 def brute_force(chain: ir.LayerChain, cluster: Cluster, batch: int, space: SearchSpace) -> BruteResult:
@@ -203,6 +206,7 @@ def brute_force(chain: ir.LayerChain, cluster: Cluster, batch: int, space: Searc
     options = (space.recompute,) if space.recompute is not None else tuple(Recompute)
     n = len(chain.segments)
     per: dict = {}
+    strategies: dict = {}
     count = 0
     for cand in cands + twins:
         placements = builder.placements(cand)
@@ -225,7 +229,8 @@ def brute_force(chain: ir.LayerChain, cluster: Cluster, batch: int, space: Searc
             count += 1
             if est.fits and est.step_time_s < per.get(cand, math.inf):
                 per[cand] = est.step_time_s
-    return BruteResult(min(per.values(), default=math.inf), per, count)
+                strategies[cand] = cand.strategy(stages)
+    return BruteResult(min(per.values(), default=math.inf), per, count, strategies)
 
 
 def _instances(tmp: Path) -> list[tuple[str, ir.LayerChain, Cluster, int, SearchSpace]]:
@@ -295,6 +300,26 @@ def test_top_k_are_the_k_best_candidates(tmp_path: Path) -> None:
     got = [r.estimate.step_time_s for r in result.ranked]
     assert got == pytest.approx(expected, rel=1e-9)
     assert len({r.candidate for r in result.ranked}) == 4
+
+
+@pytest.mark.parametrize("cluster_spec", ["1x4xa100-80gb", "1x4xcpu"])
+def test_the_simplest_tied_strategy_is_the_brute_force_one(cluster_spec: str) -> None:
+    """With a tie band the search proves, beyond the best, every candidate that could be simpler and tied: its
+    lead after `prefer_simplest` is the simplest of all candidates within the band of the optimum."""
+    chain, cluster = chain_of("gpt", GPT_TINY), Cluster.parse(cluster_spec)
+    space = SearchSpace(max_microbatch_size=2, max_virtual_stages=2)
+    brute = brute_force(chain, cluster, 8, space)
+    band = error_band(g.device for g in cluster.groups)
+    searched = {c: t for c, t in brute.per_candidate.items() if c.schedule is not Schedule.GPIPE}
+    best = min(searched.values())
+    n_best = next(c for c, t in searched.items() if t == best).mesh.num_devices
+    tied = [(simplicity_key(brute.per_strategy[c]), t) for c, t in searched.items()
+            if t <= best * (1 + band) and c.mesh.num_devices == n_best]
+    result = search(chain, cluster, global_batch=8, space=space, options=SearchOptions(tie_band=band))
+    lead = prefer_simplest(result.ranked)[0]
+    key, step = min(tied)
+    assert simplicity_key(lead.strategy) == key and lead.estimate.step_time_s == pytest.approx(step, rel=1e-9)
+    assert len(tied) > 1, "the instance should have ties to choose from"
 
 
 def test_fixed_dimensions_are_respected_and_optimal() -> None:

@@ -10,14 +10,16 @@ from dataclasses import dataclass
 
 from costmodel.framework import ZERO_PASS, PassCost
 from costmodel.layer_cost import LayerCost
+from costmodel.memory import GRAD_BYTES, OPTIMIZER_BYTES_MIXED
 from costmodel.sharding.layout import REPLICATED, Layout, Move, grad_layout_of, local_fraction, redistribution
 from costmodel.sharding.problem import FIXED, NO_GRAD, ProblemFlow, ShardingProblem, to_units
 from costmodel.sharding.rules import NodeStrategy
 from ir.graph import Node
 
-BYTES_PER_PARAM_MIXED_ADAM = 16
-"""fp16/bf16 weight (2) + gradient (2) + fp32 master weight, momentum, variance (12): Rajbhandari et al. 2020
-(ZeRO), §3.1, the "K = 12" of mixed-precision Adam."""
+BYTES_PER_PARAM_MIXED_ADAM = 2 + GRAD_BYTES + OPTIMIZER_BYTES_MIXED
+"""bf16 weight (2) + fp32 gradient (`memory.GRAD_BYTES`, as Megatron-LM and FSDP2 keep it) + fp32 master weight,
+momentum, variance (12; Rajbhandari et al. 2020, ZeRO §3.1, the "K = 12" of mixed-precision Adam): the bytes
+`costmodel.memory.model_state_bytes` counts per unsharded parameter."""
 
 NodeTimeFn = Callable[[Node, float, float, float], tuple[float, float]]
 """(node, flops scale, activation-bytes scale, parameter-bytes scale) -> (forward s, backward s), as

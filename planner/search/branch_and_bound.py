@@ -85,6 +85,7 @@ from planner.search.pricing import (
     sharding_of,
     summary_recompute,
 )
+from planner.search.ranking import TIE_LEADS, TieSet, prefer_simplest, simplicity_floor
 from planner.search.space import Objective, SearchSpace
 from planner.search.stage_partition import partition_lower_bound, solve_partition
 from planner.search.stage_problem import StageProblemBuilder
@@ -111,6 +112,9 @@ class SearchOptions:
     explain_slack: float = 0.1
     """Losing meshes within this fraction of the best are priced exactly for `alternatives` (the others get
     their lower bound); it never changes the chosen plans, only how much work goes into explaining them."""
+    tie_band: float | None = None
+    """Beyond the K best, also solve every candidate that could be the simplest strategy within this relative band
+    of the best (`planner.search.ranking.TieSet`) and return the simplest tied ones; None: the K best only."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "objective", Objective(self.objective))
@@ -118,6 +122,8 @@ class SearchOptions:
             raise ValueError(f"top must be a positive integer, got {self.top_k!r}")
         if self.time_limit_s is not None and not 0 < self.time_limit_s < math.inf:
             raise ValueError(f"time limit must be a positive number of seconds, got {self.time_limit_s!r}")
+        if self.tie_band is not None and not 0 <= self.tie_band < math.inf:
+            raise ValueError(f"tie band must be a non-negative fraction, got {self.tie_band!r}")
 
 
 @dataclass(frozen=True)
@@ -202,10 +208,42 @@ class SearchState:
     solved: int = 0
     pruned: int = 0
     _expert_numel: int | None = None
+    ties: TieSet | None = None
+
+    def __post_init__(self) -> None:
+        if self.options.tie_band is not None:
+            self.ties = TieSet(self.options.tie_band)
 
     def kth_best(self) -> float:
         k = self.options.top_k
         return self.found[k - 1].objective if len(self.found) >= k else math.inf
+
+    def cutoff(self) -> float:
+        """Bounds at or above this can change nothing: neither the K best nor the simplest tied strategy."""
+        kth = self.kth_best()
+        if self.ties is None or not self.found:
+            return kth
+        return max(kth, self.ties.cutoff(self.found[0]))
+
+    def may_matter(self, lb: float, level: int, payload: int) -> bool:
+        """Whether a heap entry with bound `lb` below `cutoff` must still be explored: it could be among the K
+        best, or become the simplest strategy tied with the best."""
+        if lb < self.kth_best() or self.ties is None:
+            return True
+        if level == 0:
+            return self.ties.may_lead(self.found[0], payload, None)
+        cand = self.candidates[payload]
+        m = cand.mesh
+        floor = simplicity_floor(tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep, zero_stage=cand.zero_stage,
+                                 num_microbatches=cand.num_microbatches)
+        return self.ties.may_lead(self.found[0], m.num_devices, floor)
+
+    def ranked_found(self) -> list[Found]:
+        """The K best, then the simplest strategies tied with the best that are not among them."""
+        if self.ties is None or not self.found:
+            return list(self.found)
+        extra = [t for t in self.ties.tied(self.found[0]) if t not in self.found][:TIE_LEADS]
+        return [*self.found, *extra]
 
     def price_factor(self, cand: Candidate) -> float:
         if self.options.objective is not Objective.COST:
@@ -333,7 +371,7 @@ class SearchState:
         mesh_best = rec.best.objective if rec.best is not None else math.inf
         # Solve to beat the K-th best (a plan), or this mesh's best so far within the slack (an alternative).
         kth = self.kth_best()
-        bound = max(kth, min(mesh_best, kth * (1 + self.options.explain_slack))) / factor
+        bound = max(kth, min(mesh_best, kth * (1 + self.options.explain_slack)), self.cutoff()) / factor
         built = self.builder.build(cand, self.options_for(), upper_bound=bound)
         if built is None:
             return
@@ -350,6 +388,8 @@ class SearchState:
         found = Found(part.objective * factor, self.solved, cand, part.objective, strategy)
         if rec.best is None or found < rec.best:
             rec.best = found
+        if self.ties is not None:
+            self.ties.add(found)
         if found.objective < self.kth_best():
             self.found.append(found)
             self.found.sort()
@@ -379,6 +419,7 @@ class SearchState:
         done = 0
         progress = self.options.progress
         rushed = False
+        skipped: list[tuple[float, int, tuple, int]] = []
         while heap:
             if not self.found and not rushed and self.out_of_time(FIRST_PLAN_FRACTION):
                 rushed = True
@@ -386,11 +427,16 @@ class SearchState:
                 if not heap:
                     break
             lb, level, key, payload = heap[0]
-            if not math.isfinite(lb) or lb >= self.kth_best():
+            if not math.isfinite(lb) or lb >= self.cutoff():
                 break
             if self.out_of_time() and self.found:
-                return True, lb
+                if lb < self.kth_best():
+                    return True, lb
+                break  # the K best are proven; only the search for a simpler tie is cut short
             heapq.heappop(heap)
+            if not self.may_matter(lb, level, payload):
+                skipped.append((lb, level, key, payload))
+                continue
             if level == 0:
                 for cand in candidates_for(payload, self.chain, self.cluster, self.global_batch, self.space,
                                            self.invalid):
@@ -405,6 +451,8 @@ class SearchState:
             done += 1
             if progress:
                 progress(done, len(self.candidates), self.found[0].objective if self.found else None)
+        heap.extend(skipped)
+        heapq.heapify(heap)
         self.pruned = sum(1 for entry in heap if entry[1] > 0)
         for lb_left, level_left, _, payload_left in heap:  # what is known of the candidates never solved
             if level_left > 0:
@@ -442,9 +490,12 @@ def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: Sea
         if not candidates:
             raise UserError(empty_space_message(chain, cluster, global_batch, space, invalid))
         raise InfeasibleError(nothing_fits_message(state, space))
-    ranked = tuple(_finish(state, f) for f in state.found)
+    ranked = tuple(_finish(state, f) for f in state.ranked_found())
+    fastest = ranked[0].objective
+    if options.tie_band is not None:  # the plan is the simplest strategy tied with the fastest
+        ranked = tuple(prefer_simplest(ranked))
     best = ranked[0].objective
-    lower = min(best, next_bound) if cut_short else best
+    lower = min(fastest, next_bound) if cut_short else fastest
     gap = (best - lower) / best if best > 0 else 0.0
     alternatives = explain_alternatives(state, ranked[0], state.invalid)
     return SearchResult(

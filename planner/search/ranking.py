@@ -12,19 +12,26 @@ claim more than the published runs back. Among the strategies tied with the fast
 6. then the faster.
 
 The other strategies keep their order by objective after it.
+
+The search proves this choice, not just the fastest plan: with `SearchOptions.tie_band` it keeps solving, past
+the K best, every candidate whose bound is within the band of the best and whose `simplicity_floor` could still
+beat the simplest tied strategy found so far (`TieSet`), and skips the rest unsolved.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from costmodel.breakdown import Estimate
 from costmodel.strategy import Recompute, Strategy
 from costmodel.validation import within_band
 
-TIE_POOL = 16
-"""How many of the best strategies the search keeps so that the simplest tied one can be chosen."""
+TIE_LEADS = 4
+"""How many of the simplest tied strategies the search hands back beside its K best: `prefer_simplest` re-checks
+each against its own estimate's band, which for a plan on part of a mixed cluster can be narrower."""
 
 _RECOMPUTE_WEIGHT = {Recompute.NONE: 0, Recompute.SELECTIVE: 1, Recompute.OP: 2, Recompute.FULL: 3}
 
@@ -35,6 +42,11 @@ class Ranked(Protocol):
     estimate: Estimate
 
 
+class Solved(Protocol):
+    strategy: Strategy
+    objective: float
+
+
 def simplicity_key(strategy: Strategy) -> tuple[int, ...]:
     """Smaller is simpler (module docstring, rules 1-5)."""
     s = strategy
@@ -42,6 +54,55 @@ def simplicity_key(strategy: Strategy) -> tuple[int, ...]:
     recompute = (sum(_RECOMPUTE_WEIGHT[st.recompute] for st in s.stages) if s.stages
                  else _RECOMPUTE_WEIGHT[s.recompute])
     return (dims, s.zero_stage, s.num_microbatches, recompute, s.virtual_stages, int(s.sequence_parallel))
+
+
+def simplicity_floor(*, tp: int, pp: int, cp: int, ep: int, zero_stage: int, num_microbatches: int
+                     ) -> tuple[int, ...]:
+    """The smallest `simplicity_key` a strategy with these degrees can have, whatever its recomputation, virtual
+    stages and sequence parallelism (known only once its partition is solved)."""
+    dims = sum(1 for d in (tp, pp, cp, ep) if d > 1)
+    return (dims, zero_stage, num_microbatches, 0, 0, 0)
+
+
+@dataclass
+class TieSet:
+    """The solved strategies the search keeps to find the simplest one tied with the best (module docstring).
+
+    A strategy can still lead only if it runs on the best's device count, its bound is within `band` of the best
+    and its `simplicity_floor` is not above the simplest tied strategy's key; the search proves the rest only
+    for its K best."""
+
+    band: float
+    members: list[Solved] = field(default_factory=list)
+    _lead: tuple[int, int, tuple[float, ...]] | None = None
+
+    def add(self, solved: Solved) -> None:
+        self.members.append(solved)
+        self._lead = None
+
+    def tied(self, best: Solved) -> list[Solved]:
+        """Members tied with `best` on its device count, simplest first."""
+        n = best.strategy.num_devices
+        out = [s for s in self.members if s.strategy.num_devices == n
+               and within_band(s.objective, best.objective, self.band)]
+        return sorted(out, key=lambda s: (simplicity_key(s.strategy), s.objective))
+
+    def cutoff(self, best: Solved) -> float:
+        """Bounds at or above this cannot tie with `best`."""
+        return best.objective * (1 + self.band)
+
+    def may_lead(self, best: Solved, num_devices: int, floor: tuple[int, ...] | None) -> bool:
+        """Whether a strategy on `num_devices` whose key is at least `floor` (None: not known yet) could become
+        the simplest tied one."""
+        if num_devices != best.strategy.num_devices:
+            return False
+        if floor is None:
+            return True
+        key = (id(best), len(self.members))
+        if self._lead is None or self._lead[:2] != key:
+            tied = self.tied(best)
+            self._lead = (*key, simplicity_key(tied[0].strategy) if tied else (math.inf,))
+        return floor <= self._lead[2]
 
 
 def prefer_simplest(ranked: Sequence[Ranked]) -> list[Ranked]:

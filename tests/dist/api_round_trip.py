@@ -112,6 +112,9 @@ def main(argv: Sequence[str]) -> int:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         results[name] = gathered
+        # every rank leaves a config's pipeline and mesh groups together: a rank that tears its gloo groups down
+        # while a peer still drains the last point-to-point sends aborts the peer
+        dist.barrier()
     if dist.get_rank() == 0:
         with open(out, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)
