@@ -2,8 +2,8 @@
 
 from ir.chain_builder import build_layer_chain
 from ir.errors import TraceError
-from ir.fingerprint import fingerprint
 from ir.graph import Graph, Node, OpKind, TensorSpec, dtype_bytes
+from ir.graph_fingerprint import fingerprint
 from ir.layer_chain import LayerChain, Segment
 from ir.tracer import trace
 
