@@ -14,9 +14,10 @@ import enum
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
+if TYPE_CHECKING:
+    import networkx as nx
 
 _DTYPE_BYTES: Mapping[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -227,6 +228,8 @@ class Graph:
 
     def to_networkx(self) -> nx.DiGraph:
         """A DiGraph whose nodes are node names carrying the `Node` as attribute "node"; edges carry "bytes"."""
+        import networkx as nx  # only this view needs it; planning from a cached trace never loads it
+
         g = nx.DiGraph()
         for n in self.nodes:
             g.add_node(n.name, node=n)

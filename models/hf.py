@@ -36,6 +36,7 @@ from torch import nn
 
 from models import hf_tracing
 from models.synthetic import next_token_loss, token_ids
+from models.validation import require_traceable_depth
 
 INSTALL_HINT = "pip install 'stratagem[hf]'"
 """What to run when transformers is missing."""
@@ -174,11 +175,21 @@ def build(
     ImportError."""
     resolved = _resolve(spec)
     config = _make_config(resolved, dict(overrides))
+    require_traceable_depth(_num_layers(config))
     seq_len = _sequence_length(resolved, config, seq)
     module = _construct(resolved.model_class, config, torch.device(device))
     inputs = _example_inputs(resolved.task, config, batch, seq_len, torch.device(device))
     return HFModel(spec=spec, model_type=config.model_type, task=resolved.task, module=module,
                    example_inputs=inputs, seq_len=seq_len, config=config, loss=_LOSSES[resolved.task])
+
+
+def _num_layers(config: Any) -> int:
+    """Encoder (or decoder-only) blocks plus decoder blocks of an encoder-decoder. transformers maps its own
+    names (n_layer, num_layers, encoder_layers) onto num_hidden_layers, so each stack is counted once."""
+    def first(*names: str) -> int:
+        return next((v for n in names if isinstance(v := getattr(config, n, None), int)), 0)
+
+    return first("num_hidden_layers", "num_layers", "n_layer") + first("num_decoder_layers", "decoder_layers")
 
 
 def list_archs() -> tuple[HFArch, ...]:

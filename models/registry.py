@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from models.family import Family
+from models.validation import require_traceable_depth
 from models.zoo import FAMILIES, PRESETS
 
 _TRUE = ("true", "1", "yes", "on")
@@ -114,9 +115,20 @@ def resolve_config(name: str, sets: Sequence[str] = (), *, seq: int | None = Non
         overrides[family.seq_field] = _check_positive("--seq", seq)
     try:
         config = dataclasses.replace(base, **overrides)
+        require_traceable_depth(_num_layers(config))
     except ValueError as e:
         raise ModelError(f"model {name}: {e}") from None
     return family, config, overrides
+
+
+def _num_layers(config: Any) -> int:
+    """The layers a zoo config builds: its fields `layers`, `*_layers` and `depths` (per-stage counts)."""
+    total = 0
+    for f in dataclasses.fields(config):
+        if f.name in ("layers", "depths") or f.name.endswith("_layers"):
+            value = getattr(config, f.name)
+            total += sum(value) if isinstance(value, tuple) else (value or 0)
+    return total
 
 
 def build_model(

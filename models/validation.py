@@ -57,3 +57,17 @@ def coerce_enum(config: Any, name: str, enum_type: type[enum.StrEnum]) -> None:
         valid = ", ".join(m.value for m in enum_type)
         raise ValueError(f"{type(config).__name__}.{name}={value!r} is not one of {valid}") from None
     object.__setattr__(config, name, member)  # frozen dataclass: __post_init__ may normalize its own fields
+
+
+MAX_LAYERS = 1024
+"""The deepest model the planner takes. It builds and traces every layer (tens of milliseconds each on a 2-core
+machine) and prices every one it may cut a pipeline at; the deepest models trained have about 1,000 layers
+(DeepNet, Wang et al. 2022), so a deeper one is almost always a typo (`--set layers=100000`) that would otherwise
+trace for hours."""
+
+
+def require_traceable_depth(layers: int) -> None:
+    """At most `MAX_LAYERS` layers (transformer blocks, residual blocks) in the whole model."""
+    if layers > MAX_LAYERS:
+        raise ValueError(f"{layers:,} layers is more than the {MAX_LAYERS:,} the planner traces (it builds and "
+                         "traces every layer; the deepest trained models have about 1,000): a typo?")

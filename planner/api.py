@@ -6,15 +6,22 @@
 
 `planner.estimate` solves the tensor-parallel sharding of every layer class (the same `LayerCostTable` the search
 uses) and then calls `costmodel.estimate`, so the estimate of a searched plan's strategy is the plan's prediction.
+
+A model of the registry is traced by name, through the trace cache, as `stratagem plan` traces it:
+
+    traced = planner.api.trace_model("gpt3-175b", cache=TraceCache.default())
+    plan = planner.api.plan(traced.chain, None, cluster, global_batch=1536, model_name=traced.name,
+                            settings=traced.settings, progress=print)
+
+`progress` receives a frozen `planner.progress.PlanProgress` record (phase, candidates priced, best so far,
+lower bound, gap) at most every 0.1 s and once at the end.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
-
-import torch.nn as nn
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import ir
 from costmodel.breakdown import Estimate
@@ -29,6 +36,7 @@ from ir.graph import Graph
 from ir.layer_chain import LayerChain
 from planner.errors import UserError
 from planner.plan import ModelInfo, ModuleSharding, Plan, SearchInfo, TrainingConfig
+from planner.progress import Phase, PlanProgress, ProgressCallback
 from planner.search.branch_and_bound import SearchOptions, SearchResult, search
 from planner.search.candidates import Candidate
 from planner.search.device_groups import mixed_type_problem, with_device_groups
@@ -37,23 +45,34 @@ from planner.search.pricing import layer_cost_map, sharding_of
 from planner.search.ranking import prefer_simplest
 from planner.search.space import Objective, SearchSpace
 from planner.search.stage_problem import StageProblemBuilder
-from planner.tracing import trace_one_sample
+from planner.tracing import trace_model
 
-Progress = Callable[[int, int, float | None], None]
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+__all__ = ["as_chain", "as_cluster", "estimate", "estimate_plan", "load_profile", "plan", "plan_top", "settings_of",
+           "trace_model", "validate_strategy"]
 
 
 def as_chain(model_or_chain: nn.Module | Graph | LayerChain, inputs: Any = None, *, model_name: str = "model",
-             dtype: str | None = None) -> LayerChain:
+             dtype: str | None = None, progress: ProgressCallback | None = None) -> LayerChain:
     """A `LayerChain` from a chain, a traced graph, or a module and its example inputs (traced here at one sample,
     as `parallelize` and `stratagem plan` trace it: `planner.tracing`)."""
     if isinstance(model_or_chain, LayerChain):
         return model_or_chain
     if isinstance(model_or_chain, Graph):
         return ir.build_layer_chain(model_or_chain)
+    # torch is imported here, not at the top: planning a chain (a cached trace) never needs it.
+    import torch.nn as nn
+
+    from planner.tracing import trace_one_sample
+
     if isinstance(model_or_chain, nn.Module):
         if inputs is None:
             raise ValueError("planning an nn.Module needs its example inputs (a tuple of tensors or TensorSpecs, "
                              "or a dict of keyword arguments)")
+        if progress is not None:
+            progress(PlanProgress(phase=Phase.TRACE))
         return trace_one_sample(model_or_chain, inputs, model_name=model_name, dtype=dtype)
     raise TypeError(f"expected an nn.Module, ir.Graph or ir.LayerChain, got {type(model_or_chain).__name__}")
 
@@ -80,8 +99,14 @@ def load_profile(path: str) -> OpProfile:
 def plan(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any, cluster: Cluster | str, *,
          global_batch: int, space: SearchSpace | None = None, objective: Objective | str = Objective.TIME,
          time_limit_s: float | None = None, dtype: str = "bfloat16", model_name: str | None = None,
-         settings: Sequence[tuple[str, Any]] = (), progress: Progress | None = None, profile: OpProfile | None = None) -> Plan:
+         settings: Sequence[tuple[str, Any]] = (), progress: ProgressCallback | None = None,
+         profile: OpProfile | None = None) -> Plan:
     """The best plan for training the model on `cluster` with `global_batch` samples per step (module docstring).
+
+    `time_limit_s` stops the search with the best plan found so far (status "feasible", its proven gap in
+    `plan.search`). It is None (no limit) by default, unlike the CLI's 60 s: a plan found within a limit depends
+    on the machine's speed, and the ranks of a job that each plan for themselves must find the same plan.
+    `progress` is called with `planner.progress.PlanProgress` records (module docstring).
 
     Raises `planner.errors.InfeasibleError` when nothing fits, `UserError` for an empty search space."""
     return plan_top(model_or_chain, inputs_or_spec, cluster, global_batch=global_batch, top_k=1, space=space,
@@ -93,10 +118,10 @@ def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any
              global_batch: int, top_k: int = 1, space: SearchSpace | None = None,
              objective: Objective | str = Objective.TIME, time_limit_s: float | None = None,
              dtype: str = "bfloat16", model_name: str | None = None, settings: Sequence[tuple[str, Any]] = (),
-             progress: Progress | None = None, profile: OpProfile | None = None) -> tuple[Plan, ...]:
+             progress: ProgressCallback | None = None, profile: OpProfile | None = None) -> tuple[Plan, ...]:
     """The `top_k` best distinct strategies as plans, best first (each carries the same search information)."""
     name = model_name or getattr(model_or_chain, "model_name", None) or type(model_or_chain).__name__
-    chain = as_chain(model_or_chain, inputs_or_spec, model_name=name, dtype=dtype)
+    chain = as_chain(model_or_chain, inputs_or_spec, model_name=name, dtype=dtype, progress=progress)
     cluster = as_cluster(cluster, profile)
     options = SearchOptions(objective=Objective(objective), top_k=top_k, time_limit_s=time_limit_s,
                             progress=progress, tie_band=error_band(g.device for g in cluster.groups))

@@ -13,3 +13,7 @@ class PlanLoadError(UserError):
 
 class InfeasibleError(UserError):
     """No strategy fits; the message says the smallest memory per device that would and what would help."""
+
+
+class TimeLimitError(UserError):
+    """The search's time limit (and its grace for a first plan) passed before any plan was found."""

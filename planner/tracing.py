@@ -1,27 +1,38 @@
-"""The one way the planner traces a user's module: one sample, shapes only, in the training dtype.
+"""The one way the planner traces a model: one sample, shapes only, in the training dtype.
 
 `planner.api.plan`, `planner.parallelize` and `stratagem plan` all trace the model at a batch of one sample, so a
 plan made from example inputs of any batch size carries the fingerprint that `parallelize` recomputes from
 example inputs of any other (the cost model scales the traced sample to every micro-batch size it prices). The
 first dimension of every input tensor is the batch.
+
+`trace_model` traces a model of the registry by name (what the CLI plans), through the trace cache
+(`planner.trace_cache`) when given one. torch is imported by the functions that trace, not by this module: a
+cache hit never loads it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-import torch
-from torch import nn
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import ir
 from ir.graph import TensorSpec
 from ir.layer_chain import LayerChain
+from planner.errors import UserError
+from planner.progress import Phase, PlanProgress, ProgressCallback
+from planner.trace_cache import TraceCache, TracedModel, trace_key
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def one_sample(value: Any) -> Any:
     """`value` (a tensor, `TensorSpec`, tuple / list / dict of them) with every batch dimension set to 1, as
     `TensorSpec`s; other values unchanged."""
+    import torch
+
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
             return value
@@ -41,3 +52,47 @@ def trace_one_sample(model: nn.Module, example_inputs: Any, *, dtype: str | None
     keyword arguments), traced at one sample in `dtype` (module docstring)."""
     graph = ir.trace(model, one_sample(example_inputs), model_name=model_name, dtype=dtype)
     return ir.build_layer_chain(graph)
+
+
+def trace_model(model: str, sets: Sequence[str] = (), *, seq: int | None = None, dtype: str = "bfloat16",
+                cache: TraceCache | None = None, progress: ProgressCallback | None = None) -> TracedModel:
+    """MODEL (a zoo family or preset, `hf:...`, `package.module:factory`) with `--set` overrides, built on the meta
+    device and traced at one sample in `dtype`; read from `cache` when it holds it, and stored there after
+    tracing. Raises the registry's `ModelError` for a bad name or setting, `UserError` when tracing fails."""
+    key = trace_key(model, sets, seq=seq, dtype=dtype) if cache is not None else None
+    if key is not None and cache is not None and (hit := cache.load(key)) is not None:
+        return hit
+    if progress is not None:
+        progress(PlanProgress(phase=Phase.TRACE))
+    started = time.monotonic()
+    from models.registry import build_model  # imports torch and the zoo
+
+    try:
+        built = build_model(model, sets, batch=1, seq=seq, device="meta")
+    except UserError:
+        raise
+    except ValueError as e:
+        raise UserError(f"model {model}: {_one_line(e)}") from None
+    try:
+        chain = ir.build_layer_chain(ir.trace(built.module, built.example_inputs, model_name=built.name, dtype=dtype))
+    except UserError:
+        raise
+    except ValueError as e:
+        raise UserError(f"cannot trace {built.name}: {_one_line(e)}") from None
+    traced = TracedModel(name=built.name, settings=json_settings(built.settings), chain=chain)
+    if key is not None and cache is not None:
+        cache.store(key, traced)
+    if progress is not None:
+        progress(PlanProgress(phase=Phase.TRACE, elapsed_s=time.monotonic() - started))
+    return traced
+
+
+def json_settings(settings: Sequence[tuple[str, Any]]) -> tuple[tuple[str, Any], ...]:
+    """The settings as a plan's JSON holds them (enums as their values, tuples as lists), sorted by key: a model
+    read from the trace cache and one traced now record the same settings."""
+    return tuple(sorted((str(k), json.loads(json.dumps(v, default=str))) for k, v in settings))
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return " ".join(text.split())

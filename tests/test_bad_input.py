@@ -71,6 +71,11 @@ BAD_INPUTS: tuple[BadInput, ...] = (
           "--set layers=two", "expected an integer"),
     _case("set-out-of-range", "--set with a value the config rejects", f"trace {TINY} --set layers=0",
           "layers must be a positive integer, got 0"),
+    _case("set-layers-typo", "--set depth far past any trained model (a typo), refused before building",
+          f"plan {TINY} --cluster 1x4xcpu --batch 8 --set layers=100000",
+          "100,000 layers is more than the 1,024 the planner traces", "a typo?"),
+    _case("seq-past-positions", "--seq far past the model's learned positions",
+          "plan bert-tiny --cluster 1x4xcpu --batch 8 --seq 10000000", "seq=10000000 exceeds max_positions=512"),
     _case("set-bad-enum", "--set with a value outside an enum", f"trace {TINY} --set attn_impl=fast",
           "--set attn_impl=fast", "not one of sdpa, math"),
     _case("set-no-equals", "--set without KEY=VALUE", f"trace {TINY} --set layers",
@@ -144,9 +149,9 @@ BAD_INPUTS: tuple[BadInput, ...] = (
           f"plan {TINY} --cluster 1x4xcpu --batch 8 --objective cost",
           "--objective cost needs a price for every device", "price_per_device_hour"),
     _case("time-limit-negative", "negative --time-limit", f"plan {TINY} --cluster 1x4xcpu --batch 8 --time-limit -1",
-          "--time-limit", "expected a positive number, got -1"),
-    _case("time-limit-zero", "--time-limit 0", f"plan {TINY} --cluster 1x4xcpu --batch 8 --time-limit 0",
-          "--time-limit", "expected a positive number, got 0"),
+          "--time-limit", "expected a number of seconds >= 0 (0: no limit), got -1"),
+    _case("time-limit-inf", "--time-limit inf (0 is the way to say no limit)",
+          f"plan {TINY} --cluster 1x4xcpu --batch 8 --time-limit inf", "--time-limit", "(0: no limit), got inf"),
     _case("time-limit-nan", "--time-limit nan", f"plan {TINY} --cluster 1x4xcpu --batch 8 --time-limit nan",
           "--time-limit", "got nan"),
     # ---- plan files -----------------------------------------------------------------------------------------------
@@ -497,7 +502,10 @@ def render_docs(outcomes: Mapping[str, Mapping[str, Any]]) -> str:
 def _write_docs() -> None:
     import tempfile
 
+    from planner.trace_cache import ENV_VAR
+
     with tempfile.TemporaryDirectory() as tmp:
+        os.environ[ENV_VAR] = str(Path(tmp) / "cache")  # as under pytest (conftest.py): never the user's cache
         folder = Path(tmp) / "work"
         folder.mkdir()
         populate(folder, scratch_files(make_valid_plan(Path(tmp))))

@@ -1,6 +1,7 @@
 """The import structure, read from the source (AST; nothing is imported):
 
-    ir  <-  costmodel  <-  planner core (errors, plan, strategy_label, tracing)  <-  planner.search
+    ir  <-  costmodel  <-  planner core (errors, plan, progress, strategy_label, tracing, trace_cache)
+        <-  planner.search
         <-  planner.{scenarios, reports, runtime, profiling, trainers}  <-  planner.api (and the package)  <-  planner.cli
 
 A module may import its own group and the groups below it, never above; of the five siblings only
@@ -35,7 +36,8 @@ LAYERS: dict[str, int] = {
     "planner.api": 5,
     "planner.cli": 6,
 }
-CORE = frozenset({"planner.errors", "planner.plan", "planner.strategy_label", "planner.tracing"})
+CORE = frozenset({"planner.errors", "planner.plan", "planner.progress", "planner.strategy_label",
+                  "planner.trace_cache", "planner.tracing"})
 SIBLING_EDGES = frozenset({("planner.profiling", "planner.runtime")})
 KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset()
 

@@ -129,7 +129,7 @@ def test_output_file_round_trips_and_never_overwrites_inputs(capsys: pytest.Capt
     (["--fix", "dp=3"], "no valid strategy: dp=3 does not divide the global batch 32"),
     (["--fix", "pp=7"], "no valid strategy: pp=7 is more than the 6 segments"),
     (["--top", "0"], "expected a positive integer"),
-    (["--time-limit", "-1"], "expected a positive number"),
+    (["--time-limit", "-1"], "expected a number of seconds >= 0 (0: no limit), got -1"),
     (["--objective", "cost"], "--objective cost needs a price for every device"),
 ])
 def test_plan_user_errors(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
@@ -206,21 +206,3 @@ def test_user_error_in_a_subprocess_has_no_traceback() -> None:
     r = _run(["plan", *TINY, "--cluster", "1x8xa100", "--batch", "32"], "0")
     assert r.returncode == 2
     assert r.stderr.startswith("stratagem: error: --cluster 1x8xa100:") and "Traceback" not in r.stderr
-
-
-def test_progress_goes_to_a_terminal_only() -> None:
-    import io
-
-    from planner.cli.common import progress_printer
-
-    class Terminal(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
-    assert progress_printer(io.StringIO()) is None
-    term = Terminal()
-    show = progress_printer(term)
-    assert show is not None
-    show(3, 10, 0.25)
-    show(10, 10, 0.2)
-    assert term.getvalue() == "\rsearching: 3/10 candidates, best 0.25 s   \rsearching: 10/10 candidates, best 0.2 s   \n"

@@ -86,6 +86,11 @@ def test_cli_says_it_was_cut_short(tmp_path: Path) -> None:
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "cut short by --time-limit" in proc.stdout
+    # one line says the limit was reached, with the proven gap (stdout carries the plan and the same gap)
+    gap = json.loads(out.read_text())["search"]["optimality_gap"]
+    assert proc.stderr == (f"stratagem: note: time limit of {LIMIT_S:g} s reached; the plan is the best found, "
+                           f"proven within {100 * gap:.1f}% of the optimum (--time-limit 0 searches to the end)\n")
+    assert f"optimality gap {100 * gap:.1f}%" in proc.stdout
     search = json.loads(out.read_text())["search"]
     assert search["status"] == "feasible"
     assert search["time_s"] <= LIMIT_S + GRACE_S, f"search took {search['time_s']:.2f} s (load average {_load()})"

@@ -9,14 +9,17 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from costmodel.hardware.cluster import Cluster
 from planner.errors import UserError
+from planner.trace_cache import TraceCache
+
+DEFAULT_TIME_LIMIT_S = 60.0
+"""The CLI's search time limit: a plan, or its proven gap, within a minute on any input (`--time-limit 0`: none)."""
 
 
 def positive_int(text: str) -> int:
@@ -50,6 +53,52 @@ def percent(text: str) -> float:
     if not (value >= 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"expected a percentage >= 0, got {text}")
     return value
+
+
+def time_limit(text: str) -> float:
+    """argparse type for `--time-limit`: a finite number of seconds >= 0 (0: no limit)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0 (0: no limit), got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0 (0: no limit), got {text}")
+    return value
+
+
+def add_time_limit_argument(parser: argparse.ArgumentParser, *, per: str = "") -> None:
+    parser.add_argument("--time-limit", type=time_limit, default=DEFAULT_TIME_LIMIT_S, metavar="SEC",
+                        help=f"{per}stop searching after SEC seconds with the best plan found and its proven gap "
+                             "(default %(default)g; 0: no limit)")
+
+
+def time_limit_s(args: argparse.Namespace) -> float | None:
+    """The search's time limit from `--time-limit` (None for 0: no limit)."""
+    return args.time_limit or None
+
+
+def time_limit_note(cut_short: bool, gap: float, limit_s: float | None) -> str | None:
+    """The one line saying the time limit was reached (None when the search finished)."""
+    if not cut_short or limit_s is None:
+        return None
+    return (f"stratagem: note: time limit of {limit_s:g} s reached; the plan is the best found, proven within "
+            f"{100 * gap:.1f}% of the optimum (--time-limit 0 searches to the end)")
+
+
+def add_trace_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--trace-cache", default=None, metavar="DIR",
+                       help="keep traced models in DIR (default: $STRATAGEM_CACHE_DIR/traces, else the user's "
+                            "cache folder, e.g. ~/.cache/stratagem/traces)")
+    group.add_argument("--no-trace-cache", action="store_true",
+                       help="trace the model again and keep nothing")
+
+
+def trace_cache(args: argparse.Namespace) -> TraceCache | None:
+    """The trace cache the flags ask for (None with --no-trace-cache)."""
+    if args.no_trace_cache:
+        return None
+    return TraceCache(Path(args.trace_cache).expanduser()) if args.trace_cache else TraceCache.default()
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -186,22 +235,6 @@ def write_text(path: Path, text: str) -> None:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
         raise UserError(f"cannot write {path}: {e.strerror or e}") from None
-
-
-def progress_printer(stream: Any = None) -> Callable[[int, int, float | None], None] | None:
-    """A one-line progress indicator on stderr, only when stderr is a terminal (never in pipes or CI logs)."""
-    stream = stream or sys.stderr
-    if not stream.isatty():
-        return None
-
-    def show(done: int, total: int, best_s: float | None) -> None:
-        best = f", best {best_s:.4g} s" if best_s is not None else ""
-        stream.write(f"\rsearching: {done}/{total} candidates{best}   ")
-        if done >= total:
-            stream.write("\n")
-        stream.flush()
-
-    return show
 
 
 def _one_line(e: BaseException) -> str:

@@ -30,15 +30,16 @@ from planner.cli.common import (
     add_model_arguments,
     add_output_arguments,
     add_profile_argument,
-    build_model,
+    add_trace_cache_arguments,
     check_output_path,
     input_paths,
     parse_cluster,
     positive_int,
-    trace_chain,
+    trace_cache,
 )
 from planner.cli.plan_cmd import emit
 from planner.errors import UserError
+from planner.tracing import trace_model
 
 
 def schedule_arg(text: str) -> tuple[Schedule, int]:
@@ -87,6 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp-overlap", action="store_true",
                    help="tensor-parallel collectives overlap the GEMMs (Megatron-Core --tp-comm-overlap)")
     add_output_arguments(p)
+    add_trace_cache_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -130,10 +132,9 @@ def _estimate_flags(args: argparse.Namespace, cluster: Any, profile: Any) -> Any
     except ValueError as e:
         raise UserError(f"invalid strategy: {e}") from None
     dtype = args.dtype or "bfloat16"
-    built = build_model(args.model, args.sets, seq=args.seq)
-    chain = trace_chain(built, dtype=dtype)
-    return estimate_plan(chain, cluster, strategy, profile=profile, global_batch=args.batch, dtype=dtype,
-                         model_name=built.name, settings=built.settings)
+    traced = trace_model(args.model, args.sets, seq=args.seq, dtype=dtype, cache=trace_cache(args))
+    return estimate_plan(traced.chain, cluster, strategy, profile=profile, global_batch=args.batch, dtype=dtype,
+                         model_name=traced.name, settings=traced.settings)
 
 
 def _estimate_imported(args: argparse.Namespace, cluster: Any, profile: Any) -> Any:
@@ -143,22 +144,23 @@ def _estimate_imported(args: argparse.Namespace, cluster: Any, profile: Any) -> 
 
     cfg = read_trainer_config(args.from_)
     dtype = args.dtype or cfg.dtype or "bfloat16"
-    built = _build_with_seq(args, args.seq or cfg.seq_len)
-    chain = trace_chain(built, dtype=dtype)
-    imported = imported_strategy(args.from_, cfg, BlockLayout.of(chain), cluster.num_available)
+    traced = _trace_with_seq(args, args.seq or cfg.seq_len, dtype)
+    imported = imported_strategy(args.from_, cfg, BlockLayout.of(traced.chain), cluster.num_available)
     for note in cfg.notes:
         print(f"stratagem: warning: {note}", file=sys.stderr)
-    return estimate_plan(chain, cluster, imported.strategy, profile=profile, global_batch=imported.global_batch,
-                         dtype=dtype, model_name=built.name, settings=built.settings)
+    return estimate_plan(traced.chain, cluster, imported.strategy, profile=profile,
+                         global_batch=imported.global_batch, dtype=dtype, model_name=traced.name,
+                         settings=traced.settings)
 
 
-def _build_with_seq(args: argparse.Namespace, seq: int | None) -> Any:
-    """The model at the trainer file's sequence length; a model without one ignores it."""
+def _trace_with_seq(args: argparse.Namespace, seq: int | None, dtype: str) -> Any:
+    """The model traced at the trainer file's sequence length; a model without one ignores it."""
     from models.registry import ModelError
 
+    cache = trace_cache(args)
     try:
-        return build_model(args.model, args.sets, seq=seq)
+        return trace_model(args.model, args.sets, seq=seq, dtype=dtype, cache=cache)
     except ModelError as e:
         if args.seq is None and seq is not None and "--seq does not apply" in str(e):
-            return build_model(args.model, args.sets, seq=None)
+            return trace_model(args.model, args.sets, seq=None, dtype=dtype, cache=cache)
         raise

@@ -11,7 +11,6 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from models.registry import ModelError
 from planner.errors import UserError
 
 # Each module defines `register(subparsers) -> None`, which adds its parser with `set_defaults(func=...)`;
@@ -50,14 +49,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
-    except (UserError, ModelError) as e:
-        print(f"stratagem: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("stratagem: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as e:
+        if not _is_user_error(e):
+            raise
+        print(f"stratagem: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _is_user_error(e: Exception) -> bool:
+    """A `UserError`, or the model registry's `ModelError`. The registry is not imported for this: it pulls in
+    torch, which a plan from the trace cache never needs, and a `ModelError` can only come from a loaded one."""
+    registry = sys.modules.get("models.registry")
+    return isinstance(e, UserError) or (registry is not None and isinstance(e, registry.ModelError))
 
 
 if __name__ == "__main__":

@@ -10,9 +10,10 @@ import argparse
 import dataclasses
 import enum
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from models.registry import ModelEntry, list_models
+if TYPE_CHECKING:
+    from models.registry import ModelEntry
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,6 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from models.registry import list_models  # the zoo imports torch: only this command pays for it
+
     entries = list_models()
     if args.json:
         print(json.dumps({"models": [entry_json(e) for e in entries]}, indent=2))

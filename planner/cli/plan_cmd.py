@@ -3,13 +3,16 @@
 Prints the device mesh (axes, sizes, the network tier each spans), a table of pipeline stages (layers, devices,
 recomputation, memory against capacity), the predicted step time, throughput, TFLOP/s per device, MFU and the
 breakdown, the search status and the runner-ups that lost. `--json` prints the Plan JSON (a list of plans with
-`--top K` > 1); `-o FILE` writes the best plan. A progress line goes to stderr only when it is a terminal.
+`--top K` > 1); `-o FILE` writes the best plan. The search stops after `--time-limit` seconds (default 60) with the
+best plan found and its proven gap. Progress is drawn on stderr only when it is a terminal and without `--json`;
+the traced model is kept in the trace cache (`planner.trace_cache`) for the next plan of the same model.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 
 from costmodel.hardware.cluster import Cluster
@@ -20,20 +23,24 @@ from planner.cli.common import (
     add_model_arguments,
     add_output_arguments,
     add_profile_argument,
-    build_model,
+    add_time_limit_argument,
+    add_trace_cache_arguments,
     check_output_path,
     input_paths,
     parse_cluster,
-    positive_float,
     positive_int,
-    progress_printer,
-    trace_chain,
+    time_limit_note,
+    time_limit_s,
+    trace_cache,
     write_text,
 )
+from planner.cli.progress import live, search_callback
 from planner.errors import UserError
 from planner.plan import Plan
 from planner.reports.render import render_plan
 from planner.search.space import FIX_KEYS, Objective, SearchSpace
+from planner.trace_cache import TracedModel
+from planner.tracing import trace_model
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,8 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
                    help=f"pin a dimension (repeatable); keys: {', '.join(sorted(set(FIX_KEYS)))}")
     p.add_argument("--top", type=positive_int, default=1, metavar="K", help="return the K best distinct strategies")
-    p.add_argument("--time-limit", type=positive_float, default=None, metavar="SEC",
-                   help="stop searching after SEC seconds with the best plan so far (status 'feasible')")
+    add_time_limit_argument(p)
     p.add_argument("--objective", choices=[o.value for o in Objective], default=Objective.TIME.value,
                    help="minimize step time (default) or cost per step (needs prices in the cluster YAML)")
     p.add_argument("--max-mbs", type=positive_int, default=SearchSpace().max_microbatch_size, metavar="N",
@@ -58,6 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="price this trainer configuration too (megatron:, torchtitan:, deepspeed:, "
                         "megatron-deepspeed:) and print the plan's predicted gain over it and the diff")
     add_output_arguments(p)
+    add_trace_cache_arguments(p)
     p.add_argument("--timeline", metavar="FILE.json", default=None,
                    help="also write the best plan's simulated step as Chrome/Perfetto trace JSON")
     p.add_argument("--plot", metavar="FILE.png", default=None,
@@ -83,25 +90,27 @@ def run(args: argparse.Namespace) -> int:
                                        tp_across_nodes=args.tp_across_nodes)
     except ValueError as e:
         raise UserError(str(e)) from None
-    built = build_model(args.model, args.sets, seq=args.seq)
-    chain = trace_chain(built, dtype=args.dtype)
-    plans = plan_top(chain, None, cluster, profile=profile, global_batch=args.batch, dtype=args.dtype,
-                     top_k=args.top, space=space,
-                     objective=args.objective, time_limit_s=args.time_limit, model_name=built.name,
-                     settings=built.settings, progress=progress_printer())
+    limit = time_limit_s(args)
+    with live(enabled=not args.json) as display:
+        progress = search_callback(display)
+        traced = trace_model(args.model, args.sets, seq=args.seq, dtype=args.dtype, cache=trace_cache(args),
+                             progress=progress)
+        plans = plan_top(traced.chain, None, cluster, profile=profile, global_batch=args.batch, dtype=args.dtype,
+                         top_k=args.top, space=space, objective=args.objective, time_limit_s=limit,
+                         model_name=traced.name, settings=traced.settings, progress=progress)
     if baseline_cfg is None:
         emit(plans, cluster, args.json, outputs)
-        return 0
-    baseline = _baseline_plan(args, baseline_cfg, chain, cluster, profile, built)
-    emit_with_baseline(plans[0], baseline, cluster, args, outputs)
+    else:
+        baseline = _baseline_plan(args, baseline_cfg, traced.chain, cluster, profile, traced)
+        emit_with_baseline(plans[0], baseline, cluster, args, outputs)
+    if note := time_limit_note(plans[0].search.status == "feasible", plans[0].search.optimality_gap, limit):
+        print(note, file=sys.stderr)
     return 0
 
 
 def _baseline_plan(args: argparse.Namespace, cfg: object, chain: object, cluster: Cluster, profile: object,
-                   built: object) -> Plan:
+                   traced: TracedModel) -> Plan:
     """The baseline configuration priced on the same model, cluster and batch (as `estimate --from` does)."""
-    import sys
-
     from planner.api import estimate_plan
     from planner.trainers.convert import imported_strategy
     from planner.trainers.layout import BlockLayout
@@ -117,7 +126,7 @@ def _baseline_plan(args: argparse.Namespace, cfg: object, chain: object, cluster
     for note in cfg.notes:
         print(f"stratagem: warning: {note}", file=sys.stderr)
     return estimate_plan(chain, cluster, imported.strategy, profile=profile, global_batch=args.batch,
-                         dtype=args.dtype, model_name=built.name, settings=built.settings)
+                         dtype=args.dtype, model_name=traced.name, settings=traced.settings)
 
 
 def emit_with_baseline(best: Plan, baseline: Plan, cluster: Cluster, args: argparse.Namespace,

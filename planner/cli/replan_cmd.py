@@ -13,23 +13,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from planner.cli.common import (
     add_cluster_argument,
-    build_model,
+    add_time_limit_argument,
+    add_trace_cache_arguments,
     check_output_path,
     input_paths,
     parse_cluster,
     percent,
-    positive_float,
     positive_int,
     setting_text,
-    trace_chain,
+    time_limit_note,
+    time_limit_s,
+    trace_cache,
     write_text,
 )
+from planner.cli.progress import live, search_callback
 from planner.errors import UserError
 from planner.plan import Plan
+from planner.trace_cache import TraceCache
+from planner.tracing import trace_model
 
 DEFAULT_STICKINESS_PCT = 2.0
 
@@ -50,19 +56,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="also plan without the devices running below nominal speed (leave them out of the job)")
     p.add_argument("--top", type=positive_int, default=1, metavar="K",
                    help="consider the search's K best strategies (more choice for --stickiness; default 1)")
-    p.add_argument("--time-limit", type=positive_float, default=None, metavar="SEC",
-                   help="stop the search after SEC seconds with the best found")
+    add_time_limit_argument(p)
+    add_trace_cache_arguments(p)
     p.add_argument("--format", choices=("text", "md"), default="text", help="diff rendering (default text)")
     p.add_argument("-o", "--output", default=None, metavar="FILE", help="write the new plan JSON to FILE")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
     p.set_defaults(func=run)
 
 
-def _model_chain(plan: Plan) -> Any:
-    """The plan's model rebuilt from its name and settings, traced as `stratagem plan` traces it."""
-    sets = [f"{k}={setting_text(v)}" for k, v in plan.model.settings]
-    built = build_model(plan.model.name, sets, seq=None)
-    return trace_chain(built)
+def _model_chain(plan: Plan, cache: TraceCache | None, progress: Any) -> Any:
+    """The plan's model rebuilt from its name and settings, traced as `stratagem plan` traces it (in the plan's
+    dtype; a "seq" setting is `--seq`, which is how `stratagem plan` finds it in the trace cache)."""
+    sets = [f"{k}={setting_text(v)}" for k, v in plan.model.settings if k != "seq"]
+    seq = dict(plan.model.settings).get("seq")
+    return trace_model(plan.model.name, sets, seq=seq, dtype=plan.training.dtype, cache=cache,
+                       progress=progress).chain
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,10 +86,15 @@ def run(args: argparse.Namespace) -> int:
         old_cluster = Cluster.from_dict(old.cluster)
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"{args.plan}: its cluster does not load: {e}") from None
-    chain = _model_chain(old)
-    result = replan(old, chain, cluster, stickiness=args.stickiness / 100.0, scope=args.scope, top_k=args.top,
-                    time_limit_s=args.time_limit, exclude_slowed=args.exclude_slow)
+    limit = time_limit_s(args)
+    with live(enabled=not args.json) as display:
+        progress = search_callback(display)
+        chain = _model_chain(old, trace_cache(args), progress)
+        result = replan(old, chain, cluster, stickiness=args.stickiness / 100.0, scope=args.scope, top_k=args.top,
+                        time_limit_s=limit, exclude_slowed=args.exclude_slow, progress=progress)
     changes = cluster_changes(old_cluster, cluster)
+    if note := time_limit_note(result.search.cut_short, result.search.optimality_gap, limit):
+        print(note, file=sys.stderr)
     if output is not None:
         write_text(output, result.plan.to_json())
     diff = diff_plans(old, result.plan, old_label=args.plan, new_label=args.output or "replanned")

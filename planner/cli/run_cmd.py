@@ -23,12 +23,14 @@ import subprocess
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from planner.cli.common import add_model_arguments, positive_float, positive_int
 from planner.errors import PlanLoadError, UserError
 from planner.plan import Plan
-from planner.runtime.measure import MeasuredRun, peak_memory_per_stage, time_training, train_unsharded
+
+if TYPE_CHECKING:  # the runtime imports torch.distributed: loaded by the functions that run, not by `stratagem`
+    from planner.runtime.measure import MeasuredRun
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")
@@ -172,6 +174,7 @@ def _train_and_report(args: argparse.Namespace, plan: Any, device: Any) -> int:
     import torch.distributed as dist
 
     from planner.cli.common import trace_chain
+    from planner.runtime.measure import peak_memory_per_stage
 
     rank = dist.get_rank()
     reference = _reference(args, plan, device) if args.check and rank == 0 else None
@@ -200,6 +203,7 @@ def _parallelize(built: Any, plan: Any, chain: Any) -> Any:
 
 
 def _train(args: argparse.Namespace, pm: Any, built: Any, device: Any) -> MeasuredRun:
+    from planner.runtime.measure import time_training
     from planner.runtime.train_step import local_batch
 
     optimizer = _optimizer(args, list(pm.parameters()))
@@ -208,6 +212,8 @@ def _train(args: argparse.Namespace, pm: Any, built: Any, device: Any) -> Measur
 
 def _reference(args: argparse.Namespace, plan: Any, device: Any) -> MeasuredRun:
     """The unsharded model trained on the whole global batch in this one process."""
+    from planner.runtime.measure import train_unsharded
+
     built, _ = _build(args, plan, device)
     optimizer = _optimizer(args, built.module.parameters())
     return train_unsharded(built.module, built.loss, built.example_inputs, optimizer, args.steps)

@@ -12,21 +12,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from collections.abc import Callable
 
 from ir.layer_chain import LayerChain
 from planner.cli.common import (
     add_model_arguments,
-    build_model,
+    add_time_limit_argument,
+    add_trace_cache_arguments,
     check_output_path,
     input_paths,
     positive_float,
     positive_int,
-    trace_chain,
+    time_limit_s,
+    trace_cache,
 )
+from planner.cli.progress import live, scenario_callback
 from planner.errors import UserError
 from planner.search.space import FIX_KEYS, Objective, SearchSpace
+from planner.tracing import trace_model
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,8 +49,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"pin a dimension in every scenario; keys: {', '.join(sorted(set(FIX_KEYS)))}")
     p.add_argument("--top", type=positive_int, default=8, metavar="K",
                    help="cost objective: cheapest strategies per scenario checked against the floor (default 8)")
-    p.add_argument("--time-limit", type=positive_float, default=None, metavar="SEC",
-                   help="per scenario: stop each search after SEC seconds with the best found")
+    add_time_limit_argument(p, per="per scenario: ")
+    add_trace_cache_arguments(p)
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw throughput and cost per scenario")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
     p.set_defaults(func=run)
@@ -69,16 +71,18 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--min-throughput needs --objective cost (the floor picks the cheapest plan reaching it)")
     scenario_list = scenarios(args.cluster, args.batch, args.seq, variations)
     built_models: dict[int | None, LayerChain] = {}
+    cache = trace_cache(args)
 
     def chain_for(seq: int | None) -> LayerChain:
         if seq not in built_models:
-            built_models[seq] = trace_chain(build_model(args.model, args.sets, seq=seq))
+            built_models[seq] = trace_model(args.model, args.sets, seq=seq, cache=cache).chain
         return built_models[seq]
 
     options = WhatIfOptions(objective=Objective(args.objective), min_throughput=args.min_throughput,
-                            space=space, top_k=args.top, time_limit_s=args.time_limit)
-    progress = _progress() if sys.stderr.isatty() else None
-    result = whatif(chain_for, scenario_list, options=options, progress=progress)
+                            space=space, top_k=args.top, time_limit_s=time_limit_s(args))
+    with live(enabled=not args.json) as display:
+        result = whatif(chain_for, scenario_list, options=options,
+                        progress=scenario_callback(display))
     if plot is not None:
         plot_whatif(result, plot)
     if args.json:
@@ -89,9 +93,3 @@ def run(args: argparse.Namespace) -> int:
         print(render_table(result))
     return 0
 
-
-def _progress() -> Callable[[int, int], None]:
-    def show(done: int, total: int) -> None:
-        sys.stderr.write(f"\rwhat-if: {done}/{total} scenarios planned   " + ("\n" if done >= total else ""))
-        sys.stderr.flush()
-    return show

@@ -42,6 +42,7 @@ from costmodel.strategy import Recompute, Schedule, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import PlanLoadError, UserError
 from planner.plan import Alternative, ModuleSharding, Plan, SearchInfo
+from planner.progress import ProgressCallback
 from planner.search.branch_and_bound import SearchOptions, SearchResult, search
 from planner.search.candidates import Candidate
 from planner.search.device_groups import with_device_groups
@@ -238,12 +239,13 @@ def neighbourhood(old: Strategy, space: SearchSpace | None = None) -> SearchSpac
 def replan(old: Plan, chain: LayerChain, cluster: Cluster, *, session: PlanningSession | None = None,
            stickiness: float = DEFAULT_STICKINESS, scope: ReplanScope | str = ReplanScope.NEIGHBOURHOOD,
            space: SearchSpace | None = None, top_k: int = 1, time_limit_s: float | None = None,
-           exclude_slowed: bool = False) -> Replan:
+           exclude_slowed: bool = False, progress: ProgressCallback | None = None) -> Replan:
     """Re-plan `old` (made for `chain`) on `cluster` (module docstring).
 
     `top_k`: how many of the search's best strategies to consider (more: more choice for the stickiness, a
     slower search). `exclude_slowed`: also plan without the devices that run below nominal speed (one more
-    search; the chosen plan's cluster then marks them unavailable: the job leaves them out).
+    search; the chosen plan's cluster then marks them unavailable: the job leaves them out). `progress` receives
+    the searches' `planner.progress.PlanProgress` records.
 
     Raises PlanLoadError when the plan is for another model, UserError for a negative stickiness, and what the
     search raises (InfeasibleError, UserError) when nothing runs on the new cluster."""
@@ -259,11 +261,12 @@ def replan(old: Plan, chain: LayerChain, cluster: Cluster, *, session: PlanningS
     kept = found.add_kept(old_strategy, cluster, builder)
     searched_space = neighbourhood(old_strategy, space) if scope is ReplanScope.NEIGHBOURHOOD else space
     result = session.search(cluster, global_batch=old.training.global_batch, space=searched_space,
-                            options=SearchOptions(top_k=top_k, time_limit_s=time_limit_s, explain_slack=0.0))
+                            options=SearchOptions(top_k=top_k, time_limit_s=time_limit_s, explain_slack=0.0,
+                                                  progress=progress))
     for r in result.ranked:
         found.add(OptionKind.SEARCH, r.strategy, cluster, builder)
     if exclude_slowed and (without := _search_without_slowed(session, cluster, old.training.global_batch,
-                                                             searched_space, time_limit_s)):
+                                                             searched_space, time_limit_s, progress)):
         smaller, excluded = without
         found.add(OptionKind.EXCLUDE, excluded.best.strategy, smaller,
                   StageProblemBuilder(chain, smaller, session.table_for(smaller), dtype))
@@ -332,7 +335,8 @@ def _check_inputs(old: Plan, chain: LayerChain, stickiness: float) -> None:
 
 
 def _search_without_slowed(session: PlanningSession, cluster: Cluster, batch: int, space: SearchSpace | None,
-                           time_limit_s: float | None) -> tuple[Cluster, SearchResult] | None:
+                           time_limit_s: float | None,
+                           progress: ProgressCallback | None) -> tuple[Cluster, SearchResult] | None:
     """(the cluster with its slowed devices marked unavailable, the search there), or None when no device is
     slowed, all are, or nothing runs without them."""
     slowed = [r for r in cluster.available_ranks() if cluster.speed_of(r) < 1.0]
@@ -343,7 +347,8 @@ def _search_without_slowed(session: PlanningSession, cluster: Cluster, batch: in
         without = without.with_speed(r, 0.0)
     try:
         return without, session.search(without, global_batch=batch, space=space,
-                                       options=SearchOptions(time_limit_s=time_limit_s, explain_slack=0.0))
+                                       options=SearchOptions(time_limit_s=time_limit_s, explain_slack=0.0,
+                                                             progress=progress))
     except UserError:  # nothing runs without them
         return None
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from costmodel.breakdown import Estimate
@@ -66,8 +66,9 @@ from costmodel.rank_layout import even_stages
 from costmodel.step_time import optimizer_step_time
 from costmodel.strategy import MeshAxis, Recompute, Schedule, Strategy
 from ir.layer_chain import LayerChain
-from planner.errors import InfeasibleError, UserError
+from planner.errors import InfeasibleError, TimeLimitError, UserError
 from planner.plan import Alternative, ModuleSharding
+from planner.progress import Phase, ProgressCallback
 from planner.search.bounds import cheap_lower_bound, tight_lower_bound
 from planner.search.candidates import (
     Candidate,
@@ -75,7 +76,12 @@ from planner.search.candidates import (
     device_counts,
     enumerate_candidates,
 )
-from planner.search.explanations import empty_space_message, explain_alternatives, nothing_fits_message
+from planner.search.explanations import (
+    empty_space_message,
+    explain_alternatives,
+    nothing_fits_message,
+    out_of_time_message,
+)
 from planner.search.layer_costs import LayerCostTable
 from planner.search.meshes import MeshCandidate, compute_lower_bound_s
 from planner.search.pricing import (
@@ -86,11 +92,14 @@ from planner.search.pricing import (
     summary_recompute,
 )
 from planner.search.ranking import TIE_LEADS, TieSet, prefer_simplest, simplicity_floor
+from planner.search.reporting import SearchReporter
 from planner.search.space import Objective, SearchSpace
 from planner.search.stage_partition import partition_lower_bound, solve_partition
 from planner.search.stage_problem import StageProblemBuilder
 
-Progress = Callable[[int, int, float | None], None]
+NO_PLAN_GRACE_S = 10.0
+"""With a time limit, how long past it the search keeps looking for a first plan before it gives up with a
+`TimeLimitError` (one line: a plan or an error, never an open-ended wait)."""
 
 FIRST_PLAN_FRACTION = 0.5
 """With a time limit, once this fraction of it has passed without any plan, `SearchState.first_plan` looks for one
@@ -104,9 +113,10 @@ class SearchOptions:
     """How many distinct strategies (different candidates) to return, best first."""
     time_limit_s: float | None = None
     """Stop after this many seconds of search with the best found so far (status "feasible"). The limit is checked
-    between candidates; if it passes before any plan is found, the search stops at the first one."""
-    progress: Progress | None = None
-    """Called as progress(candidates done, candidates total, best objective so far)."""
+    between candidates; if it passes before any plan is found, the search stops at the first one, or with a
+    `TimeLimitError` when none is found within `NO_PLAN_GRACE_S` more."""
+    progress: ProgressCallback | None = None
+    """Called with a `planner.progress.PlanProgress` record, at most every `reporting.INTERVAL_S` and at the end."""
     num_alternatives: int = 8
     """How many losing meshes (distinct dp, tp, pp) to explain in `alternatives`."""
     explain_slack: float = 0.1
@@ -256,10 +266,10 @@ class SearchState:
     def options_for(self) -> tuple[Recompute, ...]:
         return (self.space.recompute,) if self.space.recompute is not None else tuple(Recompute)
 
-    def out_of_time(self, fraction: float = 1.0) -> bool:
-        """Whether `fraction` of the time limit has passed (never without a limit)."""
+    def out_of_time(self, fraction: float = 1.0, extra_s: float = 0.0) -> bool:
+        """Whether `fraction` of the time limit, plus `extra_s`, has passed (never without a limit)."""
         limit = self.options.time_limit_s
-        return limit is not None and time.monotonic() - self.started > fraction * limit
+        return limit is not None and time.monotonic() - self.started > fraction * limit + extra_s
 
     def first_plan(self, heap: list[tuple[float, int, tuple, int]]) -> None:
         """Find some plan fast, for a time limit that would otherwise pass before the first one.
@@ -269,7 +279,7 @@ class SearchState:
         that need no new sharding solve -- already refined, or tp == 1 -- until one fits. The rest go back to the
         heap, so its smallest bound stays a valid lower bound on everything unexplored."""
         kept = []
-        while heap and not self.found:
+        while heap and not self.found and not self.out_of_time(extra_s=NO_PLAN_GRACE_S):
             entry = heapq.heappop(heap)
             _, level, _, payload = entry
             if level == 2 or (level == 1 and self.candidates[payload].mesh.tp == 1):
@@ -416,8 +426,7 @@ class SearchState:
         best objective, which proves the K best optimal."""
         heap: list[tuple[float, int, tuple, int]] = [(self.device_bound(n), 0, (-n,), n) for n in device_counts]
         heapq.heapify(heap)
-        done = 0
-        progress = self.options.progress
+        report = SearchReporter.of(self)
         rushed = False
         skipped: list[tuple[float, int, tuple, int]] = []
         while heap:
@@ -431,8 +440,13 @@ class SearchState:
                 break
             if self.out_of_time() and self.found:
                 if lb < self.kth_best():
+                    if report:
+                        report.done(lb)
                     return True, lb
                 break  # the K best are proven; only the search for a simpler tie is cut short
+            if not self.found and self.out_of_time(extra_s=NO_PLAN_GRACE_S):
+                raise TimeLimitError(out_of_time_message(self.options.time_limit_s, NO_PLAN_GRACE_S, self.solved,
+                                                         len(self.candidates)))
             heapq.heappop(heap)
             if not self.may_matter(lb, level, payload):
                 skipped.append((lb, level, key, payload))
@@ -442,15 +456,18 @@ class SearchState:
                                            self.invalid):
                     self.candidates.append(cand)
                     heapq.heappush(heap, (max(lb, self.bound(cand)), 1, cand.sort_key, len(self.candidates) - 1))
+                if report:
+                    report(Phase.PRICE, lb)
                 continue
             cand = self.candidates[payload]
             if level == 1:
                 heapq.heappush(heap, (max(lb, self.refine(cand)), 2, key, payload))
+                if report:
+                    report(Phase.PRICE, lb)
                 continue
             self.visit(cand)
-            done += 1
-            if progress:
-                progress(done, len(self.candidates), self.found[0].objective if self.found else None)
+            if report:
+                report(Phase.SEARCH, lb)
         heap.extend(skipped)
         heapq.heapify(heap)
         self.pruned = sum(1 for entry in heap if entry[1] > 0)
@@ -459,8 +476,8 @@ class SearchState:
                 mesh = self.candidates[payload_left].mesh
                 rec = self.meshes.setdefault((mesh.dp, mesh.tp, mesh.pp), _MeshRecord())
                 rec.lower_bound = min(rec.lower_bound, lb_left)
-        if progress and done:
-            progress(len(self.candidates), len(self.candidates), self.found[0].objective if self.found else None)
+        if report:
+            report.done(heap[0][0] if heap else math.inf)
         return False, heap[0][0] if heap else math.inf
 
 
@@ -471,9 +488,10 @@ def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: Sea
 
     Raises InfeasibleError when no strategy of the space fits in memory, UserError for an empty space (pins that
     contradict the cluster or batch)."""
-    if options is not None and options.time_limit_s is not None:
+    if options is not None and options.time_limit_s is not None and (space is None or space.tp != 1):
         # Load the sharding solver (OR-Tools, about a second to import) before the clock starts: a time limit
-        # bounds the search, not the one-time loading of its libraries.
+        # bounds the search, not the one-time loading of its libraries. With tp pinned to 1 (a re-plan's
+        # neighbourhood of a plan without tensor parallelism) nothing is sharded: it is never loaded.
         import planner.search.intra_op  # noqa: F401
     started = time.monotonic()
     space = space or SearchSpace()

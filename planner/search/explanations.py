@@ -202,3 +202,10 @@ def nothing_fits_message(state: SearchState, space: SearchSpace) -> str:
     need_text = f"{need / GIB:.{digits}f} GiB" if math.isfinite(need) else "more than any device has"
     return (f"nothing fits in {capacity / GIB:.{digits}f} GiB per device: the least memory any strategy needs is "
             f"{need_text} per device{where}; what would help: {'; '.join(helps)}")
+
+
+def out_of_time_message(limit_s: float, grace_s: float, priced: int, seen: int) -> str:
+    """Why the search stopped without any plan: the time limit and its grace passed first."""
+    return (f"no plan found within the time limit of {limit_s:g} s and {grace_s:g} s more for a first one "
+            f"({priced:,} of {seen:,} candidates priced, none fits yet); raise --time-limit (0: no limit) or pin "
+            "dimensions with --fix")

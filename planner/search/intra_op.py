@@ -28,6 +28,12 @@ prices are non-negative, so at the optimum each ``m`` equals the OR it bounds an
 zero price get no variable. The replicated assignment (every node's option 0) never needs a forbidden move, so a
 built model is always feasible; it is given as a hint.
 
+Scaling: costs count picoseconds, so an extreme layer (a batch of 10^12 samples, a sequence of 10^7 tokens) can
+price a segment past what CP-SAT's int64 arithmetic and the double it reports the objective in hold exactly
+(2^53). ``_scaled`` then divides every cost by one integer factor so that no assignment costs more than
+``MAX_OBJECTIVE``; the solve is exact for the scaled costs, each rounded by at most half the factor, a relative
+error below 1e-12 of the objective, and the reported objective is the original problem's.
+
 Determinism: one worker, a fixed seed, and the limit in CP-SAT's *deterministic* time, so the same problem gives
 the same assignment on any machine. Identical layers (same structural key) are solved once per setting through a
 ``ShardingCache`` the caller passes in (never a global).
@@ -65,6 +71,9 @@ from costmodel.training_loss import with_training_loss
 from ir.graph import Node
 from planner.errors import UserError
 from planner.plan import ModuleSharding
+
+MAX_OBJECTIVE = 2**50
+"""Largest objective the CP-SAT model may reach: exact in the double CP-SAT reports, far from int64 overflow."""
 
 DEFAULT_TIME_LIMIT = 20.0
 """CP-SAT deterministic-time limit per solve (its "deterministic seconds", about wall seconds on one core)."""
@@ -195,6 +204,28 @@ def _add_backward_moves(model: cp_model.CpModel, x: Sequence[Sequence[cp_model.I
                       {(e, g): c for g, e, c in f.backward})
 
 
+def _cost_ceiling(problem: ShardingProblem) -> int:
+    """An upper bound on the objective of any assignment: every node's dearest option, every priced move."""
+    nodes = sum(max(costs) for costs in problem.node_costs)
+    return nodes + sum(c for f in problem.flows for *_, c in f.forward + f.backward)
+
+
+def _scaled(problem: ShardingProblem) -> tuple[ShardingProblem, int]:
+    """(the problem with every cost divided by `factor`, rounded, so no assignment costs more than MAX_OBJECTIVE;
+    factor), factor 1 when it already fits (module docstring, "Scaling")."""
+    factor = -(-_cost_ceiling(problem) // MAX_OBJECTIVE)
+    if factor <= 1:
+        return problem, 1
+
+    def down(c: int) -> int:
+        return (c + factor // 2) // factor
+
+    flows = tuple(dataclasses.replace(f, forward=tuple((a, b, down(c)) for a, b, c in f.forward),
+                                      backward=tuple((a, b, down(c)) for a, b, c in f.backward))
+                  for f in problem.flows)
+    return ShardingProblem(tuple(tuple(down(c) for c in costs) for costs in problem.node_costs), flows), factor
+
+
 def solve_problem(problem: ShardingProblem, *, time_limit: float = DEFAULT_TIME_LIMIT) -> Solution:
     """Minimize `problem.objective` over all assignments (see the module docstring)."""
     if all(len(c) == 1 for c in problem.node_costs):
@@ -203,6 +234,7 @@ def solve_problem(problem: ShardingProblem, *, time_limit: float = DEFAULT_TIME_
             raise IntraOpInfeasibleError(_INFEASIBLE.format(n=problem.num_nodes))
         obj = problem.objective(zero)
         return Solution(zero, obj, obj, SolveStatus.TRIVIAL)
+    original, (problem, factor) = problem, _scaled(problem)
     model = cp_model.CpModel()
     x = _add_choices(model, problem)
     terms: list[tuple[int, cp_model.LinearExprT]] = []
@@ -229,12 +261,13 @@ def solve_problem(problem: ShardingProblem, *, time_limit: float = DEFAULT_TIME_
     if not problem.feasible(assignment):
         raise RuntimeError("the sharding ILP returned an assignment with a forbidden move; the constraint "
                            "families and ShardingProblem.feasible disagree")
-    objective = problem.objective(assignment)
-    if objective != round(solver.ObjectiveValue()):
+    if problem.objective(assignment) != round(solver.ObjectiveValue()):
         raise RuntimeError(f"sharding ILP objective {solver.ObjectiveValue()} differs from the assignment's "
-                           f"evaluated cost {objective}; the formulation and ShardingProblem.objective disagree")
+                           f"evaluated cost {problem.objective(assignment)}; the formulation and "
+                           "ShardingProblem.objective disagree")
+    objective = original.objective(assignment)
     optimal = status == cp_model.OPTIMAL
-    bound = objective if optimal else min(objective, int(solver.BestObjectiveBound()))
+    bound = objective if optimal else min(objective, int(solver.BestObjectiveBound()) * factor)
     return Solution(assignment, objective, bound, SolveStatus.OPTIMAL if optimal else SolveStatus.FEASIBLE)
 
 
