@@ -38,7 +38,8 @@ from models.registry import build_model
 from planner import api
 from planner.scenarios.group_data_parallel import plan_group_data_parallel, proportional_split, searching
 from planner.scenarios.replan import PlanningSession, ReplanScope, replan
-from planner.scenarios.whatif import WhatIfOptions, parse_vary, render_table, scenarios, whatif
+from planner.scenarios.variations import parse_vary, scenarios
+from planner.scenarios.whatif import WhatIfOptions, render_table, whatif
 from planner.search.branch_and_bound import search
 from planner.search.device_groups import axis_tiers, with_device_groups
 from planner.search.space import Objective, SearchSpace

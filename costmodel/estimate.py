@@ -251,7 +251,7 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
     (`step_time.host_time`) joins each chunk's forward and backward.
 
     This is the one per-rank composition of the model: `estimate` calls it for every rank and the planner's
-    partition problem (`planner.stage_problem`) for every candidate stage, so the search's objective is the
+    partition problem (`planner.search.stage_problem`) for every candidate stage, so the search's objective is the
     estimate. `dp_comm` is `step_time.data_parallel_comm` or a cache of it."""
     group = dp_group(strategy, rank.index)
     times: list[StageTime] = []

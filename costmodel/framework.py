@@ -7,12 +7,12 @@ bookkeeping of an FSDP2 / replicate unit, the optimizer's per-tensor work over D
 large model that host work hides behind the kernels; on CPU ranks or with small layers it is the step time --
 `bench/fidelity.py` measured 3-9 ms per layer and micro-batch of it on `gpt-tiny`, against 0.1-1 ms of math.
 
-`stratagem profile --framework` (`planner.framework_profile`) measures these terms on the local device with the
+`stratagem profile --framework` (`planner.profiling.framework`) measures these terms on the local device with the
 local process group and stores them as profile entries (`costmodel.profile_db.OpProfile`) under the signatures
 below; `FrameworkCosts.from_profile` reads them back. Without entries every term is 0: the analytical model
 assumes the host keeps ahead of the device (true for large layers on GPUs, where kernels run asynchronously).
 
-Terms, seconds, all host CPU work measured as the ranks run it -- `planner.framework_profile` runs as many
+Terms, seconds, all host CPU work measured as the ranks run it -- `planner.profiling.framework` runs as many
 processes as the cluster has ranks, so cores shared by several ranks are in the figures, and the step-time model
 does not divide them by the device's speed factor (the tensor-parallel term, which joins the node's compute in
 the sharding model, is the exception: it is divided with the compute):
@@ -64,7 +64,7 @@ T = TypeVar("T")
 
 
 class DataParallelMode(enum.StrEnum):
-    """How the runtime wraps a data-parallel unit (`planner.apply_fsdp`)."""
+    """How the runtime wraps a data-parallel unit (`planner.runtime.apply_fsdp`)."""
 
     REPLICATE = "replicate"
     """ZeRO-0: FSDP2-style `replicate` (parameters whole, gradients all-reduced)."""

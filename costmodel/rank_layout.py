@@ -86,6 +86,14 @@ def rank_of(strategy: Strategy, coordinates: Mapping[MeshAxis, int]) -> int:
     return rank
 
 
+def coordinates_of(strategy: Strategy, rank: int) -> dict[MeshAxis, int]:
+    """Position of global (logical) `rank` on the tp, cp, dp and pp axes: the inverse of `rank_of`."""
+    if not 0 <= rank < strategy.num_devices:
+        raise ValueError(f"rank {rank} is outside 0..{strategy.num_devices - 1}")
+    strides = axis_strides(strategy)
+    return {axis: (rank // strides[axis]) % size for axis, size in mesh_axes(strategy)}
+
+
 def stage_ranks(strategy: Strategy, pp_rank: int) -> list[int]:
     """Global ranks of pipeline rank `pp_rank` (all its tp x cp x dp devices), ascending."""
     st = axis_strides(strategy)
@@ -179,13 +187,18 @@ def even_stages(chain: LayerChain, num_stages: int, recompute: Recompute = Recom
         first, total = idx[0], count
     else:
         first, total = 0, n
-    base, extra = divmod(total, num_stages)
-    sizes = [base + (1 if i >= num_stages - extra else 0) for i in range(num_stages)]
     bounds = [first]
-    for size in sizes:
+    for size in even_shares(total, num_stages):
         bounds.append(bounds[-1] + size)
     bounds[0], bounds[-1] = 0, n
     return tuple(StageSpec(start=bounds[i], stop=bounds[i + 1], recompute=recompute) for i in range(num_stages))
+
+
+def even_shares(total: int, parts: int) -> tuple[int, ...]:
+    """`total` split into `parts` integers as equal as possible; the last parts take the remainder (they hold fewer
+    in-flight micro-batches). The split of `even_stages`, and of the layers a trainer's even pipeline split gets."""
+    base, extra = divmod(total, parts)
+    return tuple(base + (1 if i >= parts - extra else 0) for i in range(parts))
 
 
 # ---- devices and speeds -----------------------------------------------------------------------------------------

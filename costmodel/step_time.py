@@ -32,7 +32,7 @@ Gradients are reduced in fp32 (`memory.GRAD_BYTES`), weights gathered in the tra
 With `RuntimeOptions.dp_overlap` off nothing overlaps: every term above is its full collective time.
 Tensor-parallel collectives are exposed, unless `RuntimeOptions.tp_overlap` pipelines them with the segment's
 GEMMs in tp chunks: exposed(C_tp, compute, tp) per segment and pass.
-Under ZeRO >= 1 every collective is issued once per FSDP unit (one per segment, as `planner.apply_fsdp` wraps
+Under ZeRO >= 1 every collective is issued once per FSDP unit (one per segment, as `planner.runtime.apply_fsdp` wraps
 each layer), so each of the n pieces pays the collective's latency: n x time(S / n). Measured framework host work
 (`costmodel.framework`: FSDP2 / replicate hooks per unit and micro-batch) adds to the per-micro-batch terms.
 The end-of-step gradient reduction of rank r can also hide in the pipeline drain after rank r's last backward
@@ -90,7 +90,7 @@ def tp_grad_sync_time(sync_bytes: float, sync_tensors: int, group: CommGroup, cl
                       concurrent: int = 1, per_tensor_s: float = 0.0) -> float:
     """Seconds to all-reduce, over the tensor-parallel `group`, the gradients of replicated weights that
     sequence parallelism leaves partial: the runtime syncs them in one flat buffer
-    (`planner.train_step.sync_partial_gradients`), one all-reduce of all S bytes, plus per tensor its
+    (`planner.runtime.train_step.sync_partial_gradients`), one all-reduce of all S bytes, plus per tensor its
     flattening and wrapping as the profile measured it (`costmodel.framework`; 0 without a profile)."""
     if sync_bytes <= 0 or group.size <= 1:
         return 0.0
@@ -140,7 +140,7 @@ def host_time(segments: Sequence[PricedSegment], framework: FrameworkCosts, *, z
     - data parallelism: one unit for ZeRO-0's replicated part, one FSDP2 unit per segment under ZeRO >= 1;
     - pipelining (pp > 1): one schedule action forward and one backward;
     - recomputation: the checkpoint machinery per checkpointed segment (selective: segments with an attention
-      core to recompute, as `planner.apply_recompute` checkpoints only those)."""
+      core to recompute, as `planner.runtime.apply_recompute` checkpoints only those)."""
     if framework.is_zero:
         return ZERO_PASS
     fwd = bwd = 0.0

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from ir.chain_builder import build_layer_chain
 from ir.errors import TraceError
-from ir.fingerprint import fingerprint
 from ir.graph import Graph, Node, OpKind, TensorSpec, dtype_bytes
+from ir.graph_fingerprint import fingerprint
 from ir.layer_chain import LayerChain, Segment
 
 if TYPE_CHECKING:

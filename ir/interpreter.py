@@ -2,7 +2,8 @@
 
 Both front ends (torch.fx symbolic tracing and the torch.export fallback) produce an `fx.Graph`; a `Program`
 says how its placeholders bind (user inputs, concrete defaults, lifted parameters) and how to read a node's owning
-module. `GraphBuilder` then walks the graph once, in order:
+module. `GraphBuilder` then walks the graph once, in order, over the model's state as fake tensors
+(`ir.fake_model`):
 
 1. computes each node's value on fake tensors (shape propagation: no memory is allocated, so a 175B-parameter
    model traces on a laptop),
@@ -11,8 +12,9 @@ module. `GraphBuilder` then walks the graph once, in order:
    `SavedLedger` (`ir.node_metrics`).
 
 Step 1 is itself cached: a call identical to an earlier one (same op, module config, argument specs and
-aliasing: the next block's q_proj) gets its result rebuilt from a `ResultTemplate` (outputs as inputs, views of an
-input's storage, or fresh tensors) instead of re-running the op, which is most of the cost on 100-layer models.
+aliasing: the next block's q_proj) gets its result rebuilt from a `ResultTemplate` (`ir.result_template`:
+outputs as inputs, views of an input's storage, or fresh tensors) instead of re-running the op, which is most of
+the cost on 100-layer models.
 
 Parameters, buffers and tensors computed only from them are not graph inputs: a node that reads a parameter
 lists it in `param_names` / `param_specs`. Nodes that produce no tensor (``x.size(0)``, assertions) are executed
@@ -29,8 +31,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ir.fake_model import FakeModel, dtype_name
 from ir.graph import Node, OpKind, TensorSpec
 from ir.node_metrics import (
     Leaf,
@@ -48,6 +50,7 @@ from ir.node_metrics import (
     value_signature,
 )
 from ir.op_classify import CallName, classify, name_call
+from ir.result_template import ResultTemplate, leaf_signature, rebuild_like
 
 
 class NodeFailure(Exception):
@@ -61,110 +64,8 @@ class NodeFailure(Exception):
         self.cause = cause
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dt
-
-
-def dtype_name(dt: torch.dtype) -> str:
-    return str(dt).removeprefix("torch.")
-
-
 def spec_of(t: torch.Tensor) -> TensorSpec:
     return TensorSpec(tuple(int(d) for d in t.shape), dtype_name(t.dtype))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The model's state as fake tensors
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class FakeModel:
-    """The model's parameters and buffers as fake tensors on the trace device, optionally cast to `dtype`.
-
-    Meta-device models are traced as fake *CPU* tensors so kernel selection (e.g. which attention kernel runs)
-    is that of a real device; fake tensors never allocate either way.
-    """
-
-    model: nn.Module
-    fake_mode: FakeTensorMode
-    device: torch.device
-    dtype: torch.dtype | None
-    params: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Canonical (first) parameter name -> fake leaf."""
-    param_alias: dict[str, str] = field(default_factory=dict)
-    """Every name a parameter is reachable by (tied weights have several) -> canonical name."""
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    param_name_by_id: dict[int, str] = field(default_factory=dict)
-    """id(fake parameter) -> canonical name."""
-
-    @classmethod
-    def build(cls, model: nn.Module, dtype: torch.dtype | None) -> FakeModel:
-        device = _model_device(model)
-        fake = cls(model, FakeTensorMode(allow_non_fake_inputs=True), device, dtype)
-        canonical_by_id: dict[int, str] = {}
-        for name, p in model.named_parameters(remove_duplicate=True):
-            canonical_by_id[id(p)] = name
-            fake.params[name] = fake._fake_like(p, requires_grad=p.requires_grad)
-            fake.param_name_by_id[id(fake.params[name])] = name
-        for name, p in model.named_parameters(remove_duplicate=False):
-            fake.param_alias[name] = canonical_by_id[id(p)]
-        by_id: dict[int, torch.Tensor] = {}
-        for name, b in model.named_buffers(remove_duplicate=False):
-            if id(b) not in by_id:
-                by_id[id(b)] = fake._fake_like(b, requires_grad=False)
-            fake.buffers[name] = by_id[id(b)]
-        return fake
-
-    def _fake_like(self, t: torch.Tensor, *, requires_grad: bool) -> torch.Tensor:
-        dtype = self.dtype if (self.dtype is not None and t.is_floating_point()) else t.dtype
-        with self.fake_mode:
-            out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype, device=self.device)
-        return out.requires_grad_(requires_grad and (dtype.is_floating_point or dtype.is_complex))
-
-    def fake_input(self, x: Any) -> Any:
-        """A user input as a fake tensor on the trace device (TensorSpec, real, meta or fake tensors)."""
-        if isinstance(x, TensorSpec):
-            dt = torch_dtype(x.dtype)
-            if self.dtype is not None and dt.is_floating_point:
-                dt = self.dtype
-            with self.fake_mode:
-                return torch.empty(x.shape, dtype=dt, device=self.device)
-        if isinstance(x, torch.Tensor):
-            return self._fake_like(x, requires_grad=x.requires_grad)
-        return x
-
-    def module_state(self, qualname: str, module: nn.Module) -> dict[str, torch.Tensor]:
-        """Fake parameters and buffers of a (leaf) module under their local names, for functional_call."""
-        prefix = f"{qualname}." if qualname else ""
-        state: dict[str, torch.Tensor] = {}
-        for local, _ in module.named_parameters(remove_duplicate=False):
-            state[local] = self.params[self.param_alias[prefix + local]]
-        for local, _ in module.named_buffers(remove_duplicate=False):
-            state[local] = self.buffers[prefix + local]
-        return state
-
-    def attribute(self, qualname: str) -> Any:
-        """A get_attr target: fake parameter / buffer, or a constant attribute converted to fake."""
-        if qualname in self.param_alias:
-            return self.params[self.param_alias[qualname]]
-        if qualname in self.buffers:
-            return self.buffers[qualname]
-        obj: Any = self.model
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-        if isinstance(obj, torch.Tensor):
-            return self._fake_like(obj, requires_grad=False)
-        return obj
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    for t in (*model.parameters(), *model.buffers()):
-        return torch.device("cpu") if t.device.type == "meta" else t.device
-    return torch.device("cpu")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -345,7 +246,7 @@ class GraphBuilder:
         if name.inplace or (name.base == "getitem" and not isinstance(args[0], torch.Tensor)):
             return run(args, kwargs, None)
         key = (name.target, self._module_sig(module),
-               value_signature((_structure(args), _structure(kwargs))), _leaf_signature(leaves))
+               value_signature((_structure(args), _structure(kwargs))), leaf_signature(leaves))
         template = self.replays.get(key)
         if template is not None:
             return template.replay(leaves)
@@ -492,23 +393,11 @@ def _structure(obj: Any) -> Any:
     return obj
 
 
-def _rebuild(obj: tuple | list, items: list[Any]) -> Any:
-    """A list/tuple like `obj` holding `items`: named tuples and torch's structseqs (`torch.max(x, 1)`'s
-    `(values, indices)`) keep their type, so `.values` still works downstream."""
-    if isinstance(obj, list):
-        return items
-    if type(obj) is tuple or isinstance(obj, torch.Size):
-        return tuple(items)
-    if hasattr(obj, "_fields"):  # collections.namedtuple
-        return type(obj)(*items)
-    return type(obj)(items)  # structseq (torch.return_types.*)
-
-
 def _replace_tensors(obj: Any, it: Iterator[torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         return next(it)
     if isinstance(obj, tuple | list):
-        return _rebuild(obj, [_replace_tensors(x, it) for x in obj])
+        return rebuild_like(obj, [_replace_tensors(x, it) for x in obj])
     if isinstance(obj, dict):
         return {k: _replace_tensors(v, it) for k, v in obj.items()}
     return obj
@@ -518,7 +407,7 @@ def _rewrite_devices(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, torch.device):
         return device
     if isinstance(obj, tuple | list):
-        return _rebuild(obj, [_rewrite_devices(x, device) for x in obj])
+        return rebuild_like(obj, [_rewrite_devices(x, device) for x in obj])
     if isinstance(obj, dict):
         return {k: _rewrite_devices(v, device) for k, v in obj.items()}
     return obj
@@ -536,118 +425,3 @@ def _target_text(node: fx.Node) -> str:
     if node.op in ("call_function",) and not isinstance(node.target, str):
         return getattr(node.target, "__name__", str(node.target))
     return str(node.target)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Propagation cache
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _leaf_signature(leaves: Sequence[torch.Tensor]) -> Any:
-    """Specs of the call's tensor arguments and which of them share a storage (views of one buffer)."""
-    keys = [storage_key(t) for t in leaves]
-    first = {}
-    shared = tuple(first.setdefault(k, i) for i, k in enumerate(keys))
-    specs = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad) for t in leaves)
-    return specs, shared
-
-
-@dataclass(frozen=True)
-class _Out:
-    """How to rebuild one tensor output: the input itself, a view of an input's storage, or a new tensor."""
-
-    kind: str  # "input" | "view" | "new"
-    leaf: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    """For views: storage offset relative to the input's."""
-    dtype: torch.dtype
-    device: torch.device
-    requires_grad: bool
-
-
-@dataclass(frozen=True)
-class ResultTemplate:
-    """A call's result with tensors described relative to the call's inputs, so an identical later call (the next
-    transformer block's q_proj) gets a result with the right shapes, strides, aliasing and requires_grad without
-    running the op again on fake tensors. Only calls whose every output is an input, a view of an input's storage
-    or a fresh tensor are cached; in-place calls never are."""
-
-    structure: Any
-    outs: tuple[_Out, ...]
-
-    @classmethod
-    def of(cls, result: Any, leaves: Sequence[torch.Tensor]) -> ResultTemplate | None:
-        outs: list[_Out] = []
-        keys = {}
-        for i, t in enumerate(leaves):
-            keys.setdefault(storage_key(t), i)
-        ids = {id(t): i for i, t in enumerate(leaves)}
-
-        def describe(t: torch.Tensor) -> str | None:
-            base = dict(shape=tuple(t.shape), stride=tuple(t.stride()), dtype=t.dtype, device=t.device,
-                        requires_grad=t.requires_grad)
-            if id(t) in ids:
-                outs.append(_Out("input", ids[id(t)], offset=0, **base))
-                return "<T>"
-            k = keys.get(storage_key(t))
-            if k is None and not t._is_view():
-                outs.append(_Out("new", -1, offset=0, **base))
-                return "<T>"
-            src = leaves[k] if k is not None else None
-            if src is not None and t._is_view() and t.dtype == src.dtype and t.requires_grad == src.requires_grad:
-                outs.append(_Out("view", k, offset=t.storage_offset() - src.storage_offset(), **base))
-                return "<T>"
-            return None
-
-        structure = _template(result, describe)
-        if structure is _UNCACHEABLE:
-            return None
-        return cls(structure, tuple(outs))
-
-    def replay(self, leaves: Sequence[torch.Tensor]) -> Any:
-        it = iter(self.outs)
-        return _fill(self.structure, lambda: _rebuild_tensor(next(it), leaves))
-
-
-_UNCACHEABLE = object()
-
-
-def _template(obj: Any, describe: Callable[[torch.Tensor], str | None]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        marker = describe(obj)
-        return _UNCACHEABLE if marker is None else _TensorSlot()
-    if obj is None or isinstance(obj, bool | int | float | str | torch.dtype | torch.device | torch.Size):
-        return obj
-    if isinstance(obj, tuple | list):
-        items = [_template(x, describe) for x in obj]
-        if any(x is _UNCACHEABLE for x in items):
-            return _UNCACHEABLE
-        return _rebuild(obj, items)
-    return _UNCACHEABLE
-
-
-class _TensorSlot:
-    """Placeholder for a tensor in a cached result structure."""
-
-
-def _fill(obj: Any, make: Callable[[], torch.Tensor]) -> Any:
-    if isinstance(obj, _TensorSlot):
-        return make()
-    if isinstance(obj, tuple | list) and not isinstance(obj, torch.Size):
-        return _rebuild(obj, [_fill(x, make) for x in obj])
-    return obj
-
-
-def _rebuild_tensor(out: _Out, leaves: Sequence[torch.Tensor]) -> torch.Tensor:
-    if out.kind == "input":
-        return leaves[out.leaf]
-    if out.kind == "view":
-        src = leaves[out.leaf]
-        return src.as_strided(out.shape, out.stride, src.storage_offset() + out.offset)
-    t = torch.empty_strided(out.shape, out.stride, dtype=out.dtype, device=out.device)
-    if out.requires_grad:
-        # not a leaf, like the op's own output: later in-place ops on it must stay legal
-        t = t.requires_grad_(True).clone()
-    return t

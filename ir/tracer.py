@@ -30,19 +30,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from ir.attention_core import mark_attention_core
 from ir.errors import TraceError
 from ir.export_cast import cast_input, cast_meta_copy
+from ir.fake_model import FakeModel, dtype_name, torch_dtype
 from ir.graph import Graph, Node, TensorSpec, dtype_bytes
-from ir.interpreter import (
-    FakeModel,
-    GraphBuilder,
-    NodeFailure,
-    Program,
-    dtype_name,
-    torch_dtype,
-)
+from ir.interpreter import GraphBuilder, NodeFailure, Program
 from ir.node_metrics import OpMeter
-from ir.op_classify import LEAF_MODULE_TYPES, mark_attention_core
+from ir.op_classify import LEAF_MODULE_TYPES
 
 Inputs = Sequence[Any] | Mapping[str, Any]
 LeafSpec = type | str

@@ -46,7 +46,8 @@ def test_no_submodule_name_is_rebound():
 
     assert isinstance(plan_module, types.ModuleType) and plan_module.Plan is Plan
     shadowed = []
-    for info in pkgutil.walk_packages(planner.__path__, "planner."):
+    packages = [importlib.import_module(name) for name in ("ir", "costmodel", "planner", "models")]
+    for info in (i for p in packages for i in pkgutil.walk_packages(p.__path__, f"{p.__name__}.")):
         module = importlib.import_module(info.name)
         parent_name, _, child = info.name.rpartition(".")
         if getattr(sys.modules[parent_name], child) is not module:

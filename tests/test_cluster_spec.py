@@ -11,9 +11,9 @@ import yaml
 
 from costmodel.hardware.catalog import get_device
 from costmodel.hardware.cluster import Cluster
-from costmodel.hardware.cluster_yaml import parse_bandwidth, parse_bytes, parse_duration
 from costmodel.hardware.device_group import DeviceGroup
 from costmodel.hardware.network import NetworkTier
+from costmodel.hardware.units import parse_bandwidth, parse_bytes, parse_duration
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))

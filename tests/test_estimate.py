@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from costmodel_graphs import GptShape, gpt_chain
 
-from costmodel import Cluster, Recompute, Schedule, StageSpec, Strategy, estimate
+from costmodel import Cluster, Recompute, Schedule, StageSpec, Strategy
+from costmodel.estimate import estimate
 from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.layer_pricing import price_segment
 from costmodel.memory import GPU_FRAMEWORK_OVERHEAD_BYTES

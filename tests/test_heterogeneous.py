@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from costmodel_graphs import GptShape, gpt_chain
 
-from costmodel import Cluster, Strategy, estimate
+from costmodel import Cluster, Strategy
+from costmodel.estimate import estimate
 from costmodel.layer_pricing import price_segment
 from costmodel.rank_layout import device_map
 from planner.errors import UserError

@@ -12,9 +12,10 @@ from costmodel.hardware.catalog import get_device
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import CommGroup
 from costmodel.layer_pricing import price_segment
-from costmodel.sharding.cost import Pricer, build_sharding_model
+from costmodel.sharding.cost import build_sharding_model
 from costmodel.sharding.dims import propagate_labels
 from costmodel.sharding.layout import Move
+from costmodel.sharding.model import Pricer
 from costmodel.sharding.problem import FIXED, NO_GRAD, ProblemFlow, ShardingProblem
 from costmodel.sharding.rules import StrategyContext, node_strategies
 from ir import build_layer_chain, trace

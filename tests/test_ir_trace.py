@@ -194,10 +194,10 @@ def test_bytes_read_and_written() -> None:
 
 
 def _uncached_trace(monkeypatch, model, inputs):
-    import ir.interpreter
+    import ir.result_template
 
     with monkeypatch.context() as m:
-        m.setattr(ir.interpreter.ResultTemplate, "of", classmethod(lambda cls, result, leaves: None))
+        m.setattr(ir.result_template.ResultTemplate, "of", classmethod(lambda cls, result, leaves: None))
         return ir.trace(model, inputs)
 
 

@@ -13,10 +13,12 @@ from costmodel_graphs import GptShape, gpt_chain
 from costmodel.hardware.cluster import Cluster
 from costmodel.rank_layout import (
     axis_strides,
+    coordinates_of,
     cp_group,
     device_map,
     dp_group,
     ep_group,
+    even_shares,
     even_stages,
     mesh_axes,
     p2p_group,
@@ -212,3 +214,20 @@ def test_runtime_groups_are_the_priced_groups(strategy, fake_world):
     assert meshes.pp.mesh.tolist() == [rank_of(strategy, {PP: j}) for j in range(strategy.pp)]
     if strategy.ep > 1:
         assert meshes.ep.mesh.tolist() == list(ep_group(strategy, k).ranks)
+
+
+@pytest.mark.parametrize("strategy", SHAPES, ids=IDS)
+def test_coordinates_of_a_rank_invert_rank_of(strategy):
+    for rank, c in coordinates(strategy):
+        assert coordinates_of(strategy, rank) == c
+    with pytest.raises(ValueError, match="outside"):
+        coordinates_of(strategy, strategy.num_devices)
+
+
+def test_even_shares_put_the_remainder_on_the_last_parts():
+    assert even_shares(10, 4) == (2, 2, 3, 3)
+    assert even_shares(8, 4) == (2, 2, 2, 2)
+    assert even_shares(3, 5) == (0, 0, 1, 1, 1)
+    for total, parts in itertools.product(range(12), range(1, 6)):
+        shares = even_shares(total, parts)
+        assert sum(shares) == total and max(shares) - min(shares) <= 1 and list(shares) == sorted(shares)

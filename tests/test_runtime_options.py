@@ -9,7 +9,8 @@ import sys
 import pytest
 from costmodel_graphs import GptShape, gpt_chain
 
-from costmodel import Cluster, Estimate, RuntimeOptions, Strategy, estimate
+from costmodel import Cluster, Estimate, RuntimeOptions, Strategy
+from costmodel.estimate import estimate
 from costmodel.hardware.catalog import get_device
 from costmodel.validation import error_band, unvalidated_band, within_band
 from planner.runtime.parallelize import runtime_unsupported

@@ -7,7 +7,6 @@ import math
 import pytest
 
 from costmodel.sharding.cost import (
-    Pricer,
     boundary_layout,
     build_sharding_model,
     saved_fraction,
@@ -25,6 +24,7 @@ from costmodel.sharding.layout import (
     redistribution,
     shard,
 )
+from costmodel.sharding.model import Pricer
 from costmodel.sharding.rules import NodeStrategy, StrategyContext, node_strategies
 from ir.graph import Node, OpKind, TensorSpec
 

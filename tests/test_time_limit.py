@@ -22,6 +22,7 @@ import ir
 import planner.api
 import planner.search.intra_op  # noqa: F401  (the solver's one-time import is not search time; see planner.search.branch_and_bound)
 from costmodel.hardware.cluster import Cluster
+from costmodel.validation import within_band
 from ir.layer_chain import LayerChain
 from models.registry import build_model
 
@@ -69,9 +70,12 @@ def test_full_search_takes_longer_and_is_no_worse() -> None:
     start = time.monotonic()
     full = planner.api.plan(gpt3_chain(), None, Cluster.parse(CLUSTER), global_batch=BATCH, model_name=MODEL)
     assert time.monotonic() - start > LIMIT_S + GRACE_S
-    assert full.search.status == "optimal" and full.search.optimality_gap == 0.0
-    assert full.predicted.step_time_s <= limited.predicted.step_time_s
-    assert limited.search.lower_bound_s <= full.predicted.step_time_s * (1 + 1e-9)
+    # Proven: its lower bound is the fastest strategy's time (the plan itself may be a simpler tie within the band).
+    assert full.search.status == "optimal"
+    optimum = full.search.lower_bound_s
+    assert within_band(full.predicted.step_time_s, optimum, full.predicted.error_band)
+    assert optimum <= limited.predicted.step_time_s * (1 + 1e-9)
+    assert limited.search.lower_bound_s <= optimum * (1 + 1e-9)
 
 
 def test_cli_says_it_was_cut_short(tmp_path: Path) -> None:

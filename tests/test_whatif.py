@@ -14,16 +14,8 @@ from costmodel import Cluster
 from costmodel.hardware.catalog import get_device
 from planner.cli.main import main
 from planner.errors import UserError
-from planner.scenarios.whatif import (
-    VaryKind,
-    WhatIfOptions,
-    parse_vary,
-    pick_best,
-    render_table,
-    scenarios,
-    spec_mapping,
-    whatif,
-)
+from planner.scenarios.variations import VaryKind, parse_vary, scenarios, spec_mapping
+from planner.scenarios.whatif import WhatIfOptions, pick_best, render_table, whatif
 from planner.search.space import Objective
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"

@@ -2,8 +2,8 @@
 
 Files: layouts, moves and gradient duals here; which tensor dims are batch/sequence and how dims map through an op
 in `dims`; the strategies of each op kind in `rules`; the integer problem and its reference objective in
-`problem`; pricing a segment into that problem and a chosen assignment into a `LayerCost` in `cost`. The ILP
-that solves the problem is `planner.search.intra_op`.
+`problem`; a segment priced per strategy in `model` (built by `cost`), which turns into that problem and prices
+a chosen assignment as a `LayerCost`. The ILP that solves the problem is `planner.search.intra_op`.
 
 Layouts
 -------

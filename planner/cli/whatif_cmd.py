@@ -58,13 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from planner.reports.plot import plot_whatif
-    from planner.scenarios.whatif import (
-        WhatIfOptions,
-        parse_vary,
-        render_table,
-        scenarios,
-        whatif,
-    )
+    from planner.scenarios.variations import parse_vary, scenarios
+    from planner.scenarios.whatif import WhatIfOptions, render_table, whatif
 
     plot = check_output_path(args.plot, input_paths(args.cluster)) if args.plot else None
     try:

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from costmodel.profile_db import op_signature
-from costmodel.sharding.cost import Pricer, build_sharding_model
+from costmodel.sharding.cost import build_sharding_model
+from costmodel.sharding.model import Pricer
 from costmodel.sharding.rules import NodeStrategy
 from ir.graph import Graph, Node, OpKind
 from ir.layer_chain import LayerChain

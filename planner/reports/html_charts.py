@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from costmodel.rank_layout import axis_strides
+from costmodel.rank_layout import axis_strides, coordinates_of
 from costmodel.strategy import MeshAxis, Strategy
 from planner.plan import Plan
 from planner.reports.svg import (
@@ -31,13 +31,6 @@ TERM_LABELS = {"compute_s": "compute", "recompute_s": "recomputation", "tp_comm_
                "optimizer_s": "optimizer step", "framework_s": "framework host work"}
 MAX_MESH_NODES = 32
 """Nodes drawn in the mesh picture; larger clusters show the first ones (the pattern repeats) and say so."""
-
-
-def rank_coordinates(s: Strategy, rank: int) -> dict[MeshAxis, int]:
-    """Position of global `rank` on each mesh axis (`costmodel.estimate.axis_strides`)."""
-    strides = axis_strides(s)
-    sizes = {MeshAxis.TP: s.tp, MeshAxis.CP: s.cp, MeshAxis.DP: s.dp, MeshAxis.PP: s.pp}
-    return {axis: (rank // strides[axis]) % size for axis, size in sizes.items()}
 
 
 def node_layout(cluster: Mapping[str, Any]) -> list[tuple[str, int]]:
@@ -74,7 +67,7 @@ def mesh_svg(plan: Plan) -> str:
 def _mesh_cell(s: Strategy, rank: int, x: float, y: float, cell: float) -> list[str]:
     if rank >= s.num_devices:
         return [rect(x, y, cell, cell, "#dddddd", title=f"rank {rank}: unused", extra='rx="4"')]
-    c = rank_coordinates(s, rank)
+    c = coordinates_of(s, rank)
     stage = c[MeshAxis.PP]
     label = f"t{c[MeshAxis.TP]}" + (f" c{c[MeshAxis.CP]}" if s.cp > 1 else "")
     title = (f"rank {rank}: stage {stage}, tp {c[MeshAxis.TP]}, cp {c[MeshAxis.CP]}, dp {c[MeshAxis.DP]}")

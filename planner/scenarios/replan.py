@@ -38,7 +38,7 @@ from costmodel.breakdown import Estimate
 from costmodel.estimate import estimate as costmodel_estimate
 from costmodel.hardware.cluster import Cluster
 from costmodel.layer_cost import LayerCost
-from costmodel.strategy import MeshAxis, Recompute, Schedule, Strategy
+from costmodel.strategy import Recompute, Schedule, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import PlanLoadError, UserError
 from planner.plan import Alternative, ModuleSharding, Plan, SearchInfo
@@ -52,6 +52,7 @@ from planner.search.pricing import layer_cost_map, sharding_of, summary_recomput
 from planner.search.space import SearchSpace
 from planner.search.stage_partition import solve_partition
 from planner.search.stage_problem import StageProblemBuilder
+from planner.strategy_label import Detail, strategy_label
 
 DEFAULT_STICKINESS = 0.02
 """Accept a plan up to 2% slower than the fastest when it changes less (about the run-to-run noise of a step)."""
@@ -167,15 +168,7 @@ class ReplanOption:
 
     @property
     def label(self) -> str:
-        s = self.strategy
-        sched = f"interleaved:{s.virtual_stages}" if s.schedule is Schedule.INTERLEAVED else s.schedule.value
-        extra = (f" cp={s.cp}" if s.cp > 1 else "") + (f" ep={s.ep}" if s.ep > 1 else "")
-        order = ""
-        if s.dp > 1 and s.pp > 1:
-            order = " (pp inside dp)" if s.mesh_order.index(MeshAxis.PP) < s.mesh_order.index(MeshAxis.DP) \
-                else " (dp inside pp)"
-        return (f"{self.kind.value}: dp={s.dp} tp={s.tp} pp={s.pp}{extra}{order} mbs={s.microbatch_size} "
-                f"m={s.num_microbatches} {sched} zero={s.zero_stage}")
+        return f"{self.kind.value}: {strategy_label(self.strategy, Detail.CANDIDATE)}"
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ Formulation
 (compute + per-step gradient sync + memory_weight * memory, in picoseconds), and flows (tensors) ``f`` written by
 a source and read by readers, with a forward price ``F_f(a, l)`` per pair (layout written, layout wanted), a
 backward price ``B_f(e, g)`` per pair (gradient layout the source expects, gradient layout a reader produces), and
-forbidden pairs (moves that cannot happen between two ops of a segment, ``costmodel.sharding.allowed_inside``).
+forbidden pairs (moves that cannot happen between two ops of a segment, ``costmodel.sharding.layout.allowed_inside``).
 Sources and readers fixed by the segment boundary have one option. One function per family below:
 
 * choice (``_add_choices``):  ``x[n, s] in {0, 1}``,  ``sum_s x[n, s] = 1``  for every node;
@@ -58,13 +58,13 @@ from costmodel.layer_cost import LayerCost
 from costmodel.profile_db import OpProfile
 from costmodel.sharding.cost import (
     DEFAULT_MEMORY_WEIGHT,
-    ShardingModel,
     build_sharding_model,
     default_outputs,
     make_pricer,
     structural_key,
 )
 from costmodel.sharding.layout import module_prefix, relative_module
+from costmodel.sharding.model import ShardingModel
 from costmodel.sharding.problem import FIXED, NO_GRAD, UNITS_PER_SECOND, ProblemFlow, ShardingProblem
 from costmodel.sharding.rules import Style
 from costmodel.training_loss import with_training_loss

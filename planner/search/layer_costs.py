@@ -170,7 +170,7 @@ def _without_earlier_params(cost: LayerCost, chain_params: int, nodes: Sequence[
 def class_prefixes(chain: LayerChain) -> dict[int, str]:
     """Per class, the module path that owns its segments with differing components as "*" ("blocks.*").
 
-    Module styles come back relative to a segment's owning module (`costmodel.sharding.module_prefix`); this is
+    Module styles come back relative to a segment's owning module (`costmodel.sharding.layout.module_prefix`); this is
     that prefix generalized over every segment of the class, so one pattern covers blocks.0 .. blocks.95."""
     from costmodel.sharding.layout import module_prefix
 

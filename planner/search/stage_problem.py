@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from costmodel.estimate import RankSetting, p2p_time, rank_step_terms, shared_parameter_copies
+from costmodel.estimate import RankSetting, p2p_time, rank_step_terms
 from costmodel.framework import FrameworkCosts
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import CommGroup, spans
@@ -56,6 +56,7 @@ from costmodel.step_time import DataParallelComm, data_parallel_comm, tp_exposed
 from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
 from ir.layer_chain import LayerChain
 from planner.search.candidates import Candidate
+from planner.search.chain_structure import ChainStructure
 from planner.search.layer_costs import AxisSplit, LayerCostTable
 from planner.search.meshes import MeshCandidate
 from planner.search.stage_partition import Partition, PartitionProblem, StageKind, stage_kind
@@ -129,19 +130,20 @@ class StageProblemBuilder:
     cluster: Cluster
     table: LayerCostTable
     dtype: str = "bfloat16"
-    _groups: list[tuple[tuple[int, ...], int, int, np.ndarray, np.ndarray]] | None = field(default=None, repr=False)
+    structure: ChainStructure = field(init=False, repr=False)
     _terms: dict[tuple, _Terms] = field(default_factory=dict, repr=False)
     _p2p_cache: dict[tuple, float] = field(default_factory=dict, repr=False)
     _sig_cache: dict[CommGroup, tuple] = field(default_factory=dict, repr=False)
     _placements: dict[tuple[MeshCandidate, float], tuple[RankPlacement, ...] | None] = field(default_factory=dict,
                                                                                               repr=False)
-    _tied: list[tuple[int, np.ndarray, int]] | None = field(default=None, repr=False)
     _strategies: dict[tuple, Strategy] = field(default_factory=dict, repr=False)
-    _shared: dict[tuple, tuple[int, ...]] = field(default_factory=dict, repr=False)
     _p2p_sig: dict[tuple, tuple] = field(default_factory=dict, repr=False)
     _framework: dict[str, FrameworkCosts] = field(default_factory=dict, repr=False)
     _dp_comm_cache: dict[tuple, DataParallelComm] = field(default_factory=dict, repr=False)
     """`step_time.data_parallel_comm` results by what they depend on (the group through `collectives.spans`)."""
+
+    def __post_init__(self) -> None:
+        self.structure = ChainStructure(self.chain)
 
     # -- placement -------------------------------------------------------------------------------------------
     def placements(self, cand: Candidate) -> tuple[RankPlacement, ...] | None:
@@ -170,13 +172,6 @@ class StageProblemBuilder:
             hit = self._strategies[key] = cand.strategy()
         return hit
 
-    def shared_copies(self, chunks: tuple[StageSpec, ...], pp: int) -> tuple[int, ...]:
-        """`costmodel.estimate.shared_parameter_copies` of fixed chunks (cached per chunking)."""
-        key = (tuple((c.start, c.stop) for c in chunks), pp)
-        if key not in self._shared:
-            self._shared[key] = shared_parameter_copies(self.chain, chunks, pp)
-        return self._shared[key]
-
     def segment_costs(self, cand: Candidate, device: DeviceSpec) -> tuple[LayerCost, ...]:
         m = cand.mesh
         # Context / expert parallelism priced on top of the tp prices (planner.search.layer_costs.AxisSplit).
@@ -185,49 +180,6 @@ class StageProblemBuilder:
         return self.table.segment_costs(device, tp=m.tp, tp_stride=m.stride(MeshAxis.TP),
                                         sequence_parallel=cand.sequence_parallel,
                                         microbatch_size=cand.microbatch_size, split=split)
-
-    # -- chain structure ---------------------------------------------------------------------------------------
-    def _composition_groups(self) -> list[tuple[tuple[int, ...], int, int, np.ndarray, np.ndarray]]:
-        """(composition, representative a, b, all a's, all b's) for every distinct (multiset of classes in
-        [a, b), parameters it shares with earlier segments)."""
-        if self._groups is None:
-            n = len(self.chain.segments)
-            classes = sorted({s.class_id for s in self.chain.segments})
-            col = {c: i for i, c in enumerate(classes)}
-            counts = np.zeros((n + 1, len(classes)), dtype=np.int64)
-            for s in self.chain.segments:
-                counts[s.index + 1] = counts[s.index]
-                counts[s.index + 1, col[s.class_id]] += 1
-            groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-            for a in range(n):
-                diff = counts[a + 1:] - counts[a]
-                shared = [self.shared_params(a, b) for b in range(a + 1, n + 1)]
-                for i, row in enumerate(diff):
-                    key = (*(int(x) for x in row), shared[i])
-                    groups.setdefault(key, []).append((a, a + 1 + i))
-            self._groups = [(key, pairs[0][0], pairs[0][1], np.array([p[0] for p in pairs]),
-                             np.array([p[1] for p in pairs])) for key, pairs in groups.items()]
-        return self._groups
-
-    def shared_params(self, a: int, b: int) -> int:
-        """Parameters used in segments [a, b) whose first use is before a: the copy a stage [a, b) keeps of a
-        weight owned by an earlier stage (`costmodel.estimate.shared_parameter_copies` for contiguous stages)."""
-        if self._tied is None:
-            first: dict[str, int] = {}
-            uses: dict[str, set[int]] = {}
-            numel: dict[str, int] = {}
-            for seg in self.chain.segments:
-                for node in self.chain.nodes_of(seg):
-                    for name, spec in zip(node.param_names, node.param_specs, strict=False):
-                        first.setdefault(name, seg.index)
-                        uses.setdefault(name, set()).add(seg.index)
-                        numel[name] = spec.numel
-            self._tied = [(first[k], np.array(sorted(uses[k])), numel[k]) for k in sorted(uses) if len(uses[k]) > 1]
-        total = 0
-        for f, used, size in self._tied:
-            if f < a and ((used >= a) & (used < b)).any():
-                total += size
-        return total
 
     # -- ranks -------------------------------------------------------------------------------------------------
     def _sig(self, group: CommGroup | None) -> tuple:
@@ -390,7 +342,7 @@ class StageProblemBuilder:
         # the cheapest rank (another rank may be faster than this one).
         prefix = np.concatenate([[0.0], np.cumsum(segment_work(costs, ctx.speed, tp_overlap_chunks(cand)))])
         pruned = False
-        for comp, a0, b0, aa, bb in self._composition_groups():
+        for comp, a0, b0, aa, bb in self.structure.compositions():
             keep = _stage_shape_mask(kind, aa, bb, n, p)
             if math.isfinite(upper_bound):
                 # A stage's f + b is at least its compute and TP communication, and the bottleneck stage
@@ -430,7 +382,7 @@ class StageProblemBuilder:
         t = self._terms.get(cache_key)
         if t is None:
             segs = [PricedSegment(costs[j], rc) for j in range(a0, b0)]
-            shared = -(-self.shared_params(a0, b0) // cand.mesh.tp)
+            shared = -(-self.structure.shared_params(a0, b0) // cand.mesh.tp)
             t = self._terms[cache_key] = self._rank_terms(cand, ctx, [segs], shared, None)
         return t
 
@@ -443,7 +395,7 @@ class StageProblemBuilder:
         additive, bottleneck = np.zeros(shape + (1,)), np.zeros(shape + (3,))
         memory_base, per_microbatch, tail, tail_const, drain = (np.zeros(shape) for _ in range(5))
         costs_of = {pl.device.name: self.segment_costs(cand, pl.device) for pl in placements}
-        shared = [-(-x // cand.mesh.tp) for x in self.shared_copies(chunks, p)]
+        shared = [-(-x // cand.mesh.tp) for x in self.structure.shared_copies(chunks, p)]
         p2p = self.interleaved_p2p(cand, chunks, placements)
         for k, pl in enumerate(placements):
             ctx = self._context(cand, k, pl)

@@ -77,12 +77,6 @@ class BlockLayout:
         return tuple(stages)
 
 
-def even_blocks(num_blocks: int, num_stages: int) -> tuple[int, ...]:
-    """The split `costmodel.estimate.even_stages` prices: equal shares, the remainder on the last stages."""
-    base, extra = divmod(num_blocks, num_stages)
-    return tuple(base + (1 if i >= num_stages - extra else 0) for i in range(num_stages))
-
-
 # ---- Megatron-LM's --pipeline-model-parallel-layout ("E|(t|)*3,tL") ---------------------------------------------
 
 def format_megatron_layout(blocks: Sequence[int]) -> str:

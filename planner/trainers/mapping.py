@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from costmodel.rank_layout import even_shares
 from costmodel.strategy import DEFAULT_MESH_ORDER, MeshAxis, Recompute, Strategy
 from planner.errors import UserError
 from planner.plan import Plan
 from planner.trainers.common import Notes, Trainer, TrainerConfig
-from planner.trainers.layout import BlockLayout, even_blocks
+from planner.trainers.layout import BlockLayout
 
 PP_INSIDE_DP = (MeshAxis.TP, MeshAxis.CP, MeshAxis.EP, MeshAxis.PP, MeshAxis.DP)
 """The rank order of Megatron-LM's `--use-tp-pp-dp-mapping` (pipeline neighbours closer than data-parallel ones)."""
@@ -36,7 +37,7 @@ def config_of_plan(plan: Plan, layout: BlockLayout, trainer: Trainer, notes: Not
                   f"{trainer.value} lays ranks out tp/cp/dp/pp, so its ranks sit on other links than priced")
     stages = s.stages
     blocks = layout.blocks_per_stage(stages, trainer.value) if stages else None
-    if blocks is not None and blocks == even_blocks(layout.num_blocks, len(blocks)):
+    if blocks is not None and blocks == even_shares(layout.num_blocks, len(blocks)):
         blocks = None  # the trainer's default split is the plan's
     return TrainerConfig(
         trainer=trainer, tp=s.tp, pp=s.pp, cp=s.cp, ep=s.ep, dp=s.dp, microbatch_size=s.microbatch_size,
@@ -85,10 +86,10 @@ def strategy_of_config(cfg: TrainerConfig, layout: BlockLayout, num_devices: int
         raise UserError(f"{where}: global batch {global_batch} is not a multiple of micro-batch * dp = "
                         f"{cfg.microbatch_size}*{dp} = {per_step}")
     num_stages = cfg.pp * cfg.virtual_stages
-    blocks = cfg.stage_blocks or even_blocks(layout.num_blocks, num_stages)
+    blocks = cfg.stage_blocks or even_shares(layout.num_blocks, num_stages)
     if len(blocks) != num_stages:
         raise UserError(f"{where}: {len(blocks)} pipeline stages given, pp*virtual = {num_stages}")
-    if min(even_blocks(layout.num_blocks, num_stages)) < 1 and cfg.stage_blocks is None:
+    if min(even_shares(layout.num_blocks, num_stages)) < 1 and cfg.stage_blocks is None:
         raise UserError(f"{where}: {num_stages} pipeline stages for {layout.num_blocks} layers")
     try:
         strategy = Strategy(

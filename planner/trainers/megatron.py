@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import argparse
 
+from costmodel.rank_layout import even_shares
 from costmodel.strategy import DEFAULT_MESH_ORDER, Recompute, RuntimeOptions, Schedule
 from planner.errors import UserError
 from planner.trainers.argtable import argument_tokens, load_table
 from planner.trainers.common import ModelShape, Notes, Trainer, TrainerConfig
-from planner.trainers.layout import even_blocks, format_megatron_layout, parse_megatron_layout
+from planner.trainers.layout import format_megatron_layout, parse_megatron_layout
 from planner.trainers.mapping import PP_INSIDE_DP
 
 TABLE = "megatron_lm"
@@ -82,7 +83,7 @@ def _pipeline_arguments(cfg: TrainerConfig, num_layers: int, notes: Notes) -> li
     if cfg.schedule is Schedule.GPIPE:
         notes.add("Megatron-LM has no GPipe schedule; exported as 1F1B (the same bubble, fewer micro-batches in "
                   "flight, so less activation memory than planned)")
-    blocks = cfg.stage_blocks or even_blocks(num_layers, cfg.pp * cfg.virtual_stages)
+    blocks = cfg.stage_blocks or even_shares(num_layers, cfg.pp * cfg.virtual_stages)
     equal = len(set(blocks)) == 1
     if cfg.virtual_stages > 1:
         if equal:

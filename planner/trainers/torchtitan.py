@@ -26,6 +26,7 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from costmodel.rank_layout import even_shares
 from costmodel.strategy import Recompute, RuntimeOptions, Schedule
 from planner.errors import UserError
 from planner.trainers.common import ModelShape, Notes, Trainer, TrainerConfig
@@ -99,11 +100,9 @@ def _parallelism(cfg: TrainerConfig, shape: ModelShape, notes: Notes) -> dict[st
     p["expert_parallel_degree"] = cfg.ep
     p["pipeline_parallel_degree"] = cfg.pp
     if cfg.pp > 1:
-        from planner.trainers.layout import even_blocks
-
         p["pipeline_parallel_schedule"] = _SCHEDULES[cfg.schedule]
         p["pipeline_parallel_microbatch_size"] = cfg.microbatch_size
-        blocks = cfg.stage_blocks or even_blocks(shape.num_layers, cfg.pp * cfg.virtual_stages)
+        blocks = cfg.stage_blocks or even_shares(shape.num_layers, cfg.pp * cfg.virtual_stages)
         p["module_fqns_per_model_part"] = fqns_per_part(blocks)
     return p
 
