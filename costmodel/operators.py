@@ -91,10 +91,11 @@ BACKWARD_BYTES_FACTOR: Mapping[OpKind, float] = {
 }
 
 # Measured FlashAttention-2 forward TFLOP/s / dense BF16 peak (measured_gemm_hbm_attention.csv, Azure
-# AI-benchmarking-guide ND A100 v4 / ND H100 v5 / ND H200 v5: 179.5/312, 327.9/989, 329.3/989).
+# AI-benchmarking-guide ND A100 v4 / ND H100 v5 / ND H200 v5: 179.5/312, 327.9/989, 329.3/989); H800 is the H100
+# die with slower NVLink, so H100's ratio applies.
 FLASH_ATTENTION_FRACTION: Mapping[str, float] = {
     "a100-40gb": 179.5 / 312, "a100-80gb": 179.5 / 312,
-    "h100-sxm": 327.9 / 989, "h100": 327.9 / 989, "h200": 329.3 / 989,
+    "h100-sxm": 327.9 / 989, "h100": 327.9 / 989, "h200": 329.3 / 989, "h800": 327.9 / 989,
 }
 # A100 FlashAttention-2 relative to A100's best GEMM (MAMF 271.2 TFLOP/s, stas00/ml-engineering table in the same
 # file): used for devices without an attention measurement, times their own matmul_efficiency.
