@@ -15,8 +15,8 @@ Both are registered under their own names through transformers' public registrie
 2. `EXPERTS` ("stratagem_capacity"): mixture-of-experts experts with GShard capacity dispatch (Lepikhin et al.
    2021, Sec. 2.2) instead of transformers' default grouped GEMM. Grouped GEMM has data-dependent group sizes
    (`torch.histc` of the routing) that a shape-only trace cannot price, while capacity dispatch has static shapes
-   built from one-hot masks and einsums, the same formulation as the zoo's `moe` family (`models/moe.py`), so the
-   cost model and expert parallelism see the two alike:
+   (tokens gathered into per-expert buffers by index, `models.expert_dispatch`), the same as the zoo's `moe`
+   family (`models/moe.py`), so the cost model and expert parallelism see the two alike:
    - tokens are cut into groups of S = gcd(N, 1024) tokens (N tokens in the batch);
    - each expert takes C = min(S, ceil(k * capacity_factor * S / E)) token choices per group, first choices
      before second choices; choices past capacity are dropped (that expert adds nothing for the token);
@@ -30,9 +30,9 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from models.expert_dispatch import capacity_route, combine, dispatch
 from models.moe import MAX_GROUP_TOKENS
 
 ATTENTION = "stratagem_sdpa"
@@ -106,15 +106,13 @@ def capacity_experts_forward(
     group = math.gcd(num_tokens, MAX_GROUP_TOKENS)
     factor = getattr(self.config, CAPACITY_FACTOR_ATTR, DEFAULT_CAPACITY_FACTOR)
     slots = capacity(group, top_k, num_experts, factor)
-    dispatch, combine = _capacity_routing(top_k_index.reshape(-1, group, top_k),
-                                          top_k_weights.reshape(-1, group, top_k), num_experts, slots)
+    route = capacity_route(top_k_index.reshape(-1, group, top_k), num_experts, slots)
     xg = hidden_states.reshape(-1, group, hidden)  # (G, S, h)
-    expert_in = torch.einsum("gsec,gsh->egch", dispatch.to(xg.dtype), xg).flatten(1, 2)  # (E, G*C, h)
     # Expert parallelism (planner/runtime/apply_ep.py) replaces the instance's `expert_buffers_forward` with its
     # all-to-all dispatch around this rank's experts; otherwise every expert runs here.
     run_experts = getattr(self, EXPERT_BUFFERS_ATTR, None) or (lambda x: expert_buffers_forward(self, x))
-    out = run_experts(expert_in).unflatten(1, (-1, slots))  # (E, G, C, h)
-    y = torch.einsum("gsec,egch->gsh", combine.to(out.dtype), out)  # (G, S, h)
+    out = run_experts(dispatch(xg, route, num_experts))  # (E, G*C, h)
+    y = combine(out, route, top_k_weights.reshape(-1, group, top_k))  # (G, S, h)
     return y.reshape(num_tokens, hidden).to(hidden_states.dtype)
 
 
@@ -133,20 +131,3 @@ def _expert_linear(self: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias_
     if self.has_bias:
         out = out + getattr(self, bias_name).unsqueeze(1)  # (E, 1, out)
     return out
-
-
-def _capacity_routing(
-    index: torch.Tensor, weights: torch.Tensor, num_experts: int, slots: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch mask D and combine weights W, both (G, S, E, C), from top-k choices index / weights (G, S, k)."""
-    top_k = index.size(-1)
-    choice = F.one_hot(index, num_experts).to(weights.dtype)  # (G, S, k, E)
-    # Choice-major order (all first choices, then all second choices) so first choices claim slots first.
-    choice = choice.transpose(1, 2).flatten(1, 2)  # (G, k*S, E)
-    slot = (torch.cumsum(choice, dim=1) - 1) * choice  # slot index within the expert, (G, k*S, E)
-    kept = choice * (slot < slots).to(choice.dtype)  # drop choices past capacity
-    slot = (slot * kept).sum(dim=-1).long()  # (G, k*S); dropped choices point at slot 0 with kept = 0
-    dispatch = kept.unsqueeze(-1) * F.one_hot(slot, slots).to(kept.dtype).unsqueeze(-2)  # (G, k*S, E, C)
-    dispatch = dispatch.unflatten(1, (top_k, -1))  # (G, k, S, E, C)
-    gates = weights.transpose(1, 2)[..., None, None]  # (G, k, S, 1, 1)
-    return dispatch.sum(dim=1), (dispatch * gates).sum(dim=1)
