@@ -44,6 +44,11 @@ leave gaps and tails, real GEMM shapes fall below the best measured one. `Device
 every analytical time by the fraction reached, fitted per device class to published runs leave-one-out (the
 catalog's source column says on what, and with what error); measured profile times are taken as they are.
 
+A grouped GEMM (the routed experts: one GEMM per expert in one launch) is sized per group: `gemm_groups` = G
+equal GEMMs of F / G FLOPs each run at R(F / G) -- the small-GEMM loss of fine-grained experts (DeepSeek-V3's
+2048-wide experts get about 160 tokens each per rank without expert parallelism). Tiles of different experts do
+share waves in a grouped kernel, so this is the pessimistic end; `costmodel.expert_parallel` sets G.
+
 `flops_scale` / `bytes_scale` multiply the node's traced FLOPs and activation bytes (micro-batch / traced batch,
 times 1/tp for a sharded op); `param_scale` multiplies its parameter bytes (1/tp for a sharded weight; the
 micro-batch does not change them). Bytes are also converted from the traced dtype to the priced `dtype`.
@@ -169,9 +174,10 @@ def node_bytes(node: Node, *, bytes_scale: float = 1.0, param_scale: float = 1.0
 
 
 def node_time(node: Node, device: DeviceSpec, *, flops_scale: float = 1.0, bytes_scale: float = 1.0,
-              dtype: str = "bfloat16", profile: OpProfile | None = None, param_scale: float = 1.0
-              ) -> tuple[float, float]:
-    """(forward seconds, backward seconds) of `node` on `device` (formulas in the module docstring)."""
+              dtype: str = "bfloat16", profile: OpProfile | None = None, param_scale: float = 1.0,
+              gemm_groups: int = 1) -> tuple[float, float]:
+    """(forward seconds, backward seconds) of `node` on `device` (formulas in the module docstring).
+    `gemm_groups`: the node's FLOPs are that many equal GEMMs (a grouped GEMM), each sized for `s(tau)` alone."""
     if profile is not None:
         sig = op_signature(node, flops_scale=flops_scale, bytes_scale=bytes_scale, param_scale=param_scale)
         hit = profile.lookup(device.name, sig)
@@ -182,7 +188,7 @@ def node_time(node: Node, device: DeviceSpec, *, flops_scale: float = 1.0, bytes
     fwd_flops = node.forward_flops * flops_scale
     bwd_flops = node.backward_flops * flops_scale
     fwd_bytes = node_bytes(node, bytes_scale=bytes_scale, param_scale=param_scale, dtype=dtype)
-    rate = compute_rate(node.op_kind, device, dtype, fwd_flops if fwd_flops > 0 else bwd_flops / 2)
+    rate = compute_rate(node.op_kind, device, dtype, (fwd_flops if fwd_flops > 0 else bwd_flops / 2) / gemm_groups)
     if node.op_kind is OpKind.ATTENTION and node.attr("is_causal", False):
         rate *= CAUSAL_SPEEDUP
     fwd = roofline_time(fwd_flops, fwd_bytes, rate, device)

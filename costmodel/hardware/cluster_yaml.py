@@ -15,6 +15,7 @@ YAML format (every key but `groups` optional; see examples/clusters/README.md fo
         unavailable: [7]             # device indices in the group that cannot be used
         node_tier: {link: nvlink2}   # this group's own link inside a node (keys as in `tiers`, no size)
         host_cores: 2                # cores a node's devices share (CPU ranks as processes); default: their own
+    expert_imbalance: 1.1            # mixture-of-experts jobs: busiest expert-parallel rank's routed tokens / mean
     tiers:                           # innermost first; tiers[0] is the node tier
       - name: node
         size: 8                      # default: devices_per_node
@@ -71,7 +72,7 @@ from costmodel.hardware.network import COLLECTIVE_KINDS, CollectiveLink, Network
 SHORTHAND_FORM = "NODESxGPUSxDEVICE (e.g. 128x8xa100-80gb or 1x4xcpu)"
 _SHORTHAND = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*[xX]\s*([A-Za-z0-9._-]+)\s*$")
 
-_TOP_KEYS = {"name": False, "groups": True, "tiers": False}
+_TOP_KEYS = {"name": False, "groups": True, "tiers": False, "expert_imbalance": False}
 _GROUP_KEYS = {"name": False, "device": True, "num_nodes": True, "devices_per_node": True,
                "price_per_device_hour": False, "memory": False, "slowdown": False, "unavailable": False,
                "node_tier": False, "host_cores": False}
@@ -98,6 +99,9 @@ for _prefix, _scale in (("Ki", 2.0**10), ("Mi", 2.0**20), ("Gi", 2.0**30), ("Ti"
 _DURATION_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ns": 1e-9}
 _BYTE_UNITS = {"B": 1.0, "KB": 1e3, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
                "KiB": 2.0**10, "MiB": 2.0**20, "GiB": 2.0**30, "TiB": 2.0**40}
+MAX_EXPERT_IMBALANCE = 100.0
+"""Largest `expert_imbalance` a spec may give: a sanity bound (the busiest of ep ranks gets at most ep times the
+mean), far above any measured routing."""
 _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([^\s0-9][^\s]*)?\s*$")
 
 
@@ -113,6 +117,8 @@ class ClusterParts:
     error_context: str = ""
     """What to name in front of an error about how the parts fit ("cluster spec 'x'"); "" for the shorthand,
     whose errors name the cluster already."""
+    expert_imbalance: float | None = None
+    """The job's routed-token imbalance over expert-parallel ranks (`Cluster.expert_imbalance`)."""
 
 
 def read_cluster_spec(spec: str) -> ClusterParts:
@@ -174,7 +180,11 @@ def read_cluster_dict(d: Any, *, default_name: str = "cluster") -> ClusterParts:
         if not isinstance(raw_tiers, list) or not raw_tiers:
             raise ValueError("tiers: expected a non-empty list of network tiers, innermost (node) first")
         groups, tiers = _tiers(raw_tiers, groups)
-    return ClusterParts(name=name, groups=tuple(groups), tiers=tuple(tiers), error_context=f"cluster spec {name!r}")
+    imbalance = d.get("expert_imbalance")
+    if imbalance is not None:
+        imbalance = _number(imbalance, "expert_imbalance", 1.0, MAX_EXPERT_IMBALANCE, lo_open=False)
+    return ClusterParts(name=name, groups=tuple(groups), tiers=tuple(tiers), error_context=f"cluster spec {name!r}",
+                        expert_imbalance=imbalance)
 
 
 # ---- quantities -----------------------------------------------------------------------------------------------
