@@ -75,6 +75,7 @@ from costmodel.profile_db import OpProfile
 from ir.graph import Node
 from ir.layer_chain import LayerChain
 from ir.moe_structure import (
+    ExpertLayout,
     RoutedExperts,
     expert_region,
     num_routed_experts,
@@ -193,8 +194,10 @@ def _region_delta(nodes: Sequence[Node], found: RoutedExperts, device: DeviceSpe
             continue
         at = scale * divisor  # the base priced the node at this scale, then divided by `divisor`
         old = node_time(n, device, flops_scale=at, bytes_scale=at, dtype=setting.dtype, profile=profile)
+        expert = n.name in linears  # holds E / ep of the stacked expert weights
         new = node_time(n, device, flops_scale=scale * load, bytes_scale=scale * load, dtype=setting.dtype,
-                        profile=profile, gemm_groups=groups if n.name in linears else 1)
+                        profile=profile, gemm_groups=groups if expert else 1,
+                        param_scale=1 / setting.ep if expert else 1.0)
         d_fwd, d_bwd = new[0] - old[0] / divisor, new[1] - old[1] / divisor
         fwd, bwd = fwd + d_fwd, bwd + d_bwd
         if n.name not in kept:
@@ -239,8 +242,9 @@ def expert_cost(base: LayerCost, nodes: Sequence[Node], device: DeviceSpec, clus
         return base
     ep = setting.ep
     load = expert_load_factor(found.capacity_factor, ep, setting.imbalance)
-    cost = _with_region(base, _region_delta(nodes, found, device, setting, load,
-                                            max(found.num_experts // ep, 1), profile))
+    # Stacked weights run one grouped GEMM of E / ep experts; one module per expert is one GEMM per node already.
+    groups = max(found.num_experts // ep, 1) if found.layout is ExpertLayout.STACKED else 1
+    cost = _with_region(base, _region_delta(nodes, found, device, setting, load, groups, profile))
     if ep == 1 or not found.param_numel:
         return cost
     local = round(found.param_numel * base.param_count / segment_params) if segment_params else found.param_numel
