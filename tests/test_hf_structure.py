@@ -199,3 +199,60 @@ def test_tiny_qwen3_moe_trains_under_ep2_dp4_like_one_process(tmp_path_factory):
     report = json.loads(ran.stdout)
     assert report["strategy"]["ep"] == 2 and report["strategy"]["dp"] == 4
     assert report["check"]["passed"] and report["check"]["max_rel_loss_diff"] <= 1e-4
+
+
+@pytest.mark.parametrize(("name", "classes"), [("gemma3_text", 2), ("gpt_oss", 2)])
+def test_sliding_window_layers_are_priced_over_their_window(tmp_path_factory, name, classes):
+    """A window of 16 keys on a 64-token sequence: sliding layers trace as `stratagem::windowed_attention` with
+    ("window", 16), global layers over the whole sequence; each attention node's FLOPs are the band's share of
+    causal attention's, and the two kinds of layer are two classes (Gemma 3: layers 0-2 sliding, 3 global with
+    a pattern of 4; GPT-OSS alternates and its attention sinks ride in the same op)."""
+    seq, window, heads, head_dim = 64, 16, 4, 32
+    extra = {"sliding_window": window, **({"sliding_window_pattern": 4} if name == "gemma3_text" else {})}
+    built = build_model(_saved(tmp_path_factory, name, **extra), seq=seq)
+    graph = ir.trace(built.module, built.example_inputs, model_name=name)
+    chain = ir.build_layer_chain(graph)
+    assert graph.param_count == built.module.num_parameters()
+    attention = [n for n in graph.nodes if n.op_kind.value == "attention"]
+    full = 4 * heads * seq * seq * head_dim  # sdpa_flop_count of (1, 4, 64, 32): the causal convention
+    band = (sum(range(1, window)) + (seq - window + 1) * window) / (seq * (seq + 1) / 2)
+    for n in attention:
+        w = n.attr("window")
+        if w == window:
+            assert n.forward_flops == int(full * band) and n.attr("is_causal") and not n.attr("has_mask")
+        else:  # global layers: plain causal SDPA, or the windowed op over the whole sequence when it has sinks
+            assert w in (None, seq) and n.forward_flops == full
+    assert sum(n.attr("window") == window for n in attention) >= 2
+    blocks = {s.class_id for s in chain.segments if s.name.startswith("model.layers.")}
+    assert len(blocks) == classes
+
+
+def test_windowed_attention_with_sinks_matches_transformers_eager_on_cpu(tmp_path_factory):
+    name = _saved(tmp_path_factory, "gpt_oss", sliding_window=8, num_hidden_layers=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        built = build_model(name, ("capacity_factor=4",), batch=2, seq=32, device="cpu")
+    ids = built.example_inputs[0]
+    ours = built.module(ids).logits
+    for m in built.module.modules():
+        if hasattr(m, "config"):
+            m.config._attn_implementation = "eager"
+            m.config._experts_implementation = "eager"
+    torch.testing.assert_close(ours, built.module(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_windowed_attention_op_gradients_equal_autograd_of_its_reference():
+    from models.windowed_attention import reference, windowed_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, h, 12, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    out = windowed_attention(q, k, v, 5, 0.3, sinks)
+    grad = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v, sinks), grad)
+    expected = torch.autograd.grad(reference(q, k, v, 5, 0.3, sinks), (q, k, v, sinks), grad)
+    for a, b in zip(ours, expected, strict=True):
+        torch.testing.assert_close(a, b)
+    # The band: query i sees keys i-4 .. i; the first query only itself.
+    no_sink = windowed_attention(q, k, v, 5, 0.3, None)
+    torch.testing.assert_close(no_sink[:, :, 0], v.repeat_interleave(2, dim=1)[:, :, 0])
