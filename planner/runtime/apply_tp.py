@@ -113,15 +113,27 @@ def _in_blocks(path: str) -> bool:
 
 def _check_pairs(model: nn.Module, styles: Mapping[str, Style]) -> None:
     """A rowwise linear reads the feature shards its colwise siblings produce (q/k/v -> o_proj, up/gate ->
-    down_proj); a replicated sibling linear would hand the shared core full-width tensors. Refuse such plans."""
+    down_proj); a replicated sibling linear would hand the shared core full-width tensors. Refuse such plans.
+    Low-rank down projections that a colwise sibling expands again (multi-head latent attention's q_a_proj /
+    kv_a_proj_with_mqa feed q_b_proj / kv_b_proj) are refused with their own reason: MLA's rotary key is one
+    head shared by all, computed from the replicated kv_a_proj_with_mqa and broadcast over this rank's heads, so
+    its gradient is a partial sum over the tp ranks that this runtime does not reduce (Megatron-LM does)."""
     for path, style in sorted(styles.items()):
         if style is not Style.ROWWISE:
             continue
         parent_path = path.rpartition(".")[0]
         parent = model.get_submodule(parent_path) if parent_path else model
-        odd = [f"{parent_path}.{n}" if parent_path else n for n, m in parent.named_children()
-               if isinstance(m, nn.Linear) and styles.get(f"{parent_path}.{n}" if parent_path else n,
-                                                          Style.REPLICATE) is Style.REPLICATE]
+        linears = {f"{parent_path}.{n}" if parent_path else n: m for n, m in parent.named_children()
+                   if isinstance(m, nn.Linear)}
+        colwise_inputs = [m.in_features for p, m in linears.items() if styles.get(p) is Style.COLWISE]
+        odd = [p for p, m in linears.items() if styles.get(p, Style.REPLICATE) is Style.REPLICATE]
+        low_rank = [p for p in odd if linears[p].out_features < linears[p].in_features
+                    and any(i <= linears[p].out_features for i in colwise_inputs)]
+        if low_rank:
+            raise UserError(f"{path} splits multi-head latent attention over tp, which this runtime does not run: "
+                            f"the rotary key shared by all heads comes from the replicated {', '.join(low_rank)} "
+                            "and its gradient would need a reduction over tp; plan with this attention replicated "
+                            "(its MLP may still be split) or run the plan in Megatron-LM")
         if odd:
             raise UserError(f"{path} is rowwise-sharded but its sibling linear(s) {', '.join(odd)} are replicated; "
                             "a rowwise module needs its colwise partners sharded too (plan inconsistent with "
