@@ -140,6 +140,22 @@ def _check_pairs(model: nn.Module, styles: Mapping[str, Style]) -> None:
                             "this model)")
 
 
+def _check_kv_heads(model: nn.Module, styles: Mapping[str, Style], tp: int) -> None:
+    """Grouped-query attention split over more tp ranks than it has KV heads would cut a KV head in pieces (or
+    leave a rank's query heads without theirs): the planner prices such attention replicated over the tp ranks
+    (`costmodel.sharding.rules`: heads shard only when every operand's head count divides), and this runtime
+    refuses a plan that splits its projections anyway, instead of failing inside the model."""
+    for path, style in sorted(styles.items()):
+        if style is Style.REPLICATE or "." not in path:
+            continue
+        parent = model.get_submodule(path.rpartition(".")[0])
+        kv_heads = getattr(getattr(parent, "config", None), "num_key_value_heads", None)
+        if hasattr(parent, "num_key_value_groups") and isinstance(kv_heads, int) and kv_heads % tp:
+            raise UserError(f"{path} is split over tp={tp} ranks but its attention has {kv_heads} KV heads: this "
+                            "runtime splits whole heads only; plan with the attention replicated over tp (as the "
+                            f"planner prices tp > {kv_heads}) or tp dividing {kv_heads}")
+
+
 def _has_rowwise_partner(path: str, styles: Mapping[str, Style]) -> bool:
     parent = path.rpartition(".")[0]
     if not parent:
@@ -273,6 +289,7 @@ def apply_tensor_parallel(model: nn.Module, sharding: Sequence[ModuleSharding], 
     _check_module_types(model, styles)
     tied = shared_parameters(model)
     _check_pairs(model, styles)
+    _check_kv_heads(model, styles, tp_mesh.size())
     torch_plan = parallel_styles(model, styles, sequence_parallel=sequence_parallel)
     if not torch_plan:
         # Nothing is split (the planner found communication dearer than the compute it would save): the tp
