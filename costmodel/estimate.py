@@ -32,6 +32,7 @@ from costmodel.expert_parallel import (
     dp_synced_params,
     ep_problem,
     expert_cost,
+    expert_layer,
     optimizer_params,
 )
 from costmodel.framework import FrameworkCosts
@@ -165,8 +166,8 @@ class _Prices:
             setting = ExpertSetting(ep=1, microbatch_size=mbs, traced_batch=self.chain.graph.batch_size,
                                     traced_dtype=self.chain.graph.dtype, dtype=self.dtype,
                                     imbalance=self.cluster.expert_imbalance or EXPERT_IMBALANCE)
-            self.cache[key] = expert_cost(cost, self.chain.nodes_of(rep), device, self.cluster, setting=setting,
-                                          segment_params=rep.param_count, profile=self.profile)
+            self.cache[key] = expert_cost(cost, expert_layer(self.chain.nodes_of(rep)), device, self.cluster,
+                                          setting=setting, segment_params=rep.param_count, profile=self.profile)
         return self.cache[key]
 
 

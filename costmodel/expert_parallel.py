@@ -171,6 +171,28 @@ class ExpertSetting:
 
 
 @dataclass(frozen=True, slots=True)
+class ExpertLayer:
+    """The structure of one segment's routed experts that pricing needs (found once per layer class)."""
+
+    found: RoutedExperts
+    region: tuple[Node, ...]
+    """The expert region's nodes in graph order (`ir.moe_structure.expert_region`)."""
+    op_kept: frozenset[str]
+    """Nodes whose outputs per-op checkpointing keeps (`layer_pricing.op_policy_kept`)."""
+    dispatch_bytes: int
+
+
+def expert_layer(nodes: Sequence[Node]) -> ExpertLayer | None:
+    """The routed experts among a segment's nodes, None when it has none."""
+    found = routed_experts(nodes)
+    if found is None or not found.choices:
+        return None
+    region = expert_region(nodes, found)
+    return ExpertLayer(found, tuple(n for n in nodes if n.name in region), op_policy_kept(nodes),
+                       dispatch_bytes(nodes, found.num_experts))
+
+
+@dataclass(frozen=True, slots=True)
 class _RegionDelta:
     fwd_s: float = 0.0
     bwd_s: float = 0.0
@@ -179,19 +201,15 @@ class _RegionDelta:
     saved_op: float = 0.0
 
 
-def _region_delta(nodes: Sequence[Node], found: RoutedExperts, device: DeviceSpec, setting: ExpertSetting,
-                  load: float, groups: int, profile: OpProfile | None) -> _RegionDelta:
+def _region_delta(layer: ExpertLayer, device: DeviceSpec, setting: ExpertSetting, load: float, groups: int,
+                  profile: OpProfile | None) -> _RegionDelta:
     """What the expert region's price changes by, from one GEMM per node at the traced load to `groups` GEMMs
     per expert linear at `load` times the traced work."""
-    region = expert_region(nodes, found)
-    linears = set(found.linears)
-    kept = op_policy_kept(nodes)
+    linears = set(layer.found.linears)
     scale, divisor = setting.token_scale, setting.divisor
     ratio = retype_ratio(setting.traced_dtype, setting.dtype)
     fwd = bwd = recompute_op = saved = saved_op = 0.0
-    for n in nodes:
-        if n.name not in region:
-            continue
+    for n in layer.region:
         at = scale * divisor  # the base priced the node at this scale, then divided by `divisor`
         old = node_time(n, device, flops_scale=at, bytes_scale=at, dtype=setting.dtype, profile=profile)
         expert = n.name in linears  # holds E / ep of the stacked expert weights
@@ -200,10 +218,10 @@ def _region_delta(nodes: Sequence[Node], found: RoutedExperts, device: DeviceSpe
                         param_scale=1 / setting.ep if expert else 1.0)
         d_fwd, d_bwd = new[0] - old[0] / divisor, new[1] - old[1] / divisor
         fwd, bwd = fwd + d_fwd, bwd + d_bwd
-        if n.name not in kept:
+        if n.name not in layer.op_kept:
             recompute_op += d_fwd
         saved += n.saved_bytes * scale * ratio * (load - 1)
-        if n.name in kept:
+        if n.name in layer.op_kept:
             saved_op += sum(s.nbytes for s in n.output_specs) * scale * ratio * (load - 1)
     return _RegionDelta(fwd, bwd, recompute_op, saved, saved_op)
 
@@ -221,36 +239,34 @@ def _with_region(base: LayerCost, d: _RegionDelta) -> LayerCost:
     )
 
 
-def bound_cost(base: LayerCost, nodes: Sequence[Node], device: DeviceSpec, setting: ExpertSetting,
+def bound_cost(base: LayerCost, layer: ExpertLayer | None, device: DeviceSpec, setting: ExpertSetting,
                profile: OpProfile | None = None) -> LayerCost:
     """A lower bound on the segment's price at every ep: the balanced load lambda(1), one GEMM per projection."""
-    found = routed_experts(nodes)
-    if found is None or not found.choices:
+    if layer is None:
         return base
-    load = expert_load_factor(found.capacity_factor, 1, setting.imbalance)
-    return _with_region(base, _region_delta(nodes, found, device, setting, load, 1, profile))
+    load = expert_load_factor(layer.found.capacity_factor, 1, setting.imbalance)
+    return _with_region(base, _region_delta(layer, device, setting, load, 1, profile))
 
 
-def expert_cost(base: LayerCost, nodes: Sequence[Node], device: DeviceSpec, cluster: Cluster, *,
+def expert_cost(base: LayerCost, layer: ExpertLayer | None, device: DeviceSpec, cluster: Cluster, *,
                 setting: ExpertSetting, segment_params: int, profile: OpProfile | None = None) -> LayerCost:
-    """The `LayerCost` of a segment whose routed experts run as the module docstring says (grouped GEMMs, the
-    busiest rank's load, and for ep > 1 the all-to-alls and E / ep of the expert weights), from its cost priced
-    with one GEMM per expert projection at the traced load (`base`). `segment_params`: the segment's unsharded
-    parameter count (the expert share of `base.param_count` is the experts' share of the segment's parameters)."""
-    found = routed_experts(nodes)
-    if found is None or not found.choices:
+    """The `LayerCost` of a segment whose routed experts (`layer`, from `expert_layer`) run as the module
+    docstring says (grouped GEMMs, the busiest rank's load, and for ep > 1 the all-to-alls and E / ep of the
+    expert weights), from its cost priced with one GEMM per expert projection at the traced load (`base`).
+    `segment_params`: the segment's unsharded parameter count (the expert share of `base.param_count` is the
+    experts' share of the segment's parameters)."""
+    if layer is None:
         return base
-    ep = setting.ep
+    found, ep = layer.found, setting.ep
     load = expert_load_factor(found.capacity_factor, ep, setting.imbalance)
     # Stacked weights run one grouped GEMM of E / ep experts; one module per expert is one GEMM per node already.
     groups = max(found.num_experts // ep, 1) if found.layout is ExpertLayout.STACKED else 1
-    cost = _with_region(base, _region_delta(nodes, found, device, setting, load, groups, profile))
+    cost = _with_region(base, _region_delta(layer, device, setting, load, groups, profile))
     if ep == 1 or not found.param_numel:
         return cost
     local = round(found.param_numel * base.param_count / segment_params) if segment_params else found.param_numel
     kept = -(-local // ep)
-    payload = (dispatch_bytes(nodes, found.num_experts) * setting.token_scale
-               * retype_ratio(setting.traced_dtype, setting.dtype) * load)
+    payload = layer.dispatch_bytes * setting.token_scale * retype_ratio(setting.traced_dtype, setting.dtype) * load
     a2a = collective_time(Collective.ALL_TO_ALL, payload, setting.group, cluster, concurrent=setting.concurrent)
     bytes_per_param = base.param_bytes / base.param_count if base.param_count else 0.0
     return dataclasses.replace(

@@ -60,6 +60,7 @@ class LayerCostTable:
     _split_cache: dict[tuple, dict[int, LayerCost]] = field(default_factory=dict)
     _sharding_cache: Any = None
     _has_experts: bool | None = None
+    _expert_layers: dict[int, Any] = field(default_factory=dict)
 
     def prices(self, device: DeviceSpec, *, tp: int, tp_stride: int, sequence_parallel: bool,
                microbatch_size: int) -> ClassPrices:
@@ -121,7 +122,7 @@ class LayerCostTable:
                 traced_dtype=self.chain.graph.dtype, dtype=self.dtype, divisor=1 if per_rank else split.cp,
                 group=type_group(self.cluster, device.name, split.ep, split.ep_stride),
                 concurrent=split.num_devices // split.ep, imbalance=self.expert_imbalance)
-            out[cid] = expert_cost(cost, nodes, device, self.cluster, setting=setting,
+            out[cid] = expert_cost(cost, self.expert_layer(cid), device, self.cluster, setting=setting,
                                    segment_params=segment.param_count, profile=self.profile)
         return out
 
@@ -131,8 +132,16 @@ class LayerCostTable:
         setting = ExpertSetting(ep=1, microbatch_size=mbs, traced_batch=self.chain.graph.batch_size,
                                 traced_dtype=self.chain.graph.dtype, dtype=self.dtype,
                                 imbalance=self.expert_imbalance)
-        return {cid: bound_cost(cost, self.chain.nodes_of(self.chain.representative(cid)), device, setting,
-                                self.profile) for cid, cost in prices.costs.items()}
+        return {cid: bound_cost(cost, self.expert_layer(cid), device, setting, self.profile)
+                for cid, cost in prices.costs.items()}
+
+    def expert_layer(self, class_id: int) -> Any:
+        """The routed experts of a layer class (`expert_parallel.expert_layer`), found once."""
+        if class_id not in self._expert_layers:
+            from costmodel.expert_parallel import expert_layer
+
+            self._expert_layers[class_id] = expert_layer(self.chain.nodes_of(self.chain.representative(class_id)))
+        return self._expert_layers[class_id]
 
     @property
     def has_experts(self) -> bool:
