@@ -12,6 +12,9 @@ efficiency minimizing the mean absolute error is found on a 0.005 grid, over all
 row out in turn (the leave-one-out error is the row's error at the efficiency fitted without it). Writes
 bench/results/training_efficiency_fit.json.
 
+Rows published in another precision than the bf16 the cost model prices (DeepSeek-V3 trained in FP8) are priced
+and shown, but left out of the mean error and of `--fit`.
+
 Usage: python bench/published_runs.py [--only SUBSTRING] [--no-free] [--json] [--fit] [--resume]
 """
 
@@ -48,7 +51,8 @@ def free_plan(run: PublishedRun, chains: dict, pinned: dict[str, float], time_li
     p = plan(chain, None, cluster_of(run), global_batch=run.global_batch,
              space=SearchSpace(runtime=run.runtime), time_limit_s=time_limit_s)
     s = p.strategy
-    label = (f"dp{s.dp} tp{s.tp} pp{s.pp} cp{s.cp} mbs{s.microbatch_size}x{s.num_microbatches} "
+    label = (f"dp{s.dp} tp{s.tp} pp{s.pp} cp{s.cp}{f' ep{s.ep}' if s.ep > 1 else ''} "
+             f"mbs{s.microbatch_size}x{s.num_microbatches} "
              f"{s.schedule.value}{':' + str(s.virtual_stages) if s.virtual_stages > 1 else ''} zero{s.zero_stage} "
              f"{s.recompute.value}{' sp' if s.sequence_parallel else ''}")
     mine = p.predicted.breakdown.to_dict()
@@ -77,8 +81,12 @@ def markdown_table(result: dict) -> str:
         lines.append(f"| {r['run']} | {r['gpus']} | {r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | "
                      f"{r['error']:+.1%} | {mem} | {r['strategy']}{chose} | {free} |")
     s = result["summary"]
-    lines.append(f"\nMean |error| {s['mean_abs_error']:.1%}, worst {s['max_abs_error']:.1%} over {s['rows']} rows; "
-                 f"peak memory mean |error| {(s['mean_abs_memory_error'] or 0):.1%}.")
+    lines.append(f"\nMean |error| {s['mean_abs_error']:.1%}, worst {s['max_abs_error']:.1%} over {s['rows']} rows "
+                 f"published in bf16; peak memory mean |error| {(s['mean_abs_memory_error'] or 0):.1%}.")
+    other = [r for r in result["rows"] if r.get("precision", "bf16") != "bf16"]
+    if other:
+        lines.append("Rows run in another precision (priced in bf16, not in the mean or the fit): "
+                     + "; ".join(f"{r['run']} {r['error']:+.1%}" for r in other) + ".")
     return "\n".join(lines)
 
 
@@ -171,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep the rows of an earlier run that was cut short and price only the rest")
     args = ap.parse_args(argv)
     if args.fit:
-        fit([r for r in all_runs() if args.only.lower() in r.name.lower()])
+        fit([r for r in all_runs() if args.only.lower() in r.name.lower() and r.precision == "bf16"])
         return 0
     out = ROOT / "bench" / "results" / "published_runs.json"
     rows, chains = _resumed_rows(out, args), {}
@@ -191,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                      "memory_error": mem_err, "predicted_mfu": pred.mfu, "strategy": pred.strategy,
                      "planner_chose": pred.chosen, "inferred": list(run.inferred), "free_step_s": free_s,
                      "free_strategy": free_label, "free_over_expert": free_s / pred.step_s if free_s else None,
-                     "seconds": time.monotonic() - started})
+                     "precision": run.precision, "seconds": time.monotonic() - started})
         r = rows[-1]
         if not args.json:
             mem = f"{r['predicted_memory_gib']:.1f}/{run.measured_memory_gib:.1f} ({mem_err:+.0%})" if mem_err is not None else "-"
@@ -200,9 +208,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"mfu {pred.mfu:5.1%} free/exp {free:5s} | {pred.strategy} | free: {free_label}", flush=True)
         if not args.only:  # each row as it finishes: a run cut short keeps what it measured (--resume)
             _write(out, rows, complete=False, free_plans=not args.no_free)
-    errs = [abs(r["error"]) for r in rows]
-    mems = [abs(r["memory_error"]) for r in rows if r["memory_error"] is not None]
-    summary = {"rows": len(rows), "mean_abs_error": sum(errs) / len(errs), "max_abs_error": max(errs),
+    priced = [r for r in rows if r.get("precision", "bf16") == "bf16"] or rows  # rows run in FP8 are reported, not averaged
+    errs = [abs(r["error"]) for r in priced]
+    mems = [abs(r["memory_error"]) for r in priced if r["memory_error"] is not None]
+    summary = {"rows": len(priced), "mean_abs_error": sum(errs) / len(errs), "max_abs_error": max(errs),
                "mean_abs_memory_error": sum(mems) / len(mems) if mems else None}
     result = {"summary": summary, "rows": rows, "complete": True, "free_plans": not args.no_free}
     if not args.only:

@@ -1,11 +1,14 @@
 """Search time of the planner against layer count and device count.
 
-    python bench/search.py            # both sweeps
-    python bench/search.py layers     # one of them: layers | devices
+    python bench/search.py            # every sweep
+    python bench/search.py layers     # one of them: layers | devices | moe
 
 Layer sweep: a GPT-3 13B-wide model (hidden 5120, 40 heads, seq 2048) with 24 .. 128 layers on 16 x 8 A100-80GB,
 global batch 512. Device sweep: GPT-3 13B (40 layers) on 1 .. 512 nodes of 8 A100-80GB (8 .. 4096 devices),
-global batch 4096. Each search runs in this process after the model is traced (trace time is reported apart).
+global batch 4096. MoE rows: transformers' DeepSeek-V3 (671B, its config class's defaults) on 256 x 8 H100 with a
+global batch of 4096 sequences of 4096, and Qwen3-235B-A22B (its published config set on `Qwen3MoeConfig`) on
+32 x 8 H100, batch 1024 x 4096; the target is 15 s end to end (trace + search). Each search runs in this process
+after the model is traced (trace time is reported apart).
 
 What keeps growth in layer count small is layer-class reuse: the 24 .. 128 blocks are one class, so the sharding
 ILP runs once per (tp, sp, micro-batch) key whatever the depth -- the "ILP solves" column stays flat, while a
@@ -36,9 +39,27 @@ RESULTS = Path(__file__).resolve().parent / "results" / "search.json"
 WIDE = ["hidden=5120", "heads=40", "vocab=51200", "seq=2048"]
 
 
-def run_one(sets: list[str], cluster: str, batch: int) -> dict:
+QWEN3_235B = {"hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4,
+              "head_dim": 128, "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_experts": 128,
+              "num_experts_per_tok": 8, "vocab_size": 151936, "max_position_embeddings": 40960,
+              "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}, "tie_word_embeddings": False}
+"""Qwen3-235B-A22B's config.json (Qwen/Qwen3-235B-A22B on the Hugging Face hub); saved with Qwen3MoeConfig and
+planned as `hf:FOLDER` (head_dim is a config.json field that the config class takes but does not declare)."""
+
+
+def qwen3_235b_folder() -> str:
+    import tempfile
+
+    import transformers
+
+    folder = tempfile.mkdtemp(prefix="qwen3-235b-a22b-")
+    transformers.Qwen3MoeConfig(**QWEN3_235B).save_pretrained(folder)
+    return f"hf:{folder}"
+
+
+def run_one(sets: list[str], cluster: str, batch: int, model: str = "gpt", seq: int | None = None) -> dict:
     started = time.perf_counter()
-    built = build_model("gpt", sets, batch=1, device="meta")
+    built = build_model(model, sets, batch=1, seq=seq, device="meta")
     chain = ir.build_layer_chain(ir.trace(built.module, built.example_inputs, model_name=built.name))
     traced = time.perf_counter()
     result = search(chain, Cluster.parse(cluster), global_batch=batch)
@@ -48,7 +69,7 @@ def run_one(sets: list[str], cluster: str, batch: int) -> dict:
                 for r in result.ranked}) or 1
     classes = chain.num_classes
     return {
-        "cluster": cluster, "devices": Cluster.parse(cluster).num_devices, "batch": batch,
+        "model": model, "cluster": cluster, "devices": Cluster.parse(cluster).num_devices, "batch": batch,
         "settings": sets, "segments": len(chain.segments), "layer_classes": classes,
         "trace_s": round(traced - started, 3), "search_s": round(done - traced, 3),
         "candidates_solved": result.candidates, "candidates_pruned": result.pruned,
@@ -67,6 +88,11 @@ def sweep_devices() -> list[dict]:
     return [run_one(["layers=40", *WIDE], f"{nodes}x8xa100-80gb", 4096) for nodes in (1, 8, 64, 512)]
 
 
+def sweep_moe() -> list[dict]:
+    return [run_one([], "256x8xh100-sxm", 4096, model="hf:deepseek_v3", seq=4096),
+            run_one([], "32x8xh100-sxm", 1024, model=qwen3_235b_folder(), seq=4096)]
+
+
 def print_table(title: str, rows: list[dict], key: str) -> None:
     print(title)
     print(f"  {key:>8} {'segments':>8} {'trace s':>8} {'search s':>9} {'solved':>7} {'pruned':>8} "
@@ -78,12 +104,13 @@ def print_table(title: str, rows: list[dict], key: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    which = argv or ["layers", "devices"]
-    bad = [w for w in which if w not in ("layers", "devices")]
+    which = argv or ["layers", "devices", "moe"]
+    bad = [w for w in which if w not in ("layers", "devices", "moe")]
     if bad:
-        print(f"unknown sweep {bad[0]!r}; valid: layers, devices", file=sys.stderr)
+        print(f"unknown sweep {bad[0]!r}; valid: layers, devices, moe", file=sys.stderr)
         return 2
-    out: dict = {"machine": platform.machine(), "python": platform.python_version(), "torch": torch.__version__}
+    out: dict = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}  # sweeps not rerun keep their rows
+    out.update({"machine": platform.machine(), "python": platform.python_version(), "torch": torch.__version__})
     if "layers" in which:
         out["layers"] = rows = sweep_layers()
         for r in rows:
@@ -92,6 +119,16 @@ def main(argv: list[str]) -> int:
     if "devices" in which:
         out["devices"] = rows = sweep_devices()
         print_table("search time vs device count (GPT-3 13B, batch 4096)", rows, "devices")
+    if "moe" in which:
+        out["moe"] = rows = sweep_moe()
+        for r in rows:
+            r["end_to_end_s"] = round(r["trace_s"] + r["search_s"], 3)
+        print_table("MoE plans, end to end (target 15 s): DeepSeek-V3 on 2048 H100, Qwen3-235B-A22B on 256 H100",
+                    rows, "devices")
+        rows[1]["model"] = "Qwen3-235B-A22B"
+        for r in rows:
+            print(f"  {r['model']}: trace {r['trace_s']:.1f} s + search {r['search_s']:.1f} s = "
+                  f"{r['end_to_end_s']:.1f} s")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
     print(f"wrote {RESULTS}")

@@ -26,7 +26,15 @@ from dataclasses import dataclass
 
 from costmodel.breakdown import Estimate, StageEstimate, TimeBreakdown
 from costmodel.context_parallel import cp_problem
-from costmodel.expert_parallel import dp_synced_params, ep_problem, optimizer_params
+from costmodel.expert_parallel import (
+    EXPERT_IMBALANCE,
+    ExpertSetting,
+    dp_synced_params,
+    ep_problem,
+    expert_cost,
+    expert_layer,
+    optimizer_params,
+)
 from costmodel.framework import FrameworkCosts
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import Collective, CommGroup, collective_time
@@ -136,9 +144,9 @@ class _Prices:
     """LayerCost per (class id, device name): given ones first, replicated pricing for tp == 1."""
 
     def __init__(self, chain: LayerChain, strategy: Strategy, given: Mapping[tuple[int, str], LayerCost] | None,
-                 dtype: str, profile: OpProfile | None) -> None:
+                 dtype: str, profile: OpProfile | None, cluster: Cluster) -> None:
         self.chain, self.strategy, self.given = chain, strategy, dict(given or {})
-        self.dtype, self.profile = dtype, profile
+        self.dtype, self.profile, self.cluster = dtype, profile, cluster
         self.cache: dict[tuple[int, str], LayerCost] = {}
 
     def __call__(self, seg_index: int, device: DeviceSpec) -> LayerCost:
@@ -151,8 +159,15 @@ class _Prices:
                 raise ValueError(f"no LayerCost for layer class {seg.class_id} on {device.name} at tp="
                                  f"{self.strategy.tp}; use planner.estimate, which solves the sharding")
             rep = self.chain.representative(seg.class_id)
-            self.cache[key] = price_segment(self.chain, rep, device, microbatch_size=self.strategy.microbatch_size,
-                                            dtype=self.dtype, profile=self.profile)
+            mbs = self.strategy.microbatch_size
+            cost = price_segment(self.chain, rep, device, microbatch_size=mbs, dtype=self.dtype,
+                                 profile=self.profile)
+            # Routed experts as they run with every expert on this rank (costmodel/expert_parallel.py).
+            setting = ExpertSetting(ep=1, microbatch_size=mbs, traced_batch=self.chain.graph.batch_size,
+                                    traced_dtype=self.chain.graph.dtype, dtype=self.dtype,
+                                    imbalance=self.cluster.expert_imbalance or EXPERT_IMBALANCE)
+            self.cache[key] = expert_cost(cost, expert_layer(self.chain.nodes_of(rep)), device, self.cluster,
+                                          setting=setting, segment_params=rep.param_count, profile=self.profile)
         return self.cache[key]
 
 
@@ -214,7 +229,7 @@ def estimate(chain: LayerChain | Graph, cluster: Cluster, strategy: Strategy, *,
     stages = resolve_stages(chain, strategy)
     problems = _validity_problems(chain, strategy, global_batch)
     ranks = _pipeline_ranks(cluster, strategy, stages)
-    prices = _Prices(chain, strategy, layer_costs, dtype, profile)
+    prices = _Prices(chain, strategy, layer_costs, dtype, profile, cluster)
     priced = [[PricedSegment(prices(i, ranks[j % strategy.pp].device),
                              Recompute(st.recompute if strategy.stages else strategy.recompute))
                for i in range(st.start, st.stop)] for j, st in enumerate(stages)]

@@ -1,20 +1,50 @@
-r"""Expert parallelism (ep): the experts of every mixture-of-experts layer are split over ep data-parallel ranks.
+r"""Routed experts priced as they run: grouped GEMMs, the busiest rank's load, and expert parallelism (ep).
 
 Layout (GShard, Lepikhin et al. 2021, Sec. 2.2-3; Megatron-LM's expert parallelism): the ep axis reuses
 data-parallel ranks (`Strategy.ep` divides dp * cp; the search uses ep | dp). Each rank of an ep group holds E / ep
-of the experts; every rank routes its own tokens, an all-to-all *dispatch* sends each expert's buffer to the rank
-that holds the expert, the experts run, and an all-to-all *combine* brings the results back. With balanced
-routing a rank computes (E / ep experts) x (ep ranks' tokens) = the same expert FLOPs as with replicated experts.
+of the experts; every rank routes its own tokens, an all-to-all *dispatch* sends each expert's tokens to the rank
+that holds the expert, the experts run, and an all-to-all *combine* brings the results back.
 
-Per MoE segment, given its `LayerCost` with replicated experts (`base`, at the strategy's tp and micro-batch):
+The trace (`models.expert_dispatch`) computes per-expert buffers of C slots per routing group: c = the capacity
+factor the trace ran with (its expert FLOPs over 2 FLOPs per expert weight per token choice,
+`ir.moe_structure.RoutedExperts.capacity_factor`). What a trainer's busiest rank computes differs in two ways:
+
+1. **Load.** Trainers move tokens by index without padding to capacity (Megatron-Core's dropless or
+   drop-without-pad dispatch, DeepSeek-V3's no-token-dropping training), so a rank computes the tokens routed to its
+   experts, at most C per expert. With every expert on one rank (ep = 1) that is the k choices of every token, the
+   mean. Over ep > 1 ranks the all-to-all waits for the busiest rank, which gets `f` times the mean
+   (`expert_imbalance`, below). Relative to the trace, every op that runs per expert slot (the expert linears and
+   the ops between them, `ir.moe_structure.expert_region`) does lambda of its traced work, and the dispatched
+   buffers are lambda of their traced bytes:
+
+       lambda(ep) = min(c, f_ep) / c,     f_1 = 1,  f_ep = f (ep > 1)
+
+2. **Grouped GEMM.** The experts' projections are one grouped GEMM of E / ep GEMMs per rank, each of
+   (ep x the rank's tokens per expert) rows: `operators.node_time(gemm_groups = E / ep)` sizes each GEMM on its own
+   (`operators.gemm_size_factor`, fitted on measured cuBLAS GEMMs). Expert parallelism makes the GEMMs ep times
+   taller -- the same FLOPs at a better efficiency -- which is why fine-grained MoEs train with large ep.
+
+These replace the segment's expert-region times (priced before as one GEMM of the whole node at the traced load):
+forward, backward, recomputation and saved activations change by the difference, for every ep including 1.
+
+Expert parallelism (ep > 1) adds, per MoE segment and micro-batch:
 
     forward communication    + 2 * A         dispatch and combine
     backward communication   + 2 * A         their gradients, in reverse
-    A = collective_time(ALL_TO_ALL, X, ep group)   X = bytes of the expert buffers one rank sends: the output of
-                                                   the experts' last projection, (E, tokens-per-expert, h)
+    A = collective_time(ALL_TO_ALL, X, ep group)   X = lambda x the traced bytes of the expert buffers one rank
+                                                   sends: the output of the experts' last projection, (E, slots, h)
+    peak temporary bytes     >= 2 X          send and receive buffers of one all-to-all, alive together
     parameters               P_dense + P_expert / ep      (`LayerCost.expert_param_count` = P_expert / ep)
 
-Compute and activations are unchanged. Everything else follows from where the expert parameters live:
+The all-to-all is priced over the tiers the ep group spans (`costmodel.hardware.collectives`: NVLink inside a
+node, the NIC across nodes, (D_t - 1) P_t / n of the buffer through tier t). Trainers that deduplicate inter-node
+traffic (DeepSeek-V3's node-limited routing sends a token once per node, at most 4 nodes) move less over the NIC
+than this plain all-to-all.
+
+The router (its h x E linear, softmax / sigmoid, top-k) and the token gathers of dispatch and combine are ordinary
+traced ops: a small GEMM and memory-bound passes over the tokens, priced by the roofline like any other.
+
+Everything else follows from where the expert parameters live:
 
 - gradient reduction: dense gradients are reduced over the n = dp * cp ranks, an expert's over the n / ep ranks
   holding a copy. A ring over n / ep ranks moves 2 (n/ep - 1) / (n/ep) of the expert bytes per device, which is
@@ -23,25 +53,42 @@ Compute and activations are unchanged. Everything else follows from where the ex
   experts when ep = n: each expert has a single owner);
 - ZeRO shards expert state over n / ep ranks instead of n (`model_state_bytes`, `optimizer_params`).
 
-So ep pays when the all-to-alls (4 A per MoE layer and micro-batch) cost less than what replicated experts cost:
-their gradient reduction and their optimizer state / step on every rank -- and whenever replicated experts do not
-fit at all.
+The search's lower bounds take `bound_cost`: the balanced load lambda(1) and one GEMM per projection, below the
+price at every ep.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import Collective, CommGroup, collective_time
+from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
+from costmodel.layer_pricing import op_policy_kept
 from costmodel.memory import ModelState
 from costmodel.memory import model_state_bytes as _dense_state_bytes
-from costmodel.operators import retype_ratio
+from costmodel.operators import node_time, retype_ratio
+from costmodel.profile_db import OpProfile
 from ir.graph import Node
 from ir.layer_chain import LayerChain
-from ir.moe_structure import num_routed_experts, routed_expert_linears, routed_experts
+from ir.moe_structure import (
+    ExpertLayout,
+    RoutedExperts,
+    expert_region,
+    num_routed_experts,
+    routed_expert_linears,
+    routed_experts,
+)
+
+EXPERT_IMBALANCE = 1.25
+"""Default routed tokens of the busiest expert-parallel rank over the mean: Switch Transformer's training capacity
+factor (Fedus et al. 2022, Sec. 2.2 and Table 1), the per-expert buffer over the mean load that its training runs
+sized so that few tokens overflow -- a measured bound on how far the busiest expert's load strays from the mean. A
+rank holding several experts averages them, so this is the pessimistic end for ep < E. Set it per job with the
+cluster spec's `expert_imbalance` (1 = perfectly balanced routing)."""
 
 
 def num_experts(nodes: Iterable[Node]) -> int | None:
@@ -95,31 +142,142 @@ def ep_options(chain: LayerChain, dp: int) -> tuple[int, ...]:
     return tuple(e for e in range(1, dp + 1) if dp % e == 0 and not ep_problem(chain, e))
 
 
-def expert_parallel_cost(base: LayerCost, nodes: Sequence[Node], cluster: Cluster, *, ep: int, group: CommGroup,
-                         concurrent: int, segment_params: int, microbatch_size: int, traced_batch: int,
-                         traced_dtype: str, dtype: str = "bfloat16") -> LayerCost:
-    """The `LayerCost` of a segment whose experts are split over `ep` ranks (module docstring), from its cost
-    with replicated experts (`base`). `segment_params`: the segment's unsharded parameter count (the expert
-    share of `base.param_count` is taken as the experts' share of the segment's parameters)."""
-    experts = num_experts(nodes)
-    if ep == 1 or experts is None:
-        return base
-    numel = expert_param_numel(nodes, experts)
-    if numel == 0:
-        return base
-    local = round(numel * base.param_count / segment_params) if segment_params else numel
-    kept = -(-local // ep)
-    payload = dispatch_bytes(nodes, experts) * microbatch_size / traced_batch * retype_ratio(traced_dtype, dtype)
-    a2a = collective_time(Collective.ALL_TO_ALL, payload, group, cluster, concurrent=concurrent)
-    bytes_per_param = base.param_bytes / base.param_count if base.param_count else 0.0
+def expert_load_factor(capacity_factor: float, ep: int, imbalance: float) -> float:
+    """lambda(ep): the busiest rank's expert work over the traced work (module docstring)."""
+    busiest = imbalance if ep > 1 else 1.0
+    return min(capacity_factor, busiest) / capacity_factor
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertSetting:
+    """How a segment's experts run: the expert-parallel group and the scale its base cost was priced at."""
+
+    ep: int
+    microbatch_size: int
+    """Micro-batch (samples) the base cost was priced at."""
+    traced_batch: int
+    traced_dtype: str
+    dtype: str = "bfloat16"
+    divisor: int = 1
+    """The base's token work was divided by this after pricing (context parallelism without a per-rank base)."""
+    group: CommGroup = CommGroup(1)
+    concurrent: int = 1
+    imbalance: float = EXPERT_IMBALANCE
+
+    @property
+    def token_scale(self) -> float:
+        """The rank's tokens over the traced batch's."""
+        return self.microbatch_size / self.traced_batch / self.divisor
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLayer:
+    """The structure of one segment's routed experts that pricing needs (found once per layer class)."""
+
+    found: RoutedExperts
+    region: tuple[Node, ...]
+    """The expert region's nodes in graph order (`ir.moe_structure.expert_region`)."""
+    op_kept: frozenset[str]
+    """Nodes whose outputs per-op checkpointing keeps (`layer_pricing.op_policy_kept`)."""
+    dispatch_bytes: int
+
+
+def expert_layer(nodes: Sequence[Node]) -> ExpertLayer | None:
+    """The routed experts among a segment's nodes, None when it has none."""
+    found = routed_experts(nodes)
+    if found is None or not found.choices:
+        return None
+    region = expert_region(nodes, found)
+    return ExpertLayer(found, tuple(n for n in nodes if n.name in region), op_policy_kept(nodes),
+                       dispatch_bytes(nodes, found.num_experts))
+
+
+@dataclass(frozen=True, slots=True)
+class _RegionDelta:
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    recompute_op_s: float = 0.0
+    saved: float = 0.0
+    saved_op: float = 0.0
+
+
+def _region_delta(layer: ExpertLayer, device: DeviceSpec, setting: ExpertSetting, load: float, groups: int,
+                  profile: OpProfile | None) -> _RegionDelta:
+    """What the expert region's price changes by, from one GEMM per node at the traced load to `groups` GEMMs
+    per expert linear at `load` times the traced work."""
+    linears = set(layer.found.linears)
+    scale, divisor = setting.token_scale, setting.divisor
+    ratio = retype_ratio(setting.traced_dtype, setting.dtype)
+    fwd = bwd = recompute_op = saved = saved_op = 0.0
+    for n in layer.region:
+        at = scale * divisor  # the base priced the node at this scale, then divided by `divisor`
+        old = node_time(n, device, flops_scale=at, bytes_scale=at, dtype=setting.dtype, profile=profile)
+        expert = n.name in linears  # holds E / ep of the stacked expert weights
+        new = node_time(n, device, flops_scale=scale * load, bytes_scale=scale * load, dtype=setting.dtype,
+                        profile=profile, gemm_groups=groups if expert else 1,
+                        param_scale=1 / setting.ep if expert else 1.0)
+        d_fwd, d_bwd = new[0] - old[0] / divisor, new[1] - old[1] / divisor
+        fwd, bwd = fwd + d_fwd, bwd + d_bwd
+        if n.name not in layer.op_kept:
+            recompute_op += d_fwd
+        saved += n.saved_bytes * scale * ratio * (load - 1)
+        if n.name in layer.op_kept:
+            saved_op += sum(s.nbytes for s in n.output_specs) * scale * ratio * (load - 1)
+    return _RegionDelta(fwd, bwd, recompute_op, saved, saved_op)
+
+
+def _with_region(base: LayerCost, d: _RegionDelta) -> LayerCost:
     return dataclasses.replace(
         base,
-        fwd_comm_s=base.fwd_comm_s + 2 * a2a,
-        bwd_comm_s=base.bwd_comm_s + 2 * a2a,
-        recompute_full_s=base.recompute_full_s + 2 * a2a,
+        fwd_compute_s=base.fwd_compute_s + d.fwd_s,
+        bwd_compute_s=base.bwd_compute_s + d.bwd_s,
+        recompute_full_s=base.recompute_full_s + d.fwd_s,
+        recompute_op_s=base.recompute_op_s + d.recompute_op_s,
+        saved_bytes_none=max(0, round(base.saved_bytes_none + d.saved)),
+        saved_bytes_selective=max(0, round(base.saved_bytes_selective + d.saved)),
+        saved_bytes_op=max(0, round(base.saved_bytes_op + d.saved_op)),
+    )
+
+
+def bound_cost(base: LayerCost, layer: ExpertLayer | None, device: DeviceSpec, setting: ExpertSetting,
+               profile: OpProfile | None = None) -> LayerCost:
+    """A lower bound on the segment's price at every ep: the balanced load lambda(1), one GEMM per projection."""
+    if layer is None:
+        return base
+    load = expert_load_factor(layer.found.capacity_factor, 1, setting.imbalance)
+    return _with_region(base, _region_delta(layer, device, setting, load, 1, profile))
+
+
+def expert_cost(base: LayerCost, layer: ExpertLayer | None, device: DeviceSpec, cluster: Cluster, *,
+                setting: ExpertSetting, segment_params: int, profile: OpProfile | None = None) -> LayerCost:
+    """The `LayerCost` of a segment whose routed experts (`layer`, from `expert_layer`) run as the module
+    docstring says (grouped GEMMs, the busiest rank's load, and for ep > 1 the all-to-alls and E / ep of the
+    expert weights), from its cost priced with one GEMM per expert projection at the traced load (`base`).
+    `segment_params`: the segment's unsharded parameter count (the expert share of `base.param_count` is the
+    experts' share of the segment's parameters)."""
+    if layer is None:
+        return base
+    found, ep = layer.found, setting.ep
+    load = expert_load_factor(found.capacity_factor, ep, setting.imbalance)
+    # Stacked weights run one grouped GEMM of E / ep experts; one module per expert is one GEMM per node already.
+    groups = max(found.num_experts // ep, 1) if found.layout is ExpertLayout.STACKED else 1
+    cost = _with_region(base, _region_delta(layer, device, setting, load, groups, profile))
+    if ep == 1 or not found.param_numel:
+        return cost
+    local = round(found.param_numel * base.param_count / segment_params) if segment_params else found.param_numel
+    kept = -(-local // ep)
+    payload = layer.dispatch_bytes * setting.token_scale * retype_ratio(setting.traced_dtype, setting.dtype) * load
+    a2a = collective_time(Collective.ALL_TO_ALL, payload, setting.group, cluster, concurrent=setting.concurrent)
+    bytes_per_param = base.param_bytes / base.param_count if base.param_count else 0.0
+    return dataclasses.replace(
+        cost,
+        fwd_comm_s=cost.fwd_comm_s + 2 * a2a,
+        bwd_comm_s=cost.bwd_comm_s + 2 * a2a,
+        recompute_full_s=cost.recompute_full_s + 2 * a2a,
         param_count=base.param_count - local + kept,
         param_bytes=round(base.param_bytes - (local - kept) * bytes_per_param),
         expert_param_count=kept,
+        peak_temp_bytes=max(cost.peak_temp_bytes, round(2 * payload)),
     )
 
 

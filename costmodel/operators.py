@@ -44,6 +44,11 @@ leave gaps and tails, real GEMM shapes fall below the best measured one. `Device
 every analytical time by the fraction reached, fitted per device class to published runs leave-one-out (the
 catalog's source column says on what, and with what error); measured profile times are taken as they are.
 
+A grouped GEMM (the routed experts: one GEMM per expert in one launch) is sized per group: `gemm_groups` = G
+equal GEMMs of F / G FLOPs each run at R(F / G) -- the small-GEMM loss of fine-grained experts (DeepSeek-V3's
+2048-wide experts get about 160 tokens each per rank without expert parallelism). Tiles of different experts do
+share waves in a grouped kernel, so this is the pessimistic end; `costmodel.expert_parallel` sets G.
+
 `flops_scale` / `bytes_scale` multiply the node's traced FLOPs and activation bytes (micro-batch / traced batch,
 times 1/tp for a sharded op); `param_scale` multiplies its parameter bytes (1/tp for a sharded weight; the
 micro-batch does not change them). Bytes are also converted from the traced dtype to the priced `dtype`.
@@ -91,10 +96,11 @@ BACKWARD_BYTES_FACTOR: Mapping[OpKind, float] = {
 }
 
 # Measured FlashAttention-2 forward TFLOP/s / dense BF16 peak (measured_gemm_hbm_attention.csv, Azure
-# AI-benchmarking-guide ND A100 v4 / ND H100 v5 / ND H200 v5: 179.5/312, 327.9/989, 329.3/989).
+# AI-benchmarking-guide ND A100 v4 / ND H100 v5 / ND H200 v5: 179.5/312, 327.9/989, 329.3/989); H800 is the H100
+# die with slower NVLink, so H100's ratio applies.
 FLASH_ATTENTION_FRACTION: Mapping[str, float] = {
     "a100-40gb": 179.5 / 312, "a100-80gb": 179.5 / 312,
-    "h100-sxm": 327.9 / 989, "h100": 327.9 / 989, "h200": 329.3 / 989,
+    "h100-sxm": 327.9 / 989, "h100": 327.9 / 989, "h200": 329.3 / 989, "h800": 327.9 / 989,
 }
 # A100 FlashAttention-2 relative to A100's best GEMM (MAMF 271.2 TFLOP/s, stas00/ml-engineering table in the same
 # file): used for devices without an attention measurement, times their own matmul_efficiency.
@@ -168,9 +174,10 @@ def node_bytes(node: Node, *, bytes_scale: float = 1.0, param_scale: float = 1.0
 
 
 def node_time(node: Node, device: DeviceSpec, *, flops_scale: float = 1.0, bytes_scale: float = 1.0,
-              dtype: str = "bfloat16", profile: OpProfile | None = None, param_scale: float = 1.0
-              ) -> tuple[float, float]:
-    """(forward seconds, backward seconds) of `node` on `device` (formulas in the module docstring)."""
+              dtype: str = "bfloat16", profile: OpProfile | None = None, param_scale: float = 1.0,
+              gemm_groups: int = 1) -> tuple[float, float]:
+    """(forward seconds, backward seconds) of `node` on `device` (formulas in the module docstring).
+    `gemm_groups`: the node's FLOPs are that many equal GEMMs (a grouped GEMM), each sized for `s(tau)` alone."""
     if profile is not None:
         sig = op_signature(node, flops_scale=flops_scale, bytes_scale=bytes_scale, param_scale=param_scale)
         hit = profile.lookup(device.name, sig)
@@ -181,7 +188,7 @@ def node_time(node: Node, device: DeviceSpec, *, flops_scale: float = 1.0, bytes
     fwd_flops = node.forward_flops * flops_scale
     bwd_flops = node.backward_flops * flops_scale
     fwd_bytes = node_bytes(node, bytes_scale=bytes_scale, param_scale=param_scale, dtype=dtype)
-    rate = compute_rate(node.op_kind, device, dtype, fwd_flops if fwd_flops > 0 else bwd_flops / 2)
+    rate = compute_rate(node.op_kind, device, dtype, (fwd_flops if fwd_flops > 0 else bwd_flops / 2) / gemm_groups)
     if node.op_kind is OpKind.ATTENTION and node.attr("is_causal", False):
         rate *= CAUSAL_SPEEDUP
     fwd = roofline_time(fwd_flops, fwd_bytes, rate, device)

@@ -291,9 +291,11 @@ class GraphBuilder:
         pure_view = is_pure_view(leaf_values, outputs, name.inplace, getitem_of_container)
         if pure_view:
             measured = OpMeasurement(0, 0, ())
-        elif classified.op_kind is OpKind.ATTENTION and name.base == "scaled_dot_product_attention":
+        elif classified.op_kind is OpKind.ATTENTION and name.base in ("scaled_dot_product_attention",
+                                                                      "windowed_attention"):
             q, k, v = leaf_values[:3]
-            measured = attention_measurement(q, k, v, outputs[0], any(t.requires_grad for t in (q, k, v)))
+            measured = attention_measurement(q, k, v, outputs[0], any(t.requires_grad for t in (q, k, v)),
+                                             window=dict(classified.attrs).get("window"))
         else:
             measured = self._measure(node, name, module, args, kwargs, leaves, run)
         read, written = io_bytes(leaf_values, outputs, pure_view)

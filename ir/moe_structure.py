@@ -45,6 +45,18 @@ class RoutedExperts:
     param_names: tuple[str, ...]
     """Names of the routed experts' parameters (each once), sorted."""
     param_numel: int
+    choices: int = 0
+    """Token choices the router makes in the traced batch (tokens x k, summed over the layers among the nodes)."""
+    forward_flops: int = 0
+    """Traced forward FLOPs of the expert linears."""
+
+    @property
+    def capacity_factor(self) -> float:
+        """Expert slots the trace computes over the token choices: the experts' FLOPs over what the choices
+        cost through one expert each (2 FLOPs per expert weight). Capacity dispatch gives about its
+        capacity factor; experts that run on every token (one module per expert, no dispatch) give E / k."""
+        per_choice = 2 * self.param_numel / self.num_experts
+        return self.forward_flops / (self.choices * per_choice) if self.choices and per_choice else 1.0
 
 
 def routed_experts(nodes: Sequence[Node]) -> RoutedExperts | None:
@@ -55,11 +67,29 @@ def routed_experts(nodes: Sequence[Node]) -> RoutedExperts | None:
         found = _stacked(nodes, experts) or _listed(nodes, experts)
         if found is not None:
             layout, linears, params = found
-            top_k = max(int(n.attr("k")) for n in nodes
-                        if n.op_kind is OpKind.ROUTING and n.attr("num_experts") == experts and n.attr("k"))
+            routers = [n for n in nodes
+                       if n.op_kind is OpKind.ROUTING and n.attr("num_experts") == experts and n.attr("k")]
+            top_k = max(int(n.attr("k")) for n in routers)
+            choices = sum(n.output_specs[0].numel for n in routers if n.output_specs)
             return RoutedExperts(experts, top_k, layout, tuple(n.name for n in linears),
-                                 tuple(sorted(params)), sum(params.values()))
+                                 tuple(sorted(params)), sum(params.values()), choices,
+                                 sum(n.forward_flops for n in linears))
     return None
+
+
+def expert_region(nodes: Sequence[Node], found: RoutedExperts) -> frozenset[str]:
+    """The expert linears and every node on a path between two of them (activations, gates, biases): the ops
+    that run once per expert slot, so their work follows the experts' load."""
+    linears = set(found.linears)
+    after = set(linears)
+    for n in nodes:
+        if any(i in after for i in n.inputs):
+            after.add(n.name)
+    before = set(linears)
+    for n in reversed(nodes):
+        if n.name in before:
+            before.update(n.inputs)
+    return frozenset(linears | (after & before))
 
 
 def num_routed_experts(nodes: Iterable[Node]) -> int | None:

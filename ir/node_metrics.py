@@ -14,6 +14,8 @@ How each number is measured (all on fake tensors: no real memory, no real arithm
   `sdpa_backward_flop_count` (the formulas FlopCounterMode applies to the flash/efficient/cuDNN kernels; the
   backward recomputes the scores, 2.5x the forward), and the saved tensors are q, k, v, the output and the fp32
   logsumexp (batch x heads x seq_q), never the seq x seq score matrix (Dao et al. 2022, FlashAttention, Alg. 1-2).
+  `stratagem::windowed_attention` (a causal sliding window, `models.windowed_attention`) gets the same formulas
+  times the band's share of the causal pairs (`window_fraction`).
   The CPU flash kernel, which FlopCounterMode does not know, is given the same formulas (`flop_counter_mode()`).
 - **Bytes read / written.** Inputs (activations, parameters and buffers) are read, outputs written. A pure view
   (its outputs alias an input's storage and are views) moves nothing: 0 and 0.
@@ -239,15 +241,33 @@ def tensor_outputs(obj: Any) -> list[torch.Tensor]:
     return out
 
 
+def window_fraction(q_length: int, kv_length: int, window: int | None) -> float:
+    """Query-key pairs a causal attention over the last `window` keys computes, over those of plain causal
+    attention (queries are the last q_length positions): sum_i min(i + 1, w) / sum_i (i + 1)."""
+    if window is None or window >= kv_length:
+        return 1.0
+    first = kv_length - q_length  # position of the first query
+
+    def pairs(w: int) -> int:  # sum over query positions p of min(p + 1, w)
+        ramp_end = min(max(w - 1, first), kv_length)  # positions p < w - 1 see p + 1 keys
+        ramp = sum(range(first + 1, ramp_end + 1)) if ramp_end > first else 0
+        return ramp + (kv_length - ramp_end) * w
+
+    return pairs(window) / pairs(kv_length)
+
+
 def attention_measurement(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                          needs_grad: bool) -> OpMeasurement:
-    """FlashAttention-semantics costs of scaled_dot_product_attention (see the module docstring).
+                          needs_grad: bool, window: int | None = None) -> OpMeasurement:
+    """FlashAttention-semantics costs of scaled_dot_product_attention (see the module docstring); with a causal
+    `window` (`stratagem::windowed_attention`), the FLOPs of the band: `window_fraction` of causal attention's,
+    the count that keeps the FLOP convention of causal attention (a full S x S count) for windows >= S.
 
     Leaves 0, 1, 2 are q, k, v; output 0 is the attention output; the logsumexp is internal.
     """
     q4, k4, v4, o4 = (_as_4d(t) for t in (q, k, v, out))
-    forward = sdpa_flop_count(q4, k4, v4)
-    backward = sdpa_backward_flop_count(o4, q4, k4, v4) if needs_grad else 0
+    band = window_fraction(q4[2], k4[2], window)
+    forward = sdpa_flop_count(q4, k4, v4) * band
+    backward = sdpa_backward_flop_count(o4, q4, k4, v4) * band if needs_grad else 0
     b, h, s_q, _ = q4
     logsumexp_bytes = b * h * s_q * 4  # fp32, one value per query row and head
     saved = (

@@ -6,7 +6,8 @@ ATen overloads from the torch.export fallback). All three are reduced to a *base
 
 Attributes (`Node.attrs`) set here, when they apply (the keys other packages rely on, see INTERFACES.md):
 - LINEAR: ("in_features", int), ("out_features", int), ("bias", bool)
-- ATTENTION: ("num_heads", int), ("num_kv_heads", int), ("head_dim", int), ("is_causal", bool),
+- ATTENTION: ("num_heads", int), ("num_kv_heads", int), ("head_dim", int), ("is_causal", bool), ("window", int)
+  and ("has_sinks", bool) for `stratagem::windowed_attention` (causal over the last `window` keys),
   ("dropout_p", float), ("has_mask", bool), and ("attention_core", True) for the fused SDPA call
 - SOFTMAX / NORM / REDUCTION: ("dim", int | tuple[int, ...]) counted from the end (-1 is the last dim) so the value
   does not depend on leading batch dims; NORM also ("norm_type", "layer" | "rms" | "batch" | "group" | ...)
@@ -42,7 +43,8 @@ _KIND_BY_BASE: Mapping[str, OpKind] = {
         OpKind.MATMUL,
     ),
     **dict.fromkeys(
-        ["scaled_dot_product_attention", "multi_head_attention_forward", "flex_attention"], OpKind.ATTENTION
+        ["scaled_dot_product_attention", "multi_head_attention_forward", "flex_attention", "windowed_attention"],
+        OpKind.ATTENTION,
     ),
     **dict.fromkeys(["softmax", "log_softmax", "softmin"], OpKind.SOFTMAX),
     **dict.fromkeys(
@@ -278,7 +280,7 @@ def classify(
     if kind is OpKind.LINEAR:
         attrs.update(_linear_attrs(base, module, args, kwargs, tensors, outputs, is_weight))
     elif kind is OpKind.ATTENTION:
-        attrs.update(_attention_attrs(module, args, kwargs))
+        attrs.update(_attention_attrs(module, args, kwargs, windowed=base == "windowed_attention"))
     elif kind is OpKind.SOFTMAX:
         attrs.update(_softmax_attrs(module, args, kwargs, tensors))
     elif kind is OpKind.NORM:
@@ -370,18 +372,22 @@ def _linear_attrs(base, module, args, kwargs, tensors, outputs, is_weight) -> di
     return {}
 
 
-def _attention_attrs(module, args, kwargs) -> dict[str, Any]:
+def _attention_attrs(module, args, kwargs, *, windowed: bool = False) -> dict[str, Any]:
     if isinstance(module, nn.MultiheadAttention):
         return {"num_heads": module.num_heads, "num_kv_heads": module.num_heads, "head_dim": module.head_dim,
                 "batch_first": module.batch_first}
     q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
         return {"attention_core": True}
+    heads = {"num_heads": int(q.shape[-3]) if q.dim() >= 3 else 1,
+             "num_kv_heads": int(k.shape[-3]) if k.dim() >= 3 else 1, "head_dim": int(q.shape[-1])}
+    if windowed:  # stratagem::windowed_attention(query, key, value, window, scale, sinks): causal, no mask
+        return {**heads, "is_causal": True, "dropout_p": 0.0, "has_mask": False, "attention_core": True,
+                "window": int(_arg(args, kwargs, 3, "window")),
+                "has_sinks": isinstance(_arg(args, kwargs, 5, "sinks"), torch.Tensor)}
     mask = _arg(args, kwargs, 3, "attn_mask")
     return {
-        "num_heads": int(q.shape[-3]) if q.dim() >= 3 else 1,
-        "num_kv_heads": int(k.shape[-3]) if k.dim() >= 3 else 1,
-        "head_dim": int(q.shape[-1]),
+        **heads,
         "is_causal": bool(_arg(args, kwargs, 5, "is_causal", False)),
         "dropout_p": float(_arg(args, kwargs, 4, "dropout_p", 0.0)),
         "has_mask": isinstance(mask, torch.Tensor),

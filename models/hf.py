@@ -387,6 +387,8 @@ def _sequence_length(resolved: _Resolved, config: Any, seq: int | None) -> int:
 def _construct(model_class: type, config: Any, device: torch.device) -> nn.Module:
     if getattr(model_class, "_supports_sdpa", False):
         config._attn_implementation = hf_tracing.ATTENTION
+    elif getattr(model_class, "_supports_attention_backend", False):  # GPT-OSS: sinks, no SDPA
+        config._attn_implementation = hf_tracing.ATTENTION_BACKEND
     with _quiet_transformers():
         try:
             with device:

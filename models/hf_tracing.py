@@ -9,14 +9,17 @@ Both are registered under their own names through transformers' public registrie
    `is_causal=True` and no mask, `masking_utils._ignore_causal_mask_sdpa`), but under torch.export it cannot read
    the position ids to prove the batch is unpacked, so it materializes a (B, 1, S, S) boolean mask. That mask is
    not what training runs; priced as an activation it is live across every layer (16 GiB per sample at a 128K
-   context) and it hides causality and grouped-query attention from the trace. A padding mask, a sliding window
-   shorter than the sequence, or a cache still get transformers' own `sdpa_mask`.
+   context) and it hides causality and grouped-query attention from the trace. A sliding window shorter than the
+   sequence (Gemma 3, GPT-OSS, Mistral) comes back as a `SlidingWindowMask` that the attention function runs as
+   one `stratagem::windowed_attention` op (`models.windowed_attention`: the trace keeps the window, the IR prices
+   the band), as it does GPT-OSS's attention sinks. A padding mask, a cache, or a window the layer does not
+   declare (Llama 4's chunks) still get transformers' own `sdpa_mask`.
 
 2. `EXPERTS` ("stratagem_capacity"): mixture-of-experts experts with GShard capacity dispatch (Lepikhin et al.
    2021, Sec. 2.2) instead of transformers' default grouped GEMM. Grouped GEMM has data-dependent group sizes
    (`torch.histc` of the routing) that a shape-only trace cannot price, while capacity dispatch has static shapes
-   built from one-hot masks and einsums, the same formulation as the zoo's `moe` family (`models/moe.py`), so the
-   cost model and expert parallelism see the two alike:
+   (tokens gathered into per-expert buffers by index, `models.expert_dispatch`), the same as the zoo's `moe`
+   family (`models/moe.py`), so the cost model and expert parallelism see the two alike:
    - tokens are cut into groups of S = gcd(N, 1024) tokens (N tokens in the batch);
    - each expert takes C = min(S, ceil(k * capacity_factor * S / E)) token choices per group, first choices
      before second choices; choices past capacity are dropped (that expert adds nothing for the token);
@@ -27,16 +30,21 @@ Both are registered under their own names through transformers' public registrie
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from models.expert_dispatch import capacity_route, combine, dispatch
 from models.moe import MAX_GROUP_TOKENS
 
 ATTENTION = "stratagem_sdpa"
-"""`config._attn_implementation` of models built by `models.hf` (when the model class supports SDPA)."""
+"""`config._attn_implementation` of models built by `models.hf` when the model class supports SDPA."""
+ATTENTION_BACKEND = "stratagem_attention"
+"""The same functions for models that take custom attention functions but not SDPA (GPT-OSS, whose sinks SDPA
+cannot do): transformers checks SDPA support for any name containing "sdpa"."""
 EXPERTS = "stratagem_capacity"
 """`config._experts_implementation` of mixture-of-experts models built by `models.hf`."""
 EXPERT_BUFFERS_ATTR = "expert_buffers_forward"
@@ -51,16 +59,25 @@ DEFAULT_CAPACITY_FACTOR = 1.25
 def register() -> None:
     """Register `ATTENTION` and `EXPERTS` with transformers (idempotent: same names, same functions)."""
     from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTENTION, sdpa_attention_forward)
-    AttentionMaskInterface.register(ATTENTION, training_sdpa_mask)
+    for name in (ATTENTION, ATTENTION_BACKEND):
+        AttentionInterface.register(name, training_attention)
+        AttentionMaskInterface.register(name, training_sdpa_mask)
     try:
         from transformers.integrations.moe import ExpertsInterface
     except ImportError:  # transformers releases before the experts interface: their MoE loops stay as they are
         return
     ExpertsInterface.register(EXPERTS, capacity_experts_forward)
+
+
+@dataclass(frozen=True)
+class SlidingWindowMask:
+    """The mask of an unpadded, uncached batch whose layer sees the last `window` keys of each query: kept
+    implicit for `training_attention`; `build()` gives transformers' own boolean mask when it is needed."""
+
+    window: int
+    build: Callable[[], torch.Tensor | None]
 
 
 def training_sdpa_mask(
@@ -72,21 +89,66 @@ def training_sdpa_mask(
     attention_mask: torch.Tensor | None = None,
     local_size: int | None = None,
     **kwargs: Any,
-) -> torch.Tensor | None:
+) -> torch.Tensor | SlidingWindowMask | None:
     """No mask (SDPA's own `is_causal`, or no masking for bidirectional layers) when the batch has no padding,
-    no cache offset, and no sliding window shorter than the sequence; transformers' `sdpa_mask` otherwise.
+    no cache offset, and no window shorter than the sequence; a `SlidingWindowMask` when a window is the only
+    mask; transformers' `sdpa_mask` otherwise.
 
     transformers turns off its own skip (`allow_is_causal_skip=False`) under tracing because it cannot rule out
     packed sequences from the position ids; the inputs `models.hf` builds never pass position ids or padding.
     """
     from transformers.masking_utils import sdpa_mask
 
-    unwindowed = local_size is None or kv_length < local_size
+    def build() -> torch.Tensor | None:
+        return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
+                         local_size=local_size, **kwargs)
+
     no_offset = isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0
-    if attention_mask is None and no_offset and q_length == kv_length and unwindowed:
-        return None
-    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
-                     local_size=local_size, **kwargs)
+    if attention_mask is None and no_offset and q_length == kv_length:
+        if local_size is None or kv_length <= local_size:
+            return None
+        # Sliding window, chunks, or a bidirectional window: `training_attention` runs it as a window only when the
+        # layer is causal and declares this window, and builds the mask otherwise.
+        return SlidingWindowMask(local_size, build)
+    return build()
+
+
+def training_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                       **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention call (q, k, v (B, H, S, D)) -> ((B, S, H, D), None): a declared sliding window or
+    attention sinks run as `stratagem::windowed_attention`; everything else is transformers' SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from models.windowed_attention import windowed_attention
+
+    window = attention_mask.window if isinstance(attention_mask, SlidingWindowMask) else None
+    sinks = kwargs.pop("s_aux", None)
+    causal = kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False
+    implicit = attention_mask is None or (window is not None and kwargs.get("sliding_window") == window)
+    if causal and implicit and dropout == 0.0 and kwargs.get("softcap") is None and (window or sinks is not None):
+        scale = scaling if scaling is not None else query.size(-1) ** -0.5
+        out = windowed_attention(query, key, value, window or key.size(-2), scale, sinks)
+        return out.transpose(1, 2).contiguous(), None
+    mask = attention_mask.build() if isinstance(attention_mask, SlidingWindowMask) else attention_mask
+    if sinks is not None or kwargs.get("softcap") is not None:  # math SDPA does not do: the model's own eager code
+        return _eager_attention(module, query, key, value, mask, dropout, scaling, s_aux=sinks, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _eager_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any,
+                     dropout: float, scaling: float | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """The model's own `eager_attention_forward`, with a boolean mask turned into the additive one it expects."""
+    import sys
+
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(f"{type(module).__name__}: attention with sinks or soft-capping needs the model's eager "
+                         f"attention, which its module does not define")
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf"))
+    return eager(module, query, key, value, mask, dropout=dropout,
+                 scaling=scaling if scaling is not None else query.size(-1) ** -0.5, **kwargs)
 
 
 def capacity(tokens_per_group: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -106,15 +168,13 @@ def capacity_experts_forward(
     group = math.gcd(num_tokens, MAX_GROUP_TOKENS)
     factor = getattr(self.config, CAPACITY_FACTOR_ATTR, DEFAULT_CAPACITY_FACTOR)
     slots = capacity(group, top_k, num_experts, factor)
-    dispatch, combine = _capacity_routing(top_k_index.reshape(-1, group, top_k),
-                                          top_k_weights.reshape(-1, group, top_k), num_experts, slots)
+    route = capacity_route(top_k_index.reshape(-1, group, top_k), num_experts, slots)
     xg = hidden_states.reshape(-1, group, hidden)  # (G, S, h)
-    expert_in = torch.einsum("gsec,gsh->egch", dispatch.to(xg.dtype), xg).flatten(1, 2)  # (E, G*C, h)
     # Expert parallelism (planner/runtime/apply_ep.py) replaces the instance's `expert_buffers_forward` with its
     # all-to-all dispatch around this rank's experts; otherwise every expert runs here.
     run_experts = getattr(self, EXPERT_BUFFERS_ATTR, None) or (lambda x: expert_buffers_forward(self, x))
-    out = run_experts(expert_in).unflatten(1, (-1, slots))  # (E, G, C, h)
-    y = torch.einsum("gsec,egch->gsh", combine.to(out.dtype), out)  # (G, S, h)
+    out = run_experts(dispatch(xg, route, num_experts))  # (E, G*C, h)
+    y = combine(out, route, top_k_weights.reshape(-1, group, top_k))  # (G, S, h)
     return y.reshape(num_tokens, hidden).to(hidden_states.dtype)
 
 
@@ -133,20 +193,3 @@ def _expert_linear(self: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias_
     if self.has_bias:
         out = out + getattr(self, bias_name).unsqueeze(1)  # (E, 1, out)
     return out
-
-
-def _capacity_routing(
-    index: torch.Tensor, weights: torch.Tensor, num_experts: int, slots: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch mask D and combine weights W, both (G, S, E, C), from top-k choices index / weights (G, S, k)."""
-    top_k = index.size(-1)
-    choice = F.one_hot(index, num_experts).to(weights.dtype)  # (G, S, k, E)
-    # Choice-major order (all first choices, then all second choices) so first choices claim slots first.
-    choice = choice.transpose(1, 2).flatten(1, 2)  # (G, k*S, E)
-    slot = (torch.cumsum(choice, dim=1) - 1) * choice  # slot index within the expert, (G, k*S, E)
-    kept = choice * (slot < slots).to(choice.dtype)  # drop choices past capacity
-    slot = (slot * kept).sum(dim=-1).long()  # (G, k*S); dropped choices point at slot 0 with kept = 0
-    dispatch = kept.unsqueeze(-1) * F.one_hot(slot, slots).to(kept.dtype).unsqueeze(-2)  # (G, k*S, E, C)
-    dispatch = dispatch.unflatten(1, (top_k, -1))  # (G, k, S, E, C)
-    gates = weights.transpose(1, 2)[..., None, None]  # (G, k, S, 1, 1)
-    return dispatch.sum(dim=1), (dispatch * gates).sum(dim=1)

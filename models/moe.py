@@ -7,14 +7,14 @@ einsums, so shapes are static and torch.fx traces it:
 - each expert takes at most C = min(S, ceil(k * capacity_factor * S / E)) tokens per group (Switch
   Transformer, Fedus et al. 2022 eq. 3, with k choices per token); first choices claim slots before second
   choices; tokens past capacity are dropped for that choice (their residual passes through);
-- dispatch: expert_in[e, g, c] = sum_s D[g, s, e, c] * x[g, s]; combine: y[g, s] = sum_{e,c} W[g, s, e, c] *
-  expert_out[e, g, c], W = D weighted by the token's renormalized top-k router probability.
+- dispatch: expert_in[e, g, c] = x[g, s] for the token s holding slot c of expert e; combine: y[g, s] =
+  sum_k gate_k * expert_out[e_k, g, c_k], gates the token's renormalized top-k router probabilities. Both are
+  gathers by index (`models.expert_dispatch`), as trainers move tokens, not GShard's one-hot einsums.
 With a capacity limit, which choices are dropped depends on the whole group, later tokens included (as in
 GShard and Switch), so a decoder is strictly causal only when capacity_factor >= experts / top_k (C = S,
 nothing dropped).
 Expert FLOPs are then E * C * (6 * h * f) per group = k * capacity_factor * S * 6hf (not E x the dense MLP);
-the dispatch and combine einsums add 2 * 2 * S * E * C * h per group, a fraction 2S / (3f) of the expert
-FLOPs (4.8% for Mixtral's S = 1024, f = 14336).
+dispatch and combine move tokens without FLOPs.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import llama
+from models.expert_dispatch import CapacityRoute, capacity_route, combine, dispatch
 from models.family import Family
 from models.feedforward import Experts
 from models.initialization import construct
@@ -91,30 +92,18 @@ class MoEFeedForward(nn.Module):
         self.router = nn.Linear(config.hidden, config.experts, bias=False)
         self.experts = Experts(config.experts, config.hidden, config.ffn_hidden)
 
-    def routing(self, xg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dispatch mask D and combine weights W, both (G, S, E, C), from tokens xg (G, S, h)."""
+    def routing(self, xg: torch.Tensor) -> tuple[CapacityRoute, torch.Tensor]:
+        """The capacity route and the choices' gates (G, S, k) of tokens xg (G, S, h)."""
         probs = F.softmax(self.router(xg).float(), dim=-1)  # (G, S, E)
         top = torch.topk(probs, self.top_k, dim=-1)
         gates = top[0] / top[0].sum(dim=-1, keepdim=True)  # (G, S, k), Mixtral renormalizes over the top k
-        choice = F.one_hot(top[1], self.num_experts).to(probs.dtype)  # (G, S, k, E)
-        # Choice-major order (all first choices, then all second choices) so first choices claim slots first.
-        choice = choice.transpose(1, 2).flatten(1, 2)  # (G, k*S, E)
-        slot = (torch.cumsum(choice, dim=1) - 1) * choice  # slot index within the expert, (G, k*S, E)
-        kept = choice * (slot < self.capacity).to(choice.dtype)  # drop choices past capacity
-        slot = (slot * kept).sum(dim=-1).long()  # (G, k*S); dropped choices point at slot 0 with kept = 0
-        dispatch = kept.unsqueeze(-1) * F.one_hot(slot, self.capacity).to(kept.dtype).unsqueeze(-2)
-        dispatch = dispatch.unflatten(1, (self.top_k, -1))  # (G, k, S, E, C)
-        gates = gates.transpose(1, 2)[..., None, None]  # (G, k, S, 1, 1)
-        return dispatch.sum(dim=1), (dispatch * gates).sum(dim=1)  # (G, S, E, C) each
+        return capacity_route(top[1], self.num_experts, self.capacity), gates
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xg = x.reshape(-1, self.group_size, x.size(-1))  # (G, S, h)
-        dispatch, combine = self.routing(xg)
-        expert_in = torch.einsum("gsec,gsh->egch", dispatch.to(x.dtype), xg)  # (E, G, C, h)
-        expert_out = self.experts(expert_in.flatten(1, 2))  # (E, G*C, h)
-        expert_out = expert_out.unflatten(1, (-1, self.capacity))  # (E, G, C, h)
-        y = torch.einsum("gsec,egch->gsh", combine.to(x.dtype), expert_out)  # (G, S, h)
-        return y.reshape_as(x)  # (B, T, h)
+        route, gates = self.routing(xg)
+        expert_out = self.experts(dispatch(xg, route, self.num_experts))  # (E, G*C, h)
+        return combine(expert_out, route, gates).reshape_as(x)  # (B, T, h)
 
 
 class MoETransformer(Llama):

@@ -71,6 +71,9 @@ class PublishedRun:
     runtime: RuntimeOptions = RuntimeOptions()
     unstated: tuple[str, ...] = ()
     inferred: tuple[str, ...] = field(default=())
+    ep: int = 1
+    precision: str = "bf16"
+    """What the run computed in; rows in another precision than the priced bf16 are reported, not fitted."""
 
     @property
     def cluster_spec(self) -> str:
@@ -215,8 +218,44 @@ def load_korthikanti_runs(path: Path = KORTHIKANTI_CSV) -> list[PublishedRun]:
     return [run for r in rows for run in _korthikanti_rows(r)]
 
 
+H800_GPU_HOURS_PER_TRILLION_TOKENS = 180e3
+"""DeepSeek-V3 technical report (arXiv 2412.19437), Sec. 1 and 3.1: 180K H800 GPU hours per trillion training
+tokens (2.664M GPU hours for 14.8T tokens of pre-training)."""
+
+
+def deepseek_v3_run() -> PublishedRun:
+    """DeepSeek-V3 pre-training as its report states it (arXiv 2412.19437): 2,048 H800 in nodes of 8 (Sec. 3.1),
+    16-way pipeline (DualPipe), 64-way expert parallelism over 8 nodes and ZeRO-1 data parallelism, no tensor
+    parallelism (Sec. 3.2), sequence 4,096 and a batch of 15,360 sequences after the ramp-up (Sec. 4.2), no token
+    dropping (Sec. 2.1.2), FP8 mixed precision (Sec. 3.3); speed from the GPU hours per trillion tokens."""
+    tokens_per_s_per_gpu = 1e12 / (H800_GPU_HOURS_PER_TRILLION_TOKENS * 3600)
+    gpus, batch, seq = 2048, 15360, 4096
+    return PublishedRun(
+        name="DeepSeek-V3 671B on 2048 H800 (bf16 priced, FP8 run)", family="hf:deepseek_v3", sets=(), seq=seq,
+        device="h800", num_gpus=gpus, gpus_per_node=8, tp=1, pp=16, cp=1, dp=gpus // 16, ep=64,
+        global_batch=batch, microbatch_size=None, virtual_stages=1, zero_stage=1, recompute=None,
+        sequence_parallel=None, measured_step_s=batch * seq / (tokens_per_s_per_gpu * gpus),
+        measured_memory_gib=None, counts="tokens/s per GPU (180K H800 GPU hours per trillion tokens)",
+        framework="DeepSeek HAI-LLM: DualPipe, node-limited routing with deduplicated IB all-to-all, FP8",
+        precision="fp8", unstated=("micro-batch", "recompute (the run recomputes RMSNorm and the MLA "
+                                                  "up-projections, not a choice the planner has)"),
+        inferred=("1F1B for DualPipe (the closest schedule priced: one model chunk per direction, a larger bubble "
+                  "than DualPipe's, and all-to-alls exposed where DualPipe overlaps them with compute)",
+                  "bf16 for FP8 (GEMMs and the dispatch all-to-all at 16 bits: FP8 would run the GEMMs up to 2x "
+                  "faster and halve the dispatch bytes)",
+                  "plain all-to-all over the 8 nodes of the ep group (the run sends a token once per node, at most "
+                  "4 nodes)",
+                  "no multi-token-prediction module (transformers' DeepseekV3 has none; the run adds one block)",
+                  "routing at the default capacity 1.25 x mean for the busiest rank (the run drops no token)"))
+
+
+def extra_runs() -> list[PublishedRun]:
+    """Runs not in the shared CSVs, with their sources in the code."""
+    return [deepseek_v3_run()]
+
+
 def all_runs() -> list[PublishedRun]:
-    return load_published_runs() + load_korthikanti_runs()
+    return load_published_runs() + load_korthikanti_runs() + extra_runs()
 
 
 def schedule_of(run: PublishedRun) -> tuple[Schedule | None, int | None]:
@@ -291,7 +330,7 @@ def search_space(run: PublishedRun, zero_stage: int | None):
     from planner.search.space import SearchSpace
 
     schedule, v = schedule_of(run)
-    return SearchSpace(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, ep=1, microbatch_size=run.microbatch_size,
+    return SearchSpace(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep, microbatch_size=run.microbatch_size,
                        schedule=schedule, virtual_stages=v, zero_stage=zero_stage, recompute=run.recompute,
                        sequence_parallel=run.sequence_parallel, runtime=run.runtime)
 
@@ -299,7 +338,8 @@ def search_space(run: PublishedRun, zero_stage: int | None):
 def _describe(strategy) -> str:
     s = strategy
     sched = s.schedule.value + (f":{s.virtual_stages}" if s.virtual_stages > 1 else "")
-    return (f"dp{s.dp} tp{s.tp} pp{s.pp} cp{s.cp} mbs{s.microbatch_size}x{s.num_microbatches} {sched} "
+    return (f"dp{s.dp} tp{s.tp} pp{s.pp} cp{s.cp}{f' ep{s.ep}' if s.ep > 1 else ''} "
+            f"mbs{s.microbatch_size}x{s.num_microbatches} {sched} "
             f"zero{s.zero_stage} {s.recompute.value}{' sp' if s.sequence_parallel else ''}")
 
 

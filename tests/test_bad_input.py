@@ -114,6 +114,8 @@ BAD_INPUTS: tuple[BadInput, ...] = (
           "tiers[1].bandwidth", "'fast'", "such as '400Gbps', '50GB/s'"),
     _case("yaml-negative-price", "negative price", f"plan {TINY} --cluster price.yaml --batch 8",
           "groups[0].price_per_device_hour", "got -1"),
+    _case("yaml-expert-imbalance", "expert imbalance below 1 (the busiest rank cannot get less than the mean)",
+          f"plan {TINY} --cluster imbalance.yaml --batch 8", "expert_imbalance", "[1, 100]", "got 0.5"),
     # ---- search space ---------------------------------------------------------------------------------------------
     _case("fix-tp-not-dividing", "--fix tp that does not divide the devices",
           f"plan {TINY} --cluster 1x4xcpu --batch 8 --fix tp=3", "tp=3", "4 devices"),
@@ -292,6 +294,7 @@ def scratch_files(plan_json: str) -> dict[str, bytes]:
         "badvalue.args": "--tensor-model-parallel-size $TP\n--micro-batch-size 1\n",
         "layers.args": "--num-layers 12\n--micro-batch-size 1\n",
         "existing.toml": "# a hand-written job config\n",
+        "imbalance.yaml": "name: x\nexpert_imbalance: 0.5\n" + _GROUP,
     }
     files = {name: text.encode() for name, text in texts.items()}
     files["binary.json"] = b"\xff\xfe\x00\x01 not utf-8"

@@ -12,7 +12,7 @@ import pytest
 from costmodel.hardware.catalog import device_names, get_device, get_link, list_devices, list_links
 from costmodel.hardware.device import DeviceSpec
 
-REQUIRED = ("v100-32gb", "a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200", "mi250x", "mi300x", "l4", "a10g",
+REQUIRED = ("v100-32gb", "a100-40gb", "a100-80gb", "h100-sxm", "h200", "h800", "b200", "mi250x", "mi300x", "l4", "a10g",
             "t4", "tpu-v4", "tpu-v5e", "cpu")
 SOURCED_FIELDS = ("peak_flops", "matmul_efficiency", "memory_bytes", "memory_bandwidth", "memory_efficiency",
                   "intra_node_bandwidth", "inter_node_bandwidth")
@@ -52,14 +52,15 @@ def test_every_csv_value_column_has_a_filled_source_column():
 @pytest.mark.parametrize(("name", "dtype", "tflops"), [
     ("h100-sxm", "bfloat16", 989), ("h100-sxm", "float8_e4m3fn", 1979), ("a100-80gb", "bfloat16", 312),
     ("a100-40gb", "tf32", 156), ("b200", "bfloat16", 2250), ("mi300x", "bfloat16", 1307), ("v100-32gb", "float16", 125),
-    ("t4", "float16", 65), ("tpu-v4", "bfloat16", 275), ("tpu-v5e", "bfloat16", 197), ("h200", "float32", 67)])
+    ("t4", "float16", 65), ("tpu-v4", "bfloat16", 275), ("tpu-v5e", "bfloat16", 197), ("h200", "float32", 67),
+    ("h800", "bfloat16", 989), ("h800", "float8_e4m3fn", 1979)])
 def test_datasheet_peaks(name, dtype, tflops):
     assert get_device(name).flops(dtype) == pytest.approx(tflops * 1e12)
 
 
 @pytest.mark.parametrize(("name", "mem_gb", "bw_tbps", "intra_gbps", "inter_gbps"), [
     ("a100-80gb", 80, 2.039, 300, 25), ("a100-40gb", 40, 1.555, 300, 25), ("h100-sxm", 80, 3.35, 450, 50),
-    ("h200", 141, 4.8, 450, 50), ("b200", 180, 8.0, 900, 50), ("v100-32gb", 32, 0.9, 150, 6.25),
+    ("h200", 141, 4.8, 450, 50), ("h800", 80, 3.35, 200, 50), ("b200", 180, 8.0, 900, 50), ("v100-32gb", 32, 0.9, 150, 6.25),
     ("mi300x", 192, 5.3, 448, 50), ("l4", 24, 0.3, 31, 1.5625), ("tpu-v4", 32, 1.2, 90, 6.25)])
 def test_datasheet_memory_and_links(name, mem_gb, bw_tbps, intra_gbps, inter_gbps):
     d = get_device(name)
@@ -100,7 +101,7 @@ def _mamf() -> dict[str, tuple[float, float, str]]:
 def test_matmul_efficiency_is_measured_over_catalog_peak():
     m = _mamf()
     measured = {"a100-80gb": "NVIDIA A100 SXM", "a100-40gb": "NVIDIA A100 SXM", "h100-sxm": "NVIDIA H100 SXM",
-                "h200": "NVIDIA H100 SXM", "b200": "NVIDIA B200 SXM", "mi300x": "AMD MI300X"}
+                "h200": "NVIDIA H100 SXM", "h800": "NVIDIA H100 SXM", "b200": "NVIDIA B200 SXM", "mi300x": "AMD MI300X"}
     for name, row in measured.items():
         d = get_device(name)
         assert d.matmul_efficiency == pytest.approx(m[row][0] * 1e12 / d.flops("bfloat16"), abs=1e-4), name

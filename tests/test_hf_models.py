@@ -23,6 +23,7 @@ from planner.search.space import SearchSpace
 transformers = pytest.importorskip("transformers")
 
 from models import hf, hf_tracing  # noqa: E402 - needs transformers to be meaningful
+from models.expert_dispatch import capacity_route, combine, dispatch  # noqa: E402
 
 ARCHS = ("llama", "mistral", "qwen2", "mixtral", "gpt2", "bert", "t5")
 
@@ -218,13 +219,15 @@ def test_capacity_dispatch_without_drops_matches_transformers_experts_on_cpu():
 def test_capacity_dispatch_drops_choices_past_capacity():
     """All 4 tokens pick experts (0, 1): with C = 2, tokens 2 and 3 are dropped from both experts."""
     index = torch.tensor([[[0, 1]] * 4])  # (G=1, S=4, k=2)
-    weights = torch.full((1, 4, 2), 0.5)
-    dispatch, combine = hf_tracing._capacity_routing(index, weights, num_experts=3, slots=2)
-    assert dispatch.shape == (1, 4, 3, 2)
-    kept = dispatch.sum(dim=(2, 3))[0]  # choices kept per token
-    assert kept.tolist() == [2.0, 2.0, 0.0, 0.0]
-    assert dispatch[0, 0, 0, 0] == dispatch[0, 1, 0, 1] == 1.0  # token order claims slots in order
-    torch.testing.assert_close(combine, dispatch * 0.5)
+    route = capacity_route(index, num_experts=3, capacity=2)
+    assert route.kept.shape == (1, 2, 4)
+    assert route.kept.sum(dim=1)[0].tolist() == [2, 2, 0, 0]  # choices kept per token
+    # (E=3, G=1, C=2) rows: expert 0 slots take tokens 0, 1; expert 1 slots take tokens 0, 1
+    assert route.sources[:4].tolist() == [0, 1, 0, 1]
+    assert route.slots[0, :, :2].tolist() == [[0, 1], [2, 3]]
+    x = torch.arange(4.0).view(1, 4, 1)
+    out = combine(dispatch(x, route, 3) * 10, route, torch.full((1, 4, 2), 0.5))
+    assert out.flatten().tolist() == [0.0, 10.0, 0.0, 0.0]
 
 
 def test_losses_are_per_task():

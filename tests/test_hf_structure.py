@@ -173,29 +173,136 @@ def test_tensor_parallel_beyond_the_kv_heads_replicates_them():
                          space=SearchSpace(tp=3, dp=1, pp=1))
 
 
+MLP_TP = {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
+          "shared_experts.gate_proj": "colwise", "shared_experts.up_proj": "colwise",
+          "shared_experts.down_proj": "rowwise"}
+ATTENTION_TP = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                "self_attn.o_proj": "rowwise"}
+RUNTIME_CASES = [
+    # (config, layers, pinned degrees, module styles forced Megatron's way: on CPU the cost model keeps these
+    # tiny layers replicated, so tp would otherwise split nothing)
+    pytest.param("qwen3_moe", 2, dict(ep=2, dp=4, tp=1, pp=1), {}, id="qwen3_moe-ep2xdp4"),
+    pytest.param("qwen3_moe", 2, dict(ep=2, dp=2, tp=2, pp=1), ATTENTION_TP, id="qwen3_moe-ep2xtp2"),
+    pytest.param("qwen3_moe", 2, dict(ep=2, dp=2, tp=1, pp=2, microbatch_size=2), {}, id="qwen3_moe-ep2xpp2"),
+    pytest.param("deepseek_v3", 3, dict(ep=2, dp=4, tp=1, pp=1), {}, id="deepseek_v3-ep2xdp4"),
+    # MLA stays replicated under tp (planner/runtime/apply_tp.py says why); its dense and shared-expert MLPs split
+    pytest.param("deepseek_v3", 3, dict(ep=2, dp=2, tp=2, pp=1), MLP_TP, id="deepseek_v3-ep2xtp2"),
+    pytest.param("deepseek_v3", 3, dict(ep=2, dp=2, tp=1, pp=2, microbatch_size=2), {},
+                 id="deepseek_v3-ep2xpp2"),
+]
+
+
 @pytest.mark.multiprocess
-def test_tiny_qwen3_moe_trains_under_ep2_dp4_like_one_process(tmp_path_factory):
-    """`stratagem run --check`: 4 gloo processes, experts split over ep=2 of dp=4 ranks (all-to-all around
-    transformers' experts, through `expert_buffers_forward`), against the unsharded loss. capacity_factor = E / k
-    drops no token, so each rank's routing groups give what the single process's do."""
+@pytest.mark.parametrize(("config", "layers", "degrees", "styles"), RUNTIME_CASES)
+def test_tiny_moe_trains_like_one_process(tmp_path_factory, config, layers, degrees, styles):
+    """`stratagem run --check`: 4 gloo processes, experts split over ep=2 (all-to-all around transformers'
+    experts, through `expert_buffers_forward`) with data, tensor or pipeline parallelism (DeepSeek-V3: MLA, a
+    shared expert and a dense first layer; pipeline stages cut from transformers' own blocks), against the
+    unsharded loss. capacity_factor = E / k drops no token, so each rank's routing groups give what the single
+    process's do."""
     import json
     import os
     import subprocess
     import sys
 
-    name = _saved(tmp_path_factory, "qwen3_moe", num_hidden_layers=2)
+    name = _saved(tmp_path_factory, config, num_hidden_layers=layers)
     sets = ("capacity_factor=4",)
     built = build_model(name, sets, seq=16)
     plan = planner.api.plan(built.module, built.example_inputs, "1x4xcpu", global_batch=8, model_name=name,
-                            settings=(("capacity_factor", 4.0), ("seq", 16)),
-                            space=SearchSpace(ep=2, dp=4, tp=1, pp=1))
-    assert plan.strategy.ep == 2
+                            settings=(("capacity_factor", 4.0), ("seq", 16)), space=SearchSpace(**degrees))
+    assert all(getattr(plan.strategy, k) == v for k, v in degrees.items())
+    data = plan.to_dict()
+    for m in data["strategy"]["sharding"]:
+        m["style"] = next((s for k, s in styles.items() if m["module"].endswith(k)), m["style"])
     path = tmp_path_factory.mktemp("plan") / "plan.json"
-    path.write_text(json.dumps(plan.to_dict()))
+    path.write_text(json.dumps(data))
     cmd = [sys.executable, "-m", "planner.cli.main", "run", name, "--set", sets[0], "--seq", "16", "--plan",
            str(path), "--steps", "3", "--nproc", "4", "--check", "--json"]
     ran = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert ran.returncode == 0, ran.stderr[-4000:]
     report = json.loads(ran.stdout)
-    assert report["strategy"]["ep"] == 2 and report["strategy"]["dp"] == 4
+    assert all(report["strategy"][k] == v for k, v in degrees.items() if k in report["strategy"])
     assert report["check"]["passed"] and report["check"]["max_rel_loss_diff"] <= 1e-4
+
+
+def test_mla_split_over_tp_is_refused_with_its_reason(tmp_path_factory):
+    from costmodel.sharding.rules import Style
+    from planner.runtime.apply_tp import _check_pairs
+
+    built = build_model(_saved(tmp_path_factory, "deepseek_v3", num_hidden_layers=2), seq=16)
+    styles = {"model.layers.0.self_attn.q_b_proj": Style.COLWISE, "model.layers.0.self_attn.kv_b_proj": Style.COLWISE,
+              "model.layers.0.self_attn.o_proj": Style.ROWWISE}
+    with pytest.raises(UserError, match="splits multi-head latent attention over tp.*kv_a_proj_with_mqa"):
+        _check_pairs(built.module, styles)
+    _check_pairs(built.module, {"model.layers.0.mlp.gate_proj": Style.COLWISE, "model.layers.0.mlp.up_proj":
+                                Style.COLWISE, "model.layers.0.mlp.down_proj": Style.ROWWISE})
+
+@pytest.mark.parametrize(("name", "classes"), [("gemma3_text", 2), ("gpt_oss", 2)])
+def test_sliding_window_layers_are_priced_over_their_window(tmp_path_factory, name, classes):
+    """A window of 16 keys on a 64-token sequence: sliding layers trace as `stratagem::windowed_attention` with
+    ("window", 16), global layers over the whole sequence; each attention node's FLOPs are the band's share of
+    causal attention's, and the two kinds of layer are two classes (Gemma 3: layers 0-2 sliding, 3 global with
+    a pattern of 4; GPT-OSS alternates and its attention sinks ride in the same op)."""
+    seq, window, heads, head_dim = 64, 16, 4, 32
+    extra = {"sliding_window": window, **({"sliding_window_pattern": 4} if name == "gemma3_text" else {})}
+    built = build_model(_saved(tmp_path_factory, name, **extra), seq=seq)
+    graph = ir.trace(built.module, built.example_inputs, model_name=name)
+    chain = ir.build_layer_chain(graph)
+    assert graph.param_count == built.module.num_parameters()
+    attention = [n for n in graph.nodes if n.op_kind.value == "attention"]
+    full = 4 * heads * seq * seq * head_dim  # sdpa_flop_count of (1, 4, 64, 32): the causal convention
+    band = (sum(range(1, window)) + (seq - window + 1) * window) / (seq * (seq + 1) / 2)
+    for n in attention:
+        w = n.attr("window")
+        if w == window:
+            assert n.forward_flops == int(full * band) and n.attr("is_causal") and not n.attr("has_mask")
+        else:  # global layers: plain causal SDPA, or the windowed op over the whole sequence when it has sinks
+            assert w in (None, seq) and n.forward_flops == full
+    assert sum(n.attr("window") == window for n in attention) >= 2
+    blocks = {s.class_id for s in chain.segments if s.name.startswith("model.layers.")}
+    assert len(blocks) == classes
+
+
+def test_windowed_attention_with_sinks_matches_transformers_eager_on_cpu(tmp_path_factory):
+    name = _saved(tmp_path_factory, "gpt_oss", sliding_window=8, num_hidden_layers=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        built = build_model(name, ("capacity_factor=4",), batch=2, seq=32, device="cpu")
+    ids = built.example_inputs[0]
+    ours = built.module(ids).logits
+    for m in built.module.modules():
+        if hasattr(m, "config"):
+            m.config._attn_implementation = "eager"
+            m.config._experts_implementation = "eager"
+    torch.testing.assert_close(ours, built.module(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_windowed_attention_op_gradients_equal_autograd_of_its_reference():
+    from models.windowed_attention import reference, windowed_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, h, 12, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    out = windowed_attention(q, k, v, 5, 0.3, sinks)
+    grad = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v, sinks), grad)
+    expected = torch.autograd.grad(reference(q, k, v, 5, 0.3, sinks), (q, k, v, sinks), grad)
+    for a, b in zip(ours, expected, strict=True):
+        torch.testing.assert_close(a, b)
+    # The band: query i sees keys i-4 .. i; the first query only itself.
+    no_sink = windowed_attention(q, k, v, 5, 0.3, None)
+    torch.testing.assert_close(no_sink[:, :, 0], v.repeat_interleave(2, dim=1)[:, :, 0])
+
+
+def test_runtime_refuses_splitting_attention_past_its_kv_heads():
+    """hf:llama has 2 KV heads: at tp=4 the planner keeps attention replicated (the heads rule needs every
+    operand's head count to divide); a plan splitting k_proj anyway is refused in one line, not a crash."""
+    from costmodel.sharding.rules import Style
+    from planner.runtime.apply_tp import _check_kv_heads
+
+    built = build_model("hf:llama", seq=16)
+    styles = {"model.layers.0.self_attn.k_proj": Style.COLWISE, "model.layers.0.mlp.up_proj": Style.COLWISE}
+    with pytest.raises(UserError, match="split over tp=4 ranks but its attention has 2 KV heads"):
+        _check_kv_heads(built.module, styles, 4)
+    _check_kv_heads(built.module, styles, 2)  # whole heads: fine
+    _check_kv_heads(built.module, {"model.layers.0.mlp.up_proj": Style.COLWISE}, 4)  # the MLP may split

@@ -49,6 +49,9 @@ class Cluster:
     name: str
     groups: tuple[DeviceGroup, ...]
     tiers: tuple[NetworkTier, ...]
+    expert_imbalance: float | None = None
+    """Routed tokens of the busiest expert-parallel rank over the mean in this job (the straggler that routing
+    makes, `costmodel.expert_parallel`); None: the cost model's cited default."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
@@ -60,6 +63,9 @@ class Cluster:
         if self.num_devices > MAX_DEVICES:
             raise ValueError(f"cluster {self.name!r} has {self.num_devices:,} devices; at most {MAX_DEVICES:,} "
                              f"are supported (a typo in num_nodes or devices_per_node?)")
+        if self.expert_imbalance is not None and not self.expert_imbalance >= 1:
+            raise ValueError(f"cluster {self.name!r}: expert_imbalance must be >= 1 (busiest rank / mean), got "
+                             f"{self.expert_imbalance!r}")
         _check_unique("group", [g.name for g in self.groups])
         _check_unique("tier", [t.name for t in self.tiers])
         self._check_tier_sizes()
@@ -94,8 +100,11 @@ class Cluster:
 
     def to_dict(self) -> dict[str, Any]:
         """Normalized, deterministic and complete: `Cluster.from_dict(c.to_dict()) == c`."""
-        return {"name": self.name, "groups": [g.to_dict() for g in self.groups],
-                "tiers": [t.to_dict() for t in self.tiers]}
+        d: dict[str, Any] = {"name": self.name, "groups": [g.to_dict() for g in self.groups],
+                             "tiers": [t.to_dict() for t in self.tiers]}
+        if self.expert_imbalance is not None:
+            d["expert_imbalance"] = self.expert_imbalance
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Cluster:
@@ -106,7 +115,8 @@ class Cluster:
     def _assemble(cls, parts: ClusterParts) -> Cluster:
         """The cluster of parts read from a spec; how they fit together is checked here."""
         try:
-            return cls(name=parts.name, groups=parts.groups, tiers=parts.tiers)
+            return cls(name=parts.name, groups=parts.groups, tiers=parts.tiers,
+                       expert_imbalance=parts.expert_imbalance)
         except ValueError as e:
             if not parts.error_context:
                 raise

@@ -15,6 +15,7 @@ YAML format (every key but `groups` optional; see examples/clusters/README.md fo
         unavailable: [7]             # device indices in the group that cannot be used
         node_tier: {link: nvlink2}   # this group's own link inside a node (keys as in `tiers`, no size)
         host_cores: 2                # cores a node's devices share (CPU ranks as processes); default: their own
+    expert_imbalance: 1.1            # mixture-of-experts jobs: busiest expert-parallel rank's routed tokens / mean
     tiers:                           # innermost first; tiers[0] is the node tier
       - name: node
         size: 8                      # default: devices_per_node
@@ -72,7 +73,7 @@ from costmodel.hardware.units import parse_bandwidth, parse_bytes, parse_duratio
 SHORTHAND_FORM = "NODESxGPUSxDEVICE (e.g. 128x8xa100-80gb or 1x4xcpu)"
 _SHORTHAND = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*[xX]\s*([A-Za-z0-9._-]+)\s*$")
 
-_TOP_KEYS = {"name": False, "groups": True, "tiers": False}
+_TOP_KEYS = {"name": False, "groups": True, "tiers": False, "expert_imbalance": False}
 _GROUP_KEYS = {"name": False, "device": True, "num_nodes": True, "devices_per_node": True,
                "price_per_device_hour": False, "memory": False, "slowdown": False, "unavailable": False,
                "node_tier": False, "host_cores": False}
@@ -86,6 +87,11 @@ _DEVICE_KEYS = {"name": True, "display_name": False, "peak_flops": True, "matmul
                 "intra_node_link": False, "inter_node_link": False, "training_efficiency": False,
                 "prediction_error": False, "best_published_mfu": False}
 
+MAX_EXPERT_IMBALANCE = 100.0
+"""Largest `expert_imbalance` a spec may give: a sanity bound (the busiest of ep ranks gets at most ep times the
+mean), far above any measured routing."""
+
+
 # ---- entry points -------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +104,8 @@ class ClusterParts:
     error_context: str = ""
     """What to name in front of an error about how the parts fit ("cluster spec 'x'"); "" for the shorthand,
     whose errors name the cluster already."""
+    expert_imbalance: float | None = None
+    """The job's routed-token imbalance over expert-parallel ranks (`Cluster.expert_imbalance`)."""
 
 
 def read_cluster_spec(spec: str) -> ClusterParts:
@@ -159,7 +167,11 @@ def read_cluster_dict(d: Any, *, default_name: str = "cluster") -> ClusterParts:
         if not isinstance(raw_tiers, list) or not raw_tiers:
             raise ValueError("tiers: expected a non-empty list of network tiers, innermost (node) first")
         groups, tiers = _tiers(raw_tiers, groups)
-    return ClusterParts(name=name, groups=tuple(groups), tiers=tuple(tiers), error_context=f"cluster spec {name!r}")
+    imbalance = d.get("expert_imbalance")
+    if imbalance is not None:
+        imbalance = _number(imbalance, "expert_imbalance", 1.0, MAX_EXPERT_IMBALANCE, lo_open=False)
+    return ClusterParts(name=name, groups=tuple(groups), tiers=tuple(tiers), error_context=f"cluster spec {name!r}",
+                        expert_imbalance=imbalance)
 
 
 # ---- validation helpers ---------------------------------------------------------------------------------------

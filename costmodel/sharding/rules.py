@@ -300,9 +300,13 @@ def _matmul_rules(node: Node, ctx: StrategyContext) -> list[NodeStrategy]:
 
 
 def _attention_rules(node: Node, ctx: StrategyContext) -> list[NodeStrategy]:
-    """Fused SDPA over (batch, heads, seq, head_dim): head-sharded when every operand's head count divides. A
-    leaf attention module with its own projections (nn.MultiheadAttention) stays replicated."""
-    if len(node.input_specs) < 3 or node.param_specs:
+    """Fused SDPA over (batch, heads, seq, head_dim): head-sharded when every operand's head count divides, with
+    per-head parameters (attention sinks, one logit per head) split with the heads. A leaf attention module with
+    its own projections (nn.MultiheadAttention) stays replicated."""
+    if len(node.input_specs) < 3:
+        return []
+    heads_total = node.attr("num_heads")
+    if node.param_specs and not all(p.shape == (heads_total,) for p in node.param_specs):
         return []
     q = node.input_specs[0]
     rank = len(q.shape)
@@ -322,7 +326,8 @@ def _attention_rules(node: Node, ctx: StrategyContext) -> list[NodeStrategy]:
         else:  # mask / bias: split with the heads when it has them, else broadcast
             has_heads = len(spec.shape) == rank and spec.shape[h] == q.shape[h] and q.shape[h] > 1
             ins.append(shard(h) if has_heads else REPLICATED)
-    return [_strategy(node, "heads", ins, shard(h), work_fraction=1 / ctx.tp, style=Style.HEADS)]
+    return [_strategy(node, "heads", ins, shard(h), work_fraction=1 / ctx.tp, style=Style.HEADS,
+                      param_dims=[0] * len(node.param_specs))]
 
 
 def _reduction_rules(node: Node, ctx: StrategyContext) -> list[NodeStrategy]:

@@ -16,7 +16,7 @@ from planner.profiling.options import ProfileOptions, ProfileRun
 from planner.profiling.requests import ModelRequest, profile_concurrently, profile_requests
 
 GPU_CATALOG_NAMES: tuple[tuple[str, str], ...] = (
-    ("h200", "h200"), ("h100", "h100-sxm"), ("b200", "b200"), ("a100", "a100-80gb"), ("l4", "l4"), ("a10g", "a10g"),
+    ("h200", "h200"), ("h800", "h800"), ("h100", "h100-sxm"), ("b200", "b200"), ("a100", "a100-80gb"), ("l4", "l4"), ("a10g", "a10g"),
     ("t4", "t4"), ("v100", "v100-32gb"), ("mi300", "mi300x"), ("mi250", "mi250x"))
 """(substring of the GPU's name as the driver reports it, device catalog name), first match wins."""
 

@@ -26,6 +26,7 @@ from torch import fx, nn
 from costmodel.strategy import Schedule, StageSpec
 from ir.layer_chain import LayerChain
 from planner.errors import UserError
+from planner.runtime.hf_stages import decoder_stage_modules, is_decoder_lm
 
 _PLACEHOLDER, _OUTPUT, _GET_ATTR, _CALL_MODULE = "placeholder", "output", "get_attr", "call_module"
 
@@ -145,10 +146,13 @@ def check_stage_outputs(names: tuple[str, ...], *values: Any) -> Any:
 
 
 def build_stage_modules(model: nn.Module, chain: LayerChain, stages: Sequence[StageSpec],
-                        keep: Sequence[int] | None = None) -> dict[int, fx.GraphModule]:
-    """One `GraphModule` per stage index in `keep` (default: all), sharing `model`'s submodules."""
+                        keep: Sequence[int] | None = None) -> dict[int, nn.Module]:
+    """One module per stage index in `keep` (default: all), sharing `model`'s submodules: a `GraphModule` cut
+    from the traced root, or for a transformers decoder LM its own blocks (`hf_stages`)."""
     num_stages = len(stages)
     stages_of = module_stages(chain, stages)
+    if is_decoder_lm(model):  # transformers' decorated forwards defeat torch.fx; their common layout does not
+        return decoder_stage_modules(model, stages_of, num_stages, keep)
     graph = trace_for_stages(model, stages_of)
     stage = assign_stages(graph, stages_of, num_stages)
     empty = sorted(set(range(num_stages)) - set(stage.values()))

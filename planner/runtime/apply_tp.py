@@ -113,19 +113,47 @@ def _in_blocks(path: str) -> bool:
 
 def _check_pairs(model: nn.Module, styles: Mapping[str, Style]) -> None:
     """A rowwise linear reads the feature shards its colwise siblings produce (q/k/v -> o_proj, up/gate ->
-    down_proj); a replicated sibling linear would hand the shared core full-width tensors. Refuse such plans."""
+    down_proj); a replicated sibling linear would hand the shared core full-width tensors. Refuse such plans.
+    Low-rank down projections that a colwise sibling expands again (multi-head latent attention's q_a_proj /
+    kv_a_proj_with_mqa feed q_b_proj / kv_b_proj) are refused with their own reason: MLA's rotary key is one
+    head shared by all, computed from the replicated kv_a_proj_with_mqa and broadcast over this rank's heads, so
+    its gradient is a partial sum over the tp ranks that this runtime does not reduce (Megatron-LM does)."""
     for path, style in sorted(styles.items()):
         if style is not Style.ROWWISE:
             continue
         parent_path = path.rpartition(".")[0]
         parent = model.get_submodule(parent_path) if parent_path else model
-        odd = [f"{parent_path}.{n}" if parent_path else n for n, m in parent.named_children()
-               if isinstance(m, nn.Linear) and styles.get(f"{parent_path}.{n}" if parent_path else n,
-                                                          Style.REPLICATE) is Style.REPLICATE]
+        linears = {f"{parent_path}.{n}" if parent_path else n: m for n, m in parent.named_children()
+                   if isinstance(m, nn.Linear)}
+        colwise_inputs = [m.in_features for p, m in linears.items() if styles.get(p) is Style.COLWISE]
+        odd = [p for p, m in linears.items() if styles.get(p, Style.REPLICATE) is Style.REPLICATE]
+        low_rank = [p for p in odd if linears[p].out_features < linears[p].in_features
+                    and any(i <= linears[p].out_features for i in colwise_inputs)]
+        if low_rank:
+            raise UserError(f"{path} splits multi-head latent attention over tp, which this runtime does not run: "
+                            f"the rotary key shared by all heads comes from the replicated {', '.join(low_rank)} "
+                            "and its gradient would need a reduction over tp; plan with this attention replicated "
+                            "(its MLP may still be split) or run the plan in Megatron-LM")
         if odd:
             raise UserError(f"{path} is rowwise-sharded but its sibling linear(s) {', '.join(odd)} are replicated; "
                             "a rowwise module needs its colwise partners sharded too (plan inconsistent with "
                             "this model)")
+
+
+def _check_kv_heads(model: nn.Module, styles: Mapping[str, Style], tp: int) -> None:
+    """Grouped-query attention split over more tp ranks than it has KV heads would cut a KV head in pieces (or
+    leave a rank's query heads without theirs): the planner prices such attention replicated over the tp ranks
+    (`costmodel.sharding.rules`: heads shard only when every operand's head count divides), and this runtime
+    refuses a plan that splits its projections anyway, instead of failing inside the model."""
+    for path, style in sorted(styles.items()):
+        if style is Style.REPLICATE or "." not in path:
+            continue
+        parent = model.get_submodule(path.rpartition(".")[0])
+        kv_heads = getattr(getattr(parent, "config", None), "num_key_value_heads", None)
+        if hasattr(parent, "num_key_value_groups") and isinstance(kv_heads, int) and kv_heads % tp:
+            raise UserError(f"{path} is split over tp={tp} ranks but its attention has {kv_heads} KV heads: this "
+                            "runtime splits whole heads only; plan with the attention replicated over tp (as the "
+                            f"planner prices tp > {kv_heads}) or tp dividing {kv_heads}")
 
 
 def _has_rowwise_partner(path: str, styles: Mapping[str, Style]) -> bool:
@@ -261,6 +289,7 @@ def apply_tensor_parallel(model: nn.Module, sharding: Sequence[ModuleSharding], 
     _check_module_types(model, styles)
     tied = shared_parameters(model)
     _check_pairs(model, styles)
+    _check_kv_heads(model, styles, tp_mesh.size())
     torch_plan = parallel_styles(model, styles, sequence_parallel=sequence_parallel)
     if not torch_plan:
         # Nothing is split (the planner found communication dearer than the compute it would save): the tp

@@ -197,7 +197,7 @@ def group_cluster(cluster: Cluster, group_index: int) -> Cluster:
     if tiers[-1].size < g.num_devices:
         tiers[-1] = dataclasses.replace(tiers[-1], size=g.num_devices)
     return Cluster(name=f"{cluster.name}/{g.name}", groups=(dataclasses.replace(g, node_tier=None),),
-                   tiers=tuple(tiers))
+                   tiers=tuple(tiers), expert_imbalance=cluster.expert_imbalance)
 
 
 @dataclass(frozen=True)

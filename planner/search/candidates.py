@@ -155,10 +155,13 @@ def candidates_for(num_devices: int, chain: LayerChain, cluster: Cluster, global
     meshes = enumerate_meshes(num_devices, devices_per_node=node_size(cluster), global_batch=global_batch,
                               max_pp=len(chain.segments), dp=space.dp, tp=space.tp, pp=space.pp,
                               tp_across_nodes=space.tp_across_nodes, cp_options=cps, ep_options=eps)
+    heads: dict[int, str] = {}  # head_problem scans every node: once per tp degree, not per mesh
     for mesh in meshes:
+        if mesh.tp not in heads:
+            heads[mesh.tp] = head_problem(chain, mesh.tp)
         # A tp/dp group never mixes device types (planner.search.device_groups); replicas on different types are
         # planned by group data parallelism, with batch shares that balance them.
-        why = head_problem(chain, mesh.tp) or mesh_type_problem(
+        why = heads[mesh.tp] or mesh_type_problem(
             cluster, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, ep=mesh.ep, mesh_order=mesh.mesh_order)
         if why:
             invalid[(mesh.dp, mesh.tp, mesh.pp)] = why

@@ -59,6 +59,8 @@ class LayerCostTable:
     _cache: dict[tuple[str, int, int, bool, int], ClassPrices] = field(default_factory=dict)
     _split_cache: dict[tuple, dict[int, LayerCost]] = field(default_factory=dict)
     _sharding_cache: Any = None
+    _has_experts: bool | None = None
+    _expert_layers: dict[int, Any] = field(default_factory=dict)
 
     def prices(self, device: DeviceSpec, *, tp: int, tp_stride: int, sequence_parallel: bool,
                microbatch_size: int) -> ClassPrices:
@@ -76,10 +78,18 @@ class LayerCostTable:
     def segment_costs(self, device: DeviceSpec, *, tp: int, tp_stride: int, sequence_parallel: bool,
                       microbatch_size: int, split: AxisSplit | None = None) -> tuple[LayerCost, ...]:
         """One `LayerCost` per chain segment (segments of a class share the object); `split` adds context and
-        expert parallelism."""
+        expert parallelism, and prices routed experts as they run (`costmodel.expert_parallel`). Without a
+        split, routed experts get `expert_parallel.bound_cost`: below their price at every ep, for the
+        search's lower bounds."""
         prices = self.prices(device, tp=tp, tp_stride=tp_stride, sequence_parallel=sequence_parallel,
                              microbatch_size=microbatch_size)
-        if split is not None and (split.cp > 1 or split.ep > 1):  # cp / ep priced on top of the tp prices
+        if split is None and self.has_experts:
+            key = (device.name, tp, tp_stride, sequence_parallel, microbatch_size, None)
+            costs = self._split_cache.get(key)
+            if costs is None:
+                costs = self._split_cache[key] = self._bound(device, prices, microbatch_size)
+            return tuple(costs[s.class_id] for s in self.chain.segments)
+        if split is not None and (split.cp > 1 or split.ep > 1 or self.has_experts):  # on top of the tp prices
             key = (device.name, tp, tp_stride, sequence_parallel, microbatch_size, split)
             costs = self._split_cache.get(key)
             if costs is None:
@@ -91,7 +101,7 @@ class LayerCostTable:
     def _split(self, device: DeviceSpec, tp: int, tp_stride: int, sp: bool, mbs: int, split: AxisSplit
                ) -> dict[int, LayerCost]:
         from costmodel.context_parallel import context_parallel_cost
-        from costmodel.expert_parallel import expert_parallel_cost
+        from costmodel.expert_parallel import ExpertSetting, expert_cost
 
         out: dict[int, LayerCost] = {}
         batch = self.chain.graph.batch_size
@@ -107,13 +117,46 @@ class LayerCostTable:
                                          group=type_group(self.cluster, device.name, split.cp, split.cp_stride),
                                          concurrent=split.num_devices // split.cp, microbatch_size=mbs,
                                          traced_batch=batch, tp=tp, dtype=self.dtype, per_rank_base=per_rank)
-            out[cid] = expert_parallel_cost(cost, nodes, self.cluster, ep=split.ep,
-                                            group=type_group(self.cluster, device.name, split.ep, split.ep_stride),
-                                            concurrent=split.num_devices // split.ep,
-                                            segment_params=segment.param_count, microbatch_size=mbs,
-                                            traced_batch=batch, traced_dtype=self.chain.graph.dtype,
-                                            dtype=self.dtype)
+            setting = ExpertSetting(
+                ep=split.ep, microbatch_size=mbs // split.cp if per_rank else mbs, traced_batch=batch,
+                traced_dtype=self.chain.graph.dtype, dtype=self.dtype, divisor=1 if per_rank else split.cp,
+                group=type_group(self.cluster, device.name, split.ep, split.ep_stride),
+                concurrent=split.num_devices // split.ep, imbalance=self.expert_imbalance)
+            out[cid] = expert_cost(cost, self.expert_layer(cid), device, self.cluster, setting=setting,
+                                   segment_params=segment.param_count, profile=self.profile)
         return out
+
+    def _bound(self, device: DeviceSpec, prices: ClassPrices, mbs: int) -> dict[int, LayerCost]:
+        from costmodel.expert_parallel import ExpertSetting, bound_cost
+
+        setting = ExpertSetting(ep=1, microbatch_size=mbs, traced_batch=self.chain.graph.batch_size,
+                                traced_dtype=self.chain.graph.dtype, dtype=self.dtype,
+                                imbalance=self.expert_imbalance)
+        return {cid: bound_cost(cost, self.expert_layer(cid), device, setting, self.profile)
+                for cid, cost in prices.costs.items()}
+
+    def expert_layer(self, class_id: int) -> Any:
+        """The routed experts of a layer class (`expert_parallel.expert_layer`), found once."""
+        if class_id not in self._expert_layers:
+            from costmodel.expert_parallel import expert_layer
+
+            self._expert_layers[class_id] = expert_layer(self.chain.nodes_of(self.chain.representative(class_id)))
+        return self._expert_layers[class_id]
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether the chain has routed experts (priced on top of the per-class prices)."""
+        if self._has_experts is None:
+            from costmodel.expert_parallel import num_experts
+
+            self._has_experts = num_experts(self.chain.graph.nodes) is not None
+        return self._has_experts
+
+    @property
+    def expert_imbalance(self) -> float:
+        from costmodel.expert_parallel import EXPERT_IMBALANCE
+
+        return self.cluster.expert_imbalance or EXPERT_IMBALANCE
 
     def _price(self, device: DeviceSpec, tp: int, tp_stride: int, sp: bool, mbs: int) -> ClassPrices:
         costs: dict[int, LayerCost] = {}

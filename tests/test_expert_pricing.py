@@ -1,0 +1,140 @@
+"""Routed experts priced as they run (`costmodel.expert_parallel`), checked against closed forms computed here from
+the model's configuration: grouped GEMMs sized per expert, the busiest rank's load, the all-to-all payload and its
+buffers, the router and the token gathers, and the expert-imbalance setting of the cluster spec."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import ir
+from costmodel.expert_parallel import EXPERT_IMBALANCE, expert_load_factor
+from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.collectives import Collective, CommGroup, collective_time
+from costmodel.operators import gemm_size_factor
+from ir.graph import OpKind
+from ir.moe_structure import expert_region, routed_experts
+from models.registry import build_model
+from planner.search.layer_costs import AxisSplit, LayerCostTable
+
+E, K, H, F, SEQ, MBS = 4, 2, 256, 1024, 256, 2
+MOE = ("layers=1", f"hidden={H}", f"ffn_hidden={F}", "heads=4", "kv_heads=4", "vocab=1024", f"experts={E}",
+       f"top_k={K}")
+
+
+def _chain(*extra: str) -> ir.LayerChain:
+    built = build_model("moe", (*MOE, *extra), seq=SEQ)
+    return ir.build_layer_chain(ir.trace(built.module, built.example_inputs, model_name="moe"))
+
+
+def _block(chain: ir.LayerChain) -> int:
+    return next(s.index for s in chain.segments if routed_experts(chain.nodes_of(s)) is not None)
+
+
+def _costs(chain: ir.LayerChain, cluster: Cluster, ep: int):
+    table = LayerCostTable(chain, cluster)
+    device = cluster.device_of(0)
+    return table.segment_costs(device, tp=1, tp_stride=1, sequence_parallel=False, microbatch_size=MBS,
+                               split=AxisSplit(ep=ep, ep_stride=1, num_devices=cluster.num_devices))[_block(chain)]
+
+
+def _gemm_s(flops: float, groups: int, cluster: Cluster) -> float:
+    """Closed form of a compute-bound grouped GEMM: F / (peak * matmul efficiency * s(F / G / peak)) / training
+    efficiency."""
+    d = cluster.device_of(0)
+    peak = d.flops("bfloat16")
+    return flops / (peak * d.matmul_efficiency * gemm_size_factor(flops / groups / peak)) / d.training_efficiency
+
+
+def test_the_trace_gives_the_capacity_factor_and_the_load_factor_follows():
+    capacity = math.ceil(K * 1.25 * SEQ / E)  # slots per expert per routing group of S = 256 tokens
+    found = routed_experts(_chain().graph.nodes)
+    assert found.choices == SEQ * K
+    assert found.capacity_factor == pytest.approx(E * capacity / (K * SEQ))
+    # lambda(ep) = min(c, f_ep) / c with f_1 = 1: one rank sums every expert's load, the mean.
+    assert expert_load_factor(1.25, 1, 1.25) == pytest.approx(0.8)
+    assert expert_load_factor(1.25, 4, 1.25) == 1.0
+    assert expert_load_factor(2.0, 4, 1.1) == pytest.approx(0.55)
+    assert expert_load_factor(1.0, 4, 1.25) == 1.0  # capacity caps the busiest rank: tokens past it are dropped
+
+
+def test_expert_gemms_are_sized_per_expert_at_the_busiest_ranks_load():
+    """ep=1 vs ep=4 with perfectly balanced routing (f = 1): the same load (the mean), so what changes is the
+    grouped GEMM: 4 GEMMs of 1/4 the FLOPs each at ep=1, one GEMM 4x taller at ep=4 (E/ep = 1 expert per rank)."""
+    chain = _chain()
+    cluster = Cluster.from_dict({**Cluster.parse("1x8xh100").to_dict(), "expert_imbalance": 1.0})
+    one, four = _costs(chain, cluster, 1), _costs(chain, cluster, 4)
+    nodes = chain.nodes_of(chain.segments[_block(chain)])
+    found = routed_experts(nodes)
+    load = 1 / found.capacity_factor  # the mean: k choices per token, no padding
+    linears = [n for n in nodes if n.name in found.linears]
+    flops = [n.forward_flops * MBS * load for n in linears]  # gate, up, down: each E * tokens * 2hf
+    assert sum(flops) == pytest.approx(MBS * SEQ * K * 6 * H * F)
+    expected = sum(_gemm_s(f, E, cluster) - _gemm_s(f, 1, cluster) for f in flops)
+    assert one.fwd_compute_s - four.fwd_compute_s == pytest.approx(expected, rel=1e-9)
+    assert one.bwd_compute_s - four.bwd_compute_s == pytest.approx(2 * expected, rel=1e-9)  # dX and dW GEMMs
+
+
+def test_dropless_capacity_is_priced_at_the_imbalance_not_the_padding():
+    """capacity_factor = E / k = 2 gives C = S: the trace computes every token in every expert's buffer, E / k
+    times the mean. The busiest of 4 ranks computes f = 1.25 times the mean, the trace's 1.25 / 2."""
+    padded = _chain(f"capacity_factor={E / K}")
+    found = routed_experts(padded.graph.nodes)
+    assert found.capacity_factor == pytest.approx(E / K)
+    cluster = Cluster.parse("1x8xh100")
+    nodes = padded.nodes_of(padded.segments[_block(padded)])
+    region = expert_region(nodes, found)
+    base = LayerCostTable(padded, cluster).prices(cluster.device_of(0), tp=1, tp_stride=1, sequence_parallel=False,
+                                                  microbatch_size=MBS).costs[padded.segments[_block(padded)].class_id]
+    four = _costs(padded, cluster, 4)
+    saved_region = sum(n.saved_bytes for n in nodes if n.name in region) * MBS / 2  # fp32 trace, bf16 priced
+    assert base.saved_bytes_none - four.saved_bytes_none == pytest.approx(saved_region * (1 - 1.25 / 2), abs=2)
+
+
+def test_all_to_all_payload_buffers_and_imbalance_setting():
+    chain = _chain()
+    cluster = Cluster.from_dict({**Cluster.parse("1x8xh100").to_dict(), "expert_imbalance": 1.1})
+    one, four = _costs(chain, cluster, 1), _costs(chain, cluster, 4)
+    capacity = math.ceil(K * 1.25 * SEQ / E)
+    load = 1.1 / 1.25
+    payload = MBS * E * capacity * H * 2 * load  # (E, C, h) per sample in bf16, at the busiest rank's load
+    a2a = collective_time(Collective.ALL_TO_ALL, payload, CommGroup(4), cluster, concurrent=2)
+    assert four.fwd_comm_s - one.fwd_comm_s == pytest.approx(2 * a2a, rel=1e-12)
+    assert four.bwd_comm_s - one.bwd_comm_s == pytest.approx(2 * a2a, rel=1e-12)
+    assert four.peak_temp_bytes >= round(2 * payload)  # send and receive buffers of one all-to-all
+    with pytest.raises(ValueError, match="expert_imbalance: expected a number in"):
+        Cluster.from_dict({**Cluster.parse("1x8xh100").to_dict(), "expert_imbalance": 0.5})
+    assert Cluster.from_dict(cluster.to_dict()) == cluster and Cluster.parse("1x8xh100").expert_imbalance is None
+    assert EXPERT_IMBALANCE == 1.25
+
+
+def test_router_and_dispatch_cost_what_they_move():
+    """The router is one h x E GEMM per token and its top-k; dispatch and combine are gathers: no FLOPs, so the MoE
+    feed-forward's forward FLOPs are the router's plus the experts' (E * C * 6hf per routing group)."""
+    chain = _chain()
+    nodes = chain.nodes_of(chain.segments[_block(chain)])
+    found = routed_experts(nodes)
+    router = [n for n in nodes if n.op_kind is OpKind.LINEAR and n.param_specs
+              and n.param_specs[0].shape == (E, H)]
+    assert [n.forward_flops for n in router] == [2 * SEQ * H * E]
+    gathers = [n for n in nodes if "index_select" in n.target]
+    assert len(gathers) == 2 and all(n.forward_flops == 0 and n.bytes_written > 0 for n in gathers)
+    moe = [n for n in nodes if ".mlp" in n.module_path or n.module_path.endswith("mlp")]
+    capacity = math.ceil(K * 1.25 * SEQ / E)
+    assert sum(n.forward_flops for n in moe) == 2 * SEQ * H * E + E * capacity * 6 * H * F
+    assert sum(n.forward_flops for n in nodes if n.name in found.linears) == E * capacity * 6 * H * F
+
+
+@pytest.mark.parametrize("imbalance", [1.0, 1.25, 2.0])
+def test_the_search_bound_is_below_every_expert_parallel_price(imbalance):
+    chain = _chain("capacity_factor=2")
+    cluster = Cluster.from_dict({**Cluster.parse("1x8xh100").to_dict(), "expert_imbalance": imbalance})
+    table = LayerCostTable(chain, cluster)
+    device = cluster.device_of(0)
+    bound = table.segment_costs(device, tp=1, tp_stride=1, sequence_parallel=False, microbatch_size=MBS)
+    for ep in (1, 2, 4):
+        priced = table.segment_costs(device, tp=1, tp_stride=1, sequence_parallel=False, microbatch_size=MBS,
+                                     split=AxisSplit(ep=ep, ep_stride=1, num_devices=8))
+        assert sum(c.fwd_compute_s + c.bwd_compute_s for c in bound) <= sum(
+            c.fwd_compute_s + c.bwd_compute_s for c in priced)
