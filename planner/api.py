@@ -42,7 +42,6 @@ from planner.search.candidates import Candidate
 from planner.search.device_groups import mixed_type_problem, with_device_groups
 from planner.search.layer_costs import LayerCostTable
 from planner.search.pricing import layer_cost_map, sharding_of
-from planner.search.ranking import prefer_simplest
 from planner.search.space import Objective, SearchSpace
 from planner.search.stage_problem import StageProblemBuilder
 from planner.tracing import trace_model
@@ -128,10 +127,10 @@ def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any
     result = search(chain, cluster, global_batch=global_batch, space=space, options=options, dtype=dtype,
                     profile=profile)
     info = _model_info(chain, model_name or chain.graph.model_name, settings)
-    # Strategies tied within the validated error band: the simplest leads (planner.search.ranking).
+    # With a tie band the search already leads with the simplest tied strategy (planner.search.ranking).
     return tuple(_plan_of(chain, cluster, info, global_batch, dtype, r.strategy, r.sharding, r.estimate,
                           _search_info(result, r.estimate.step_time_s))
-                 for r in prefer_simplest(result.ranked)[:top_k])
+                 for r in result.ranked[:top_k])
 
 
 def estimate(chain: LayerChain, cluster: Cluster | str, strategy: Strategy, *, global_batch: int | None = None,

@@ -82,10 +82,7 @@ class TieSet:
 
     def tied(self, best: Solved) -> list[Solved]:
         """Members tied with `best` on its device count, simplest first."""
-        n = best.strategy.num_devices
-        out = [s for s in self.members if s.strategy.num_devices == n
-               and within_band(s.objective, best.objective, self.band)]
-        return sorted(out, key=lambda s: (simplicity_key(s.strategy), s.objective))
+        return sorted(tied_with(best, self.members, self.band), key=_simplest_first)
 
     def cutoff(self, best: Solved) -> float:
         """Bounds at or above this cannot tie with `best`."""
@@ -105,13 +102,20 @@ class TieSet:
         return floor <= self._lead[2]
 
 
+def tied_with(best: Solved, solved: Sequence[Solved], band: float) -> list[Solved]:
+    """The strategies of `solved` on `best`'s device count within `band` of its objective (ties)."""
+    n = best.strategy.num_devices
+    return [s for s in solved if s.strategy.num_devices == n and within_band(s.objective, best.objective, band)]
+
+
+def _simplest_first(s: Solved) -> tuple:
+    return (simplicity_key(s.strategy), s.objective)
+
+
 def prefer_simplest(ranked: Sequence[Ranked]) -> list[Ranked]:
     """`ranked` (best objective first) reordered so that the simplest strategy tied with the best leads."""
     if not ranked:
         return []
     best = ranked[0]
-    band = best.estimate.error_band
-    tied = [r for r in ranked if within_band(r.objective, best.objective, band)
-            and r.strategy.num_devices == best.strategy.num_devices]
-    lead = min(tied, key=lambda r: (simplicity_key(r.strategy), r.objective))
+    lead = min(tied_with(best, ranked, best.estimate.error_band), key=_simplest_first)
     return [lead] + [r for r in ranked if r is not lead]
