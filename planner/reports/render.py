@@ -11,7 +11,7 @@ from costmodel.memory import GIB
 from costmodel.rank_layout import axis_strides
 from costmodel.strategy import MeshAxis, Schedule, Strategy
 from costmodel.validation import within_band
-from planner.plan import Plan
+from planner.plan import Plan, SearchInfo
 
 
 def _gib(n: float) -> str:
@@ -91,11 +91,20 @@ def render_plan(plan: Plan, cluster: Cluster) -> str:
     else:
         cut = " (cut short by --time-limit)" if info.status == "feasible" else ""
         lines.append(f"search: {info.status}{cut}, {info.candidates} candidates priced in {info.time_s:.2f} s, "
-                     f"optimality gap {100 * info.optimality_gap:.1f}% (lower bound {info.lower_bound_s:.4g} s)")
+                     f"optimality gap {100 * info.optimality_gap:.1f}% (lower bound {info.lower_bound_s:.4g} s)"
+                     + _tie_note(info, est))
     if info.alternatives:
         lines.append("runner-ups:")
         lines += [f"  {a.summary}: {tie_text(a.step_time_s, est)}{a.reason}" for a in info.alternatives]
     return "\n".join(lines)
+
+
+def _tie_note(info: SearchInfo, est: Estimate) -> str:
+    """Why a proven search shows a gap: the plan is the simplest of the strategies tied with the fastest."""
+    if info.status != "optimal" or info.optimality_gap <= 0:
+        return ""
+    return (f"; the fastest strategy is {100 * info.optimality_gap:.1f}% faster, a tie within {band_text(est)}: "
+            "this plan is simpler")
 
 
 def runtime_line(s: Strategy) -> str:

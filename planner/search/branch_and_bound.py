@@ -85,7 +85,7 @@ from planner.search.pricing import (
     sharding_of,
     summary_recompute,
 )
-from planner.search.ranking import TIE_LEADS, TieSet, simplicity_floor
+from planner.search.ranking import TIE_LEADS, TieSet, prefer_simplest, simplicity_floor
 from planner.search.space import Objective, SearchSpace
 from planner.search.stage_partition import partition_lower_bound, solve_partition
 from planner.search.stage_problem import StageProblemBuilder
@@ -491,8 +491,11 @@ def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: Sea
             raise UserError(empty_space_message(chain, cluster, global_batch, space, invalid))
         raise InfeasibleError(nothing_fits_message(state, space))
     ranked = tuple(_finish(state, f) for f in state.ranked_found())
+    fastest = ranked[0].objective
+    if options.tie_band is not None:  # the plan is the simplest strategy tied with the fastest
+        ranked = tuple(prefer_simplest(ranked))
     best = ranked[0].objective
-    lower = min(best, next_bound) if cut_short else best
+    lower = min(fastest, next_bound) if cut_short else fastest
     gap = (best - lower) / best if best > 0 else 0.0
     alternatives = explain_alternatives(state, ranked[0], state.invalid)
     return SearchResult(

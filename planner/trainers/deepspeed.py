@@ -1,0 +1,180 @@
+"""DeepSpeed: a plan as a DeepSpeed JSON config and as Megatron-DeepSpeed arguments, and both read back.
+
+The JSON (`deepspeed.initialize(config=...)`; validated in tests by deepspeed 0.19.8's own `DeepSpeedConfig`) holds
+the batch (`train_batch_size`, `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps` = micro-batches per
+step), `zero_optimization.stage` with `overlap_comm`, the dtype, `activation_checkpointing` and the pipeline's
+`stages` with its `activation_checkpoint_interval`. DeepSpeed's JSON has no tensor-parallel degree: that, the
+pipeline degree and sequence parallelism are Megatron-DeepSpeed arguments (microsoft/Megatron-DeepSpeed
+megatron/arguments.py, table in planner/trainers/data/megatron_deepspeed_arguments.json), which name the JSON with
+`--deepspeed_config`.
+
+DeepSpeed's pipeline engine runs one 1F1B-like schedule over an even split, reduces gradients after the pipeline
+flush (no data-parallel overlap) and takes ZeRO-0/1 only; what a plan has beyond that exports with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from costmodel.strategy import Recompute, RuntimeOptions, Schedule
+from planner.errors import UserError
+from planner.trainers.argtable import argument_tokens, load_table
+from planner.trainers.common import ModelShape, Notes, Trainer, TrainerConfig
+from planner.trainers.megatron import model_arguments
+
+TABLE = "megatron_deepspeed"
+DEFAULT_JSON_NAME = "ds_config.json"
+
+
+def pipeline_notes(cfg: TrainerConfig, notes: Notes) -> None:
+    """What DeepSpeed's pipeline engine cannot run as planned (shared by the JSON and the arguments)."""
+    if cfg.pp == 1:
+        return
+    if cfg.schedule is not Schedule.ONE_F_ONE_B:
+        notes.add(f"DeepSpeed's pipeline engine runs 1F1B only; the plan's {cfg.schedule.value} schedule exported as "
+                  f"1F1B over {cfg.pp} stages")
+    if cfg.stage_blocks is not None:
+        notes.add(f"DeepSpeed's pipeline engine splits the layers evenly; the plan's split {list(cfg.stage_blocks)} "
+                  f"is not carried over")
+    if cfg.zero_stage >= 2:
+        notes.add(f"DeepSpeed's pipeline engine takes ZeRO-0/1 only; ZeRO-{cfg.zero_stage} exported as ZeRO-1")
+    if cfg.runtime.dp_overlap:
+        notes.add("DeepSpeed's pipeline engine reduces gradients after the pipeline flush; the plan priced them "
+                  "overlapped with the backward")
+
+
+def config_dict(cfg: TrainerConfig, notes: Notes) -> dict[str, Any]:
+    """The DeepSpeed JSON config as a dict."""
+    dp = cfg.dp or 1
+    zero = min(cfg.zero_stage, 1) if cfg.pp > 1 else cfg.zero_stage
+    pipeline_notes(cfg, notes)
+    zero_opt: dict[str, Any] = {"stage": zero, "overlap_comm": cfg.runtime.dp_overlap and cfg.pp == 1,
+                                "contiguous_gradients": True, "reduce_scatter": True}
+    if zero == 3 and not cfg.runtime.reshard_after_forward:
+        zero_opt["stage3_max_live_parameters"] = int(1e12)
+        zero_opt["stage3_max_reuse_distance"] = int(1e12)
+    out: dict[str, Any] = {"train_batch_size": cfg.global_batch, "train_micro_batch_size_per_gpu": cfg.microbatch_size,
+                           "gradient_accumulation_steps": cfg.global_batch // (cfg.microbatch_size * dp),
+                           "zero_optimization": zero_opt}
+    if cfg.dtype in ("bfloat16", "float16"):
+        out["bf16" if cfg.dtype == "bfloat16" else "fp16"] = {"enabled": True}
+    if cfg.recompute is not Recompute.NONE:
+        out["activation_checkpointing"] = {"partition_activations": cfg.tp > 1, "contiguous_memory_optimization": False,
+                                           "cpu_checkpointing": False}
+    if cfg.pp > 1:
+        out["pipeline"] = {"stages": cfg.pp, "activation_checkpoint_interval":
+                           1 if cfg.recompute is Recompute.FULL else 0}
+    if cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1:
+        notes.add("the DeepSpeed JSON carries no tensor/pipeline/sequence degree: launch it with the arguments of "
+                  "`stratagem export --to megatron-deepspeed`")
+    return out
+
+
+def render_json(cfg: TrainerConfig, notes: Notes) -> str:
+    return json.dumps(config_dict(cfg, notes), indent=2) + "\n"
+
+
+def render_arguments(cfg: TrainerConfig, shape: ModelShape, header: list[str], notes: Notes,
+                     json_name: str = DEFAULT_JSON_NAME) -> str:
+    """Megatron-DeepSpeed arguments, naming the DeepSpeed JSON `json_name` (written by `--to deepspeed`)."""
+    pipeline_notes(cfg, notes)
+    args = [f"--tensor-model-parallel-size {cfg.tp}"]
+    args += [f"--pipeline-model-parallel-size {cfg.pp}"] if cfg.pp > 1 else ["--no-pipeline-parallel"]
+    if cfg.cp > 1:
+        notes.add("Megatron-DeepSpeed's sequence parallelism across ranks is DeepSpeed-Ulysses (all-to-all), not "
+                  "the ring attention priced for cp; exported as --ds-sequence-parallel-size")
+        args.append(f"--ds-sequence-parallel-size {cfg.cp}")
+    if cfg.ep > 1:
+        notes.add("expert parallelism is not exported to Megatron-DeepSpeed (its MoE takes --num-experts and "
+                  "expert groups of its own)")
+    args += ["--sequence-parallel"] if cfg.sequence_parallel else []
+    if cfg.runtime.tp_overlap:
+        notes.add("Megatron-DeepSpeed has no tensor-parallel communication overlap; the plan priced it")
+    args += [f"--micro-batch-size {cfg.microbatch_size}", f"--global-batch-size {cfg.global_batch}"]
+    args += _recompute_arguments(cfg.recompute, notes)
+    zero = min(cfg.zero_stage, 1) if cfg.pp > 1 else cfg.zero_stage
+    args += [f"--zero-stage {zero}", "--deepspeed", f"--deepspeed_config {json_name}"]
+    args += {"bfloat16": ["--bf16"], "float16": ["--fp16"]}.get(cfg.dtype or "float32", [])
+    lines = [f"# {h}" for h in header] + ["# model", *model_arguments(shape, cfg.seq_len, deepspeed_fork=True),
+                                          "# parallelism, batch",
+                                          *args]
+    return "\n".join(lines) + "\n"
+
+
+def _recompute_arguments(recompute: Recompute, notes: Notes) -> list[str]:
+    if recompute is Recompute.FULL:
+        return ["--recompute-granularity full", "--recompute-method uniform", "--deepspeed-activation-checkpointing"]
+    if recompute is Recompute.OP:
+        notes.add("Megatron-DeepSpeed has no per-op recomputation; exported as selective recomputation of the "
+                  "attention core")
+    return ["--recompute-granularity selective"] if recompute is not Recompute.NONE else []
+
+
+# ---- reading --------------------------------------------------------------------------------------------------
+
+def read_json(text: str, *, source: str) -> TrainerConfig:
+    """A DeepSpeed JSON config alone: ZeRO data parallelism (and DeepSpeed pipeline stages when it gives them)."""
+    ds = _json(text, source)
+    mbs = ds.get("train_micro_batch_size_per_gpu")
+    if not isinstance(mbs, int):
+        raise UserError(f"{source}: train_micro_batch_size_per_gpu must be given as an integer")
+    gas = ds.get("gradient_accumulation_steps", 1)
+    gbs = ds.get("train_batch_size")
+    stages = ds.get("pipeline", {}).get("stages", 1) if isinstance(ds.get("pipeline"), Mapping) else 1
+    pp = stages if isinstance(stages, int) else 1
+    zero = ds.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0)) if isinstance(zero, Mapping) else 0
+    return TrainerConfig(
+        trainer=Trainer.DEEPSPEED, pp=pp, microbatch_size=mbs, global_batch=gbs if isinstance(gbs, int) else None,
+        samples_per_rank=mbs * int(gas), zero_stage=stage, recompute=_json_recompute(ds),
+        runtime=RuntimeOptions(dp_overlap=bool(zero.get("overlap_comm", stage == 3)) and pp == 1,
+                               reshard_after_forward=int(zero.get("stage3_max_reuse_distance", 1e9)) < 1e12),
+        dtype=_json_dtype(ds))
+
+
+def _json(text: str, source: str) -> Mapping[str, Any]:
+    try:
+        ds = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{source}: not valid JSON: {e}") from None
+    if not isinstance(ds, Mapping):
+        raise UserError(f"{source}: a DeepSpeed config must be a JSON object")
+    return ds
+
+
+def _json_recompute(ds: Mapping[str, Any]) -> Recompute:
+    pipe = ds.get("pipeline", {})
+    interval = pipe.get("activation_checkpoint_interval", 0) if isinstance(pipe, Mapping) else 0
+    return Recompute.FULL if interval else Recompute.NONE
+
+
+def _json_dtype(ds: Mapping[str, Any]) -> str:
+    for key, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
+        section = ds.get(key)
+        if isinstance(section, Mapping) and section.get("enabled") in (True, "auto"):
+            return dtype
+    return "float32"
+
+
+def read_arguments(text: str, *, source: str, folder: Path) -> TrainerConfig:
+    """Megatron-DeepSpeed arguments, with the DeepSpeed JSON they name (relative to `folder`) when it exists."""
+    ns = load_table(TABLE).parse(argument_tokens(text, source=source), source=source)
+    if ns.micro_batch_size is None:
+        raise UserError(f"{source}: --micro-batch-size is missing")
+    zero = int(ns.zero_stage)
+    ds_path = folder / ns.deepspeed_config if ns.deepspeed_config else None
+    if ds_path is not None and ds_path.is_file():
+        ds = read_json(ds_path.read_text(encoding="utf-8"), source=str(ds_path))
+        zero = ds.zero_stage
+    pp = 1 if ns.no_pipeline_parallel else ns.pipeline_model_parallel_size
+    granularity = ns.recompute_granularity or ("full" if ns.checkpoint_activations else None)
+    recompute = {"full": Recompute.FULL, "selective": Recompute.SELECTIVE}.get(granularity, Recompute.NONE)
+    return TrainerConfig(
+        trainer=Trainer.MEGATRON_DEEPSPEED, tp=ns.tensor_model_parallel_size, pp=pp,
+        cp=ns.ds_sequence_parallel_size, microbatch_size=ns.micro_batch_size, global_batch=ns.global_batch_size,
+        zero_stage=zero, sequence_parallel=bool(ns.sequence_parallel), recompute=recompute,
+        runtime=RuntimeOptions(dp_overlap=pp == 1), seq_len=ns.seq_length,
+        dtype="bfloat16" if ns.bf16 else "float16" if ns.fp16 else "float32", num_layers=ns.num_layers)

@@ -1,0 +1,211 @@
+"""Megatron-LM: a plan as the command-line arguments of `pretrain_gpt.py`, and an argument file read back.
+
+The arguments are those of Megatron-LM core_v0.16.1 (`megatron/training/arguments.py`; the table and its provenance
+are in planner/trainers/data/megatron_lm_arguments.json). What maps to what:
+
+    tp, pp, cp, ep       --tensor-/--pipeline-/--context-/--expert-model-parallel-size (dp is the rest of the world)
+    interleaved:V        --num-layers-per-virtual-pipeline-stage (equal chunks) or --pipeline-model-parallel-layout
+    uneven stages        --decoder-first/last-pipeline-num-layers (equal middle stages) or the layout string
+    mbs, global batch    --micro-batch-size, --global-batch-size
+    sp                   --sequence-parallel
+    recompute            full: --recompute-granularity full --recompute-method uniform --recompute-num-layers 1;
+                         selective: --recompute-granularity selective (the attention core)
+    ZeRO 1 / 2 / 3       --use-distributed-optimizer / Megatron-FSDP --data-parallel-sharding-strategy
+                         optim_grads / optim_grads_params
+    pp inside dp         --use-tp-pp-dp-mapping (rank order tp-cp-ep-pp-dp)
+    dp_overlap           --overlap-grad-reduce (+ --overlap-param-gather with a sharded optimizer)
+    tp_overlap           --tp-comm-overlap (needs sequence parallelism)
+    dtype                --bf16 / --fp16
+
+Megatron-LM has no GPipe schedule and no per-op recomputation; those export as 1F1B and selective with a warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from costmodel.strategy import DEFAULT_MESH_ORDER, Recompute, RuntimeOptions, Schedule
+from planner.errors import UserError
+from planner.trainers.argtable import argument_tokens, load_table
+from planner.trainers.common import ModelShape, Notes, Trainer, TrainerConfig
+from planner.trainers.layout import even_blocks, format_megatron_layout, parse_megatron_layout
+from planner.trainers.mapping import PP_INSIDE_DP
+
+TABLE = "megatron_lm"
+_SHARDING = {1: None, 2: "optim_grads", 3: "optim_grads_params"}
+_ZERO_OF_SHARDING = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+
+
+def model_arguments(shape: ModelShape, seq_len: int | None, *, deepspeed_fork: bool = False) -> list[str]:
+    """The model's architecture as Megatron-LM arguments (what `pretrain_gpt.py` needs to build it);
+    `deepspeed_fork` spells them as Megatron-DeepSpeed does (its fork predates GQA and RMSNorm flags of today)."""
+    args = [f"--num-layers {shape.num_layers}"]
+    for flag, value in (("--hidden-size", shape.hidden), ("--num-attention-heads", shape.heads),
+                        ("--ffn-hidden-size", shape.ffn_hidden), ("--seq-length", seq_len),
+                        ("--max-position-embeddings", seq_len), ("--vocab-size", shape.vocab)):
+        if value is not None:
+            args.append(f"{flag} {value}")
+    if shape.kv_heads is not None and shape.heads is not None and shape.kv_heads != shape.heads:
+        args += ([f"--num-key-value-heads {shape.kv_heads}"] if deepspeed_fork
+                 else ["--group-query-attention", f"--num-query-groups {shape.kv_heads}"])
+    if shape.family in ("llama", "moe"):
+        args += (["--swiglu", "--normalization rmsnorm", "--use-rotary-position-embeddings"] if deepspeed_fork
+                 else ["--swiglu", "--normalization RMSNorm", "--position-embedding-type rope"])
+        args.append("--disable-bias-linear")
+    if shape.experts:
+        args += ([f"--num-experts {shape.experts}", f"--topk {shape.top_k or 2}"] if deepspeed_fork
+                 else [f"--num-experts {shape.experts}", f"--moe-router-topk {shape.top_k or 2}"])
+    if shape.tie_embeddings is False:
+        args.append("--untie-embeddings-and-output-weights")
+    return args
+
+
+def parallel_arguments(cfg: TrainerConfig, num_layers: int, notes: Notes) -> list[str]:
+    """Degrees, pipeline split, batch, recomputation, optimizer sharding, overlap and dtype as arguments."""
+    args = [f"--tensor-model-parallel-size {cfg.tp}", f"--pipeline-model-parallel-size {cfg.pp}"]
+    args += ["--use-tp-pp-dp-mapping"] if cfg.mesh_order == PP_INSIDE_DP and cfg.pp > 1 and cfg.dp != 1 else []
+    args += [f"--context-parallel-size {cfg.cp}"] if cfg.cp > 1 else []
+    args += [f"--expert-model-parallel-size {cfg.ep}"] if cfg.ep > 1 else []
+    args += ["--sequence-parallel"] if cfg.sequence_parallel else []
+    args += _pipeline_arguments(cfg, num_layers, notes)
+    args += [f"--micro-batch-size {cfg.microbatch_size}", f"--global-batch-size {cfg.global_batch}"]
+    args += _recompute_arguments(cfg.recompute, notes)
+    args += _sharding_arguments(cfg, notes)
+    args += _overlap_arguments(cfg, notes)
+    args += {"bfloat16": ["--bf16"], "float16": ["--fp16"]}.get(cfg.dtype or "float32", [])
+    return args
+
+
+def _pipeline_arguments(cfg: TrainerConfig, num_layers: int, notes: Notes) -> list[str]:
+    if cfg.pp == 1:
+        return []
+    if cfg.schedule is Schedule.GPIPE:
+        notes.add("Megatron-LM has no GPipe schedule; exported as 1F1B (the same bubble, fewer micro-batches in "
+                  "flight, so less activation memory than planned)")
+    blocks = cfg.stage_blocks or even_blocks(num_layers, cfg.pp * cfg.virtual_stages)
+    equal = len(set(blocks)) == 1
+    if cfg.virtual_stages > 1:
+        if equal:
+            return [f"--num-layers-per-virtual-pipeline-stage {blocks[0]}"]
+        return [f"--pipeline-model-parallel-layout {format_megatron_layout(blocks)}"]
+    if equal:
+        return []
+    middle = set(blocks[1:-1])
+    if len(middle) <= 1 and blocks[0] > 0 and blocks[-1] > 0:
+        return [f"--decoder-first-pipeline-num-layers {blocks[0]}", f"--decoder-last-pipeline-num-layers {blocks[-1]}"]
+    return [f"--pipeline-model-parallel-layout {format_megatron_layout(blocks)}"]
+
+
+def _recompute_arguments(recompute: Recompute, notes: Notes) -> list[str]:
+    if recompute is Recompute.FULL:
+        return ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
+    if recompute is Recompute.OP:
+        notes.add("Megatron-LM has no per-op recomputation (torchtitan's); exported as selective recomputation of "
+                  "the attention core, which keeps more activations than planned")
+    if recompute in (Recompute.SELECTIVE, Recompute.OP):
+        return ["--recompute-granularity selective"]
+    return []
+
+
+def _sharding_arguments(cfg: TrainerConfig, notes: Notes) -> list[str]:
+    if cfg.zero_stage == 0:
+        return []
+    if cfg.zero_stage == 1:
+        return ["--use-distributed-optimizer"]
+    if cfg.zero_stage == 3 and not cfg.runtime.reshard_after_forward:
+        notes.add("Megatron-FSDP reshards weights after the forward; the plan keeps them gathered to the backward "
+                  "(more weight gathers than planned)")
+    return ["--use-megatron-fsdp", f"--data-parallel-sharding-strategy {_SHARDING[cfg.zero_stage]}",
+            "--ckpt-format fsdp_dtensor"]
+
+
+def _overlap_arguments(cfg: TrainerConfig, notes: Notes) -> list[str]:
+    args = []
+    if cfg.runtime.dp_overlap:
+        args.append("--overlap-grad-reduce")
+        if cfg.zero_stage >= 1:
+            args.append("--overlap-param-gather")
+    if cfg.runtime.tp_overlap:
+        if cfg.sequence_parallel:
+            args.append("--tp-comm-overlap")
+        else:
+            notes.add("Megatron-LM overlaps tensor-parallel communication only with sequence parallelism; exported "
+                      "without --tp-comm-overlap (more exposed communication than planned)")
+    return args
+
+
+def render(cfg: TrainerConfig, shape: ModelShape, header: list[str], notes: Notes) -> str:
+    """The argument file: `#` comment lines, then one argument (with its value) per line."""
+    lines = [f"# {h}" for h in header]
+    lines += ["# model", *model_arguments(shape, cfg.seq_len), "# parallelism, batch, memory",
+              *parallel_arguments(cfg, shape.num_layers, notes)]
+    return "\n".join(lines) + "\n"
+
+
+# ---- reading an argument file --------------------------------------------------------------------------------
+
+def read(text: str, *, source: str) -> TrainerConfig:
+    """A Megatron-LM argument file or launch script as a `TrainerConfig` (module docstring, read backwards)."""
+    ns = load_table(TABLE).parse(argument_tokens(text, source=source), source=source)
+    notes = Notes()
+    if ns.micro_batch_size is None:
+        raise UserError(f"{source}: --micro-batch-size is missing (Megatron-LM requires it)")
+    pp = ns.pipeline_model_parallel_size
+    virtual, blocks = _read_pipeline(ns, pp, source)
+    return TrainerConfig(
+        trainer=Trainer.MEGATRON, tp=ns.tensor_model_parallel_size, pp=pp, cp=ns.context_parallel_size,
+        ep=ns.expert_model_parallel_size, microbatch_size=ns.micro_batch_size, global_batch=ns.global_batch_size,
+        schedule=Schedule.INTERLEAVED if virtual > 1 else Schedule.ONE_F_ONE_B, virtual_stages=virtual,
+        stage_blocks=blocks, zero_stage=_read_zero(ns), sequence_parallel=ns.sequence_parallel,
+        recompute=_read_recompute(ns, notes),
+        runtime=RuntimeOptions(dp_overlap=ns.overlap_grad_reduce, tp_overlap=ns.tp_comm_overlap),
+        mesh_order=PP_INSIDE_DP if ns.use_tp_pp_dp_mapping else DEFAULT_MESH_ORDER,
+        seq_len=ns.seq_length, dtype="bfloat16" if ns.bf16 else "float16" if ns.fp16 else "float32",
+        num_layers=ns.num_layers, notes=tuple(notes.items))
+
+
+def _read_pipeline(ns: argparse.Namespace, pp: int, source: str) -> tuple[int, tuple[int, ...] | None]:
+    layers = ns.num_layers
+    if ns.pipeline_model_parallel_layout:
+        blocks = parse_megatron_layout(ns.pipeline_model_parallel_layout)
+        if len(blocks) % pp:
+            raise UserError(f"{source}: the pipeline layout has {len(blocks)} stages, not a multiple of pp={pp}")
+        return len(blocks) // pp, blocks
+    first, last = ns.decoder_first_pipeline_num_layers, ns.decoder_last_pipeline_num_layers
+    virtual = ns.num_virtual_stages_per_pipeline_rank or 1
+    if ns.num_layers_per_virtual_pipeline_stage:
+        if layers is None or layers % (pp * ns.num_layers_per_virtual_pipeline_stage):
+            raise UserError(f"{source}: --num-layers {layers} is not a multiple of pp * "
+                            f"--num-layers-per-virtual-pipeline-stage")
+        virtual = layers // (pp * ns.num_layers_per_virtual_pipeline_stage)
+    if pp == 1 or (first is None and last is None):
+        return virtual, None
+    if layers is None or virtual > 1:
+        raise UserError(f"{source}: --decoder-first/last-pipeline-num-layers need --num-layers and no virtual stages")
+    first = layers // pp if first is None else first
+    last = layers // pp if last is None else last
+    rest, middle = layers - first - last, pp - 2
+    if (middle == 0 and rest) or (middle > 0 and rest % middle) or rest < 0:
+        raise UserError(f"{source}: {layers} layers with {first} on the first and {last} on the last stage do not "
+                        f"split evenly over the {middle} middle stages")
+    return 1, (first,) + (rest // middle if middle else 0,) * middle + (last,)
+
+
+def _read_zero(ns: argparse.Namespace) -> int:
+    if ns.use_megatron_fsdp:
+        return _ZERO_OF_SHARDING[ns.data_parallel_sharding_strategy]
+    if ns.use_torch_fsdp2:
+        return 3
+    return 1 if ns.use_distributed_optimizer else 0
+
+
+def _read_recompute(ns: argparse.Namespace, notes: Notes) -> Recompute:
+    granularity = ns.recompute_granularity or ("selective" if ns.recompute_activations else None)
+    if granularity == "selective":
+        return Recompute.SELECTIVE
+    if granularity != "full":
+        return Recompute.NONE
+    if ns.recompute_method == "block" and ns.recompute_num_layers is not None and ns.num_layers:
+        notes.add(f"--recompute-method block recomputes {ns.recompute_num_layers} layers of each stage; priced as "
+                  f"full recomputation of every layer (an upper bound on its time)")
+    return Recompute.FULL

@@ -1,0 +1,204 @@
+"""Export to torchtitan, Megatron-LM, Megatron-DeepSpeed and DeepSpeed, and reading their files back.
+
+The round trip over the golden plans: exporting a plan and reading the file back on the plan's cluster gives the
+plan's strategy exactly, unless the export warned that the trainer cannot express something -- then the warning
+names it. The CLI commands (`export`, `estimate --from`, `plan --baseline`) run in-process on small models.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from costmodel.strategy import Recompute, StageSpec
+from planner.cli.common import plan_model
+from planner.cli.main import main
+from planner.errors import UserError
+from planner.plan import Plan
+from planner.trainers.argtable import argument_tokens, load_table
+from planner.trainers.common import ExportError, ModelShape, Trainer
+from planner.trainers.convert import export_plan, imported_strategy, read_trainer_config
+from planner.trainers.layout import BlockLayout, format_megatron_layout, parse_megatron_layout
+from planner.trainers.mapping import comparable
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = sorted((REPO / "plans").glob("*.json"))
+EXAMPLES = REPO / "examples" / "trainers"
+
+
+@pytest.fixture(scope="module")
+def golden() -> dict[str, tuple[Plan, BlockLayout, ModelShape]]:
+    out = {}
+    for path in GOLDEN:
+        plan = Plan.load(path)
+        built, chain = plan_model(plan)
+        layout = BlockLayout.of(chain)
+        out[path.stem] = (plan, layout, ModelShape.of(built.name, built.family, built.config, layout.num_blocks,
+                                                      built.seq_len))
+    return out
+
+
+def round_trip(plan: Plan, layout: BlockLayout, shape: ModelShape, trainer: Trainer, folder: Path):
+    result = export_plan(plan, trainer, layout, shape)
+    path = folder / result.filename
+    path.write_text(result.text)
+    if trainer is Trainer.MEGATRON_DEEPSPEED:
+        (folder / "ds_config.json").write_text(export_plan(plan, Trainer.DEEPSPEED, layout, shape).text)
+    cfg = read_trainer_config(f"{trainer.value}:{path}")
+    return result, imported_strategy("x", cfg, layout, plan.strategy.num_devices)
+
+
+@pytest.mark.parametrize("trainer", list(Trainer), ids=str)
+def test_export_then_import_gives_the_plans_strategy(golden, trainer: Trainer, tmp_path: Path) -> None:
+    exact = 0
+    for name, (plan, layout, shape) in golden.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        result, back = round_trip(plan, layout, shape, trainer, folder)
+        same = comparable(back.strategy) == comparable(plan.strategy)
+        assert back.global_batch == plan.training.global_batch, name
+        if result.warnings:
+            assert not same or trainer is Trainer.DEEPSPEED, (name, result.warnings)
+        else:
+            assert same, (name, back.strategy, plan.strategy)
+            exact += 1
+    assert exact >= {Trainer.MEGATRON: 7, Trainer.TORCHTITAN: 2}.get(trainer, 3)
+
+
+def test_megatron_exports_every_golden_plan_exactly(golden, tmp_path: Path) -> None:
+    for name, (plan, layout, shape) in golden.items():
+        result, _ = round_trip(plan, layout, shape, Trainer.MEGATRON, tmp_path)
+        assert result.warnings == (), name
+        tokens = argument_tokens(result.text, source=name)
+        ns = load_table("megatron_lm").parse(tokens, source=name)  # every flag is Megatron-LM's, values typed
+        assert ns.tensor_model_parallel_size == plan.strategy.tp
+        assert ns.global_batch_size == plan.training.global_batch
+
+
+def test_uneven_and_interleaved_cuts_round_trip(golden, tmp_path: Path) -> None:
+    plan, layout, shape = golden["gpt3-1.3b-2x8xa100"]
+    s = plan.strategy
+    cases = {  # blocks per virtual stage -> the Megatron-LM flags that must carry them
+        (5, 7, 7, 5): "--decoder-first-pipeline-num-layers 5",
+        (3, 9, 6, 6): "--pipeline-model-parallel-layout Ettt|ttttttttt|tttttt|ttttttL",
+        (3, 3, 3, 3, 3, 3, 3, 3): "--num-layers-per-virtual-pipeline-stage 3",
+    }
+    for blocks, flag in cases.items():
+        v = 2 if len(blocks) == 8 else 1
+        strategy = replace(s, dp=4, pp=4, virtual_stages=v, schedule="interleaved" if v > 1 else "1f1b",
+                           num_microbatches=4, microbatch_size=4, stages=layout.stages_of(blocks))
+        variant = replace(plan, strategy=strategy)
+        for trainer in (Trainer.MEGATRON, Trainer.TORCHTITAN):
+            result, back = round_trip(variant, layout, shape, trainer, tmp_path)
+            if trainer is Trainer.MEGATRON:
+                assert flag in result.text
+            assert back.strategy.stages == strategy.stages, (trainer, blocks)
+
+
+def test_megatron_layout_strings() -> None:
+    assert format_megatron_layout((1, 2, 2, 1)) == "Et|tt|tt|tL"
+    assert parse_megatron_layout("Et|tt|tt|tL") == (1, 2, 2, 1)
+    assert parse_megatron_layout("E|(t|)*3,tL") == (0, 1, 1, 1, 1)
+    assert parse_megatron_layout("Et*3|t*4|tttL") == (3, 4, 3)
+    with pytest.raises(UserError, match="not priced"):
+        parse_megatron_layout("Et|mm|tL")
+
+
+def test_a_cut_inside_the_embedding_cannot_be_exported(golden) -> None:
+    plan, layout, shape = golden["gpt-tiny-1x4xcpu"]
+    layout = replace(layout, lead=2, num_blocks=3)  # pretend the embedding spans two segments
+    s = plan.strategy
+    bad = replace(plan, strategy=replace(s, pp=2, dp=s.dp // 2, microbatch_size=2 * s.microbatch_size,
+                                         stages=(StageSpec(0, 1), StageSpec(1, 6))))
+    with pytest.raises(UserError, match="inside the embedding or head"):
+        export_plan(bad, Trainer.MEGATRON, layout, shape)
+
+
+def test_what_a_trainer_cannot_express_is_a_warning_or_with_strict_an_error(golden) -> None:
+    plan, layout, shape = golden["moe-tiny-1x8xh100"]
+    plan = replace(plan, strategy=replace(plan.strategy, zero_stage=1))  # torchtitan has FSDP or DDP only
+    result = export_plan(plan, Trainer.TORCHTITAN, layout, shape)
+    assert any("ZeRO-1 exported as FSDP" in w for w in result.warnings)
+    with pytest.raises(ExportError, match="--strict: torchtitan shards"):
+        export_plan(plan, Trainer.TORCHTITAN, layout, shape, strict=True)
+    stages = (StageSpec(0, 3, Recompute.FULL), StageSpec(3, 6, Recompute.NONE))
+    mixed = replace(plan, strategy=replace(plan.strategy, pp=2, dp=4, num_microbatches=2, stages=stages))
+    result = export_plan(mixed, Trainer.MEGATRON, layout, shape)
+    assert "--recompute-granularity full" in result.text
+    assert any("recomputes per stage" in w for w in result.warnings)
+
+
+def test_launch_scripts_and_bash_arrays_are_read() -> None:
+    cfg = read_trainer_config(f"megatron:{EXAMPLES / 'megatron_gpt3_1.3b.sh'}")
+    assert (cfg.tp, cfg.pp, cfg.microbatch_size, cfg.global_batch) == (2, 2, 2, 64)
+    assert cfg.sequence_parallel and cfg.zero_stage == 1 and cfg.recompute is Recompute.FULL
+    assert cfg.runtime.dp_overlap is False  # no --overlap-grad-reduce: Megatron-LM does not overlap then
+    assert cfg.num_layers == 24 and cfg.seq_len == 2048 and cfg.dtype == "bfloat16"
+
+
+def test_import_errors_say_what_is_wrong(tmp_path: Path, golden) -> None:
+    _, layout, _ = golden["gpt3-1.3b-2x8xa100"]
+    typo = tmp_path / "typo.args"
+    typo.write_text("--tensor-parallel-size 2\n--micro-batch-size 1\n")
+    with pytest.raises(UserError, match="did you mean --tensor-model-parallel-size"):
+        read_trainer_config(f"megatron:{typo}")
+    wrong = tmp_path / "wrong.args"
+    wrong.write_text("--num-layers 12 --micro-batch-size 1 --tensor-model-parallel-size 3")
+    cfg = read_trainer_config(f"megatron:{wrong}")
+    with pytest.raises(UserError, match="12 layers, but the model has 24"):
+        imported_strategy("x", cfg, layout, 16)
+    with pytest.raises(UserError, match="does not divide the cluster's 16 devices"):
+        imported_strategy("x", replace(cfg, num_layers=None), layout, 16)
+    with pytest.raises(UserError, match="expected TRAINER:FILE"):
+        read_trainer_config("megatron")
+    with pytest.raises(UserError, match="unknown trainer"):
+        read_trainer_config("nemo:x.yaml")
+
+
+def test_cli_export_writes_once_and_refuses_to_overwrite(tmp_path: Path, capsys) -> None:
+    plan = REPO / "plans" / "llama-tiny-pp4-1x8xh100.json"
+    out = tmp_path / "job.toml"
+    assert main(["export", str(plan), "--to", "torchtitan", "-o", str(out)]) == 0
+    text = out.read_text()
+    assert "module_fqns_per_model_part" in text and "pipeline_parallel_degree = 4" in text
+    assert main(["export", str(plan), "--to", "torchtitan", "-o", str(out)]) == 2
+    assert "exists; pass --force" in capsys.readouterr().err
+    assert main(["export", str(plan), "--to", "megatron", "--json"]) == 0
+    exported = json.loads(capsys.readouterr().out)
+    assert exported["trainer"] == "megatron" and "--pipeline-model-parallel-size 4" in exported["text"]
+
+
+def test_cli_estimate_from_equals_estimate_flags(tmp_path: Path, capsys) -> None:
+    args_file = tmp_path / "tiny.args"
+    args_file.write_text("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --micro-batch-size 2 "
+                         "--global-batch-size 16 --sequence-parallel --overlap-grad-reduce --bf16\n")
+    base = ["estimate", "gpt-tiny", "--cluster", "1x8xa100-80gb", "--json"]
+    assert main([*base, "--from", f"megatron:{args_file}"]) == 0
+    imported = json.loads(capsys.readouterr().out)
+    assert main([*base, "--tp", "2", "--pp", "2", "--dp", "2", "--mbs", "2", "--batch", "16", "--sp"]) == 0
+    flags = json.loads(capsys.readouterr().out)
+    assert imported["strategy"] == flags["strategy"]
+    assert imported["predicted"]["step_time_s"] == flags["predicted"]["step_time_s"]
+    assert main([*base, "--from", f"megatron:{args_file}", "--tp", "2"]) == 2
+    assert "--from sets the strategy; drop --tp" in capsys.readouterr().err
+
+
+def test_cli_plan_baseline_prints_the_gain(tmp_path: Path, capsys) -> None:
+    args_file = tmp_path / "today.args"
+    args_file.write_text("--pipeline-model-parallel-size 4 --micro-batch-size 1 --global-batch-size 16 "
+                         "--recompute-granularity full --bf16\n")
+    argv = ["plan", "gpt-tiny", "--cluster", "1x8xa100-80gb", "--batch", "16", "--baseline",
+            f"megatron:{args_file}"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["baseline"]["strategy"]["pp"] == 4 and out["baseline"]["search"]["status"] == "fixed"
+    gain = out["gain"]
+    assert gain["speedup"] == pytest.approx(out["baseline"]["predicted"]["step_time_s"]
+                                            / out["plan"]["predicted"]["step_time_s"])
+    assert gain["speedup"] > 1  # four pipeline stages with full recomputation lose to the free plan
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert f"baseline megatron:{args_file}" in text and "predicted gain:" in text and "what changes" in text
