@@ -12,7 +12,7 @@ efficiency minimizing the mean absolute error is found on a 0.005 grid, over all
 row out in turn (the leave-one-out error is the row's error at the efficiency fitted without it). Writes
 bench/results/training_efficiency_fit.json.
 
-Usage: python bench/published_runs.py [--only SUBSTRING] [--no-free] [--json] [--fit] [--resume]
+Usage: python bench/published_runs.py [--only SUBSTRING] [--no-free] [--json] [--fit]
 """
 
 from __future__ import annotations
@@ -138,27 +138,6 @@ def fit(runs: list[PublishedRun]) -> dict:
     return out
 
 
-def _write(out: Path, rows: list[dict], *, complete: bool, free_plans: bool, summary: dict | None = None) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    result = {"summary": summary, "rows": rows, "complete": complete, "free_plans": free_plans}
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(out)
-
-
-def _resumed_rows(out: Path, args: argparse.Namespace) -> list[dict]:
-    """With --resume, the rows of an unfinished earlier run of the same kind (free plans or not)."""
-    if not args.resume or not out.exists():
-        return []
-    previous = json.loads(out.read_text())
-    if previous.get("complete", True) or previous.get("free_plans") != (not args.no_free):
-        print(f"nothing to resume in {out}: it is complete or was run {'with' if args.no_free else 'without'} "
-              "free plans", flush=True)
-        return []
-    print(f"resuming: {len(previous['rows'])} rows kept from {out}", flush=True)
-    return previous["rows"]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="rows whose name contains this text")
@@ -167,17 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fit", action="store_true", help="fit the training efficiency per device class instead")
     ap.add_argument("--free-time-limit", type=float, default=120.0, metavar="SEC",
                     help="time limit of each free-planner reference search (default 120 s; the gap is shown)")
-    ap.add_argument("--resume", action="store_true",
-                    help="keep the rows of an earlier run that was cut short and price only the rest")
     args = ap.parse_args(argv)
     if args.fit:
         fit([r for r in all_runs() if args.only.lower() in r.name.lower()])
         return 0
-    out = ROOT / "bench" / "results" / "published_runs.json"
-    rows, chains = _resumed_rows(out, args), {}
-    done = {r["run"] for r in rows}
+    rows, chains = [], {}
     for run in all_runs():
-        if args.only.lower() not in run.name.lower() or run.name in done:
+        if args.only.lower() not in run.name.lower():
             continue
         started = time.monotonic()
         pred = predict(run, chains)
@@ -198,15 +173,15 @@ def main(argv: list[str] | None = None) -> int:
             free = f"{r['free_over_expert']:.2f}" if free_s else "-"
             print(f"{run.name[:48]:48s} {run.measured_step_s:8.3f} {pred.step_s:8.3f} {err:+7.1%}  mem {mem:22s} "
                   f"mfu {pred.mfu:5.1%} free/exp {free:5s} | {pred.strategy} | free: {free_label}", flush=True)
-        if not args.only:  # each row as it finishes: a run cut short keeps what it measured (--resume)
-            _write(out, rows, complete=False, free_plans=not args.no_free)
     errs = [abs(r["error"]) for r in rows]
     mems = [abs(r["memory_error"]) for r in rows if r["memory_error"] is not None]
     summary = {"rows": len(rows), "mean_abs_error": sum(errs) / len(errs), "max_abs_error": max(errs),
                "mean_abs_memory_error": sum(mems) / len(mems) if mems else None}
-    result = {"summary": summary, "rows": rows, "complete": True, "free_plans": not args.no_free}
+    result = {"summary": summary, "rows": rows}
+    out = ROOT / "bench" / "results" / "published_runs.json"
     if not args.only:
-        _write(out, rows, complete=True, free_plans=not args.no_free, summary=summary)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
         if not args.no_free:
             update_doc(result)
     if args.json:

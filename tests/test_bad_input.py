@@ -195,38 +195,6 @@ BAD_INPUTS: tuple[BadInput, ...] = (
     _case("whatif-unknown-key", "whatif --vary of something that cannot vary",
           f"whatif {TINY} --cluster 1x4xcpu --batch 8 --vary gpus=4,8", "unknown key 'gpus'", "keys: tier.NAME.bandwidth",
           "nodes"),
-    # ---- trainers: export, --from, --baseline, report ------------------------------------------------------------
-    _case("export-unknown-trainer", "export to a trainer that is not supported", "export plan.json --to nemo",
-          "invalid choice: 'nemo'", "torchtitan", "megatron", "deepspeed"),
-    _case("export-output-exists", "export -o onto an existing file without --force",
-          "export plan.json --to torchtitan -o existing.toml", "-o existing.toml exists", "pass --force"),
-    _case("from-no-trainer", "--from without TRAINER:", f"estimate {TINY} --cluster 1x4xcpu --from ok.args",
-          "--from 'ok.args'", "expected TRAINER:FILE", "megatron, deepspeed"),
-    _case("from-unknown-trainer", "--from of an unknown trainer",
-          f"estimate {TINY} --cluster 1x4xcpu --from nemo:ok.args", "unknown trainer", "valid: torchtitan"),
-    _case("from-missing-file", "--from a file that does not exist",
-          f"estimate {TINY} --cluster 1x4xcpu --from megatron:nosuch.args", "nosuch.args does not exist"),
-    _case("from-typo-flag", "--from a Megatron-LM argument file with a misspelled flag",
-          f"estimate {TINY} --cluster 1x4xcpu --from megatron:typo.args",
-          "--tensor-parallel-size is not an argument of Megatron-LM core_v0.16.1",
-          "did you mean --tensor-model-parallel-size?"),
-    _case("from-bad-value", "--from a file whose value the trainer's parser rejects",
-          f"estimate {TINY} --cluster 1x4xcpu --from megatron:badvalue.args",
-          "--tensor-model-parallel-size: invalid int value: '$TP'"),
-    _case("from-bad-toml", "--from a torchtitan config that is not TOML",
-          f"estimate {TINY} --cluster 1x4xcpu --from torchtitan:corrupt.json", "not valid TOML"),
-    _case("from-other-model", "--from a configuration of a model with other layers",
-          f"estimate {TINY} --cluster 1x4xcpu --from megatron:layers.args",
-          "12 layers, but the model has 4", "--set layers="),
-    _case("from-and-flags", "--from together with strategy flags",
-          f"estimate {TINY} --cluster 1x4xcpu --from megatron:ok.args --tp 2", "--from sets the strategy; drop --tp"),
-    _case("estimate-no-strategy", "estimate with neither the strategy flags nor --from",
-          f"estimate {TINY} --cluster 1x4xcpu --tp 1", "required: --batch, --pp, --dp, --mbs", "--from"),
-    _case("baseline-other-batch", "--baseline that trains another global batch",
-          f"plan {TINY} --cluster 1x4xcpu --batch 8 --baseline megatron:ok.args",
-          "trains a global batch of 16, --batch is 8"),
-    _case("report-not-html", "report -o with a name that is not .html", "report plan.json -o report.txt",
-          "give the page an .html name"),
     # ---- command line ---------------------------------------------------------------------------------------------
     _case("unknown-command", "unknown sub-command", "optimize gpt", "invalid choice: 'optimize'", "plan", "trace"),
     _case("bad-choice", "value outside a flag's choices", "diff plan.json plan.json --format html",
@@ -282,11 +250,6 @@ def scratch_files(plan_json: str) -> dict[str, bytes]:
         "device.yaml": "name: x\ngroups:\n  - device: h900\n    num_nodes: 1\n    devices_per_node: 2\n",
         "quantity.yaml": "name: x\n" + _GROUP + _TIERS + "    bandwidth: fast\n",
         "price.yaml": "name: x\n" + _GROUP + "    price_per_device_hour: -1\n",
-        "ok.args": "--micro-batch-size 2 --global-batch-size 16\n",
-        "typo.args": "--tensor-parallel-size 2\n--micro-batch-size 1\n",
-        "badvalue.args": "--tensor-model-parallel-size $TP\n--micro-batch-size 1\n",
-        "layers.args": "--num-layers 12\n--micro-batch-size 1\n",
-        "existing.toml": "# a hand-written job config\n",
     }
     files = {name: text.encode() for name, text in texts.items()}
     files["binary.json"] = b"\xff\xfe\x00\x01 not utf-8"
@@ -472,8 +435,7 @@ Commands run in a folder holding the files they name: `plan.json` is a valid two
 (`stratagem plan gpt-tiny --cluster 1x4xcpu --batch 8 --fix dp=2 --fix tp=1 --fix pp=1 -o plan.json`);
 `truncated.json`, `newer.json`, `unknown-key.json`, `bad-value.json`, `stage-gap.json`, `corrupt.json` and
 `binary.json` are damaged copies; `cluster.yaml` is a valid two-CPU cluster and the other `.yaml` files each hold
-one mistake; `ok.args`, `typo.args`, `badvalue.args` and `layers.args` are Megatron-LM argument files (a valid one
-and three with a mistake) and `existing.toml` a file that is already there (see `scratch_files` in the test).
+one mistake (see `scratch_files` in the test).
 
 | # | mistake | command (`stratagem ...`) | exit | message |
 |---|---|---|---|---|

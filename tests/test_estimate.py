@@ -15,7 +15,7 @@ from costmodel import Cluster, Recompute, Schedule, StageSpec, Strategy, estimat
 from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.layer_pricing import price_segment
 from costmodel.memory import GPU_FRAMEWORK_OVERHEAD_BYTES
-from costmodel.pipeline import pipeline_step_time
+from costmodel.pipeline import in_flight_per_chunk, pipeline_step_time
 from costmodel.rank_layout import even_stages
 from costmodel.step_time import optimizer_step_time, overlapped_exposed
 from costmodel.strategy import RuntimeOptions
@@ -137,6 +137,34 @@ def test_interleaved_first_rank_memory_factor(node8):
     assert e.stages[0].memory.activations == 3 * (embed + 2 * per_layer) + 2 * (2 * per_layer)
 
 
+def test_uneven_virtual_stages_closed_form(node8):
+    """6 blocks + the embedding + the head as 8 chunks of one unit on p=2, v=4 (Llama 3 405B's layout in small:
+    the embedding and the head each alone in a chunk): the interleaved step T = m D + (S - D)/v with D the busiest
+    rank, and each chunk's activations times its own in-flight count."""
+    chain = gpt_chain(GptShape(layers=6, hidden=512, heads=8, seq=256, vocab=1000, batch=1))
+    p, v, m = 2, 4, 4
+    stages = tuple(StageSpec(j, j + 1) for j in range(8))
+    e = estimate(chain, node8, Strategy(pp=p, microbatch_size=1, num_microbatches=m, schedule="interleaved",
+                                        virtual_stages=v, stages=stages))
+    assert e.fits
+    device = node8.device_of(0)
+    costs = [price_segment(chain, s, device, microbatch_size=1) for s in chain.segments]
+    work = [sum(c.fwd_compute_s + c.bwd_compute_s for c in costs[r::p]) for r in range(p)]
+    # Rank 0: the embedding and 3 blocks, rank 1: 3 blocks and the head.
+    assert [s.fwd_s + s.bwd_s for s in e.stages] == pytest.approx(work)
+    busy = max(work)
+    b = e.breakdown
+    assert b.compute_s == pytest.approx(m * busy)
+    assert b.bubble_s == pytest.approx((sum(work) - busy) / v)
+    fwd = [c.fwd_compute_s for c in costs]
+    bwd = [c.bwd_compute_s for c in costs]
+    assert b.compute_s + b.bubble_s == pytest.approx(pipeline_step_time(fwd, bwd, "interleaved", m, v))
+    saved = [c.saved_bytes_none for c in costs]
+    for r in range(p):
+        counts = in_flight_per_chunk("interleaved", p, r, m, v)
+        assert e.stages[r].memory.activations == sum(n * saved[c * p + r] for c, n in enumerate(counts))
+
+
 def test_problems_are_exact(chain, node8):
     device = node8.device_of(0)
     costs = {(s.class_id, device.name): price_segment(chain, s, device, microbatch_size=1) for s in chain.segments}
@@ -211,9 +239,9 @@ def test_deterministic_and_fast_for_gpt3_175b():
     st = Strategy(dp=16, pp=8, tp=1, microbatch_size=1, num_microbatches=12, schedule="interleaved",
                   virtual_stages=3, recompute="selective", zero_stage=1)
     estimate(chain, cluster.with_speed(0, 1.0), Strategy(dp=1))  # warm the per-process caches
-    t0 = time.process_time()
+    t0 = time.perf_counter()
     a = estimate(chain, cluster, st)
-    elapsed = time.process_time() - t0
+    elapsed = time.perf_counter() - t0
     b = estimate(chain, cluster, st)
     assert a == b and a.to_dict() == b.to_dict()
     assert elapsed < 1.0, f"one gpt3-175b estimate took {elapsed:.2f} s"

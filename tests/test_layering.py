@@ -1,9 +1,9 @@
 """The import structure, read from the source (AST; nothing is imported):
 
     ir  <-  costmodel  <-  planner core (errors, plan, strategy_label, tracing)  <-  planner.search
-        <-  planner.{scenarios, reports, runtime, profiling, trainers}  <-  planner.api (and the package)  <-  planner.cli
+        <-  planner.{scenarios, reports, runtime, profiling}  <-  planner.api (and the package)  <-  planner.cli
 
-A module may import its own group and the groups below it, never above; of the five siblings only
+A module may import its own group and the groups below it, never above; of the four siblings only
 profiling -> runtime is allowed (the framework profile times the runtime's own code paths). Outside `models/`, only
 `models.registry` is imported (tests, bench and scripts are free to use the zoo directly). No import cycles between
 modules, lazy (function-level) imports included; imports under `if TYPE_CHECKING:` are not dependencies. Tests do
@@ -31,7 +31,6 @@ LAYERS: dict[str, int] = {
     "planner.reports": 4,
     "planner.runtime": 4,
     "planner.profiling": 4,
-    "planner.trainers": 4,
     "planner.api": 5,
     "planner.cli": 6,
 }

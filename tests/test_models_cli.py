@@ -24,9 +24,9 @@ def run_models(argv: list[str], capsys) -> tuple[int, str]:
 
 
 def test_table_lists_every_family_and_preset_with_counts(capsys) -> None:
-    start = time.process_time()
+    start = time.perf_counter()
     code, out = run_models(["models"], capsys)
-    assert time.process_time() - start < 2.0
+    assert time.perf_counter() - start < 2.0
     assert code == 0
     lines = out.splitlines()
     assert lines[0].split() == ["NAME", "KIND", "FAMILY", "PARAMS", "PUBLISHED", "DESCRIPTION"]

@@ -58,11 +58,11 @@ UPDATE_FLOOR = 1e-6
 
 CONFIGS_2 = ("dp2", "dp2_zero1", "fsdp2", "tp2", "tp2_sp", "tp2_sp_llama", "tp2_moe", "tp2_sp_moe",
              "pp2_gpipe", "pp2_1f1b", "pp2_1f1b_one_microbatch", "pp2_interleaved", "pp2_interleaved_m3",
-             "pp2_interleaved_m1", "pp2_llama_uneven", "user_pp2", "user_dp2_recompute", "recompute_full_dp2",
+             "pp2_interleaved_m1", "pp2_interleaved_uneven", "pp2_llama_uneven", "user_pp2", "user_dp2_recompute", "recompute_full_dp2",
              "recompute_selective_tp2", "recompute_op_fsdp2", "tp2_sp_selective_island", "tp2_sp_unpaired_colwise", "recompute_pp2",
              "cp2", "cp2_llama_recompute", "ep2", "ep2_fsdp")
 CONFIGS_4 = ("dp4_fsdp", "tp2_dp2", "tp2_sp_fsdp2", "pp2_dp2", "pp2_fsdp2", "pp2_tp2", "pp2_tp2_sp_recompute",
-             "pp4_1f1b", "pp2_interleaved_dp2", "user_pp2_fsdp2", "cp2_dp2", "cp2_fsdp2_selective", "cp2_tp2_sp",
+             "pp4_1f1b", "pp2_interleaved_dp2", "pp2_interleaved_uneven_zero1", "user_pp2_fsdp2", "cp2_dp2", "cp2_fsdp2_selective", "cp2_tp2_sp",
              "cp2_pp2", "ep2_dp4", "ep2_tp2", "ep2_pp2", "cp2_ep2_moe")
 
 

@@ -6,6 +6,7 @@ import json
 import resource
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -87,16 +88,14 @@ def test_untraceable_user_model_is_a_user_error(capsys) -> None:
 
 
 def test_gpt3_175b_json_time_and_memory() -> None:
-    """`stratagem trace gpt3-175b --json` in < 20 s of CPU with < 3 GiB peak RSS (aim: < 5 s). CPU time, not wall
-    time: the suite shares two cores with other processes, and waiting for a core is not the tracer's cost."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    """`stratagem trace gpt3-175b --json` in < 20 s with < 3 GiB peak RSS (aim: < 5 s)."""
+    start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "planner.cli.main", "trace", "gpt3-175b", "--json"],
-                          capture_output=True, text=True, timeout=300, check=False)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+                          capture_output=True, text=True, timeout=120, check=False)
+    elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr
-    peak_rss = after.ru_maxrss * 1024  # Linux reports KiB
-    assert cpu_s < 20.0, cpu_s
+    peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux reports KiB
+    assert elapsed < 20.0
     assert peak_rss < 3 * 2**30
     d = json.loads(proc.stdout)
     assert abs(d["params"] - 174.6e9) / 174.6e9 < 0.005

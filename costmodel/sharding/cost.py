@@ -31,7 +31,6 @@ from costmodel.hardware.collectives import Collective, CommGroup, collective_tim
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import op_policy_kept, selective_recompute_region
-from costmodel.memory import GRAD_BYTES, OPTIMIZER_BYTES_MIXED
 from costmodel.operators import node_time, retype_ratio
 from costmodel.profile_db import OpProfile
 from costmodel.sharding.dims import DimLabel, Labels, input_labels, is_float, op_name, propagate_labels
@@ -52,10 +51,9 @@ from costmodel.sharding.rules import NodeStrategy, StrategyContext, Style, node_
 from costmodel.training_loss import loss_inputs
 from ir.graph import Node, OpKind, TensorSpec
 
-BYTES_PER_PARAM_MIXED_ADAM = 2 + GRAD_BYTES + OPTIMIZER_BYTES_MIXED
-"""bf16 weight (2) + fp32 gradient (`memory.GRAD_BYTES`, as Megatron-LM and FSDP2 keep it) + fp32 master weight,
-momentum, variance (12; Rajbhandari et al. 2020, ZeRO §3.1, the "K = 12" of mixed-precision Adam): the bytes
-`costmodel.memory.model_state_bytes` counts per unsharded parameter."""
+BYTES_PER_PARAM_MIXED_ADAM = 16
+"""fp16/bf16 weight (2) + gradient (2) + fp32 master weight, momentum, variance (12): Rajbhandari et al. 2020
+(ZeRO), §3.1, the "K = 12" of mixed-precision Adam."""
 
 DEFAULT_MEMORY_WEIGHT = 1e-15
 """Seconds of objective per byte of per-device memory: 1 GB ~ 1 us. Small enough never to trade speed for

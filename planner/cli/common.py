@@ -60,8 +60,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=positive_int, default=None, help="sequence length (default: the model's)")
 
 
-def add_dtype_argument(parser: argparse.ArgumentParser, default: str | None = "bfloat16") -> None:
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=default,
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                         help="training compute dtype: prices FLOPs at its peak and activations at its size "
                              "(default bfloat16; use float32 for CPU runs)")
 
@@ -120,29 +120,6 @@ def trace_chain(built: Any, *, dtype: str = "bfloat16") -> Any:
         raise
     except ValueError as e:
         raise UserError(f"cannot trace {built.name}: {_one_line(e)}") from None
-
-
-def setting_text(value: Any) -> str:
-    """A parsed `--set` value written back as the command line gives it."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list | tuple):
-        return ",".join(str(v) for v in value)
-    return str(value)
-
-
-def plan_model(plan: Any) -> tuple[Any, Any]:
-    """The plan's model rebuilt from its name and settings and traced as `stratagem plan` traced it:
-    (`BuiltModel`, `LayerChain`); a chain whose fingerprint is not the plan's is a user error."""
-    import ir
-
-    sets = [f"{k}={setting_text(v)}" for k, v in plan.model.settings]
-    built = build_model(plan.model.name, sets, seq=None)
-    chain = trace_chain(built, dtype=plan.training.dtype)
-    if ir.fingerprint(chain.graph) != plan.model.fingerprint:
-        raise UserError(f"the plan's model {plan.model.name} traces differently here (fingerprint "
-                        f"{plan.model.fingerprint[:12]} expected); was it planned with another Stratagem version?")
-    return built, chain
 
 
 def input_paths(*candidates: str | None) -> tuple[Path, ...]:

@@ -9,20 +9,13 @@ Three flags price the strategy as another trainer runs it (`costmodel.strategy.R
 (data-parallel communication after the backward, as Megatron-LM before its overlap flags or DeepSpeed's pipeline
 engine), `--keep-gathered` (ZeRO-3 keeps gathered weights from forward to backward: FSDP2
 `reshard_after_forward=False`) and `--tp-overlap` (Megatron-Core / Transformer Engine `--tp-comm-overlap`).
-
-`--from TRAINER:FILE` prices the configuration a team runs today instead of the flags: a Megatron-LM or
-Megatron-DeepSpeed argument file, a torchtitan TOML job config or a DeepSpeed JSON config
-(`planner.trainers`); the data-parallel degree is what the cluster leaves, the sequence length and dtype are the
-file's unless --seq / --dtype say otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from typing import Any
 
-from costmodel.strategy import Recompute, RuntimeOptions, Schedule, Strategy
+from costmodel.strategy import SCHEDULE_CHOICES, Recompute, RuntimeOptions, Schedule, Strategy, parse_schedule
 from planner.api import estimate_plan, load_profile
 from planner.cli.common import (
     add_cluster_argument,
@@ -42,21 +35,15 @@ from planner.errors import UserError
 
 
 def schedule_arg(text: str) -> tuple[Schedule, int]:
-    """`1f1b`, `gpipe` or `interleaved:V` -> (schedule, virtual stages)."""
-    name, _, v = text.strip().lower().partition(":")
-    valid = "1f1b, gpipe, interleaved:V"
+    """`1f1b`, `gpipe`, `interleaved:V`, `interleaved-zb[:V]`, `zbv`, `dualpipev` -> (schedule, virtual stages)."""
     try:
-        schedule = Schedule(name)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"unknown schedule {text!r}; valid: {valid}") from None
-    if schedule is Schedule.INTERLEAVED:
-        if not v.isdigit() or int(v) < 2:
-            raise argparse.ArgumentTypeError(f"interleaved needs :V with V >= 2 chunks per rank, e.g. "
-                                             f"interleaved:2; got {text!r}")
-        return schedule, int(v)
-    if v:
-        raise argparse.ArgumentTypeError(f"only interleaved takes :V, got {text!r}; valid: {valid}")
-    return schedule, 1
+        schedule, v = parse_schedule(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if schedule is Schedule.INTERLEAVED and v is None:
+        raise argparse.ArgumentTypeError(f"interleaved needs :V with V >= 2 chunks per rank, e.g. interleaved:2; "
+                                         f"got {text!r}")
+    return schedule, v or 1
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,21 +51,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__.split("\n\n")[1])
     add_model_arguments(p)
     add_cluster_argument(p)
-    add_dtype_argument(p, default=None)
+    add_dtype_argument(p)
     add_profile_argument(p)
-    p.add_argument("--from", dest="from_", default=None, metavar="TRAINER:FILE",
-                   help="price a trainer's configuration instead of the flags below: megatron:ARGS, "
-                        "torchtitan:TOML, deepspeed:JSON or megatron-deepspeed:ARGS")
-    p.add_argument("--batch", type=positive_int, default=None, metavar="B", help="global batch (samples per step)")
-    p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree")
-    p.add_argument("--pp", type=positive_int, default=None, help="pipeline-parallel degree")
-    p.add_argument("--dp", type=positive_int, default=None, help="data-parallel degree")
-    p.add_argument("--mbs", type=positive_int, default=None, help="micro-batch size")
-    p.add_argument("--schedule", type=schedule_arg, default=None,
-                   metavar="1f1b|gpipe|interleaved:V", help="pipeline schedule (default 1f1b)")
-    p.add_argument("--recompute", choices=[r.value for r in Recompute], default=None,
+    p.add_argument("--batch", type=positive_int, required=True, metavar="B", help="global batch (samples per step)")
+    p.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel degree")
+    p.add_argument("--pp", type=positive_int, required=True, help="pipeline-parallel degree")
+    p.add_argument("--dp", type=positive_int, required=True, help="data-parallel degree")
+    p.add_argument("--mbs", type=positive_int, required=True, help="micro-batch size")
+    p.add_argument("--schedule", type=schedule_arg, default=(Schedule.ONE_F_ONE_B, 1),
+                   metavar="SCHEDULE", help=f"pipeline schedule: {SCHEDULE_CHOICES} (default 1f1b)")
+    p.add_argument("--recompute", choices=[r.value for r in Recompute], default=Recompute.NONE.value,
                    help="activation recomputation of every stage (default none)")
-    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO stage (default 0)")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (default 0)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs tp > 1)")
     p.add_argument("--no-dp-overlap", action="store_true",
                    help="data-parallel communication does not overlap compute (another trainer's behaviour)")
@@ -90,75 +74,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-STRATEGY_FLAGS = ("batch", "tp", "pp", "dp", "mbs", "schedule", "recompute", "zero", "sp", "no_dp_overlap",
-                  "keep_gathered", "tp_overlap")
-
-
 def run(args: argparse.Namespace) -> int:
     inputs = input_paths(args.cluster)
     outputs = {"-o": check_output_path(args.output, inputs)} if args.output else {}
-    given = [f"--{f.replace('_', '-')}" for f in STRATEGY_FLAGS if getattr(args, f) not in (None, False)]
-    if args.from_ is not None and given:
-        raise UserError(f"--from sets the strategy; drop {', '.join(given)}")
-    if args.from_ is None:
-        missing = [f"--{f}" for f in ("batch", "tp", "pp", "dp", "mbs") if getattr(args, f) is None]
-        if missing:
-            raise UserError(f"the following arguments are required: {', '.join(missing)} (or --from TRAINER:FILE)")
     cluster = parse_cluster(args.cluster)
     profile = load_profile(args.profile) if args.profile else None
-    if args.from_ is not None:
-        plan = _estimate_imported(args, cluster, profile)
-    else:
-        plan = _estimate_flags(args, cluster, profile)
-    emit([plan], cluster, args.json, outputs)
-    return 0
-
-
-def _estimate_flags(args: argparse.Namespace, cluster: Any, profile: Any) -> Any:
     per_step = args.dp * args.mbs
     if args.batch % per_step:
         raise UserError(f"--batch {args.batch} is not a multiple of dp*mbs = {args.dp}*{args.mbs} = {per_step}")
-    schedule, v = args.schedule or (Schedule.ONE_F_ONE_B, 1)
+    schedule, v = args.schedule
     try:
         strategy = Strategy(dp=args.dp, tp=args.tp, pp=args.pp, microbatch_size=args.mbs,
                             num_microbatches=args.batch // per_step, schedule=schedule, virtual_stages=v,
-                            zero_stage=args.zero or 0, sequence_parallel=args.sp,
-                            recompute=Recompute(args.recompute or Recompute.NONE.value),
+                            zero_stage=args.zero, sequence_parallel=args.sp, recompute=Recompute(args.recompute),
                             runtime=RuntimeOptions(dp_overlap=not args.no_dp_overlap,
                                                    reshard_after_forward=not args.keep_gathered,
                                                    tp_overlap=args.tp_overlap))
     except ValueError as e:
         raise UserError(f"invalid strategy: {e}") from None
-    dtype = args.dtype or "bfloat16"
     built = build_model(args.model, args.sets, seq=args.seq)
-    chain = trace_chain(built, dtype=dtype)
-    return estimate_plan(chain, cluster, strategy, profile=profile, global_batch=args.batch, dtype=dtype,
-                         model_name=built.name, settings=built.settings)
-
-
-def _estimate_imported(args: argparse.Namespace, cluster: Any, profile: Any) -> Any:
-    """The plan of a trainer's configuration file (`--from`): the same `estimate_plan` the flags go through."""
-    from planner.trainers.convert import imported_strategy, read_trainer_config
-    from planner.trainers.layout import BlockLayout
-
-    cfg = read_trainer_config(args.from_)
-    dtype = args.dtype or cfg.dtype or "bfloat16"
-    built = _build_with_seq(args, args.seq or cfg.seq_len)
-    chain = trace_chain(built, dtype=dtype)
-    imported = imported_strategy(args.from_, cfg, BlockLayout.of(chain), cluster.num_available)
-    for note in cfg.notes:
-        print(f"stratagem: warning: {note}", file=sys.stderr)
-    return estimate_plan(chain, cluster, imported.strategy, profile=profile, global_batch=imported.global_batch,
-                         dtype=dtype, model_name=built.name, settings=built.settings)
-
-
-def _build_with_seq(args: argparse.Namespace, seq: int | None) -> Any:
-    """The model at the trainer file's sequence length; a model without one ignores it."""
-    from models.registry import ModelError
-
-    try:
-        return build_model(args.model, args.sets, seq=seq)
-    except ModelError as e:
-        if args.seq is None and seq is not None and "--seq does not apply" in str(e):
-            return build_model(args.model, args.sets, seq=None)
-        raise
+    chain = trace_chain(built, dtype=args.dtype)
+    plan = estimate_plan(chain, cluster, strategy, profile=profile, global_batch=args.batch, dtype=args.dtype,
+                         model_name=built.name,
+                         settings=built.settings)
+    emit([plan], cluster, args.json, outputs)
+    return 0

@@ -27,8 +27,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "planner.cli.profile_cmd",
     "planner.cli.replan_cmd",
     "planner.cli.whatif_cmd",
-    "planner.cli.export_cmd",
-    "planner.cli.report_cmd",
 )
 
 

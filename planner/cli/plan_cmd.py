@@ -54,9 +54,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-mbs", type=positive_int, default=SearchSpace().max_microbatch_size, metavar="N",
                    help="largest micro-batch size to try (default %(default)s)")
     p.add_argument("--tp-across-nodes", action="store_true", help="let tensor parallelism span nodes")
-    p.add_argument("--baseline", default=None, metavar="TRAINER:FILE",
-                   help="price this trainer configuration too (megatron:, torchtitan:, deepspeed:, "
-                        "megatron-deepspeed:) and print the plan's predicted gain over it and the diff")
     add_output_arguments(p)
     p.add_argument("--timeline", metavar="FILE.json", default=None,
                    help="also write the best plan's simulated step as Chrome/Perfetto trace JSON")
@@ -73,11 +70,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("-o, --timeline and --plot must name different files")
     cluster = parse_cluster(args.cluster)
     profile = load_profile(args.profile) if args.profile else None
-    baseline_cfg = None
-    if args.baseline:
-        from planner.trainers.convert import read_trainer_config
-
-        baseline_cfg = read_trainer_config(args.baseline, flag="--baseline")  # a bad file fails before the search
     try:
         space = SearchSpace.from_fixes(args.fix, max_microbatch_size=args.max_mbs,
                                        tp_across_nodes=args.tp_across_nodes)
@@ -89,49 +81,8 @@ def run(args: argparse.Namespace) -> int:
                      top_k=args.top, space=space,
                      objective=args.objective, time_limit_s=args.time_limit, model_name=built.name,
                      settings=built.settings, progress=progress_printer())
-    if baseline_cfg is None:
-        emit(plans, cluster, args.json, outputs)
-        return 0
-    baseline = _baseline_plan(args, baseline_cfg, chain, cluster, profile, built)
-    emit_with_baseline(plans[0], baseline, cluster, args, outputs)
+    emit(plans, cluster, args.json, outputs)
     return 0
-
-
-def _baseline_plan(args: argparse.Namespace, cfg: object, chain: object, cluster: Cluster, profile: object,
-                   built: object) -> Plan:
-    """The baseline configuration priced on the same model, cluster and batch (as `estimate --from` does)."""
-    import sys
-
-    from planner.api import estimate_plan
-    from planner.trainers.convert import imported_strategy
-    from planner.trainers.layout import BlockLayout
-
-    imported = imported_strategy(args.baseline, cfg, BlockLayout.of(chain), cluster.num_available)
-    if imported.global_batch != args.batch:
-        raise UserError(f"--baseline {args.baseline} trains a global batch of {imported.global_batch}, --batch is "
-                        f"{args.batch}; compare at the same batch")
-    seq = chain.graph.seq_len
-    if cfg.seq_len is not None and seq is not None and cfg.seq_len != seq:
-        raise UserError(f"--baseline {args.baseline} trains sequences of {cfg.seq_len}, the model has {seq}; "
-                        f"pass --seq {cfg.seq_len}")
-    for note in cfg.notes:
-        print(f"stratagem: warning: {note}", file=sys.stderr)
-    return estimate_plan(chain, cluster, imported.strategy, profile=profile, global_batch=args.batch,
-                         dtype=args.dtype, model_name=built.name, settings=built.settings)
-
-
-def emit_with_baseline(best: Plan, baseline: Plan, cluster: Cluster, args: argparse.Namespace,
-                       outputs: dict) -> None:
-    from planner.reports.baseline import gain, render_baseline
-
-    if "-o" in outputs:
-        write_text(outputs["-o"], best.to_json())
-    if args.json:
-        print(json.dumps({"plan": best.to_dict(), "baseline": baseline.to_dict(), "source": args.baseline,
-                          "gain": gain(baseline, best)}, sort_keys=True, indent=2))
-        return
-    print(render_plan(best, cluster))
-    print(render_baseline(baseline, best, args.baseline))
 
 
 def emit(plans: Sequence[Plan], cluster: Cluster, as_json: bool, outputs: dict) -> None:

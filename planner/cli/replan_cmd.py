@@ -24,7 +24,6 @@ from planner.cli.common import (
     percent,
     positive_float,
     positive_int,
-    setting_text,
     trace_chain,
     write_text,
 )
@@ -58,9 +57,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _setting_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
 def _model_chain(plan: Plan) -> Any:
     """The plan's model rebuilt from its name and settings, traced as `stratagem plan` traces it."""
-    sets = [f"{k}={setting_text(v)}" for k, v in plan.model.settings]
+    sets = [f"{k}={_setting_text(v)}" for k, v in plan.model.settings]
     built = build_model(plan.model.name, sets, seq=None)
     return trace_chain(built)
 

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from costmodel.layer_cost import LayerCost
-from costmodel.strategy import Schedule, StageSpec
+from costmodel.strategy import Schedule
 from planner.search.candidates import Candidate
+from planner.search.interleaved_layout import InterleavedLayout
 from planner.search.stage_problem import segment_work, tp_overlap_chunks
 
 
@@ -57,26 +58,47 @@ def _min_max_partition(prefix: np.ndarray, p: int) -> float:
 
 
 def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost], float]], *, optimizer_s: float,
-                      chunks: Sequence[StageSpec] = (), p2p: Sequence[float] = ()) -> float:
+                      layout: InterleavedLayout | None = None, p2p: Sequence[float] = ()) -> float:
     """A lower bound on the candidate's step time from its own layer prices (tp sharding solved).
 
     `costs`: per pipeline rank, its segment prices and speed. Per segment ``w_j`` is the least over ranks of
     ``(forward + backward compute) / speed + forward + backward TP communication`` (recomputation and
     data-parallel communication are >= 0). The pipeline's bottleneck rank carries at least the min-max
-    contiguous split of ``w`` over p stages; for interleaved, whose chunks are fixed, exactly its chunks' ``w``
-    plus their sends (`p2p`, one per chunk boundary). So ``T >= W / v + (m - 1/v) U + optimizer_s``."""
+    contiguous split of ``w`` over p stages; for interleaved, the least bottleneck of its chunk layouts
+    (`interleaved_bottleneck`) with the sends (`p2p`, one per chunk boundary). So
+    ``T >= W / v + (m - 1/v) U + optimizer_s``."""
     w = np.min([segment_work(segs, speed, tp_overlap_chunks(cand)) for segs, speed in costs], axis=0)
     prefix = np.concatenate([[0.0], np.cumsum(w)])
     m, p = cand.num_microbatches, cand.mesh.pp
     total = float(prefix[-1])
-    if cand.schedule is Schedule.INTERLEAVED and chunks:
+    if cand.schedule is Schedule.INTERLEAVED and layout is not None:
         v = cand.virtual_stages
-        n = len(chunks)
-        per_chunk = [float(prefix[c.stop] - prefix[c.start]) + (p2p[j - 1] if j > 0 else 0.0)
-                     + (p2p[j] if j < n - 1 else 0.0) for j, c in enumerate(chunks)]
-        u = max(sum(per_chunk[r::p]) for r in range(p))
-        total = sum(per_chunk)
+        u = interleaved_bottleneck(layout, w, p2p)
+        total += 2 * sum(p2p)  # every boundary is sent once and received once
     else:
         v = 1
         u = _min_max_partition(prefix, p)
     return total / v + (m - 1 / v) * u + optimizer_s
+
+
+def interleaved_bottleneck(layout: InterleavedLayout, w: np.ndarray, p2p: Sequence[float]) -> float:
+    """The least largest rank work max_r D_r over the layouts (`planner.search.interleaved_problem`), from the
+    per-segment work ``w`` and the sends: each rank starts with its smaller chunks (its sends are fixed by
+    position), and the E extra blocks go one by one to the rank with the least work that has room (at most v
+    each) -- optimal for min-max with equal increments. Layouts the sends leave out only raise it."""
+    p, v, n = layout.pp, layout.virtual_stages, len(p2p) + 1
+
+    def sends(r: int) -> float:
+        return sum((p2p[j - 1] if j > 0 else 0.0) + (p2p[j] if j < n - 1 else 0.0) for j in range(r, n, p))
+
+    if layout.fixed:
+        return max(sum(float(w[c.start:c.stop].sum()) for c in layout.fixed[r::p]) + sends(r) for r in range(p))
+    block = float(w[layout.pre])
+    work = [sum(float(w[list(chunk)].sum()) for chunk in layout.chunk_segments(r, (layout.small,) * v)) + sends(r)
+            for r in range(p)]
+    room = [v] * p
+    for _ in range(layout.extra):
+        r = min((r for r in range(p) if room[r]), key=lambda r: work[r])
+        work[r] += block
+        room[r] -= 1
+    return max(work)

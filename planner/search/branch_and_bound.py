@@ -14,9 +14,10 @@ ZeRO stage and sequence parallelism. The space, for a free dimension:
 - meshes: every mesh of `enumerate_meshes` on those counts; tp must divide the attention heads (and relate to
   the kv heads) as `costmodel.estimate` requires;
 - ``mbs``: divisors of ``global_batch / dp`` up to `SearchSpace.max_microbatch_size`;
-- schedule: 1F1B; when pp > 1 also interleaved with v in 2..max_virtual_stages when the repeated layer class
-  divides into p*v equal chunks and ``m`` is a multiple of p (Megatron-LM's conditions). GPipe is searched only
-  when pinned: on the same stages it is never faster than 1F1B (``sum F + (m-1) max F + sum B + (m-1) max B >=
+- schedule: 1F1B; when pp > 1 also interleaved with v in 2..max_virtual_stages when the chain's units (the
+  embedding, each block, the head) fill p*v chunks of q or q+1 (`planner.search.interleaved_layout`; chunks of
+  equal class counts for a chain without one run of blocks) and ``m`` is a multiple of p (Megatron-LM's condition).
+  GPipe is searched only when pinned: on the same stages it is never faster than 1F1B (``sum F + (m-1) max F + sum B + (m-1) max B >=
   sum(F+B) + (m-1) max(F+B)``) and keeps all m micro-batches in flight instead of ``min(p - k, m)``, with the same
   drain and tails, so 1F1B is at least as good on every partition (the brute-force tests include GPipe);
 - ZeRO 0..3 when dp > 1 (0 otherwise); SP on and off when tp > 1.
@@ -62,7 +63,6 @@ from costmodel.expert_parallel import model_state_bytes as expert_state_bytes
 from costmodel.hardware.cluster import Cluster
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import framework_overhead_bytes
-from costmodel.rank_layout import even_stages
 from costmodel.step_time import optimizer_step_time
 from costmodel.strategy import MeshAxis, Recompute, Schedule, Strategy
 from ir.layer_chain import LayerChain
@@ -85,7 +85,7 @@ from planner.search.pricing import (
     sharding_of,
     summary_recompute,
 )
-from planner.search.ranking import TIE_LEADS, TieSet, prefer_simplest, simplicity_floor
+from planner.search.ranking import TIE_LEADS, TieSet, simplicity_floor
 from planner.search.space import Objective, SearchSpace
 from planner.search.stage_partition import partition_lower_bound, solve_partition
 from planner.search.stage_problem import StageProblemBuilder
@@ -356,12 +356,9 @@ class SearchState:
             costs = [(self.builder.segment_costs(cand, device), speed)
                      for device, speed in {(pl.device.name, pl.speed): (pl.device, pl.speed)
                                            for pl in placements}.values()]
-            chunks: tuple = ()
-            p2p: list[float] = []
-            if interleaved:
-                chunks = even_stages(self.chain, m.pp * cand.virtual_stages)
-                p2p = self.builder.interleaved_p2p(cand, chunks, placements)
-            pipe = self._pipeline_bound[key] = tight_lower_bound(cand, costs, optimizer_s=0.0, chunks=chunks,
+            layout = self.builder.layout(cand) if interleaved else None
+            p2p = self.builder.interleaved_sends(cand, layout, placements) if layout is not None else []
+            pipe = self._pipeline_bound[key] = tight_lower_bound(cand, costs, optimizer_s=0.0, layout=layout,
                                                                  p2p=p2p)
         return (pipe + self.optimizer_bound(cand, placements)) * self.price_factor(cand)
 
@@ -491,11 +488,8 @@ def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: Sea
             raise UserError(empty_space_message(chain, cluster, global_batch, space, invalid))
         raise InfeasibleError(nothing_fits_message(state, space))
     ranked = tuple(_finish(state, f) for f in state.ranked_found())
-    fastest = ranked[0].objective
-    if options.tie_band is not None:  # the plan is the simplest strategy tied with the fastest
-        ranked = tuple(prefer_simplest(ranked))
     best = ranked[0].objective
-    lower = min(fastest, next_bound) if cut_short else fastest
+    lower = min(best, next_bound) if cut_short else best
     gap = (best - lower) / best if best > 0 else 0.0
     alternatives = explain_alternatives(state, ranked[0], state.invalid)
     return SearchResult(

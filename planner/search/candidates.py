@@ -10,7 +10,6 @@ batch and `SearchSpace`, per device count (`device_counts`); the space is spelle
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ from costmodel.hardware.cluster import Cluster
 from costmodel.strategy import Recompute, RuntimeOptions, Schedule, StageSpec, Strategy
 from ir.layer_chain import LayerChain
 from planner.search.device_groups import mesh_type_problem
+from planner.search.interleaved_layout import ChainUnits, InterleavedLayout
 from planner.search.meshes import MeshCandidate, divisors, enumerate_meshes
 from planner.search.space import Objective, SearchSpace
 from planner.strategy_label import Detail, strategy_label
@@ -109,12 +109,7 @@ def device_counts(cluster: Cluster, space: SearchSpace, objective: Objective) ->
     return tuple(sorted(counts, reverse=True))
 
 
-def _main_class_count(chain: LayerChain) -> int:
-    counts = Counter(s.class_id for s in chain.segments)
-    return max(counts.values())
-
-
-def _schedules(space: SearchSpace, pp: int, m: int, chain: LayerChain, main_count: int
+def _schedules(space: SearchSpace, pp: int, m: int, chain: LayerChain, units: ChainUnits
                ) -> list[tuple[Schedule, int]]:
     if space.schedule is not None and space.schedule is not Schedule.INTERLEAVED:
         return [(space.schedule, 1)]
@@ -129,7 +124,8 @@ def _schedules(space: SearchSpace, pp: int, m: int, chain: LayerChain, main_coun
     v_options = ([space.virtual_stages] if space.virtual_stages is not None
                  else range(2, space.max_virtual_stages + 1))
     for v in v_options:
-        if v >= 2 and pp * v <= len(chain.segments) and main_count % (pp * v) == 0:
+        # Chunks of q or q+1 layers, the embedding and the loss counted as layers (interleaved_layout).
+        if v >= 2 and InterleavedLayout.of(chain, pp, v, units) is not None:
             out.append((Schedule.INTERLEAVED, v))
     return out
 
@@ -148,7 +144,7 @@ def candidates_for(num_devices: int, chain: LayerChain, cluster: Cluster, global
                    invalid: dict[tuple, str]) -> list[Candidate]:
     """The candidates on exactly `num_devices` devices; meshes whose tp cannot shard the heads go to `invalid`."""
     out: list[Candidate] = []
-    main_count = _main_class_count(chain)
+    units = ChainUnits.of(chain)
     # Context-parallel degrees the chain allows, expert-parallel degrees dividing its experts.
     cps = [c for c in cp_options(chain, num_devices) if space.cp in (None, c)]
     eps = [e for e in ep_options(chain, num_devices) if space.ep in (None, e)]
@@ -163,12 +159,12 @@ def candidates_for(num_devices: int, chain: LayerChain, cluster: Cluster, global
         if why:
             invalid[(mesh.dp, mesh.tp, mesh.pp)] = why
             continue
-        out.extend(_mesh_candidates(mesh, chain, global_batch, space, main_count))
+        out.extend(_mesh_candidates(mesh, chain, global_batch, space, units))
     return out
 
 
 def _mesh_candidates(mesh: MeshCandidate, chain: LayerChain, global_batch: int, space: SearchSpace,
-                     main_count: int) -> list[Candidate]:
+                     units: ChainUnits) -> list[Candidate]:
     out = []
     per_replica = global_batch // mesh.dp
     for mbs in divisors(per_replica):
@@ -188,7 +184,7 @@ def _mesh_candidates(mesh: MeshCandidate, chain: LayerChain, global_batch: int, 
                else [False] if mesh.tp == 1 else [False, True])
         if mesh.tp == 1 and any(sps):
             continue
-        for schedule, v in _schedules(space, mesh.pp, m, chain, main_count):
+        for schedule, v in _schedules(space, mesh.pp, m, chain, units):
             for zero in zeros:
                 for sp in sps:
                     out.append(Candidate(mesh, mbs, m, schedule, v, zero, sp, space.runtime))

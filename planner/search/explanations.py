@@ -51,10 +51,6 @@ def _crosses(cluster: Cluster, size: int, stride: int) -> str:
 
 
 def _loss_reason(state: SearchState, best: RankedStrategy, alt: Found) -> str:
-    what = "cost" if state.options.objective is Objective.COST else "step time"
-    if alt.objective < best.objective:  # the plan is a tie the ranking preferred as simpler
-        pct = 100.0 * (alt.objective - best.objective) / best.objective
-        return f"{pct:+.1f}% {what}, within the error band: the plan is simpler"
     costs = layer_cost_map(state.builder, alt.candidate, state.builder.placements(alt.candidate))
     est = costmodel_estimate(state.chain, state.cluster, alt.strategy, layer_costs=costs, dtype=state.dtype,
                              profile=state.builder.table.profile, global_batch=state.global_batch)
@@ -62,6 +58,7 @@ def _loss_reason(state: SearchState, best: RankedStrategy, alt: Found) -> str:
     worst = max(_PHRASES, key=lambda k: (theirs[k] - ours[k], k))
     delta = theirs[worst] - ours[worst]
     pct = 100.0 * (alt.objective - best.objective) / best.objective
+    what = "cost" if state.options.objective is Objective.COST else "step time"
     phrase = _PHRASES[worst]
     m = alt.candidate.mesh
     strides = {a: m.stride(a) for a in (MeshAxis.TP, MeshAxis.DP, MeshAxis.PP)}
@@ -93,9 +90,7 @@ def explain_alternatives(state: SearchState, best: RankedStrategy, invalid: Mapp
                 summary, None, f"more than +{slack:.0f}% {what} (its best partition was not priced exactly)")))
         elif math.isfinite(rec.lower_bound):
             pct = 100.0 * (rec.lower_bound - best.objective) / best.objective
-            reason = (f"at least {pct:+.1f}% {what} (lower bound {rec.lower_bound:.4g})" if pct >= 0 else
-                      f"not priced: at best a tie ({pct:+.1f}%, lower bound {rec.lower_bound:.4g}) with a plan "
-                      "that is simpler")
+            reason = f"at least {pct:+.1f}% {what} (lower bound {rec.lower_bound:.4g})"
             if math.isfinite(rec.memory_need_bytes):
                 reason = f"does not fit: needs at least {rec.memory_need_bytes / GIB:.1f} GiB per device"
             rows.append(((1, rec.lower_bound, key), Alternative(summary, None, reason)))

@@ -17,9 +17,11 @@ strategy (`tests/test_search_bruteforce.py` checks it on every instance):
   it (`pipeline.drain_slack`: the backward and sends of the stages before it), plus the largest optimizer step
   and the largest post-step gather.
 
-For the interleaved schedule the chain is split into p*v chunks by `costmodel.rank_layout.even_stages` (the
-partition Megatron-LM uses), and the problem's units are the pipeline ranks: each rank picks its recomputation,
-and ``T = S / v + (m - 1/v) max_k D_k`` plus the same tails (D_k: the rank's chunks, sends included).
+For the interleaved schedule the chain is cut into p*v chunks that hold q or q+1 units (the embedding, each block
+and the head; `planner.search.interleaved_layout`), and the problem's units are the pipeline ranks: each rank picks
+how many of its chunks are the larger ones, whether its lead chunk is, and its recomputation, and
+``T = S / v + (m - 1/v) max_k D_k`` plus the same tails (D_k: the rank's chunks, sends included;
+`planner.search.interleaved_problem`).
 
 Stage terms depend on the stage's position (first / middle / last / only: who sends and receives) and on the
 device and speed of its ranks; each distinct combination is one profile of the `PartitionProblem`. Stages with
@@ -47,7 +49,6 @@ from costmodel.rank_layout import (
     busy_fraction,
     device_map,
     dp_group,
-    even_stages,
     p2p_group,
     shared_weight_group,
     tp_group,
@@ -56,9 +57,11 @@ from costmodel.step_time import DataParallelComm, data_parallel_comm, tp_exposed
 from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
 from ir.layer_chain import LayerChain
 from planner.search.candidates import Candidate
+from planner.search.interleaved_layout import ChainUnits, InterleavedLayout, RankChoice
+from planner.search.interleaved_problem import ChoiceTerms, decode, interleaved_problem
 from planner.search.layer_costs import AxisSplit, LayerCostTable
 from planner.search.meshes import MeshCandidate
-from planner.search.stage_partition import Partition, PartitionProblem, StageKind, stage_kind
+from planner.search.stage_partition import Partition, PartitionProblem, StageKind, solve_partition, stage_kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,17 +80,15 @@ class StageProblem:
     candidate: Candidate
     problem: PartitionProblem
     placements: tuple[RankPlacement, ...]
-    chunks: tuple[StageSpec, ...] = ()
-    """Interleaved only: the fixed p*v chunks (the DP then picks one recomputation per rank)."""
+    layout: InterleavedLayout | None = None
+    """Interleaved only: the chunk layouts the DP picks from (one per rank, with its recomputation)."""
     pruned: bool = False
     """Whether stages were left out by the upper bound (then "nothing fits" does not mean out of memory)."""
 
     def stages(self, partition: Partition) -> tuple[StageSpec, ...]:
-        if not self.chunks:
+        if self.layout is None:
             return tuple(StageSpec(s.start, s.stop, Recompute(s.option)) for s in partition.stages)
-        pp = self.candidate.mesh.pp
-        rc = [Recompute(s.option) for s in partition.stages]
-        return tuple(StageSpec(c.start, c.stop, rc[j % pp]) for j, c in enumerate(self.chunks))
+        return decode(self.layout, partition)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,8 @@ class StageProblemBuilder:
     _shared: dict[tuple, tuple[int, ...]] = field(default_factory=dict, repr=False)
     _p2p_sig: dict[tuple, tuple] = field(default_factory=dict, repr=False)
     _framework: dict[str, FrameworkCosts] = field(default_factory=dict, repr=False)
+    _layouts: dict[tuple[int, int], InterleavedLayout | None] = field(default_factory=dict, repr=False)
+    _units: ChainUnits | None = field(default=None, repr=False)
     _dp_comm_cache: dict[tuple, DataParallelComm] = field(default_factory=dict, repr=False)
     """`step_time.data_parallel_comm` results by what they depend on (the group through `collectives.spans`)."""
 
@@ -304,13 +307,23 @@ class StageProblemBuilder:
             self._p2p_cache[key] = p2p_time(self.strategy_of(cand), boundary, nbytes, self.cluster)
         return self._p2p_cache[key]
 
-    def interleaved_p2p(self, cand: Candidate, chunks: Sequence[StageSpec],
-                        placements: Sequence[RankPlacement]) -> list[float]:
-        """Send seconds of each boundary between the fixed interleaved chunks."""
-        p = cand.mesh.pp
+    def layout(self, cand: Candidate) -> InterleavedLayout | None:
+        """The interleaved chunk layouts of the candidate's p and v (cached; None: the chain has none)."""
+        key = (cand.mesh.pp, cand.virtual_stages)
+        if key not in self._layouts:
+            self._units = self._units or ChainUnits.of(self.chain)
+            self._layouts[key] = InterleavedLayout.of(self.chain, *key, units=self._units)
+        return self._layouts[key]
+
+    def interleaved_sends(self, cand: Candidate, layout: InterleavedLayout,
+                          placements: Sequence[RankPlacement]) -> list[float]:
+        """Send seconds of each boundary between interleaved chunks, by position: each carries the output of a
+        block (unit layouts) or of the fixed chunk's last segment, priced on the sending rank's device."""
+        p, n = cand.mesh.pp, cand.mesh.pp * cand.virtual_stages
         costs = {pl.device.name: self.segment_costs(cand, pl.device) for pl in placements}
-        return [self._p2p(cand, j, costs[placements[j % p].device.name][chunks[j].stop - 1].boundary_bytes)
-                for j in range(len(chunks) - 1)]
+        last = ([c.stop - 1 for c in layout.fixed] if layout.fixed else [layout.pre] * n)
+        return [self._p2p(cand, j, costs[placements[j % p].device.name][last[j]].boundary_bytes)
+                for j in range(n - 1)]
 
     # -- problems --------------------------------------------------------------------------------------------
     def build(self, cand: Candidate, options: Sequence[Recompute], upper_bound: float = math.inf
@@ -435,48 +448,37 @@ class StageProblemBuilder:
         return t
 
     def _build_interleaved(self, cand: Candidate, options: Sequence[Recompute],
-                           placements: tuple[RankPlacement, ...]) -> StageProblem:
-        p, v, m = cand.mesh.pp, cand.virtual_stages, cand.num_microbatches
-        chunks = even_stages(self.chain, p * v)
-        nchunks = len(chunks)
-        shape = (len(options), p + 1, p + 1)
-        additive, bottleneck = np.zeros(shape + (1,)), np.zeros(shape + (3,))
-        memory_base, per_microbatch, tail, tail_const, drain = (np.zeros(shape) for _ in range(5))
+                           placements: tuple[RankPlacement, ...]) -> StageProblem | None:
+        p, m = cand.mesh.pp, cand.num_microbatches
+        layout = self.layout(cand)
+        if layout is None:
+            return None
+        # Tied weights sit on the embedding's and the head's ranks whatever the layout (interleaved_layout).
+        shared = [-(-x // cand.mesh.tp) for x in self.shared_copies(layout.example_stages(), p)]
+        contexts = [self._context(cand, k, pl) for k, pl in enumerate(placements)]
         costs_of = {pl.device.name: self.segment_costs(cand, pl.device) for pl in placements}
-        shared = [-(-x // cand.mesh.tp) for x in self.shared_copies(chunks, p)]
-        p2p = self.interleaved_p2p(cand, chunks, placements)
-        for k, pl in enumerate(placements):
-            ctx = self._context(cand, k, pl)
-            costs = costs_of[pl.device.name]
-            mine = list(range(k, nchunks, p))
-            counts = in_flight_per_chunk(cand.schedule, p, k, m, v)
-            layout = tuple(tuple(self.chain.segments[i].class_id for i in range(chunks[j].start, chunks[j].stop))
-                           for j in mine)
-            for r, rc in enumerate(options):
-                cache_key = (ctx.signature, rc, layout, shared[k], counts)
-                t = self._terms.get(cache_key)
-                if t is None:
-                    segs = [[PricedSegment(costs[i], rc) for i in range(chunks[j].start, chunks[j].stop)]
-                            for j in mine]
-                    t = self._terms[cache_key] = self._rank_terms(cand, ctx, segs, shared[k], counts)
-                work = 0.0
-                for j, f, b in zip(mine, t.fwd, t.bwd, strict=True):
-                    work += f + b + (p2p[j - 1] if j > 0 else 0.0) + (p2p[j] if j < nchunks - 1 else 0.0)
-                additive[r, k, k + 1, 0] = work
-                bottleneck[r, k, k + 1] = (work, t.post, t.optimizer)
-                memory_base[r, k, k + 1] = t.memory0
-                tail[r, k, k + 1] = t.tail
-                tail_const[r, k, k + 1] = t.tail_const
-                # The drain behind rank k+1 runs through virtual stage k (this rank's first chunk) and its send.
-                drain[r, k, k + 1] = t.bwd[0] + (p2p[k] if k < nchunks - 1 else 0.0)
+        counts = [in_flight_per_chunk(cand.schedule, p, k, m, cand.virtual_stages) for k in range(p)]
+
+        def price(k: int, choice: RankChoice, rc: Recompute) -> ChoiceTerms:
+            ctx, costs = contexts[k], costs_of[placements[k].device.name]
+            layout_key = tuple(tuple(self.chain.segments[i].class_id for i in chunk) for chunk in choice.chunks)
+            cache_key = (ctx.signature, rc, layout_key, shared[k], counts[k])
+            t = self._terms.get(cache_key)
+            if t is None:
+                segs = [[PricedSegment(costs[i], rc) for i in chunk] for chunk in choice.chunks]
+                t = self._terms[cache_key] = self._rank_terms(cand, ctx, segs, shared[k], counts[k])
+            return ChoiceTerms(t.fwd, t.bwd, t.tail, t.tail_const, t.optimizer, t.post, t.memory0)
+
+        sends = self.interleaved_sends(cand, layout, placements)
         capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
-        # The units are the pipeline ranks, one profile; memory is all in `memory_base` (no micro-batch count).
-        problem = PartitionProblem(num_segments=p, num_stages=p, options=tuple(o.value for o in options),
-                                   additive=(additive,), bottleneck=(bottleneck,), memory_base=(memory_base,),
-                                   memory_per_microbatch=(per_microbatch,), stage_profile=(0,) * p,
-                                   in_flight=(0,) * p, capacity=capacity, objective=_one_f_one_b_objective(m, v),
-                                   tail=(tail,), drain=(drain,), tail_const=(tail_const,))
-        return StageProblem(cand, problem, placements, chunks)
+        objective = _one_f_one_b_objective(m, cand.virtual_stages)
+        # Ties go to the even split (what an estimate without stages prices): its best recomputation first.
+        even, preferred = layout.even_picks(), None
+        if even is not None:
+            best = solve_partition(interleaved_problem(layout, options, price, sends, capacity, objective, only=even))
+            preferred = best.stages if best is not None else None
+        problem = interleaved_problem(layout, options, price, sends, capacity, objective, preferred=preferred)
+        return StageProblem(cand, problem, placements, layout=layout)
 
 
 def segment_work(costs: Sequence[LayerCost], speed: float, tp_overlap_chunks: int = 0) -> np.ndarray:

@@ -138,6 +138,10 @@ CONFIGS: dict[str, Config] = {
                                              schedule="interleaved")),
     "pp2_interleaved_m1": Config("gpt", dict(pp=2, virtual_stages=2, microbatch_size=4, num_microbatches=1,
                                              schedule="interleaved")),
+    # uneven virtual stages: 5 blocks + the embedding + the head in 4 chunks, the embedding alone in the first
+    "pp2_interleaved_uneven": Config("gpt", dict(pp=2, virtual_stages=2, microbatch_size=2, num_microbatches=4,
+                                                 schedule="interleaved"), settings=dict(layers=5),
+                                     first_blocks=(0, 2, 4), stage_recompute=(Recompute.NONE, Recompute.FULL) * 2),
     "user_pp2": Config("user", dict(pp=2, microbatch_size=2, num_microbatches=4)),
     "user_dp2_recompute": Config("user", dict(dp=2, microbatch_size=2, num_microbatches=2, recompute="full")),
     "pp2_llama_uneven": Config("llama", dict(pp=2, microbatch_size=2, num_microbatches=4), first_blocks=(1,)),
@@ -171,6 +175,10 @@ CONFIGS: dict[str, Config] = {
     "user_pp2_fsdp2": Config("user", dict(pp=2, dp=2, microbatch_size=1, num_microbatches=4, zero_stage=3)),
     "pp2_interleaved_dp2": Config("llama", dict(pp=2, dp=2, virtual_stages=2, microbatch_size=1,
                                                 num_microbatches=4, schedule="interleaved")),
+    # uneven virtual stages under ZeRO-1: 3 blocks + the embedding + the head in 4 chunks, the head with a block
+    "pp2_interleaved_uneven_zero1": Config("llama", dict(pp=2, dp=2, virtual_stages=2, microbatch_size=1,
+                                                         num_microbatches=4, schedule="interleaved", zero_stage=1),
+                                           settings=dict(layers=3), first_blocks=(0, 1, 2)),
     # context parallelism (seq 8 = 2*cp chunks of 2 tokens) and expert parallelism
     "cp2": Config("gpt", dict(cp=2, microbatch_size=2, num_microbatches=2)),
     "cp2_llama_recompute": Config("llama", dict(cp=2, microbatch_size=4, num_microbatches=1, recompute="full")),
