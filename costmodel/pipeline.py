@@ -200,14 +200,24 @@ def _zero_bubble_fill(f: Sequence[float], b: Sequence[float], w: Sequence[float]
     fr = _rank_sums(f, schedule, pp, v)
     ir = _rank_sums([x - y for x, y in zip(b, w, strict=True)], schedule, pp, v)
     wr = _rank_sums(w, schedule, pp, v)
+    e = [zero_bubble_fill(schedule, a, c, d) for a, c, d in zip(fr, ir, wr, strict=True)]
+    return e, max(zero_bubble_extra(schedule, pp, a, c) for a, c in zip(fr, ir, strict=True))
+
+
+def zero_bubble_fill(schedule: Schedule, fwd_s: float, input_grad_s: float, weight_grad_s: float) -> float:
+    """E_r of a rank whose chunks take `fwd_s`, `input_grad_s` and `weight_grad_s` per micro-batch, sends
+    included (module docstring); the search prices its partition problems with it too."""
     if schedule is Schedule.ZBV:
-        e = [max(a, c, 2 * (c - d)) for a, c, d in zip(fr, ir, wr, strict=True)]
-    else:
-        e = [a + max(c - d, 0.0) for a, c, d in zip(fr, ir, wr, strict=True)]
-    x = 0.0
-    if schedule is Schedule.DUALPIPEV:
-        x = max(max((pp - 1) * (c - a) - a, 0.0) for a, c in zip(fr, ir, strict=True))
-    return e, x
+        return max(fwd_s, input_grad_s, 2 * (input_grad_s - weight_grad_s))
+    return fwd_s + max(input_grad_s - weight_grad_s, 0.0)
+
+
+def zero_bubble_extra(schedule: Schedule, pp: int, fwd_s: float, input_grad_s: float) -> float:
+    """X_r: what DualPipeV's paired chunks add when a rank's input gradients outgrow its forwards (0 for the other
+    schedules); X is its largest over the ranks."""
+    if schedule is not Schedule.DUALPIPEV:
+        return 0.0
+    return max((pp - 1) * (input_grad_s - fwd_s) - fwd_s, 0.0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -111,6 +111,7 @@ from pathlib import Path  # noqa: E402
 import ir  # noqa: E402
 from costmodel.estimate import estimate  # noqa: E402
 from costmodel.hardware.cluster import Cluster  # noqa: E402
+from costmodel.pipeline import stage_rank  # noqa: E402
 from costmodel.strategy import RuntimeOptions, StageSpec, Strategy  # noqa: E402
 from costmodel.validation import error_band  # noqa: E402
 from models.registry import build_model  # noqa: E402
@@ -239,10 +240,11 @@ def brute_force(chain: ir.LayerChain, cluster: Cluster, batch: int, space: Searc
         costs = layer_cost_map(builder, cand, placements)
         p = cand.mesh.pp
         layouts = []
-        if cand.schedule is Schedule.INTERLEAVED:
+        if cand.virtual_stages > 1:  # interleaved, interleaved-zb:V, zbv, dualpipev: every chunking, rc per rank
             for chunks in interleaved_chunkings(chain, p, cand.virtual_stages):
                 for rc in itertools.product(options, repeat=p):
-                    layouts.append([StageSpec(a, b, rc[j % p]) for j, (a, b) in enumerate(chunks)])
+                    layouts.append([StageSpec(a, b, rc[stage_rank(cand.schedule, p, j)])
+                                    for j, (a, b) in enumerate(chunks)])
         else:
             for cuts in itertools.combinations(range(1, n), p - 1):
                 bounds = (0, *cuts, n)
@@ -275,6 +277,11 @@ def _instances(tmp: Path) -> list[tuple[str, ir.LayerChain, Cluster, int, Search
          space.with_changes(runtime=RuntimeOptions(tp_overlap=True, dp_overlap=False, reshard_after_forward=False))),
         ("gpt-7-layers uneven interleaved pp=2 v<=4", chain_of("gpt", GPT_UNEVEN), Cluster.parse("1x4xa100-80gb"), 8,
          space.with_changes(pp=2, schedule=Schedule.INTERLEAVED, max_virtual_stages=4, max_microbatch_size=1)),
+        # every schedule: 1f1b, interleaved:2, interleaved-zb:1 and :2, zbv and dualpipev (V-shaped placement)
+        ("gpt-7-layers all schedules pp=2", chain_of("gpt", GPT_UNEVEN), Cluster.parse("1x4xa100-80gb"), 8,
+         space.with_changes(pp=2, max_microbatch_size=1)),
+        ("gpt 1.3GB zero-bubble pp=2 (memory)", memory, small_memory(tmp, "1.3GB"), 8,
+         space.with_changes(pp=2, schedule=Schedule.ZBV, max_microbatch_size=1)),
     ]
 
 
@@ -296,12 +303,13 @@ def _check_grid(instances) -> tuple[int, int]:
 
 
 def test_search_matches_brute_force(tmp_path: Path) -> None:
-    """A quick slice of the grid: plain, memory-bound (recomputation decides), a straggler, and ranks sharing host
-    cores (speeds that change with the schedule's bubbles)."""
+    """A quick slice of the grid: plain, memory-bound (recomputation decides), a straggler, ranks sharing host
+    cores (speeds that change with the schedule's bubbles), uneven virtual stages, every schedule (zero-bubble ones
+    included) and a memory-bound V-shaped one."""
     instances = _instances(tmp_path)
-    checked, estimates = _check_grid([instances[0], instances[4], instances[7], instances[8], instances[10]])
+    checked, estimates = _check_grid([instances[i] for i in (0, 4, 7, 8, 10, 11, 12)])
     print(f"search == brute force on {checked} instances ({estimates} brute-force estimates)")
-    assert checked == 5
+    assert checked == 7
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from costmodel.layer_cost import LayerCost
+from costmodel.pipeline import chunk_stages
 from costmodel.strategy import Schedule
 from planner.search.candidates import Candidate
 from planner.search.interleaved_layout import InterleavedLayout
@@ -22,9 +23,12 @@ def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: floa
     GEMM efficiency curve only rises with size, the memory and launch terms scale at most as 1/tp),
     communication and recomputation are >= 0, and the busiest pipeline rank carries at least 1/p of the work:
     ``T >= S/v + (m - 1/v) S/p`` with ``S = replicated_s / tp`` (v = 1 for GPipe and 1F1B), plus the smallest
-    possible optimizer step (`optimizer_s`, computed by the caller for an even split)."""
+    possible optimizer step (`optimizer_s`, computed by the caller for an even split). A zero-bubble schedule's
+    fill and drain can be less than S/v (`costmodel.pipeline`: T >= m max_r D_r), so for those ``T >= m S/p``."""
     total = replicated_s / (cand.mesh.tp * cand.mesh.cp)  # context parallelism splits every op's work cp ways
     m, p = cand.num_microbatches, cand.mesh.pp
+    if cand.schedule.zero_bubble:
+        return m * total / p + optimizer_s
     v = cand.virtual_stages if cand.schedule is Schedule.INTERLEAVED else 1
     return total / v + (m - 1 / v) * total / p + optimizer_s
 
@@ -66,18 +70,21 @@ def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost]
     data-parallel communication are >= 0). The pipeline's bottleneck rank carries at least the min-max
     contiguous split of ``w`` over p stages; for interleaved, the least bottleneck of its chunk layouts
     (`interleaved_bottleneck`) with the sends (`p2p`, one per chunk boundary). So
-    ``T >= W / v + (m - 1/v) U + optimizer_s``."""
+    ``T >= W / v + (m - 1/v) U + optimizer_s``, and ``T >= m U + optimizer_s`` for a zero-bubble schedule
+    (`costmodel.pipeline`: T >= m max_r D_r)."""
     w = np.min([segment_work(segs, speed, tp_overlap_chunks(cand)) for segs, speed in costs], axis=0)
     prefix = np.concatenate([[0.0], np.cumsum(w)])
     m, p = cand.num_microbatches, cand.mesh.pp
     total = float(prefix[-1])
-    if cand.schedule is Schedule.INTERLEAVED and layout is not None:
+    if layout is not None:
         v = cand.virtual_stages
         u = interleaved_bottleneck(layout, w, p2p)
         total += 2 * sum(p2p)  # every boundary is sent once and received once
     else:
         v = 1
         u = _min_max_partition(prefix, p)
+    if cand.schedule.zero_bubble:
+        return m * u + optimizer_s
     return total / v + (m - 1 / v) * u + optimizer_s
 
 
@@ -88,11 +95,15 @@ def interleaved_bottleneck(layout: InterleavedLayout, w: np.ndarray, p2p: Sequen
     each) -- optimal for min-max with equal increments. Layouts the sends leave out only raise it."""
     p, v, n = layout.pp, layout.virtual_stages, len(p2p) + 1
 
+    def mine(r: int) -> tuple[int, ...]:
+        return chunk_stages(layout.schedule, p, v, r)
+
     def sends(r: int) -> float:
-        return sum((p2p[j - 1] if j > 0 else 0.0) + (p2p[j] if j < n - 1 else 0.0) for j in range(r, n, p))
+        return sum((p2p[j - 1] if j > 0 else 0.0) + (p2p[j] if j < n - 1 else 0.0) for j in mine(r))
 
     if layout.fixed:
-        return max(sum(float(w[c.start:c.stop].sum()) for c in layout.fixed[r::p]) + sends(r) for r in range(p))
+        return max(sum(float(w[layout.fixed[j].start:layout.fixed[j].stop].sum()) for j in mine(r)) + sends(r)
+                   for r in range(p))
     block = float(w[layout.pre])
     work = [sum(float(w[list(chunk)].sum()) for chunk in layout.chunk_segments(r, (layout.small,) * v)) + sends(r)
             for r in range(p)]

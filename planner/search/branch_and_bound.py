@@ -64,7 +64,7 @@ from costmodel.hardware.cluster import Cluster
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import framework_overhead_bytes
 from costmodel.step_time import optimizer_step_time
-from costmodel.strategy import MeshAxis, Recompute, Schedule, Strategy
+from costmodel.strategy import MeshAxis, Recompute, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import InfeasibleError, UserError
 from planner.plan import Alternative, ModuleSharding
@@ -344,9 +344,10 @@ class SearchState:
         it is cached across the ZeRO stages and the other candidates that share it."""
         placements = self.builder.placements(cand)
         m = cand.mesh
-        interleaved = cand.schedule is Schedule.INTERLEAVED
+        interleaved = cand.schedule.chunked and cand.virtual_stages > 1
         key = (tuple(sorted({(pl.device.name, pl.speed) for pl in placements})), m.tp, m.stride(MeshAxis.TP), cand.sequence_parallel, cand.microbatch_size, m.pp,
                cand.num_microbatches, cand.virtual_stages if interleaved else 1,
+               cand.schedule.zero_bubble, cand.schedule.v_shape,  # the bound's form and the chunks' placement
                (m.dp, m.cp, m.mesh_order) if interleaved and m.pp > 1 else (),
                # cp / ep change the segment prices (planner.search.layer_costs.AxisSplit).
                (m.cp, m.stride(MeshAxis.CP), m.ep, m.stride(MeshAxis.EP), m.num_devices))

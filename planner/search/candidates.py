@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from costmodel.context_parallel import cp_options
 from costmodel.expert_parallel import ep_options
 from costmodel.hardware.cluster import Cluster
+from costmodel.pipeline import schedule_problem
 from costmodel.strategy import Recompute, RuntimeOptions, Schedule, StageSpec, Strategy
 from ir.layer_chain import LayerChain
 from planner.search.device_groups import mesh_type_problem
@@ -111,23 +112,37 @@ def device_counts(cluster: Cluster, space: SearchSpace, objective: Objective) ->
 
 def _schedules(space: SearchSpace, pp: int, m: int, chain: LayerChain, units: ChainUnits
                ) -> list[tuple[Schedule, int]]:
-    if space.schedule is not None and space.schedule is not Schedule.INTERLEAVED:
-        return [(space.schedule, 1)]
+    """(schedule, chunks per rank) the candidate tries with m micro-batches on p ranks."""
+    pinned = space.schedule
+    if pinned is Schedule.GPIPE:
+        return [(pinned, 1)]
     # GPipe is not searched unless pinned: for the same stages it is never faster than 1F1B (sum F + (m-1) max F
     # + sum B + (m-1) max B >= sum (F+B) + (m-1) max (F+B)) and it keeps all m micro-batches in flight instead of
     # min(p - k, m), with the same drain and tails; so 1F1B is at least as good on every partition.
     out: list[tuple[Schedule, int]] = []
-    if space.schedule is None:
-        out = [(Schedule.ONE_F_ONE_B, 1)]
-    if pp == 1 or m % pp:
+    if pinned in (None, Schedule.ONE_F_ONE_B):
+        out.append((Schedule.ONE_F_ONE_B, 1))
+    if pp == 1:
         return out
-    v_options = ([space.virtual_stages] if space.virtual_stages is not None
-                 else range(2, space.max_virtual_stages + 1))
-    for v in v_options:
-        # Chunks of q or q+1 layers, the embedding and the loss counted as layers (interleaved_layout).
-        if v >= 2 and InterleavedLayout.of(chain, pp, v, units) is not None:
-            out.append((Schedule.INTERLEAVED, v))
+    for schedule in (Schedule.INTERLEAVED, Schedule.INTERLEAVED_ZB, Schedule.ZBV, Schedule.DUALPIPEV):
+        if pinned not in (None, schedule) or schedule_problem(schedule, pp, m):
+            continue
+        for v in _chunk_options(space, schedule):
+            # Chunks of q or q+1 layers, the embedding and the loss counted as layers (interleaved_layout);
+            # one chunk per rank is a contiguous stage.
+            if v == 1 or InterleavedLayout.of(chain, pp, v, units, schedule) is not None:
+                out.append((schedule, v))
     return out
+
+
+def _chunk_options(space: SearchSpace, schedule: Schedule) -> list[int]:
+    """Chunks per rank a schedule tries: two on a V, 2.. (interleaved) or 1.. (interleaved-zb) up to the most."""
+    if schedule.v_shape:
+        return [2] if space.virtual_stages in (None, 2) else []
+    least = 2 if schedule is Schedule.INTERLEAVED else 1
+    if space.virtual_stages is not None:
+        return [space.virtual_stages] if space.virtual_stages >= least else []
+    return list(range(least, space.max_virtual_stages + 1))
 
 
 def enumerate_candidates(chain: LayerChain, cluster: Cluster, global_batch: int, space: SearchSpace,

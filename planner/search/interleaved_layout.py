@@ -36,6 +36,12 @@ The sends. A chunk that holds the embedding alone sends the embedding's output; 
 block's output, such layouts are left out (rank 0's lead chunk then holds a block), so that every send depends on
 its position only.
 
+Placement. The same holds for the zero-bubble schedules (`costmodel.pipeline`): interleaved-zb loops its chunks as
+above; zbv and dualpipev place chunk j on rank j for j < p and on rank 2p - 1 - j after (`pipeline.stage_rank`),
+so rank 0 holds both the embedding (its first chunk) and the head (its second), and with v = 2 the lead flag
+already says which of a rank's two chunks is the larger. Their in-flight counts are non-increasing in the chunk
+too (equal for interleaved-zb), and they have no drain (weight gradients fill it), so the argument stands.
+
 Chains without one contiguous run of blocks (a repeated layer outside it, as a T5 decoder after its encoder, or
 blocks that share weights) keep the fixed chunks of `costmodel.rank_layout.even_stages`, interleaved only when the
 repeated class divides into p v equal chunks.
@@ -47,8 +53,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from costmodel.pipeline import chunk_stages, stage_rank
 from costmodel.rank_layout import even_stages
-from costmodel.strategy import Recompute, StageSpec
+from costmodel.strategy import Recompute, Schedule, StageSpec
 from ir.layer_chain import LayerChain
 
 
@@ -77,10 +84,12 @@ class InterleavedLayout:
     alone_pre_sends_like_a_block: bool = True
     fixed: tuple[StageSpec, ...] = ()
     """The chunks of a chain that does not read as units (then the only layout)."""
+    schedule: Schedule = Schedule.INTERLEAVED
+    """Whose placement of chunks on ranks (`pipeline.chunk_stages`)."""
 
     @classmethod
-    def of(cls, chain: LayerChain, pp: int, virtual_stages: int,
-           units: ChainUnits | None = None) -> InterleavedLayout | None:
+    def of(cls, chain: LayerChain, pp: int, virtual_stages: int, units: ChainUnits | None = None,
+           schedule: Schedule = Schedule.INTERLEAVED) -> InterleavedLayout | None:
         """The layouts of `chain` (None when it cannot be cut into pp * v chunks); `units`: `ChainUnits.of(chain)`,
         when the caller has it."""
         units = units or ChainUnits.of(chain)
@@ -90,9 +99,9 @@ class InterleavedLayout:
         if units.blocks == 0:
             if units.main_count % chunks:
                 return None
-            return cls(pp, virtual_stages, n, fixed=even_stages(chain, chunks))
+            return cls(pp, virtual_stages, n, fixed=even_stages(chain, chunks), schedule=schedule)
         layout = cls(pp, virtual_stages, n, pre=units.pre, blocks=units.blocks, post=units.post,
-                     alone_pre_sends_like_a_block=units.alone_pre_sends_like_a_block)
+                     alone_pre_sends_like_a_block=units.alone_pre_sends_like_a_block, schedule=schedule)
         if layout.small < 1 or (layout.rank_units(0, 0, False) is None and layout.extra == 0):
             return None
         return layout
@@ -117,8 +126,16 @@ class InterleavedLayout:
         return (False,) if self.fixed else (False, True)
 
     def lead_chunk(self, rank: int) -> int:
-        """The chunk whose size matters beyond the multiset: the first (drain), the last on rank p-1 (head)."""
-        return self.virtual_stages - 1 if rank == self.pp - 1 else 0
+        """The chunk whose size matters beyond the multiset: the first (drain), the last on rank p-1 (head); the
+        first on a V (two chunks: the flag covers both)."""
+        return self.virtual_stages - 1 if rank == self.pp - 1 and not self.schedule.v_shape else 0
+
+    @property
+    def head_chunk(self) -> tuple[int, int]:
+        """(rank, chunk) that holds the last virtual stage."""
+        last = self.pp * self.virtual_stages - 1
+        rank = stage_rank(self.schedule, self.pp, last)
+        return rank, chunk_stages(self.schedule, self.pp, self.virtual_stages, rank).index(last)
 
     def rank_units(self, rank: int, extra: int, lead_large: bool) -> tuple[int, ...] | None:
         """Units per chunk of `rank` with `extra` larger chunks, the lead one among them or not (None: no such
@@ -139,7 +156,7 @@ class InterleavedLayout:
     def choices(self, rank: int) -> tuple[RankChoice, ...]:
         """Every way `rank` may hold its chunks, fewer larger chunks first, the lead one small first."""
         if self.fixed:
-            mine = self.fixed[rank::self.pp]
+            mine = [self.fixed[j] for j in chunk_stages(self.schedule, self.pp, self.virtual_stages, rank)]
             return (RankChoice(0, False, tuple(tuple(range(c.start, c.stop)) for c in mine)),)
         out = []
         for extra in range(self.virtual_stages + 1):
@@ -151,34 +168,35 @@ class InterleavedLayout:
 
     def chunk_segments(self, rank: int, sizes: Sequence[int]) -> tuple[tuple[int, ...], ...]:
         """The segments each chunk of `rank` prices: the embedding's, `units - 1` blocks and the head's."""
-        first_block, last = self.pre, self.virtual_stages - 1
+        first_block = self.pre
         out = []
         for c, units in enumerate(sizes):
             pre = tuple(range(self.pre)) if rank == 0 and c == 0 and self.pre else ()
             post = (tuple(range(first_block + self.blocks, self.num_segments))
-                    if rank == self.pp - 1 and c == last and self.post else ())
+                    if (rank, c) == self.head_chunk and self.post else ())
             out.append(pre + (first_block,) * (units - bool(pre) - bool(post)) + post)
         return tuple(out)
 
     def stages(self, picks: Sequence[tuple[int, bool]], recompute: Sequence[Recompute]) -> tuple[StageSpec, ...]:
         """The p*v chunks in chain order for each rank's (extra, lead_large), each with its rank's recomputation."""
-        p = self.pp
+        p, v, schedule = self.pp, self.virtual_stages, self.schedule
+        rank_of = [stage_rank(schedule, p, j) for j in range(p * v)]
         if self.fixed:
-            return tuple(StageSpec(c.start, c.stop, recompute[j % p]) for j, c in enumerate(self.fixed))
+            return tuple(StageSpec(c.start, c.stop, recompute[rank_of[j]]) for j, c in enumerate(self.fixed))
         per_rank = []
         for r, (extra, lead_large) in enumerate(picks):
             sizes = self.rank_units(r, extra, lead_large)
             if sizes is None:
                 raise ValueError(f"rank {r} cannot hold {extra} larger chunks (lead larger: {lead_large})")
             per_rank.append(sizes)
-        units = [per_rank[j % p][j // p] for j in range(p * self.virtual_stages)]
+        units = [per_rank[rank_of[j]][chunk_stages(schedule, p, v, rank_of[j]).index(j)] for j in range(p * v)]
         if sum(units) != self.num_units:
             raise ValueError(f"the chunks hold {sum(units)} units, the chain has {self.num_units}")
         out, start, done = [], 0, 0
         for j, u in enumerate(units):
             done += u
             stop = self._segment_of_unit(done)
-            out.append(StageSpec(start, stop, recompute[j % p]))
+            out.append(StageSpec(start, stop, recompute[rank_of[j]]))
             start = stop
         return tuple(out)
 
@@ -196,7 +214,7 @@ class InterleavedLayout:
         units[-1] += self.post > 0
         picks = []
         for r in range(self.pp):
-            sizes = tuple(units[r::self.pp])
+            sizes = tuple(units[j] for j in chunk_stages(self.schedule, self.pp, self.virtual_stages, r))
             found = [(e, lead) for e in range(self.virtual_stages + 1) for lead in self.lead_options
                      if self.rank_units(r, e, lead) == sizes]
             if not found:

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from costmodel.strategy import Recompute
+from costmodel.pipeline import chunk_stages, zero_bubble_extra, zero_bubble_fill
+from costmodel.strategy import Recompute, Schedule
 from planner.search.interleaved_layout import InterleavedLayout, RankChoice
 from planner.search.stage_partition import Partition, PartitionProblem, StageChoice
 
@@ -51,6 +52,8 @@ class ChoiceTerms:
     fwd: tuple[float, ...]
     """Per chunk: forward seconds (before sends)."""
     bwd: tuple[float, ...]
+    wgrad: tuple[float, ...]
+    """Per chunk: of `bwd`, the weight-gradient seconds (W of the zero-bubble schedules)."""
     tail: float
     tail_const: float
     optimizer: float
@@ -73,28 +76,39 @@ def decode(layout: InterleavedLayout, partition: Partition):
     return layout.stages(picks, recompute)
 
 
-def rank_work(layout: InterleavedLayout, rank: int, terms: ChoiceTerms, sends: Sequence[float]) -> float:
-    """D_r: the rank's forward + backward of one micro-batch on every chunk, with the sends into and out of each."""
-    p, last = layout.pp, len(sends)
-    work = 0.0
-    for c, (f, b) in enumerate(zip(terms.fwd, terms.bwd, strict=True)):
-        j = c * p + rank
-        work += f + b + (sends[j - 1] if j > 0 else 0.0) + (sends[j] if j < last else 0.0)
-    return work
+def rank_terms(layout: InterleavedLayout, rank: int, terms: ChoiceTerms, sends: Sequence[float],
+               num_microbatches: int) -> tuple[float, float, float]:
+    """The rank's (additive, steady, extra) terms of the step (module docstring): D_r, D_r, 0 for interleaved
+    1F1B; E_r, m D_r - E_r / v, X_r / v for the zero-bubble schedules. Sends join the receiving forward and the
+    sending input gradient."""
+    schedule, p, v = layout.schedule, layout.pp, layout.virtual_stages
+    last = len(sends)
+    f = i = w = 0.0
+    for j, fc, bc, wc in zip(chunk_stages(schedule, p, v, rank), terms.fwd, terms.bwd, terms.wgrad, strict=True):
+        f += fc + (sends[j - 1] if j > 0 else 0.0)
+        i += bc - wc + (sends[j] if j < last else 0.0)
+        w += wc
+    d = f + i + w
+    if not schedule.zero_bubble:
+        return d, d, 0.0
+    e = zero_bubble_fill(schedule, f, i, w)
+    return e, num_microbatches * d - e / v, zero_bubble_extra(schedule, p, f, i) / v
 
 
 def interleaved_problem(layout: InterleavedLayout, options: Sequence[Recompute],
                         price: Callable[[int, RankChoice, Recompute], ChoiceTerms], sends: Sequence[float],
-                        capacity: Sequence[float], objective, *, only: Sequence[tuple[int, bool]] | None = None,
+                        capacity: Sequence[float], num_microbatches: int, *,
+                        only: Sequence[tuple[int, bool]] | None = None,
                         preferred: tuple[StageChoice, ...] | None = None) -> PartitionProblem:
     """The `PartitionProblem` of the module docstring; `price(rank, choice, recompute)` gives a choice's terms,
-    `sends` one time per chunk boundary, `objective` Phi(S, U). `only`: per rank the one (extra, lead_large) it may
-    take (the even split); `preferred`: the partition that wins ties."""
+    `sends` one time per chunk boundary. `only`: per rank the one (extra, lead_large) it may take (the even
+    split); `preferred`: the partition that wins ties."""
     p, extra = layout.pp, layout.extra
     n, profiles = p + extra, min(p, extra + 1)
     names = option_names(layout, options)
     shape = (profiles, len(names), n + 1, n + 1)
-    additive, bottleneck = np.zeros(shape + (1,)), np.zeros(shape + (3,))
+    zero_bubble = layout.schedule.zero_bubble
+    additive, bottleneck = np.zeros(shape + (1,)), np.zeros(shape + (4 if zero_bubble else 3,))
     memory_base = np.full(shape, np.inf)  # a choice that is not a layout never fits
     tail, tail_const, drain = np.zeros(shape), np.zeros(shape), np.zeros(shape)
     for k in range(p):
@@ -107,18 +121,35 @@ def interleaved_problem(layout: InterleavedLayout, options: Sequence[Recompute],
             for r, rc in enumerate(options):
                 o = r * len(layout.lead_options) + layout.lead_options.index(choice.lead_large)
                 t = price(k, choice, rc)
-                work = rank_work(layout, k, t, sends)
-                additive[q, o, a, a + tokens, 0] = work
-                bottleneck[q, o, a, a + tokens] = (work, t.post, t.optimizer)
+                add, steady, paired = rank_terms(layout, k, t, sends, num_microbatches)
+                additive[q, o, a, a + tokens, 0] = add
+                bottleneck[q, o, a, a + tokens] = (steady, t.post, t.optimizer, paired)[:bottleneck.shape[-1]]
                 memory_base[q, o, a, a + tokens] = t.memory
                 tail[q, o, a, a + tokens] = t.tail
                 tail_const[q, o, a, a + tokens] = t.tail_const
-                # The drain behind rank k+1 runs through virtual stage k (this rank's first chunk) and its send.
-                drain[q, o, a, a + tokens] = t.bwd[0] + sends[k]
+                # The drain behind rank k+1 runs through virtual stage k (this rank's first chunk) and its send;
+                # the zero-bubble schedules fill it with weight gradients (`pipeline.drain_slack`).
+                drain[q, o, a, a + tokens] = 0.0 if zero_bubble else t.bwd[0] + sends[k]
     # Memory is all in `memory_base` (the in-flight counts are in it, per chunk).
     return PartitionProblem(num_segments=n, num_stages=p, options=names,
                             stage_profile=tuple(k % profiles for k in range(p)), in_flight=(0,) * p,
-                            capacity=tuple(capacity), objective=objective, additive=tuple(additive),
+                            capacity=tuple(capacity), additive=tuple(additive),
+                            objective=step_objective(layout.schedule, num_microbatches, layout.virtual_stages),
                             bottleneck=tuple(bottleneck), memory_base=tuple(memory_base),
                             memory_per_microbatch=tuple(np.zeros(shape)), tail=tuple(tail),
                             tail_const=tuple(tail_const), drain=tuple(drain), preferred=preferred)
+
+
+def step_objective(schedule: Schedule, num_microbatches: int, virtual_stages: int):
+    """Phi(S, U) of the step (`pipeline._steady_formula` plus the step's tails): S / v + (m - 1/v) U_pipe + U_post
+    + U_opt + tail for 1F1B and interleaved; S / v + U_pipe + U_post + U_opt [+ U_extra] + tail for the
+    zero-bubble schedules, whose U_pipe is already m D_r - E_r / v."""
+    m, v = num_microbatches, virtual_stages
+    if not Schedule(schedule).zero_bubble:
+        def phi(s, u):
+            return s[0] / v + (m - 1 / v) * u[0] + u[1] + u[2] + u[-1]
+        return phi
+
+    def phi_zero_bubble(s, u):
+        return s[0] / v + sum(u[:-1]) + u[-1]
+    return phi_zero_bubble

@@ -44,7 +44,7 @@ from costmodel.hardware.collectives import CommGroup, spans
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment, rank_memory
-from costmodel.pipeline import in_flight_per_chunk
+from costmodel.pipeline import in_flight_per_chunk, stage_rank, zero_bubble_fill
 from costmodel.rank_layout import (
     busy_fraction,
     device_map,
@@ -58,7 +58,7 @@ from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strateg
 from ir.layer_chain import LayerChain
 from planner.search.candidates import Candidate
 from planner.search.interleaved_layout import ChainUnits, InterleavedLayout, RankChoice
-from planner.search.interleaved_problem import ChoiceTerms, decode, interleaved_problem
+from planner.search.interleaved_problem import ChoiceTerms, decode, interleaved_problem, step_objective
 from planner.search.layer_costs import AxisSplit, LayerCostTable
 from planner.search.meshes import MeshCandidate
 from planner.search.stage_partition import Partition, PartitionProblem, StageKind, solve_partition, stage_kind
@@ -110,6 +110,8 @@ class _Terms:
     fwd: tuple[float, ...]
     """Per chunk: forward seconds (compute / speed + TP + ZeRO-3 gathers)."""
     bwd: tuple[float, ...]
+    wgrad: tuple[float, ...]
+    """Per chunk: of `bwd`, the weight-gradient seconds (the zero-bubble schedules' W)."""
     tail: float
     """Exposed end-of-step gradient reduction + TP gradient sync, before the drain hides part of it."""
     tail_const: float
@@ -141,7 +143,7 @@ class StageProblemBuilder:
     _shared: dict[tuple, tuple[int, ...]] = field(default_factory=dict, repr=False)
     _p2p_sig: dict[tuple, tuple] = field(default_factory=dict, repr=False)
     _framework: dict[str, FrameworkCosts] = field(default_factory=dict, repr=False)
-    _layouts: dict[tuple[int, int], InterleavedLayout | None] = field(default_factory=dict, repr=False)
+    _layouts: dict[tuple[int, int, Schedule], InterleavedLayout | None] = field(default_factory=dict, repr=False)
     _units: ChainUnits | None = field(default=None, repr=False)
     _dp_comm_cache: dict[tuple, DataParallelComm] = field(default_factory=dict, repr=False)
     """`step_time.data_parallel_comm` results by what they depend on (the group through `collectives.spans`)."""
@@ -173,11 +175,12 @@ class StageProblemBuilder:
             hit = self._strategies[key] = cand.strategy()
         return hit
 
-    def shared_copies(self, chunks: tuple[StageSpec, ...], pp: int) -> tuple[int, ...]:
-        """`costmodel.estimate.shared_parameter_copies` of fixed chunks (cached per chunking)."""
-        key = (tuple((c.start, c.stop) for c in chunks), pp)
+    def shared_copies(self, chunks: tuple[StageSpec, ...], pp: int,
+                      schedule: Schedule = Schedule.ONE_F_ONE_B) -> tuple[int, ...]:
+        """`costmodel.estimate.shared_parameter_copies` of fixed chunks (cached per chunking and placement)."""
+        key = (tuple((c.start, c.stop) for c in chunks), pp, schedule.v_shape)
         if key not in self._shared:
-            self._shared[key] = shared_parameter_copies(self.chain, chunks, pp)
+            self._shared[key] = shared_parameter_copies(self.chain, chunks, pp, schedule)
         return self._shared[key]
 
     def segment_costs(self, cand: Candidate, device: DeviceSpec) -> tuple[LayerCost, ...]:
@@ -288,7 +291,8 @@ class StageProblemBuilder:
             mem0, mem1 = memory([0]), memory([1])
         else:
             mem0 = mem1 = memory(in_flight)
-        return _Terms(tuple(t.fwd_s for t in times), tuple(t.bwd_s for t in times), exposed + tail.tp_grad_sync_s,
+        return _Terms(tuple(t.fwd_s for t in times), tuple(t.bwd_s for t in times), tuple(t.wgrad_s for t in times),
+                      exposed + tail.tp_grad_sync_s,
                       tail.shared_sync_s, tail.optimizer_s, tail.post_step_s, mem0, mem1)
 
     def _p2p(self, cand: Candidate, boundary: int, nbytes: float) -> float:
@@ -296,8 +300,10 @@ class StageProblemBuilder:
         if cand.mesh.pp == 1 or nbytes <= 0:
             return 0.0
         m = cand.mesh
-        # The pair of a boundary depends on the mesh and on the boundary's rank (j % pp, or the wrap-around).
-        position = boundary % m.pp if (boundary + 1) % m.pp else -1
+        # The pair of a boundary depends on the mesh and on the ranks of its two stages.
+        position = (stage_rank(cand.schedule, m.pp, boundary), stage_rank(cand.schedule, m.pp, boundary + 1))
+        if position[0] == position[1]:  # the tip of a V: both stages on one rank
+            return 0.0
         sig_key = (m, position)
         sig = self._p2p_sig.get(sig_key)
         if sig is None:
@@ -309,10 +315,10 @@ class StageProblemBuilder:
 
     def layout(self, cand: Candidate) -> InterleavedLayout | None:
         """The interleaved chunk layouts of the candidate's p and v (cached; None: the chain has none)."""
-        key = (cand.mesh.pp, cand.virtual_stages)
+        key = (cand.mesh.pp, cand.virtual_stages, cand.schedule)
         if key not in self._layouts:
             self._units = self._units or ChainUnits.of(self.chain)
-            self._layouts[key] = InterleavedLayout.of(self.chain, *key, units=self._units)
+            self._layouts[key] = InterleavedLayout.of(self.chain, *key[:2], units=self._units, schedule=key[2])
         return self._layouts[key]
 
     def interleaved_sends(self, cand: Candidate, layout: InterleavedLayout,
@@ -322,8 +328,8 @@ class StageProblemBuilder:
         p, n = cand.mesh.pp, cand.mesh.pp * cand.virtual_stages
         costs = {pl.device.name: self.segment_costs(cand, pl.device) for pl in placements}
         last = ([c.stop - 1 for c in layout.fixed] if layout.fixed else [layout.pre] * n)
-        return [self._p2p(cand, j, costs[placements[j % p].device.name][last[j]].boundary_bytes)
-                for j in range(n - 1)]
+        return [self._p2p(cand, j, costs[placements[stage_rank(cand.schedule, p, j)].device.name][last[j]]
+                          .boundary_bytes) for j in range(n - 1)]
 
     # -- problems --------------------------------------------------------------------------------------------
     def build(self, cand: Candidate, options: Sequence[Recompute], upper_bound: float = math.inf
@@ -335,7 +341,7 @@ class StageProblemBuilder:
         placements = self.placements(cand)
         if placements is None:
             return None
-        if cand.schedule is Schedule.INTERLEAVED:
+        if cand.schedule.chunked and (cand.virtual_stages > 1 or cand.schedule is Schedule.INTERLEAVED):
             return self._build_interleaved(cand, options, placements)
         return self._build_contiguous(cand, options, placements, upper_bound)
 
@@ -357,7 +363,7 @@ class StageProblemBuilder:
                 arrays.setdefault(name, []).append(arr)
         in_flight = tuple(in_flight_per_chunk(cand.schedule, p, k, m, 1)[0] for k in range(p))
         capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
-        objective = _gpipe_objective(m) if gpipe else _one_f_one_b_objective(m, 1)
+        objective = _gpipe_objective(m) if gpipe else step_objective(cand.schedule, m, 1)
         problem = PartitionProblem(num_segments=n, num_stages=p, options=tuple(o.value for o in options),
                                    stage_profile=tuple(profile), in_flight=in_flight, capacity=capacity,
                                    objective=objective, **{name: tuple(arrs) for name, arrs in arrays.items()})
@@ -386,7 +392,7 @@ class StageProblemBuilder:
         """The `PartitionProblem` arrays of pipeline rank k's profile (every stage [a, b) it may hold, with
         every recomputation option), and whether the upper bound pruned some stages."""
         n, p, m = len(self.chain.segments), cand.mesh.pp, cand.num_microbatches
-        gpipe = cand.schedule is Schedule.GPIPE
+        gpipe, zero_bubble = cand.schedule is Schedule.GPIPE, cand.schedule.zero_bubble
         ns, nu = (2, 4) if gpipe else (1, 3)
         shape = (len(options), n + 1, n + 1)
         kind = stage_kind(k, p)
@@ -407,8 +413,10 @@ class StageProblemBuilder:
             keep = _stage_shape_mask(kind, aa, bb, n, p)
             if math.isfinite(upper_bound):
                 # A stage's f + b is at least its compute and TP communication, and the bottleneck stage
-                # costs (m - 1) times that on top of the total: stages that alone reach the bound are useless.
-                useful = total + (m - 1) * (prefix[bb] - prefix[aa]) < upper_bound
+                # costs (m - 1) times that on top of the total (m times it, with a zero-bubble schedule's fill
+                # and drain, which can be less than the total): stages that alone reach the bound are useless.
+                least = m * (prefix[bb] - prefix[aa])
+                useful = (least if zero_bubble else total + least - (prefix[bb] - prefix[aa])) < upper_bound
                 pruned = pruned or bool((keep & ~useful).any())
                 keep &= useful
             if not keep.any():
@@ -422,6 +430,12 @@ class StageProblemBuilder:
                     additive[r, aa, bb, 0], additive[r, aa, bb, 1] = fwd, bwd
                     bottleneck[r, aa, bb, 0], bottleneck[r, aa, bb, 1] = fwd, bwd
                     bottleneck[r, aa, bb, 2], bottleneck[r, aa, bb, 3] = t.post, t.optimizer
+                elif zero_bubble:  # E_r and m D_r - E_r (`pipeline.zero_bubble_fill`, one chunk)
+                    fill = np.array([zero_bubble_fill(cand.schedule, x, y - t.wgrad[0], t.wgrad[0])
+                                     for x, y in zip(fwd, bwd, strict=True)])
+                    additive[r, aa, bb, 0] = fill
+                    bottleneck[r, aa, bb, 0] = m * (fwd + bwd) - fill
+                    bottleneck[r, aa, bb, 1], bottleneck[r, aa, bb, 2] = t.post, t.optimizer
                 else:
                     additive[r, aa, bb, 0] = fwd + bwd
                     bottleneck[r, aa, bb, 0] = fwd + bwd
@@ -430,7 +444,8 @@ class StageProblemBuilder:
                 per_microbatch[r, aa, bb] = t.memory1 - t.memory0
                 tail[r, aa, bb] = t.tail
                 tail_const[r, aa, bb] = t.tail_const
-                drain[r, aa, bb] = t.bwd[0] + send[bb]   # drain behind it: its backward and the send
+                # The drain behind it: its backward and the send (none: W fills it, `pipeline.drain_slack`).
+                drain[r, aa, bb] = 0.0 if zero_bubble else t.bwd[0] + send[bb]
         return {"additive": additive, "bottleneck": bottleneck, "memory_base": memory_base,
                 "memory_per_microbatch": per_microbatch, "tail": tail, "tail_const": tail_const,
                 "drain": drain}, pruned
@@ -454,7 +469,7 @@ class StageProblemBuilder:
         if layout is None:
             return None
         # Tied weights sit on the embedding's and the head's ranks whatever the layout (interleaved_layout).
-        shared = [-(-x // cand.mesh.tp) for x in self.shared_copies(layout.example_stages(), p)]
+        shared = [-(-x // cand.mesh.tp) for x in self.shared_copies(layout.example_stages(), p, cand.schedule)]
         contexts = [self._context(cand, k, pl) for k, pl in enumerate(placements)]
         costs_of = {pl.device.name: self.segment_costs(cand, pl.device) for pl in placements}
         counts = [in_flight_per_chunk(cand.schedule, p, k, m, cand.virtual_stages) for k in range(p)]
@@ -467,17 +482,16 @@ class StageProblemBuilder:
             if t is None:
                 segs = [[PricedSegment(costs[i], rc) for i in chunk] for chunk in choice.chunks]
                 t = self._terms[cache_key] = self._rank_terms(cand, ctx, segs, shared[k], counts[k])
-            return ChoiceTerms(t.fwd, t.bwd, t.tail, t.tail_const, t.optimizer, t.post, t.memory0)
+            return ChoiceTerms(t.fwd, t.bwd, t.wgrad, t.tail, t.tail_const, t.optimizer, t.post, t.memory0)
 
         sends = self.interleaved_sends(cand, layout, placements)
         capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
-        objective = _one_f_one_b_objective(m, cand.virtual_stages)
         # Ties go to the even split (what an estimate without stages prices): its best recomputation first.
         even, preferred = layout.even_picks(), None
         if even is not None:
-            best = solve_partition(interleaved_problem(layout, options, price, sends, capacity, objective, only=even))
+            best = solve_partition(interleaved_problem(layout, options, price, sends, capacity, m, only=even))
             preferred = best.stages if best is not None else None
-        problem = interleaved_problem(layout, options, price, sends, capacity, objective, preferred=preferred)
+        problem = interleaved_problem(layout, options, price, sends, capacity, m, preferred=preferred)
         return StageProblem(cand, problem, placements, layout=layout)
 
 
@@ -507,13 +521,6 @@ def _stage_shape_mask(kind: StageKind, aa: np.ndarray, bb: np.ndarray, n: int, p
     if kind in (StageKind.FIRST, StageKind.MIDDLE):
         keep &= bb <= n - 1
     return keep
-
-
-def _one_f_one_b_objective(m: int, v: int):
-    """T = S / v + (m - 1/v) U_pipe + U_post + U_opt + tail (`pipeline._steady_formula` plus the step's tails)."""
-    def phi(s, u):
-        return s[0] / v + (m - 1 / v) * u[0] + u[1] + u[2] + u[3]
-    return phi
 
 
 def _gpipe_objective(m: int):
