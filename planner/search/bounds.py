@@ -9,13 +9,14 @@ import numpy as np
 
 from costmodel.layer_cost import LayerCost
 from costmodel.pipeline import chunk_stages
+from costmodel.step_time import tp_exposed
 from costmodel.strategy import Schedule
 from planner.search.candidates import Candidate
 from planner.search.interleaved_layout import InterleavedLayout
 from planner.search.stage_problem import segment_work, tp_overlap_chunks
 
 
-def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: float) -> float:
+def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: float, forward_s: float = 0.0) -> float:
     """A lower bound on the candidate's step time from tp == 1 prices, without solving any sharding.
 
     `replicated_s`: forward + backward compute of one micro-batch of the whole chain replicated on one device,
@@ -24,11 +25,14 @@ def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: floa
     communication and recomputation are >= 0, and the busiest pipeline rank carries at least 1/p of the work:
     ``T >= S/v + (m - 1/v) S/p`` with ``S = replicated_s / tp`` (v = 1 for GPipe and 1F1B), plus the smallest
     possible optimizer step (`optimizer_s`, computed by the caller for an even split). A zero-bubble schedule's
-    fill and drain can be less than S/v (`costmodel.pipeline`: T >= m max_r D_r), so for those ``T >= m S/p``."""
-    total = replicated_s / (cand.mesh.tp * cand.mesh.cp)  # context parallelism splits every op's work cp ways
+    fill and drain can be less than S/v: ``T >= max(m S/p, (m - 2/v) S/p + F/v)`` with F the forward part of S
+    (`forward_s` replicated; `tight_lower_bound` says why)."""
+    split = cand.mesh.tp * cand.mesh.cp  # context parallelism splits every op's work cp ways
+    total = replicated_s / split
     m, p = cand.num_microbatches, cand.mesh.pp
     if cand.schedule.zero_bubble:
-        return m * total / p + optimizer_s
+        v = cand.virtual_stages
+        return max(m * total / p, (m - 2 / v) * total / p + forward_s / split / v) + optimizer_s
     v = cand.virtual_stages if cand.schedule is Schedule.INTERLEAVED else 1
     return total / v + (m - 1 / v) * total / p + optimizer_s
 
@@ -70,8 +74,9 @@ def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost]
     data-parallel communication are >= 0). The pipeline's bottleneck rank carries at least the min-max
     contiguous split of ``w`` over p stages; for interleaved, the least bottleneck of its chunk layouts
     (`interleaved_bottleneck`) with the sends (`p2p`, one per chunk boundary). So
-    ``T >= W / v + (m - 1/v) U + optimizer_s``, and ``T >= m U + optimizer_s`` for a zero-bubble schedule
-    (`costmodel.pipeline`: T >= m max_r D_r)."""
+    ``T >= W / v + (m - 1/v) U + optimizer_s``. A zero-bubble schedule's step is m D_* + sum of the other ranks'
+    E_r / v (`costmodel.pipeline`, * the busiest rank), where every E_r is at least the rank's forward and at most
+    2 D_r: ``T >= max(m U, (m - 2/v) U + W_fwd / v) + optimizer_s``, W_fwd the forward work of the chain."""
     w = np.min([segment_work(segs, speed, tp_overlap_chunks(cand)) for segs, speed in costs], axis=0)
     prefix = np.concatenate([[0.0], np.cumsum(w)])
     m, p = cand.num_microbatches, cand.mesh.pp
@@ -84,7 +89,10 @@ def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost]
         v = 1
         u = _min_max_partition(prefix, p)
     if cand.schedule.zero_bubble:
-        return m * u + optimizer_s
+        forward = np.min([[c.fwd_compute_s / speed + tp_exposed(c.fwd_comm_s, c.fwd_compute_s / speed,
+                                                                  tp_overlap_chunks(cand)) for c in segs]
+                          for segs, speed in costs], axis=0).sum() + sum(p2p)
+        return max(m * u, (m - 2 / v) * u + float(forward) / v) + optimizer_s
     return total / v + (m - 1 / v) * u + optimizer_s
 
 

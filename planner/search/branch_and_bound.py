@@ -201,7 +201,7 @@ class SearchState:
     candidates: list[Candidate] = field(default_factory=list)
     invalid: dict[tuple, str] = field(default_factory=dict)
     _memory_need: dict[tuple, float] = field(default_factory=dict)
-    _replicated: dict[tuple, float] = field(default_factory=dict)
+    _replicated: dict[tuple, tuple[float, float]] = field(default_factory=dict)
     _optimizer: dict[tuple, float] = field(default_factory=dict)
     _price: dict[int, float] = field(default_factory=dict)
     _pipeline_bound: dict[tuple, float] = field(default_factory=dict)
@@ -298,16 +298,19 @@ class SearchState:
             rec = self.meshes.setdefault((m.dp, m.tp, m.pp), _MeshRecord())
             rec.memory_need_bytes = min(rec.memory_need_bytes, need)
             return math.inf
-        total = min(self._replicated_total(pl.device, cand.microbatch_size) / pl.speed for pl in placements)
-        lb = cheap_lower_bound(cand, total, optimizer_s=self.optimizer_bound(cand, placements))
+        total = min(self._replicated_total(pl.device, cand.microbatch_size)[0] / pl.speed for pl in placements)
+        forward = min(self._replicated_total(pl.device, cand.microbatch_size)[1] / pl.speed for pl in placements)
+        lb = cheap_lower_bound(cand, total, optimizer_s=self.optimizer_bound(cand, placements), forward_s=forward)
         return lb * self.price_factor(cand)
 
-    def _replicated_total(self, device, mbs: int) -> float:
+    def _replicated_total(self, device, mbs: int) -> tuple[float, float]:
+        """(forward + backward, forward) compute of one micro-batch of the whole chain on one `device`."""
         key = (device.name, mbs)
         if key not in self._replicated:
             costs = self.builder.table.segment_costs(device, tp=1, tp_stride=1, sequence_parallel=False,
                                                      microbatch_size=mbs)
-            self._replicated[key] = sum(c.fwd_compute_s + c.bwd_compute_s for c in costs)
+            self._replicated[key] = (sum(c.fwd_compute_s + c.bwd_compute_s for c in costs),
+                                     sum(c.fwd_compute_s for c in costs))
         return self._replicated[key]
 
     def expert_numel(self) -> int:
