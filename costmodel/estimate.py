@@ -34,7 +34,13 @@ from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import op_policy_kept, price_segment, selective_recompute_region
 from costmodel.memory import GIB, GRAD_BYTES, PricedSegment, rank_memory
-from costmodel.pipeline import chunk_stages, in_flight_per_chunk, schedule_problem, stage_rank
+from costmodel.pipeline import (
+    chunk_stages,
+    in_flight_per_chunk,
+    schedule_problem,
+    split_backward_problem,
+    stage_rank,
+)
 from costmodel.profile_db import OpProfile
 from costmodel.rank_layout import device_map, dp_group, even_stages, p2p_group, shared_weight_group, tp_group
 from costmodel.step_time import (
@@ -176,10 +182,18 @@ def _validity_problems(chain: LayerChain, strategy: Strategy, global_batch: int 
     problems += [p for p in (cp_problem(chain, strategy.cp), ep_problem(chain, strategy.ep)) if p]
     if strategy.dp % strategy.ep:
         problems.append(f"ep={strategy.ep} must divide dp={strategy.dp} (expert groups are data-parallel ranks)")
-    why = schedule_problem(strategy.schedule, strategy.pp, strategy.num_microbatches)
-    if why:
-        problems.append(why)
+    for why in (schedule_problem(strategy.schedule, strategy.pp, strategy.num_microbatches),
+                split_backward_problem(strategy.schedule, recomputed=recomputes(strategy),
+                                       resharded=strategy.zero_stage == 3 and strategy.runtime.reshard_after_forward)):
+        if why:
+            problems.append(why)
     return problems
+
+
+def recomputes(strategy: Strategy) -> bool:
+    """Whether any stage of the strategy recomputes activations."""
+    modes = {s.recompute for s in strategy.stages} if strategy.stages else {strategy.recompute}
+    return modes != {Recompute.NONE}
 
 
 def _recompute_flops(chain: LayerChain, seg_index: int, recompute: Recompute, cache: dict[int, int]) -> int:

@@ -61,7 +61,8 @@ run one after the other in torch's default runtime (the overlap needs a custom f
 then B. Sends are blocking as above, and the gradient goes out after the input-gradient pass: f_{j+1} += p2p[j],
 i_j += p2p[j]. W fills the drain too, so no end-of-step reduction hides there (`drain_slack` is 0).
 
-Placement and constraints. interleaved-zb (torch's ZB1P, `ScheduleInterleavedZeroBubble`) loops virtual stage j
+Placement and constraints. None of them recomputes activations, and under ZeRO-3 they keep the gathered weights
+from forward to backward (`split_backward_problem`). interleaved-zb (torch's ZB1P, `ScheduleInterleavedZeroBubble`) loops virtual stage j
 onto rank j % p as interleaved 1F1B does, v >= 1 chunks, m a multiple of p. zbv and dualpipev are V-shaped: rank r
 holds exactly virtual stages r and 2p - 1 - r (so the first and the last stage, the embedding and the loss, are on
 rank 0, and stages p - 1 and p meet on rank p - 1 without a send), m >= 2p (DualPipeV refuses fewer; ZB-V pads
@@ -100,6 +101,24 @@ def schedule_problem(schedule: Schedule, pp: int, num_microbatches: int) -> str:
         return (f"the {schedule.value} schedule needs num_microbatches ({m}) to be a multiple of pp ({pp})")
     if schedule.v_shape and m < 2 * pp:
         return f"the {schedule.value} schedule needs num_microbatches ({m}) >= 2 * pp ({2 * pp})"
+    return ""
+
+
+def split_backward_problem(schedule: Schedule, *, recomputed: bool, resharded: bool) -> str:
+    """Why a zero-bubble schedule cannot run this way ('' when it can). Its backward differentiates each chunk
+    twice, input then weight gradients; torch 2.13's activation checkpointing recomputes a region for one backward
+    pass only (the second fails re-entering its context), and FSDP2 resharding after the forward (ZeRO-3's
+    default) reduces the weight gradients before the weight pass has made them (measured: wrong gradients)."""
+    name = Schedule(schedule).value
+    if not Schedule(schedule).zero_bubble:
+        return ""
+    if recomputed:
+        return (f"the {name} schedule runs without activation recomputation (its split backward differentiates "
+                "each chunk twice); use recompute none or another schedule")
+    if resharded:
+        return (f"the {name} schedule needs ZeRO-3 to keep the gathered weights from forward to backward "
+                "(reshard_after_forward=false, estimate --keep-gathered); its weight gradients come after the "
+                "input-gradient pass")
     return ""
 
 

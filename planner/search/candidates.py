@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from costmodel.context_parallel import cp_options
 from costmodel.expert_parallel import ep_options
 from costmodel.hardware.cluster import Cluster
-from costmodel.pipeline import schedule_problem
+from costmodel.pipeline import schedule_problem, split_backward_problem
 from costmodel.strategy import Recompute, RuntimeOptions, Schedule, StageSpec, Strategy
 from ir.layer_chain import LayerChain
 from planner.search.device_groups import mesh_type_problem
@@ -125,7 +125,11 @@ def _schedules(space: SearchSpace, pp: int, m: int, chain: LayerChain, units: Ch
     if pp == 1:
         return out
     for schedule in (Schedule.INTERLEAVED, Schedule.INTERLEAVED_ZB, Schedule.ZBV, Schedule.DUALPIPEV):
-        if pinned not in (None, schedule) or schedule_problem(schedule, pp, m):
+        # Zero-bubble schedules run without recomputation (the partition problem drops it) and keep ZeRO-3's
+        # gathered weights (`pipeline.split_backward_problem`; the ZeRO stages are filtered below).
+        recomputed = space.recompute not in (None, Recompute.NONE)
+        if (pinned not in (None, schedule) or schedule_problem(schedule, pp, m)
+                or split_backward_problem(schedule, recomputed=recomputed, resharded=False)):
             continue
         for v in _chunk_options(space, schedule):
             # Chunks of q or q+1 layers, the embedding and the loss counted as layers (interleaved_layout);
@@ -201,6 +205,9 @@ def _mesh_candidates(mesh: MeshCandidate, chain: LayerChain, global_batch: int, 
             continue
         for schedule, v in _schedules(space, mesh.pp, m, chain, units):
             for zero in zeros:
+                resharded = zero == 3 and space.runtime.reshard_after_forward
+                if split_backward_problem(schedule, recomputed=False, resharded=resharded):
+                    continue
                 for sp in sps:
                     out.append(Candidate(mesh, mbs, m, schedule, v, zero, sp, space.runtime))
     return out

@@ -341,6 +341,8 @@ class StageProblemBuilder:
         placements = self.placements(cand)
         if placements is None:
             return None
+        if cand.schedule.zero_bubble:  # no recomputation with a split backward (`pipeline.recompute_problem`)
+            options = tuple(o for o in options if o is Recompute.NONE) or (Recompute.NONE,)
         if cand.schedule.chunked and (cand.virtual_stages > 1 or cand.schedule is Schedule.INTERLEAVED):
             return self._build_interleaved(cand, options, placements)
         return self._build_contiguous(cand, options, placements, upper_bound)
