@@ -98,9 +98,9 @@ def schedule_problem(schedule: Schedule, pp: int, num_microbatches: int) -> str:
     """Why the schedule cannot run m micro-batches on p ranks ('' when it can; module docstring)."""
     schedule, m = Schedule(schedule), num_microbatches
     if schedule in (Schedule.INTERLEAVED, Schedule.INTERLEAVED_ZB) and m % pp:
-        return (f"the {schedule.value} schedule needs num_microbatches ({m}) to be a multiple of pp ({pp})")
+        return f"the {schedule.value} schedule needs the number of micro-batches ({m}) to be a multiple of pp ({pp})"
     if schedule.v_shape and m < 2 * pp:
-        return f"the {schedule.value} schedule needs num_microbatches ({m}) >= 2 * pp ({2 * pp})"
+        return f"the {schedule.value} schedule needs at least 2 * pp = {2 * pp} micro-batches, got {m}"
     return ""
 
 

@@ -142,7 +142,7 @@ BAD_INPUTS: tuple[BadInput, ...] = (
           "--recompute full", "the zbv schedule runs without activation recomputation"),
     _case("estimate-zbv-few-microbatches", "zbv with fewer than 2 * pp micro-batches",
           f"estimate {TINY} --cluster 1x4xcpu --batch 8 --tp 1 --pp 2 --dp 1 --mbs 4 --schedule zbv",
-          "the zbv schedule needs num_microbatches (2) >= 2 * pp (4)"),
+          "the zbv schedule needs at least 2 * pp = 4 micro-batches, got 2"),
     _case("nothing-fits", "model that fits no strategy (says the least memory that would)",
           "plan gpt --set layers=2 --set hidden=8192 --set heads=64 --set seq=512 --cluster 1x1xl4 --batch 1",
           "nothing fits in 22.35 GiB per device", "the least memory any strategy needs is 35.11 GiB per device"),

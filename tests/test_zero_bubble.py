@@ -128,7 +128,7 @@ def test_in_flight_counts_are_the_simulated_peaks(schedule: Schedule) -> None:
 
 
 def test_constraints_and_placement() -> None:
-    assert schedule_problem(Schedule.ZBV, 4, 6) == "the zbv schedule needs num_microbatches (6) >= 2 * pp (8)"
+    assert schedule_problem(Schedule.ZBV, 4, 6) == "the zbv schedule needs at least 2 * pp = 8 micro-batches, got 6"
     assert "multiple of pp" in schedule_problem(Schedule.INTERLEAVED_ZB, 4, 6)
     assert schedule_problem(Schedule.DUALPIPEV, 4, 8) == ""
     assert chunk_stages(Schedule.ZBV, 4, 2, 1) == (1, 6) and stage_rank(Schedule.DUALPIPEV, 4, 7) == 0
