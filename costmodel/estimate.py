@@ -260,8 +260,8 @@ class RankSetting:
 
 def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: int, strategy: Strategy,
                     rank: RankSetting, cluster: Cluster, dtype: str, *,
-                    dp_comm: Callable[..., DataParallelComm] = data_parallel_comm
-                    ) -> tuple[list[StageTime], RankTail]:
+                    dp_comm: Callable[..., DataParallelComm] = data_parallel_comm,
+                    chunk_cache: dict | None = None) -> tuple[list[StageTime], RankTail]:
     """One pipeline rank holding `chunks` (its virtual stages, in order) and `shared_params` copied weights:
     each chunk's `StageTime` (ZeRO per-micro-batch communication and framework work included) and what the rank
     does after its last backward (gradient reduction, syncs, optimizer, post-step gathers). Framework host work
@@ -269,13 +269,20 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
 
     This is the one per-rank composition of the model: `estimate` calls it for every rank and the planner's
     partition problem (`planner.stage_problem`) for every candidate stage, so the search's objective is the
-    estimate. `dp_comm` is `step_time.data_parallel_comm` or a cache of it."""
+    estimate. `dp_comm` is `step_time.data_parallel_comm` or a cache of it; `chunk_cache`, when given, keeps each
+    chunk's terms by its segments (the caller keeps one per rank setting: a rank's chunks often repeat)."""
     group = dp_group(strategy, rank.index)
     times: list[StageTime] = []
     post = end_reduce = 0.0
     end_chunks = 0
     for segs in chunks:
-        chunk, comm = _chunk_time(segs, strategy, rank, cluster, dtype_bytes(dtype), group, dp_comm)
+        key = tuple((s.cost, s.recompute) for s in segs) if chunk_cache is not None else None
+        hit = chunk_cache.get(key) if chunk_cache is not None else None
+        if hit is None:
+            hit = _chunk_time(segs, strategy, rank, cluster, dtype_bytes(dtype), group, dp_comm)
+            if chunk_cache is not None:
+                chunk_cache[key] = hit
+        chunk, comm = hit
         times.append(chunk)
         post += comm.post_step_s
         end_reduce += comm.end_reduce_s

@@ -74,9 +74,12 @@ def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost]
     data-parallel communication are >= 0). The pipeline's bottleneck rank carries at least the min-max
     contiguous split of ``w`` over p stages; for interleaved, the least bottleneck of its chunk layouts
     (`interleaved_bottleneck`) with the sends (`p2p`, one per chunk boundary). So
-    ``T >= W / v + (m - 1/v) U + optimizer_s``. A zero-bubble schedule's step is m D_* + sum of the other ranks'
-    E_r / v (`costmodel.pipeline`, * the busiest rank), where every E_r is at least the rank's forward and at most
-    2 D_r: ``T >= max(m U, (m - 2/v) U + W_fwd / v) + optimizer_s``, W_fwd the forward work of the chain."""
+    ``T >= W / v + (m - 1/v) U + optimizer_s``. A zero-bubble schedule's step is at least m D_* + the other
+    ranks' E_r / v (`costmodel.pipeline`, * the busiest rank). For interleaved-zb and dualpipev E_r = f_r +
+    max(i_r - w_r, 0) <= D_r and their sum is at least F + max(I - W, 0) over the chain (W: the weight-gradient
+    compute, I the rest of the backward, F the forward); ZB-V's E_r is at least f_r and at most 2 D_r. So
+    ``T >= max(m U, (m - 1/v) U + (F + max(I - W, 0)) / v)``, resp. ``max(m U, (m - 2/v) U + F / v)``, plus
+    `optimizer_s`."""
     w = np.min([segment_work(segs, speed, tp_overlap_chunks(cand)) for segs, speed in costs], axis=0)
     prefix = np.concatenate([[0.0], np.cumsum(w)])
     m, p = cand.num_microbatches, cand.mesh.pp
@@ -89,10 +92,15 @@ def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost]
         v = 1
         u = _min_max_partition(prefix, p)
     if cand.schedule.zero_bubble:
-        forward = np.min([[c.fwd_compute_s / speed + tp_exposed(c.fwd_comm_s, c.fwd_compute_s / speed,
-                                                                  tp_overlap_chunks(cand)) for c in segs]
-                          for segs, speed in costs], axis=0).sum() + sum(p2p)
-        return max(m * u, (m - 2 / v) * u + float(forward) / v) + optimizer_s
+        n = tp_overlap_chunks(cand)
+        parts = np.min([[(c.fwd_compute_s / speed + tp_exposed(c.fwd_comm_s, c.fwd_compute_s / speed, n),
+                          c.bwd_compute_s * (1 - 2 * c.weight_grad_share) / speed
+                          + tp_exposed(c.bwd_comm_s, c.bwd_compute_s / speed, n)) for c in segs]
+                         for segs, speed in costs], axis=0).sum(axis=0) + sum(p2p)
+        forward, input_less_weight = float(parts[0]), max(float(parts[1]), 0.0)
+        if cand.schedule is Schedule.ZBV:
+            return max(m * u, (m - 2 / v) * u + forward / v) + optimizer_s
+        return max(m * u, (m - 1 / v) * u + (forward + input_less_weight) / v) + optimizer_s
     return total / v + (m - 1 / v) * u + optimizer_s
 
 

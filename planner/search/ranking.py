@@ -58,12 +58,13 @@ def simplicity_key(strategy: Strategy) -> tuple[int, ...]:
             int(s.sequence_parallel))
 
 
-def simplicity_floor(*, tp: int, pp: int, cp: int, ep: int, zero_stage: int, num_microbatches: int
-                     ) -> tuple[int, ...]:
-    """The smallest `simplicity_key` a strategy with these degrees can have, whatever its recomputation, virtual
-    stages and sequence parallelism (known only once its partition is solved)."""
+def simplicity_floor(*, tp: int, pp: int, cp: int, ep: int, zero_stage: int, num_microbatches: int,
+                     virtual_stages: int = 0, zero_bubble: bool = False) -> tuple[int, ...]:
+    """The smallest `simplicity_key` a strategy with these degrees (and, when given, chunks per rank and
+    schedule) can have, whatever its recomputation and sequence parallelism (known only once its partition is
+    solved)."""
     dims = sum(1 for d in (tp, pp, cp, ep) if d > 1)
-    return (dims, zero_stage, num_microbatches, 0, 0, 0, 0)
+    return (dims, zero_stage, num_microbatches, 0, virtual_stages, int(zero_bubble), 0)
 
 
 @dataclass

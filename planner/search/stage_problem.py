@@ -43,7 +43,7 @@ from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import CommGroup, spans
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
-from costmodel.memory import PricedSegment, rank_memory
+from costmodel.memory import PricedSegment, rank_memory, saved_bytes
 from costmodel.pipeline import in_flight_per_chunk, stage_rank, zero_bubble_fill
 from costmodel.rank_layout import (
     busy_fraction,
@@ -122,6 +122,9 @@ class _Terms:
     """Peak bytes with no micro-batch in flight (`rank_memory` with in_flight 0 / the schedule's counts)."""
     memory1: float
     """Peak bytes with one micro-batch in flight per chunk (contiguous stages only)."""
+    chunk_act: tuple[float, ...] = ()
+    """Per chunk: the activation bytes one micro-batch saves there; peak memory is memory0 + sum_c n_c chunk_act[c]
+    for in-flight counts n_c (`memory.rank_memory` is affine in them)."""
 
 
 @dataclass
@@ -145,6 +148,8 @@ class StageProblemBuilder:
     _framework: dict[str, FrameworkCosts] = field(default_factory=dict, repr=False)
     _layouts: dict[tuple[int, int, Schedule], InterleavedLayout | None] = field(default_factory=dict, repr=False)
     _units: ChainUnits | None = field(default=None, repr=False)
+    _chunk_cache: dict[tuple, dict] = field(default_factory=dict, repr=False)
+    """`costmodel.estimate.rank_step_terms`' chunk terms per rank signature (a rank's chunks repeat)."""
     _dp_comm_cache: dict[tuple, DataParallelComm] = field(default_factory=dict, repr=False)
     """`step_time.data_parallel_comm` results by what they depend on (the group through `collectives.spans`)."""
 
@@ -278,7 +283,9 @@ class StageProblemBuilder:
         m = cand.mesh
         setting = RankSetting(ctx.index, ctx.device, ctx.speed, self.framework(ctx.device))
         times, tail = rank_step_terms(chunks, shared, self.strategy_of(cand), setting, self.cluster, self.dtype,
-                                      dp_comm=self._dp_comm)
+                                      dp_comm=self._dp_comm,
+                                      chunk_cache=self._chunk_cache.setdefault((ctx.signature, cand.num_microbatches,
+                                                                                cand.schedule), {}))
         exposed = tail.exposed_end_reduce()
         dp = m.dp * m.cp
 
@@ -287,13 +294,15 @@ class StageProblemBuilder:
                                device_name=ctx.device.name, extra_params=shared, ep=m.ep,
                                reshard_after_forward=cand.runtime.reshard_after_forward).total
 
-        if in_flight is None:   # contiguous: affine in the stage's in-flight count
-            mem0, mem1 = memory([0]), memory([1])
+        if in_flight is None:   # affine in the in-flight counts of the chunks
+            mem0 = memory([0] * len(chunks))
+            mem1 = memory([1]) if len(chunks) == 1 else mem0  # the contiguous problem's slope
         else:
             mem0 = mem1 = memory(in_flight)
+        act = tuple(float(sum(saved_bytes(s.cost, s.recompute) for s in chunk)) for chunk in chunks)
         return _Terms(tuple(t.fwd_s for t in times), tuple(t.bwd_s for t in times), tuple(t.wgrad_s for t in times),
                       exposed + tail.tp_grad_sync_s,
-                      tail.shared_sync_s, tail.optimizer_s, tail.post_step_s, mem0, mem1)
+                      tail.shared_sync_s, tail.optimizer_s, tail.post_step_s, mem0, mem1, act)
 
     def _p2p(self, cand: Candidate, boundary: int, nbytes: float) -> float:
         """`costmodel.estimate.p2p_time`, cached by what the send depends on."""
@@ -479,12 +488,15 @@ class StageProblemBuilder:
         def price(k: int, choice: RankChoice, rc: Recompute) -> ChoiceTerms:
             ctx, costs = contexts[k], costs_of[placements[k].device.name]
             layout_key = tuple(tuple(self.chain.segments[i].class_id for i in chunk) for chunk in choice.chunks)
-            cache_key = (ctx.signature, rc, layout_key, shared[k], counts[k])
+            # Ranks with the same signature and chunks share their terms; only memory depends on the in-flight
+            # counts, and affinely.
+            cache_key = (ctx.signature, rc, layout_key, shared[k])
             t = self._terms.get(cache_key)
             if t is None:
                 segs = [[PricedSegment(costs[i], rc) for i in chunk] for chunk in choice.chunks]
-                t = self._terms[cache_key] = self._rank_terms(cand, ctx, segs, shared[k], counts[k])
-            return ChoiceTerms(t.fwd, t.bwd, t.wgrad, t.tail, t.tail_const, t.optimizer, t.post, t.memory0)
+                t = self._terms[cache_key] = self._rank_terms(cand, ctx, segs, shared[k], None)
+            memory = t.memory0 + sum(n * a for n, a in zip(counts[k], t.chunk_act, strict=True))
+            return ChoiceTerms(t.fwd, t.bwd, t.wgrad, t.tail, t.tail_const, t.optimizer, t.post, memory)
 
         sends = self.interleaved_sends(cand, layout, placements)
         capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
