@@ -437,20 +437,8 @@ class StageProblemBuilder:
                 t = self._composition_terms(cand, ctx, costs, rc, comp, a0, b0)
                 fwd = t.fwd[0] + recv[aa]        # the send into this stage delays its forward
                 bwd = t.bwd[0] + send[bb]        # the gradient coming back delays its backward
-                if gpipe:
-                    additive[r, aa, bb, 0], additive[r, aa, bb, 1] = fwd, bwd
-                    bottleneck[r, aa, bb, 0], bottleneck[r, aa, bb, 1] = fwd, bwd
-                    bottleneck[r, aa, bb, 2], bottleneck[r, aa, bb, 3] = t.post, t.optimizer
-                elif zero_bubble:  # E_r and m D_r - E_r (`pipeline.zero_bubble_fill`, one chunk)
-                    fill = np.array([zero_bubble_fill(cand.schedule, x, y - t.wgrad[0], t.wgrad[0])
-                                     for x, y in zip(fwd, bwd, strict=True)])
-                    additive[r, aa, bb, 0] = fill
-                    bottleneck[r, aa, bb, 0] = m * (fwd + bwd) - fill
-                    bottleneck[r, aa, bb, 1], bottleneck[r, aa, bb, 2] = t.post, t.optimizer
-                else:
-                    additive[r, aa, bb, 0] = fwd + bwd
-                    bottleneck[r, aa, bb, 0] = fwd + bwd
-                    bottleneck[r, aa, bb, 1], bottleneck[r, aa, bb, 2] = t.post, t.optimizer
+                s, u = _pipeline_terms(cand.schedule, m, fwd, bwd, t)
+                additive[r, aa, bb], bottleneck[r, aa, bb] = s, u
                 memory_base[r, aa, bb] = t.memory0
                 per_microbatch[r, aa, bb] = t.memory1 - t.memory0
                 tail[r, aa, bb] = t.tail
@@ -507,6 +495,21 @@ class StageProblemBuilder:
             preferred = best.stages if best is not None else None
         problem = interleaved_problem(layout, options, price, sends, capacity, m, preferred=preferred)
         return StageProblem(cand, problem, placements, layout=layout)
+
+
+def _pipeline_terms(schedule: Schedule, m: int, fwd: np.ndarray, bwd: np.ndarray, t: _Terms
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(additive, bottleneck) columns of contiguous stages with these forward / backward seconds (sends
+    included): GPipe (F, B | F, B, post, opt); 1F1B (F + B | F + B, post, opt); a zero-bubble schedule with one
+    chunk (E_r | m D_r - E_r, post, opt; `pipeline.zero_bubble_fill`)."""
+    post, opt = np.full_like(fwd, t.post), np.full_like(fwd, t.optimizer)
+    if schedule is Schedule.GPIPE:
+        return np.stack([fwd, bwd], axis=-1), np.stack([fwd, bwd, post, opt], axis=-1)
+    if schedule.zero_bubble:
+        fill = np.array([zero_bubble_fill(schedule, x, y - t.wgrad[0], t.wgrad[0]) for x, y in zip(fwd, bwd,
+                                                                                                     strict=True)])
+        return fill[:, None], np.stack([m * (fwd + bwd) - fill, post, opt], axis=-1)
+    return (fwd + bwd)[:, None], np.stack([fwd + bwd, post, opt], axis=-1)
 
 
 def segment_work(costs: Sequence[LayerCost], speed: float, tp_overlap_chunks: int = 0) -> np.ndarray:
