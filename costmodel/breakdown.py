@@ -75,17 +75,24 @@ class StageEstimate:
     memory: MemoryBreakdown
     capacity_bytes: int
     in_flight_microbatches: int
+    wgrad_s: float = 0.0
+    """Of `bwd_s`, the weight-gradient part the zero-bubble schedules run on its own (0 for the others; the JSON
+    carries it only when it is not 0)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "start": self.start, "stop": self.stop, "device": self.device,
-                "fwd_s": self.fwd_s, "bwd_s": self.bwd_s, "memory": self.memory.to_dict(),
-                "capacity_bytes": self.capacity_bytes, "in_flight_microbatches": self.in_flight_microbatches}
+        out = {"index": self.index, "start": self.start, "stop": self.stop, "device": self.device,
+               "fwd_s": self.fwd_s, "bwd_s": self.bwd_s, "memory": self.memory.to_dict(),
+               "capacity_bytes": self.capacity_bytes, "in_flight_microbatches": self.in_flight_microbatches}
+        if self.wgrad_s:
+            out["wgrad_s"] = self.wgrad_s
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StageEstimate:
         return cls(index=d["index"], start=d["start"], stop=d["stop"], device=d["device"], fwd_s=d["fwd_s"],
                    bwd_s=d["bwd_s"], memory=MemoryBreakdown.from_dict(d["memory"]),
-                   capacity_bytes=d["capacity_bytes"], in_flight_microbatches=d["in_flight_microbatches"])
+                   capacity_bytes=d["capacity_bytes"], in_flight_microbatches=d["in_flight_microbatches"],
+                   wgrad_s=d.get("wgrad_s", 0.0))
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,13 @@ from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import op_policy_kept, price_segment, selective_recompute_region
 from costmodel.memory import GIB, GRAD_BYTES, PricedSegment, rank_memory
-from costmodel.pipeline import in_flight_per_chunk
+from costmodel.pipeline import (
+    chunk_stages,
+    in_flight_per_chunk,
+    schedule_problem,
+    split_backward_problem,
+    stage_rank,
+)
 from costmodel.profile_db import OpProfile
 from costmodel.rank_layout import device_map, dp_group, even_stages, p2p_group, shared_weight_group, tp_group
 from costmodel.step_time import (
@@ -78,20 +84,23 @@ def param_tensor_kinds(strategy: Strategy, costs: Iterable[LayerCost]) -> tuple[
 def p2p_time(strategy: Strategy, boundary: int, nbytes: float, cluster: Cluster) -> float:
     """Seconds to send `nbytes` (per device) across virtual-stage boundary `boundary`; all tp*cp*dp pairs of the
     two stages send at once (`concurrent`)."""
-    if strategy.pp == 1 or nbytes <= 0:
+    group = p2p_group(strategy, boundary)
+    if strategy.pp == 1 or nbytes <= 0 or group.size == 1:
         return 0.0
-    return collective_time(Collective.SEND_RECV, nbytes, p2p_group(strategy, boundary), cluster,
+    return collective_time(Collective.SEND_RECV, nbytes, group, cluster,
                            concurrent=strategy.tp * strategy.cp * strategy.dp)
 
 
-def shared_parameter_copies(chain: LayerChain, stages: Sequence[StageSpec], pp: int) -> tuple[int, ...]:
+def shared_parameter_copies(chain: LayerChain, stages: Sequence[StageSpec], pp: int,
+                            schedule: Schedule = Schedule.ONE_F_ONE_B) -> tuple[int, ...]:
     """Per pipeline rank: parameters used there but owned by (first used on) another rank, which it must keep a
     copy of -- the tied LM head of a GPT whose embedding sits on the first stage (Megatron-LM's "word embeddings"
-    copy on the last stage; `Segment.param_count` counts a shared weight once, where it is first used)."""
+    copy on the last stage; `Segment.param_count` counts a shared weight once, where it is first used). A V-shaped
+    schedule has both on rank 0: no copy."""
     owner: dict[str, int] = {}
     used: list[dict[str, int]] = [{} for _ in range(pp)]
     for j, st in enumerate(stages):
-        rank = j % pp
+        rank = stage_rank(schedule, pp, j)
         for seg in chain.segments[st.start:st.stop]:
             for node in chain.nodes_of(seg):
                 for name, spec in zip(node.param_names, node.param_specs, strict=False):
@@ -188,10 +197,18 @@ def _validity_problems(chain: LayerChain, strategy: Strategy, global_batch: int 
     problems += [p for p in (cp_problem(chain, strategy.cp), ep_problem(chain, strategy.ep)) if p]
     if strategy.dp % strategy.ep:
         problems.append(f"ep={strategy.ep} must divide dp={strategy.dp} (expert groups are data-parallel ranks)")
-    if strategy.schedule is Schedule.INTERLEAVED and strategy.num_microbatches % strategy.pp:
-        problems.append(f"the interleaved schedule needs num_microbatches ({strategy.num_microbatches}) to be a "
-                        f"multiple of pp ({strategy.pp})")
+    for why in (schedule_problem(strategy.schedule, strategy.pp, strategy.num_microbatches),
+                split_backward_problem(strategy.schedule, recomputed=recomputes(strategy),
+                                       resharded=strategy.zero_stage == 3 and strategy.runtime.reshard_after_forward)):
+        if why:
+            problems.append(why)
     return problems
+
+
+def recomputes(strategy: Strategy) -> bool:
+    """Whether any stage of the strategy recomputes activations."""
+    modes = {s.recompute for s in strategy.stages} if strategy.stages else {strategy.recompute}
+    return modes != {Recompute.NONE}
 
 
 def _recompute_flops(chain: LayerChain, seg_index: int, recompute: Recompute, cache: dict[int, int]) -> int:
@@ -230,11 +247,11 @@ def estimate(chain: LayerChain | Graph, cluster: Cluster, strategy: Strategy, *,
     problems = _validity_problems(chain, strategy, global_batch)
     ranks = _pipeline_ranks(cluster, strategy, stages)
     prices = _Prices(chain, strategy, layer_costs, dtype, profile, cluster)
-    priced = [[PricedSegment(prices(i, ranks[j % strategy.pp].device),
+    priced = [[PricedSegment(prices(i, ranks[stage_rank(strategy.schedule, strategy.pp, j)].device),
                              Recompute(st.recompute if strategy.stages else strategy.recompute))
                for i in range(st.start, st.stop)] for j, st in enumerate(stages)]
     # Copies of weights shared across pipeline ranks (tied embeddings), vocabulary-sharded over tp like the head.
-    shared = [-(-n // strategy.tp) for n in shared_parameter_copies(chain, stages, strategy.pp)]
+    shared = [-(-n // strategy.tp) for n in shared_parameter_copies(chain, stages, strategy.pp, strategy.schedule)]
 
     stage_times, tails = _step_terms(priced, ranks, shared, strategy, cluster, dtype, profile)
     p2p = [p2p_time(strategy, j, priced[j][-1].cost.boundary_bytes, cluster) for j in range(len(priced) - 1)]
@@ -258,8 +275,8 @@ class RankSetting:
 
 def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: int, strategy: Strategy,
                     rank: RankSetting, cluster: Cluster, dtype: str, *,
-                    dp_comm: Callable[..., DataParallelComm] = data_parallel_comm
-                    ) -> tuple[list[StageTime], RankTail]:
+                    dp_comm: Callable[..., DataParallelComm] = data_parallel_comm,
+                    chunk_cache: dict | None = None) -> tuple[list[StageTime], RankTail]:
     """One pipeline rank holding `chunks` (its virtual stages, in order) and `shared_params` copied weights:
     each chunk's `StageTime` (ZeRO per-micro-batch communication and framework work included) and what the rank
     does after its last backward (gradient reduction, syncs, optimizer, post-step gathers). Framework host work
@@ -267,13 +284,20 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
 
     This is the one per-rank composition of the model: `estimate` calls it for every rank and the planner's
     partition problem (`planner.search.stage_problem`) for every candidate stage, so the search's objective is the
-    estimate. `dp_comm` is `step_time.data_parallel_comm` or a cache of it."""
+    estimate. `dp_comm` is `step_time.data_parallel_comm` or a cache of it; `chunk_cache`, when given, keeps each
+    chunk's terms by its segments (the caller keeps one per rank setting: a rank's chunks often repeat)."""
     group = dp_group(strategy, rank.index)
     times: list[StageTime] = []
     post = end_reduce = 0.0
     end_chunks = 0
     for segs in chunks:
-        chunk, comm = _chunk_time(segs, strategy, rank, cluster, dtype_bytes(dtype), group, dp_comm)
+        key = tuple((s.cost, s.recompute) for s in segs) if chunk_cache is not None else None
+        hit = chunk_cache.get(key) if chunk_cache is not None else None
+        if hit is None:
+            hit = _chunk_time(segs, strategy, rank, cluster, dtype_bytes(dtype), group, dp_comm)
+            if chunk_cache is not None:
+                chunk_cache[key] = hit
+        chunk, comm = hit
         times.append(chunk)
         post += comm.post_step_s
         end_reduce += comm.end_reduce_s
@@ -334,16 +358,22 @@ def _step_terms(priced: Sequence[Sequence[PricedSegment]], ranks: Sequence[_Rank
                 strategy: Strategy, cluster: Cluster, dtype: str, profile: OpProfile | None
                 ) -> tuple[list[StageTime], list[RankTail]]:
     """Per virtual stage its `StageTime`, per pipeline rank its `RankTail` (`rank_step_terms` of each rank)."""
-    pp = strategy.pp
     framework = {name: FrameworkCosts.from_profile(profile, name) for name in {r.device.name for r in ranks}}
     stage_times: list[StageTime | None] = [None] * len(priced)
     tails = []
     for r, rank in enumerate(ranks):
         setting = RankSetting(r, rank.device, rank.speed, framework[rank.device.name])
-        times, tail = rank_step_terms(priced[r::pp], shared[r], strategy, setting, cluster, dtype)
-        stage_times[r::pp] = times
+        mine = _rank_stages(strategy, r)
+        times, tail = rank_step_terms([priced[j] for j in mine], shared[r], strategy, setting, cluster, dtype)
+        for j, t in zip(mine, times, strict=True):
+            stage_times[j] = t
         tails.append(tail)
     return [t for t in stage_times if t is not None], tails
+
+
+def _rank_stages(strategy: Strategy, rank: int) -> tuple[int, ...]:
+    """The virtual stages of pipeline rank `rank`, in its chunk order (`pipeline.chunk_stages`)."""
+    return chunk_stages(strategy.schedule, strategy.pp, strategy.virtual_stages, rank)
 
 
 def _stage_estimates(priced: Sequence[Sequence[PricedSegment]], stage_times: Sequence[StageTime],
@@ -354,18 +384,20 @@ def _stage_estimates(priced: Sequence[Sequence[PricedSegment]], stage_times: Seq
     out = []
     for r, rank in enumerate(ranks):
         counts = in_flight_per_chunk(strategy.schedule, pp, r, strategy.num_microbatches, strategy.virtual_stages)
-        memory = rank_memory(priced[r::pp], counts, zero_stage=strategy.zero_stage, dp=strategy.dp * strategy.cp,
+        mine = [stage_times[j] for j in _rank_stages(strategy, r)]
+        memory = rank_memory([priced[j] for j in _rank_stages(strategy, r)], counts, zero_stage=strategy.zero_stage, dp=strategy.dp * strategy.cp,
                              dtype=dtype, device_name=rank.device.name, extra_params=shared[r], ep=strategy.ep,
                              reshard_after_forward=strategy.runtime.reshard_after_forward)
         capacity = rank.device.memory_bytes
         if memory.total > capacity:
             problems.append(f"stage {r} needs {memory.total / GIB:.1f} GiB > {capacity / GIB:.1f} GiB "
                             f"({rank.device.name})")
-        mine = stage_times[r::pp]
+        zero_bubble = strategy.schedule.zero_bubble
         out.append(StageEstimate(
             index=r, start=stages[r].start, stop=stages[r].stop, device=rank.device.name,
             fwd_s=sum(t.fwd_s for t in mine), bwd_s=sum(t.bwd_s for t in mine), memory=memory,
-            capacity_bytes=capacity, in_flight_microbatches=max(counts)))
+            capacity_bytes=capacity, in_flight_microbatches=max(counts),
+            wgrad_s=sum(t.wgrad_s for t in mine) if zero_bubble else 0.0))
     return out
 
 

@@ -53,3 +53,7 @@ class LayerCost:
     recompute_op_s: float = 0.0
     """Extra forward time in backward under `Recompute.OP`: every op whose output is not kept, and the forward
     communication."""
+    weight_grad_share: float = 0.0
+    """Fraction of `bwd_compute_s` that computes weight gradients (`layer_pricing.weight_grad_share`): the work
+    the zero-bubble schedules split off the backward and defer. A share, so that pricing that scales the backward
+    (context and expert parallelism) keeps it."""

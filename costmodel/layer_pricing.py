@@ -23,6 +23,7 @@ backward) -- the transient working set on top of saved activations, e.g. attenti
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from costmodel.hardware.device import DeviceSpec
@@ -113,6 +114,18 @@ def segment_glue(segment: Segment, device: DeviceSpec, *, microbatch_size: int, 
     return found or OpTiming(0.0, 0.0)
 
 
+def weight_grad_share(nodes: Sequence[Node]) -> float:
+    """The fraction of a segment's backward that computes weight gradients, by FLOPs: a GEMM with a weight
+    (linear, convolution, expert matmul) spends its forward's FLOPs again on dW = X^T dY, the rest of the backward
+    (dX, attention, everything else) is input-gradient work (Qi et al. 2024, Sec. 2: W and B of a linear layer
+    cost the same)."""
+    backward = sum(n.backward_flops for n in nodes)
+    if backward <= 0:
+        return 0.0
+    weights = sum(n.forward_flops for n in nodes if n.op_kind in GEMM_KINDS and n.param_specs)
+    return min(weights / backward, 1.0)
+
+
 def price_segment(chain: LayerChain, segment: Segment, device: DeviceSpec, *, microbatch_size: int,
                   dtype: str = "bfloat16", profile: OpProfile | None = None) -> LayerCost:
     """`LayerCost` of `segment` replicated on one `device` for a micro-batch of `microbatch_size` samples."""
@@ -137,7 +150,7 @@ def price_segment(chain: LayerChain, segment: Segment, device: DeviceSpec, *, mi
     loss_bytes = sum(b for n, b in zip(nodes, out_bytes, strict=True) if n.name in loss_inputs(nodes)) * act
     saved_op = min(segment.input_bytes + sum(b for n, b in zip(nodes, out_bytes, strict=True) if n.name in kept),
                    none)
-    return with_training_loss(LayerCost(
+    cost = with_training_loss(LayerCost(
         fwd_compute_s=fwd,
         bwd_compute_s=bwd,
         fwd_comm_s=0.0,
@@ -156,3 +169,4 @@ def price_segment(chain: LayerChain, segment: Segment, device: DeviceSpec, *, mi
         saved_bytes_op=round(saved_op * act),
         recompute_op_s=sum(t[0] for n, t in zip(nodes, times, strict=True) if n.name not in kept),
     ), loss_bytes, device, dtype)
+    return dataclasses.replace(cost, weight_grad_share=weight_grad_share(nodes))

@@ -33,6 +33,44 @@ GPipe holds all m; 1F1B rank r holds min(p - r, m) (Narayanan et al. 2021, Sec. 
 w = 2(p - r - 1) + (v - 1)p warm-up forwards plus one (Megatron-LM schedules.py), the k-th on chunk (k // p) % v,
 capped at m*v. For rank 0 that is v*p + p - 1 chunk-micro-batches = (1 + (p-1)/(p*v)) times the 1F1B amount
 (Korthikanti et al. 2022, Sec. 4.2.3).
+
+Zero-bubble schedules
+---------------------
+The backward of a chunk splits into B (the input gradient, which the previous stage waits for) and W (the weight
+gradient, which nothing waits for): b = i + w. torch.distributed.pipelining runs them as `stage_backward_input`
+and `stage_backward_weight`; the activations a micro-batch saved stay until its W (the input-gradient pass keeps
+the graph for the weight pass). With f_r, i_r, w_r a rank's per-micro-batch sums over its chunks and D_r = f_r +
+i_r + w_r, each schedule's fill and drain per rank is E_r, and
+
+    T = max_r (m D_r - E_r / v) + sum_r E_r / v + X / v
+
+    interleaved-zb:  E_r = f_r + max(i_r - w_r, 0)                              X = 0
+    zbv:             E_r = max(f_r, i_r, 2 (i_r - w_r))                          X = 0
+    dualpipev:       E_r = f_r + max(i_r - w_r, 0)     X = max_r max((p - 1)(i_r - f_r) - f_r, 0)
+
+For equal stages (F, I, W one chunk's times) the bubble is (p - 1)(F + I - W) + X when W <= I: 1F1B's fill and
+drain (p - 1)(F + I + W) less two W per rank, because W runs in the bubbles (Qi et al. 2024, ZB-H1; DeepSeek-V3
+Table 2 lists (PP - 1)(F + B - 2W) for ZB1P with B = I + W). ZB-V pays more when I outgrows F + W, DualPipeV when
+I outgrows F (its F&B pairs wait on the input gradients). These are derived from, and checked against, an event
+simulation of torch 2.13's own action lists (`planner.reports.schedule_simulation`, tests/test_zero_bubble.py):
+exact for equal stages whenever W <= F <= I (a weight gradient costs about its forward GEMMs, and the input
+gradient at least that -- every transformer layer), within 5% of the simulated step elsewhere and within 6% for
+stage costs 30% apart. The max over ranks of m D_r - E_r / v (rather than m max D + the others' E) keeps the form
+Phi(sum, max) the stage-partition DP needs; for equal stages the two agree. DualPipeV's overlapped "F&B" chunks
+run one after the other in torch's default runtime (the overlap needs a custom function), so they are priced as F
+then B. Sends are blocking as above, and the gradient goes out after the input-gradient pass: f_{j+1} += p2p[j],
+i_j += p2p[j]. W fills the drain too, so no end-of-step reduction hides there (`drain_slack` is 0).
+
+Placement and constraints. None of them recomputes activations, and under ZeRO-3 they keep the gathered weights
+from forward to backward (`split_backward_problem`). interleaved-zb (torch's ZB1P, `ScheduleInterleavedZeroBubble`) loops virtual stage j
+onto rank j % p as interleaved 1F1B does, v >= 1 chunks, m a multiple of p. zbv and dualpipev are V-shaped: rank r
+holds exactly virtual stages r and 2p - 1 - r (so the first and the last stage, the embedding and the loss, are on
+rank 0, and stages p - 1 and p meet on rank p - 1 without a send), m >= 2p (DualPipeV refuses fewer; ZB-V pads
+to 2p - 1 and idles).
+
+In flight (F started, W not finished), from the same simulation: interleaved-zb holds p micro-batches on every
+chunk of every rank (min(p, m)); zbv holds 2p - 1 - r on rank r's first chunk and r + 1 on its second (2p per
+rank, 1F1B's first-rank peak on every rank); dualpipev 2p - r and r + 1 (2p + 1, DeepSeek-V3's "PP + 1").
 """
 
 from __future__ import annotations
@@ -48,14 +86,63 @@ def _check(schedule: Schedule, pp: int, num_microbatches: int, virtual_stages: i
     if pp < 1 or num_microbatches < 1 or virtual_stages < 1:
         raise ValueError(f"pp, num_microbatches and virtual_stages must be >= 1, got {pp}, {num_microbatches}, "
                          f"{virtual_stages}")
-    if virtual_stages > 1 and schedule is not Schedule.INTERLEAVED:
-        raise ValueError(f"virtual_stages={virtual_stages} needs schedule 'interleaved', got {schedule.value!r}")
+    if virtual_stages > 1 and not schedule.chunked:
+        raise ValueError(f"virtual_stages={virtual_stages} needs a schedule with model chunks (interleaved, "
+                         f"interleaved-zb, zbv, dualpipev), got {schedule.value!r}")
+    if schedule.v_shape and virtual_stages != 2:
+        raise ValueError(f"{schedule.value} runs exactly 2 chunks per rank, got virtual_stages={virtual_stages}")
     return schedule
 
 
+def schedule_problem(schedule: Schedule, pp: int, num_microbatches: int) -> str:
+    """Why the schedule cannot run m micro-batches on p ranks ('' when it can; module docstring)."""
+    schedule, m = Schedule(schedule), num_microbatches
+    if schedule in (Schedule.INTERLEAVED, Schedule.INTERLEAVED_ZB) and m % pp:
+        return f"the {schedule.value} schedule needs the number of micro-batches ({m}) to be a multiple of pp ({pp})"
+    if schedule.v_shape and m < 2 * pp:
+        return f"the {schedule.value} schedule needs at least 2 * pp = {2 * pp} micro-batches, got {m}"
+    return ""
+
+
+def split_backward_problem(schedule: Schedule, *, recomputed: bool, resharded: bool) -> str:
+    """Why a zero-bubble schedule cannot run this way ('' when it can). Its backward differentiates each chunk
+    twice, input then weight gradients; torch 2.13's activation checkpointing recomputes a region for one backward
+    pass only (the second fails re-entering its context), and FSDP2 resharding after the forward (ZeRO-3's
+    default) reduces the weight gradients before the weight pass has made them (measured: wrong gradients)."""
+    name = Schedule(schedule).value
+    if not Schedule(schedule).zero_bubble:
+        return ""
+    if recomputed:
+        return (f"the {name} schedule runs without activation recomputation (its split backward differentiates "
+                "each chunk twice); use recompute none or another schedule")
+    if resharded:
+        return (f"the {name} schedule needs ZeRO-3 to keep the gathered weights from forward to backward "
+                "(reshard_after_forward=false, estimate --keep-gathered); its weight gradients come after the "
+                "input-gradient pass")
+    return ""
+
+
+def chunk_stages(schedule: Schedule, pp: int, virtual_stages: int, rank: int) -> tuple[int, ...]:
+    """The virtual stages pipeline rank `rank` holds, in its chunk order: r, r + p, ... (looped), or r and
+    2p - 1 - r (V-shaped)."""
+    if Schedule(schedule).v_shape:
+        return (rank, 2 * pp - 1 - rank)
+    return tuple(range(rank, pp * virtual_stages, pp))
+
+
+def stage_rank(schedule: Schedule, pp: int, stage: int) -> int:
+    """The pipeline rank that runs virtual stage `stage`."""
+    if Schedule(schedule).v_shape and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp
+
+
 def bubble_fraction(schedule: Schedule, pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle time / busy time of equal stages: (p-1)/m, or (p-1)/(v*m) for interleaved."""
+    """Idle time / busy time of equal stages: (p-1)/m, or (p-1)/(v*m) for interleaved; the zero-bubble schedules'
+    (p-1)(F + I - W) / (v m (F + I + W)) taken at F = I = W: (p-1)/(3 v m)."""
     schedule = _check(schedule, pp, num_microbatches, virtual_stages)
+    if schedule.zero_bubble:
+        return (pp - 1) / (3 * virtual_stages * num_microbatches)
     if schedule is Schedule.INTERLEAVED:
         return (pp - 1) / (virtual_stages * num_microbatches)
     return (pp - 1) / num_microbatches
@@ -72,6 +159,12 @@ def in_flight_per_chunk(schedule: Schedule, pp: int, rank: int, num_microbatches
         return (m,)
     if schedule is Schedule.ONE_F_ONE_B:
         return (min(pp - rank, m),)
+    if schedule is Schedule.INTERLEAVED_ZB:
+        return (min(pp, m),) * v
+    if schedule is Schedule.ZBV:
+        return (min(2 * pp - 1 - rank, m), min(rank + 1, m))
+    if schedule is Schedule.DUALPIPEV:
+        return (min(2 * pp - rank, m), min(rank + 1, m))
     units = min(2 * (pp - rank - 1) + (v - 1) * pp + 1, m * v)
     counts = [0] * v
     for k in range(units):
@@ -103,13 +196,47 @@ def _with_p2p(stage_fwd: Sequence[float], stage_bwd: Sequence[float], p2p: Seque
     return f, b
 
 
-def _steady_formula(f: Sequence[float], b: Sequence[float], schedule: Schedule, m: int, pp: int, v: int) -> float:
+def _rank_sums(x: Sequence[float], schedule: Schedule, pp: int, v: int) -> list[float]:
+    return [sum(x[j] for j in chunk_stages(schedule, pp, v, r)) for r in range(pp)]
+
+
+def _steady_formula(f: Sequence[float], b: Sequence[float], schedule: Schedule, m: int, pp: int, v: int,
+                    w: Sequence[float] | None = None) -> float:
     if schedule is Schedule.GPIPE:
         fr = [sum(f[r::pp]) for r in range(pp)]
         br = [sum(b[r::pp]) for r in range(pp)]
         return (m * max(fr) + sum(f) - max(fr)) + (m * max(br) + sum(b) - max(br))
-    d = [sum(f[r::pp]) + sum(b[r::pp]) for r in range(pp)]
+    d = _rank_sums([x + y for x, y in zip(f, b, strict=True)], schedule, pp, v)
+    if schedule.zero_bubble:
+        e, x = _zero_bubble_fill(f, b, w if w is not None else [0.0] * len(f), schedule, pp, v)
+        return max(m * dr - er / v for dr, er in zip(d, e, strict=True)) + (sum(e) + x) / v
     return m * max(d) + (sum(f) + sum(b) - max(d)) / v
+
+
+def _zero_bubble_fill(f: Sequence[float], b: Sequence[float], w: Sequence[float], schedule: Schedule, pp: int,
+                      v: int) -> tuple[list[float], float]:
+    """Per rank E_r and the schedule's X (module docstring)."""
+    fr = _rank_sums(f, schedule, pp, v)
+    ir = _rank_sums([x - y for x, y in zip(b, w, strict=True)], schedule, pp, v)
+    wr = _rank_sums(w, schedule, pp, v)
+    e = [zero_bubble_fill(schedule, a, c, d) for a, c, d in zip(fr, ir, wr, strict=True)]
+    return e, max(zero_bubble_extra(schedule, pp, a, c) for a, c in zip(fr, ir, strict=True))
+
+
+def zero_bubble_fill(schedule: Schedule, fwd_s: float, input_grad_s: float, weight_grad_s: float) -> float:
+    """E_r of a rank whose chunks take `fwd_s`, `input_grad_s` and `weight_grad_s` per micro-batch, sends
+    included (module docstring); the search prices its partition problems with it too."""
+    if schedule is Schedule.ZBV:
+        return max(fwd_s, input_grad_s, 2 * (input_grad_s - weight_grad_s))
+    return fwd_s + max(input_grad_s - weight_grad_s, 0.0)
+
+
+def zero_bubble_extra(schedule: Schedule, pp: int, fwd_s: float, input_grad_s: float) -> float:
+    """X_r: what DualPipeV's paired chunks add when a rank's input gradients outgrow its forwards (0 for the other
+    schedules); X is its largest over the ranks."""
+    if schedule is not Schedule.DUALPIPEV:
+        return 0.0
+    return max((pp - 1) * (input_grad_s - fwd_s) - fwd_s, 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,21 +253,24 @@ class PipelineTime:
 
 def pipeline_times(stage_fwd: Sequence[float], stage_bwd: Sequence[float], schedule: Schedule,
                    num_microbatches: int, virtual_stages: int = 1,
-                   p2p_time: float | Sequence[float] = 0.0) -> PipelineTime:
-    """Step time of the pipeline and its busy / bubble / p2p split (formulas in the module docstring)."""
+                   p2p_time: float | Sequence[float] = 0.0,
+                   stage_wgrad: Sequence[float] | None = None) -> PipelineTime:
+    """Step time of the pipeline and its busy / bubble / p2p split (formulas in the module docstring).
+    `stage_wgrad[j]`: of `stage_bwd[j]`, the weight-gradient seconds (W) the zero-bubble schedules defer."""
     n = len(stage_fwd)
-    if n == 0 or len(stage_bwd) != n:
-        raise ValueError(f"need equally many forward and backward stage times, got {n} and {len(stage_bwd)}")
+    if n == 0 or len(stage_bwd) != n or (stage_wgrad is not None and len(stage_wgrad) != n):
+        raise ValueError(f"need equally many forward, backward (and weight-gradient) stage times, got {n} and "
+                         f"{len(stage_bwd)}")
     if n % virtual_stages:
         raise ValueError(f"{n} stages is not a multiple of virtual_stages={virtual_stages}")
     pp = n // virtual_stages
     schedule = _check(schedule, pp, num_microbatches, virtual_stages)
     m, v = num_microbatches, virtual_stages
     p2p = _p2p_list(p2p_time, n)
-    plain = _steady_formula(stage_fwd, stage_bwd, schedule, m, pp, v)
+    plain = _steady_formula(stage_fwd, stage_bwd, schedule, m, pp, v, stage_wgrad)
     f, b = _with_p2p(stage_fwd, stage_bwd, p2p)
-    total = _steady_formula(f, b, schedule, m, pp, v)
-    d = [sum(stage_fwd[r::pp]) + sum(stage_bwd[r::pp]) for r in range(pp)]
+    total = _steady_formula(f, b, schedule, m, pp, v, stage_wgrad)
+    d = _rank_sums([x + y for x, y in zip(stage_fwd, stage_bwd, strict=True)], schedule, pp, v)
     rank = max(range(pp), key=lambda r: (d[r], -r))
     busy = m * d[rank]
     return PipelineTime(total_s=total, busy_s=busy, bubble_s=plain - busy, p2p_s=total - plain,
@@ -149,17 +279,23 @@ def pipeline_times(stage_fwd: Sequence[float], stage_bwd: Sequence[float], sched
 
 def pipeline_step_time(stage_fwd: Sequence[float], stage_bwd: Sequence[float], schedule: Schedule,
                        num_microbatches: int, virtual_stages: int = 1,
-                       p2p_time: float | Sequence[float] = 0.0) -> float:
+                       p2p_time: float | Sequence[float] = 0.0,
+                       stage_wgrad: Sequence[float] | None = None) -> float:
     """Seconds from the first forward to the last backward of a step (see module docstring)."""
-    return pipeline_times(stage_fwd, stage_bwd, schedule, num_microbatches, virtual_stages, p2p_time).total_s
+    return pipeline_times(stage_fwd, stage_bwd, schedule, num_microbatches, virtual_stages, p2p_time,
+                          stage_wgrad).total_s
 
 
-def drain_slack(stage_bwd: Sequence[float], pp: int, p2p_time: float | Sequence[float] = 0.0) -> tuple[float, ...]:
+def drain_slack(stage_bwd: Sequence[float], pp: int, p2p_time: float | Sequence[float] = 0.0,
+                schedule: Schedule = Schedule.ONE_F_ONE_B) -> tuple[float, ...]:
     """Per rank: seconds between its last backward and the end of the pipeline (the drain through lower ranks).
 
     The last micro-batch's gradient still flows through ranks r-1 .. 0 (their first-chunk backwards and the p2p
-    between them) after rank r finishes; gradient reduction on rank r can hide in that time.
+    between them) after rank r finishes; gradient reduction on rank r can hide in that time. The zero-bubble
+    schedules fill that time with deferred weight gradients: no slack.
     """
+    if Schedule(schedule).zero_bubble:
+        return (0.0,) * pp
     p2p = _p2p_list(p2p_time, len(stage_bwd))
     slack = [0.0] * pp
     for r in range(1, pp):

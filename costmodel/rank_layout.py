@@ -17,7 +17,8 @@ boundaries send over `p2p_group`, copies of a weight shared with the first pipel
 `shared_weight_group`.
 
 Stages. The chain is cut into p * v virtual stages, the strategy's own or `even_stages`; virtual stage j runs on
-pipeline rank j % p (`stage_ranks` are its devices).
+pipeline rank j % p, or for the V-shaped schedules on rank j and 2p - 1 - j (`pipeline.stage_rank`;
+`stage_ranks` are a pipeline rank's devices).
 
 Devices. Logical rank i runs on the i-th available device of the cluster (`Cluster.available_ranks`: failed
 devices are skipped). A pipeline rank runs at the pace of its slowest device (`rank_speeds`: `Cluster.speed_of`,
@@ -34,7 +35,7 @@ from typing import Any
 
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import CommGroup
-from costmodel.pipeline import bubble_fraction
+from costmodel.pipeline import bubble_fraction, stage_rank
 from costmodel.strategy import MeshAxis, Recompute, StageSpec, Strategy
 from ir.layer_chain import LayerChain
 
@@ -136,11 +137,13 @@ def dp_group(strategy: Strategy, pp_rank: int) -> CommGroup:
 
 def p2p_group(strategy: Strategy, boundary: int) -> CommGroup:
     """The pair that carries virtual-stage boundary `boundary` (stage j -> j+1): pipeline rank j % pp to the next,
-    or from the last rank back to the first between interleaved chunks."""
+    or from the last rank back to the first between interleaved chunks; on a V-shaped schedule the ranks of the
+    two stages (`pipeline.stage_rank`), a group of one where both are on the same rank (nothing is sent)."""
     pp, stride = strategy.pp, axis_strides(strategy)[MeshAxis.PP]
-    if (boundary + 1) % pp:
-        return CommGroup(2, stride=stride, start=(boundary % pp) * stride)
-    return CommGroup(2, stride=stride * (pp - 1), start=0)
+    a, b = (stage_rank(strategy.schedule, pp, j) for j in (boundary, boundary + 1))
+    if a == b:
+        return CommGroup(1, stride=stride, start=a * stride)
+    return CommGroup(2, stride=stride * abs(b - a), start=min(a, b) * stride)
 
 
 def shared_weight_group(strategy: Strategy, pp_rank: int) -> CommGroup:

@@ -58,7 +58,7 @@ from costmodel.hardware.collectives import Collective, CommGroup, collective_tim
 from costmodel.hardware.device import DeviceSpec
 from costmodel.memory import PricedSegment
 from costmodel.operators import T_KERNEL_FLOOR_S
-from costmodel.pipeline import drain_slack, pipeline_times
+from costmodel.pipeline import chunk_stages, drain_slack, pipeline_times
 from costmodel.strategy import Recompute, Schedule
 
 ADAM_BYTES_PER_PARAM = 28
@@ -113,6 +113,9 @@ class StageTime:
     """Framework host work of the micro-batch's forward (`costmodel.framework`: data-parallel unit hooks,
     pipeline actions, checkpoint machinery), not scaled by the device speed."""
     host_bwd_s: float = 0.0
+    wgrad_s: float = 0.0
+    """Of `compute_bwd_s`, the weight-gradient work (`LayerCost.weight_grad_share`): W of the zero-bubble
+    schedules, which run it apart from the input gradient (B)."""
 
     @property
     def fwd_s(self) -> float:
@@ -188,6 +191,7 @@ def stage_time(segments: Sequence[PricedSegment], *, speed: float = 1.0, dp_fwd_
         dp_bwd_s=dp_bwd_s,
         host_fwd_s=host.forward_s,
         host_bwd_s=host.backward_s,
+        wgrad_s=sum(s.cost.bwd_compute_s * s.cost.weight_grad_share for s in segments) / speed,
     )
 
 
@@ -282,9 +286,10 @@ def step_breakdown(stages: Sequence[StageTime], tails: Sequence[RankTail], *, sc
         raise ValueError(f"need one RankTail per pipeline rank ({pp}), got {len(tails)}")
     fwd = [s.fwd_s for s in stages]
     bwd = [s.bwd_s for s in stages]
-    pipe = pipeline_times(fwd, bwd, schedule, num_microbatches, virtual_stages, p2p_time)
+    pipe = pipeline_times(fwd, bwd, schedule, num_microbatches, virtual_stages, p2p_time,
+                          [s.wgrad_s for s in stages])
     # Busy time of the bottleneck rank, split by kind.
-    mine = stages[pipe.bottleneck_rank::pp]
+    mine = [stages[j] for j in chunk_stages(schedule, pp, virtual_stages, pipe.bottleneck_rank)]
     m = num_microbatches
     compute = m * sum(s.compute_fwd_s + s.compute_bwd_s for s in mine)
     recompute = m * sum(s.recompute_s for s in mine)
@@ -292,7 +297,7 @@ def step_breakdown(stages: Sequence[StageTime], tails: Sequence[RankTail], *, sc
     dp = m * sum(s.dp_fwd_s + s.dp_bwd_s for s in mine)
     host = m * sum(s.host_fwd_s + s.host_bwd_s for s in mine)
     # End of step: gradient reduction hidden by the last backward and the drain, then optimizer, then gathers.
-    slack = drain_slack(bwd, pp, p2p_time)
+    slack = drain_slack(bwd, pp, p2p_time, schedule)
     tail_tp = tail_dp = 0.0
     for r, tail in enumerate(tails):
         exposed = tail.exposed_end_reduce()

@@ -13,11 +13,63 @@ from typing import Any
 
 
 class Schedule(enum.StrEnum):
-    """Pipeline schedule (Narayanan et al., SC'21)."""
+    """Pipeline schedule: GPipe, 1F1B and interleaved 1F1B (Narayanan et al., SC'21); the zero-bubble schedules,
+    which split each backward into its input-gradient (B) and weight-gradient (W) parts and run W in the bubbles
+    (Qi et al., ICLR 2024: ZB1P interleaved over v chunks, ZB-V), and DeepSeek's DualPipeV (DeepSeek-AI 2024,
+    "DeepSeek-V3 Technical Report", Sec. 3.2.1, in its V-shaped one-direction form), as torch.distributed.pipelining
+    runs them (`costmodel.pipeline` prices each)."""
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
+    INTERLEAVED_ZB = "interleaved-zb"
+    ZBV = "zbv"
+    DUALPIPEV = "dualpipev"
+
+    @property
+    def chunked(self) -> bool:
+        """Whether a rank may hold several model chunks (virtual stages)."""
+        return self in _CHUNKED
+
+    @property
+    def v_shape(self) -> bool:
+        """Whether rank r holds virtual stages r and 2p - 1 - r (exactly two: the V), instead of r, r + p, ..."""
+        return self in (Schedule.ZBV, Schedule.DUALPIPEV)
+
+    @property
+    def zero_bubble(self) -> bool:
+        """Whether the backward is split into input-gradient and weight-gradient work, the latter filling bubbles."""
+        return self in (Schedule.INTERLEAVED_ZB, Schedule.ZBV, Schedule.DUALPIPEV)
+
+    def label(self, virtual_stages: int) -> str:
+        """How the CLI and the reports write it: "interleaved:4", "interleaved-zb:2", "zbv", "1f1b"."""
+        return f"{self.value}:{virtual_stages}" if virtual_stages > 1 and not self.v_shape else self.value
+
+
+_CHUNKED = frozenset({Schedule.INTERLEAVED, Schedule.INTERLEAVED_ZB, Schedule.ZBV, Schedule.DUALPIPEV})
+
+SCHEDULE_CHOICES = "gpipe, 1f1b, interleaved:V, interleaved-zb[:V], zbv, dualpipev"
+"""How a schedule is written on the command line (V: model chunks per rank)."""
+
+
+def parse_schedule(text: str) -> tuple[Schedule, int | None]:
+    """"interleaved:4" -> (INTERLEAVED, 4); "zbv" -> (ZBV, 2); "interleaved-zb" -> (INTERLEAVED_ZB, None): the
+    chunks per rank when the text fixes them (the V-shaped schedules always have two), else None. Raises
+    ValueError naming the valid forms."""
+    name, colon, v = text.strip().lower().partition(":")
+    try:
+        schedule = Schedule(name)
+    except ValueError:
+        raise ValueError(f"unknown schedule {text!r}; valid: {SCHEDULE_CHOICES}") from None
+    if not colon:
+        return schedule, 2 if schedule.v_shape else None
+    if schedule not in (Schedule.INTERLEAVED, Schedule.INTERLEAVED_ZB):
+        raise ValueError(f"only interleaved and interleaved-zb take :V, got {text!r}; valid: {SCHEDULE_CHOICES}")
+    least = 2 if schedule is Schedule.INTERLEAVED else 1
+    if not v.isdigit() or int(v) < least:
+        raise ValueError(f"{schedule.value} needs :V with V >= {least} chunks per rank, e.g. {schedule.value}:2; "
+                         f"got {text!r}")
+    return schedule, int(v)
 
 
 class Recompute(enum.StrEnum):
@@ -148,10 +200,14 @@ class Strategy:
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if sorted(self.mesh_order) != sorted(DEFAULT_MESH_ORDER):
             raise ValueError(f"mesh_order must order each of {[a.value for a in DEFAULT_MESH_ORDER]} once")
-        if self.virtual_stages > 1 and self.schedule is not Schedule.INTERLEAVED:
-            raise ValueError("virtual_stages > 1 needs schedule 'interleaved'")
-        if self.schedule is Schedule.INTERLEAVED and self.pp == 1:
-            raise ValueError("the interleaved schedule needs pp > 1")
+        if self.virtual_stages > 1 and not self.schedule.chunked:
+            raise ValueError(f"virtual_stages > 1 needs a schedule with model chunks (interleaved, interleaved-zb, "
+                             f"zbv, dualpipev), not {self.schedule.value!r}")
+        if self.schedule.v_shape and self.virtual_stages != 2:
+            raise ValueError(f"{self.schedule.value} runs exactly two chunks per rank (the V), got virtual_stages="
+                             f"{self.virtual_stages}")
+        if self.schedule.chunked and self.pp == 1:
+            raise ValueError(f"the {self.schedule.value} schedule needs pp > 1")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism needs tp > 1")
         if (self.dp * self.cp) % self.ep:

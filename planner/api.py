@@ -26,11 +26,13 @@ from typing import TYPE_CHECKING, Any
 import ir
 from costmodel.breakdown import Estimate
 from costmodel.estimate import estimate as costmodel_estimate
+from costmodel.estimate import recomputes
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collective_fit import calibrated_cluster
+from costmodel.pipeline import schedule_problem, split_backward_problem
 from costmodel.profile_db import OpProfile
 from costmodel.rank_layout import even_stages
-from costmodel.strategy import Schedule, Strategy
+from costmodel.strategy import Strategy
 from costmodel.validation import error_band
 from ir.graph import Graph
 from ir.layer_chain import LayerChain
@@ -175,9 +177,11 @@ def validate_strategy(chain: LayerChain, cluster: Cluster, strategy: Strategy, g
     if strategy.pp * strategy.virtual_stages > segments:
         raise UserError(f"pp*virtual_stages = {strategy.pp * strategy.virtual_stages} is more than the "
                         f"{segments} segments of the layer chain (each stage needs one)")
-    if strategy.schedule is Schedule.INTERLEAVED and strategy.num_microbatches % strategy.pp:
-        raise UserError(f"the interleaved schedule needs the number of micro-batches ({strategy.num_microbatches}) "
-                        f"to be a multiple of pp ({strategy.pp})")
+    resharded = strategy.zero_stage == 3 and strategy.runtime.reshard_after_forward
+    why = (schedule_problem(strategy.schedule, strategy.pp, strategy.num_microbatches)
+           or split_backward_problem(strategy.schedule, recomputed=recomputes(strategy), resharded=resharded))
+    if why:
+        raise UserError(why)
     if strategy.stages:
         return strategy
     from dataclasses import replace

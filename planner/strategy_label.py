@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 
-from costmodel.strategy import MeshAxis, Schedule, Strategy
+from costmodel.strategy import MeshAxis, Strategy
 
 
 class Detail(enum.StrEnum):
@@ -31,7 +31,7 @@ def strategy_label(s: Strategy, detail: Detail = Detail.FULL) -> str:
         text += f" ({inner})"
         if detail is Detail.MESH:
             return text
-    schedule = (f"interleaved:{s.virtual_stages}" if s.schedule is Schedule.INTERLEAVED else s.schedule.value)
+    schedule = s.schedule.label(s.virtual_stages)
     text += f" mbs={s.microbatch_size} m={s.num_microbatches} {schedule} zero={s.zero_stage}"
     text += " sp" if s.sequence_parallel else ""
     if detail is Detail.FULL:

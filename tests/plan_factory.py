@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from costmodel.breakdown import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
-from costmodel.pipeline import PipelineTime, pipeline_times
+from costmodel.pipeline import PipelineTime, pipeline_times, stage_rank
 from costmodel.sharding.rules import Style
 from costmodel.strategy import Recompute, Schedule, StageSpec, Strategy
 from planner.plan import Alternative, ModelInfo, ModuleSharding, Plan, SearchInfo, TrainingConfig
@@ -19,9 +19,15 @@ GIB = 1 << 30
 
 
 def pipeline(fwd: Sequence[float], bwd: Sequence[float], schedule: Schedule, m: int, v: int,
-             p2p_s: float) -> PipelineTime:
-    return pipeline_times([f / v for _ in range(v) for f in fwd], [b / v for _ in range(v) for b in bwd],
-                          schedule, m, v, p2p_s)
+             p2p_s: float, wgrad: Sequence[float] | None = None) -> PipelineTime:
+    def split(per_rank: Sequence[float]) -> list[float]:
+        return [per_rank[stage_rank(schedule, len(per_rank), j)] / v for j in range(len(per_rank) * v)]
+
+    p = len(fwd)
+    # No send between two stages on one rank (the tip of a V).
+    sends = [0.0 if stage_rank(schedule, p, j) == stage_rank(schedule, p, j + 1) else p2p_s
+             for j in range(p * v - 1)]
+    return pipeline_times(split(fwd), split(bwd), schedule, m, v, sends, split(wgrad) if wgrad else None)
 
 
 def make_plan(*, pp: int = 4, dp: int = 2, tp: int = 2, m: int = 8, v: int = 1,
@@ -29,11 +35,13 @@ def make_plan(*, pp: int = 4, dp: int = 2, tp: int = 2, m: int = 8, v: int = 1,
               bwd: Sequence[float] | None = None, p2p_s: float = 0.0, end_comm_s: float = 0.05,
               optimizer_s: float = 0.02, tp_frac: float = 0.1, recompute: Recompute = Recompute.NONE,
               recompute_frac: float = 0.0, memory_gib: Sequence[float] | None = None, capacity_gib: float = 80.0,
-              alternatives: Sequence[Alternative] = (), model_name: str = "gpt", layers: int = 24) -> Plan:
+              alternatives: Sequence[Alternative] = (), model_name: str = "gpt", layers: int = 24,
+              wgrad: Sequence[float] | None = None) -> Plan:
     fwd = list(fwd) if fwd is not None else [0.1] * pp
     bwd = list(bwd) if bwd is not None else [0.2] * pp
+    wgrad = list(wgrad) if wgrad is not None else [0.0] * pp
     memory_gib = list(memory_gib) if memory_gib is not None else [40.0 + 2 * i for i in range(pp)]
-    pipe = pipeline(fwd, bwd, schedule, m, v, p2p_s)
+    pipe = pipeline(fwd, bwd, schedule, m, v, p2p_s, wgrad)
     step = pipe.total_s + end_comm_s + optimizer_s
     busiest = pipe.busy_s
     breakdown = TimeBreakdown(
@@ -44,7 +52,7 @@ def make_plan(*, pp: int = 4, dp: int = 2, tp: int = 2, m: int = 8, v: int = 1,
     stage_estimates = tuple(
         StageEstimate(index=i, start=i * per_stage, stop=(i + 1) * per_stage, device="a100-80gb", fwd_s=fwd[i],
                       bwd_s=bwd[i], memory=_memory(memory_gib[i]), capacity_bytes=int(capacity_gib * GIB),
-                      in_flight_microbatches=min(pp - i, m))
+                      in_flight_microbatches=min(pp - i, m), wgrad_s=wgrad[i])
         for i in range(pp))
     chunk = layers // (pp * v)
     strategy = Strategy(dp=dp, tp=tp, pp=pp, microbatch_size=1, num_microbatches=m, schedule=schedule,

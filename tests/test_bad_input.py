@@ -127,7 +127,7 @@ BAD_INPUTS: tuple[BadInput, ...] = (
           "--fix zero=4", "valid: 0, 1, 2, 3"),
     _case("fix-bad-schedule", "--fix with an unknown schedule",
           f"plan {TINY} --cluster 1x4xcpu --batch 8 --fix schedule=zigzag",
-          "schedule=zigzag", "valid: gpipe, 1f1b, interleaved"),
+          "schedule=zigzag", "valid: gpipe, 1f1b, interleaved:V, interleaved-zb[:V], zbv, dualpipev"),
     _case("fix-contradiction", "--fix pins that contradict each other",
           f"plan {TINY} --cluster 1x4xcpu --batch 8 --fix tp=2 --fix tp=4", "tp=4", "contradicts"),
     _case("batch-zero", "--batch 0", f"plan {TINY} --cluster 1x4xcpu --batch 0",
@@ -143,7 +143,13 @@ BAD_INPUTS: tuple[BadInput, ...] = (
           "tp=3 does not divide heads=8"),
     _case("estimate-bad-schedule", "unknown pipeline schedule",
           f"estimate {TINY} --cluster 1x4xcpu --batch 8 --tp 1 --pp 2 --dp 1 --mbs 8 --schedule zigzag",
-          "unknown schedule 'zigzag'", "valid: 1f1b, gpipe, interleaved:V"),
+          "unknown schedule 'zigzag'", "valid: gpipe, 1f1b, interleaved:V, interleaved-zb[:V], zbv, dualpipev"),
+    _case("estimate-zero-bubble-recompute", "a zero-bubble schedule with recomputation (its backward runs in two "
+          "passes)", f"estimate {TINY} --cluster 1x4xcpu --batch 8 --tp 1 --pp 2 --dp 1 --mbs 2 --schedule zbv "
+          "--recompute full", "the zbv schedule runs without activation recomputation"),
+    _case("estimate-zbv-few-microbatches", "zbv with fewer than 2 * pp micro-batches",
+          f"estimate {TINY} --cluster 1x4xcpu --batch 8 --tp 1 --pp 2 --dp 1 --mbs 4 --schedule zbv",
+          "the zbv schedule needs at least 2 * pp = 4 micro-batches, got 2"),
     _case("nothing-fits", "model that fits no strategy (says the least memory that would)",
           "plan gpt --set layers=2 --set hidden=8192 --set heads=64 --set seq=512 --cluster 1x1xl4 --batch 1",
           "nothing fits in 22.35 GiB per device", "the least memory any strategy needs is 35.11 GiB per device"),

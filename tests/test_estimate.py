@@ -16,7 +16,7 @@ from costmodel.estimate import estimate
 from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.layer_pricing import price_segment
 from costmodel.memory import GPU_FRAMEWORK_OVERHEAD_BYTES
-from costmodel.pipeline import pipeline_step_time
+from costmodel.pipeline import in_flight_per_chunk, pipeline_step_time
 from costmodel.rank_layout import even_stages
 from costmodel.step_time import optimizer_step_time, overlapped_exposed
 from costmodel.strategy import RuntimeOptions
@@ -136,6 +136,34 @@ def test_interleaved_first_rank_memory_factor(node8):
     embed = price_segment(chain, chain.segments[0], node8.device_of(0), microbatch_size=1).saved_bytes_none
     # Rank 0 holds chunks 0 (embed + 2 layers) and 2 (2 layers); in flight (2p-1, p) = (3, 2).
     assert e.stages[0].memory.activations == 3 * (embed + 2 * per_layer) + 2 * (2 * per_layer)
+
+
+def test_uneven_virtual_stages_closed_form(node8):
+    """6 blocks + the embedding + the head as 8 chunks of one unit on p=2, v=4 (Llama 3 405B's layout in small:
+    the embedding and the head each alone in a chunk): the interleaved step T = m D + (S - D)/v with D the busiest
+    rank, and each chunk's activations times its own in-flight count."""
+    chain = gpt_chain(GptShape(layers=6, hidden=512, heads=8, seq=256, vocab=1000, batch=1))
+    p, v, m = 2, 4, 4
+    stages = tuple(StageSpec(j, j + 1) for j in range(8))
+    e = estimate(chain, node8, Strategy(pp=p, microbatch_size=1, num_microbatches=m, schedule="interleaved",
+                                        virtual_stages=v, stages=stages))
+    assert e.fits
+    device = node8.device_of(0)
+    costs = [price_segment(chain, s, device, microbatch_size=1) for s in chain.segments]
+    work = [sum(c.fwd_compute_s + c.bwd_compute_s for c in costs[r::p]) for r in range(p)]
+    # Rank 0: the embedding and 3 blocks, rank 1: 3 blocks and the head.
+    assert [s.fwd_s + s.bwd_s for s in e.stages] == pytest.approx(work)
+    busy = max(work)
+    b = e.breakdown
+    assert b.compute_s == pytest.approx(m * busy)
+    assert b.bubble_s == pytest.approx((sum(work) - busy) / v)
+    fwd = [c.fwd_compute_s for c in costs]
+    bwd = [c.bwd_compute_s for c in costs]
+    assert b.compute_s + b.bubble_s == pytest.approx(pipeline_step_time(fwd, bwd, "interleaved", m, v))
+    saved = [c.saved_bytes_none for c in costs]
+    for r in range(p):
+        counts = in_flight_per_chunk("interleaved", p, r, m, v)
+        assert e.stages[r].memory.activations == sum(n * saved[c * p + r] for c, n in enumerate(counts))
 
 
 def test_problems_are_exact(chain, node8):

@@ -29,7 +29,7 @@ from torch import nn
 
 from costmodel.estimate import resolve_stages
 from costmodel.sharding.rules import Style
-from costmodel.strategy import MeshAxis, Recompute, StageSpec, Strategy
+from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
 from planner.errors import PlanLoadError, UserError
 from planner.plan import ModuleSharding
 from planner.runtime.apply_pipeline import build_stage_modules, segment_stage_index, stage_indices_of_rank
@@ -58,11 +58,13 @@ UPDATE_FLOOR = 1e-6
 
 CONFIGS_2 = ("dp2", "dp2_zero1", "fsdp2", "tp2", "tp2_sp", "tp2_sp_llama", "tp2_moe", "tp2_sp_moe",
              "pp2_gpipe", "pp2_1f1b", "pp2_1f1b_one_microbatch", "pp2_interleaved", "pp2_interleaved_m3",
-             "pp2_interleaved_m1", "pp2_llama_uneven", "user_pp2", "user_dp2_recompute", "recompute_full_dp2",
+             "pp2_interleaved_m1", "pp2_interleaved_uneven", "pp2_zb", "pp2_interleaved_zb", "pp2_zbv",
+             "pp2_zbv_untied", "pp2_dualpipev", "pp2_llama_uneven", "user_pp2", "user_dp2_recompute", "recompute_full_dp2",
              "recompute_selective_tp2", "recompute_op_fsdp2", "tp2_sp_selective_island", "tp2_sp_unpaired_colwise", "recompute_pp2",
              "cp2", "cp2_llama_recompute", "ep2", "ep2_fsdp")
 CONFIGS_4 = ("dp4_fsdp", "tp2_dp2", "tp2_sp_fsdp2", "pp2_dp2", "pp2_fsdp2", "pp2_tp2", "pp2_tp2_sp_recompute",
-             "pp4_1f1b", "pp2_interleaved_dp2", "user_pp2_fsdp2", "cp2_dp2", "cp2_fsdp2_selective", "cp2_tp2_sp",
+             "pp4_1f1b", "pp2_interleaved_dp2", "pp2_interleaved_uneven_zero1", "pp2_zbv_fsdp2",
+             "pp2_zbv_dp2", "pp2_zb_zero1", "pp2_zb_zero2", "pp2_dualpipev_tp2", "user_pp2_fsdp2", "cp2_dp2", "cp2_fsdp2_selective", "cp2_tp2_sp",
              "cp2_pp2", "ep2_dp4", "ep2_tp2", "ep2_pp2", "cp2_ep2_moe")
 
 
@@ -248,6 +250,9 @@ def test_stage_ranges_must_tile_the_chain():
 def test_looped_stage_placement():
     assert stage_indices_of_rank(1, 2, 4) == (1, 3)
     assert stage_indices_of_rank(0, 4, 4) == (0,)
+    # V-shaped zero-bubble schedules: rank r holds r and 2p - 1 - r (the first and the last stage on rank 0)
+    assert stage_indices_of_rank(0, 2, 4, Schedule.ZBV) == (0, 3)
+    assert stage_indices_of_rank(1, 4, 8, Schedule.DUALPIPEV) == (1, 6)
 
 
 def _chain(model: nn.Module) -> Any:

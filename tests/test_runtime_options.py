@@ -69,6 +69,12 @@ def test_runtime_refuses_what_it_does_not_run():
     assert "tp_overlap" in runtime_unsupported(Strategy(tp=2, runtime=RuntimeOptions(tp_overlap=True)))
     assert "dp_overlap" in runtime_unsupported(Strategy(dp=2, runtime=RuntimeOptions(dp_overlap=False)))
     assert runtime_unsupported(Strategy(dp=2, zero_stage=3, runtime=RuntimeOptions(reshard_after_forward=False))) == ""
+    # the zero-bubble schedules' split backward: no recomputation, and ZeRO-3 keeps the gathered weights
+    zbv = dict(pp=2, virtual_stages=2, num_microbatches=4, schedule="zbv")
+    assert "without activation recomputation" in runtime_unsupported(Strategy(**zbv, recompute="full"))
+    assert "reshard_after_forward=false" in runtime_unsupported(Strategy(**zbv, dp=2, zero_stage=3))
+    assert runtime_unsupported(Strategy(**zbv, dp=2, zero_stage=3,
+                                        runtime=RuntimeOptions(reshard_after_forward=False))) == ""
 
 
 def test_error_band_is_the_least_validated_device_type():

@@ -77,14 +77,16 @@ def test_search_space_from_fixes() -> None:
     ("tp", "expected KEY=VALUE"),
     ("tp=0", "positive integer"),
     ("tp=eight", "positive integer"),
-    ("schedule=zigzag", "valid: gpipe, 1f1b, interleaved, interleaved:V"),
+    ("schedule=zigzag", "valid: gpipe, 1f1b, interleaved:V, interleaved-zb[:V], zbv, dualpipev"),
+    ("schedule=zbv:3", "only interleaved and interleaved-zb take :V"),
+    ("schedule=interleaved:1", "interleaved needs :V with V >= 2"),
     ("recompute=some", "valid: none, selective, full"),
     ("zero=4", "valid: 0, 1, 2, 3"),
     ("sp=maybe", "expected true or false"),
-    ("schedule=1f1b:2", "only interleaved takes :V"),
+    ("schedule=1f1b:2", "only interleaved and interleaved-zb take :V"),
 ])
 def test_bad_fixes_name_the_valid_choices(fix: str, message: str) -> None:
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
         SearchSpace.from_fixes([fix])
 
 
@@ -102,13 +104,14 @@ def test_contradicting_fixes() -> None:
 import itertools  # noqa: E402
 import math  # noqa: E402
 import random  # noqa: E402
+from collections import Counter  # noqa: E402
 from dataclasses import dataclass, field, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import ir  # noqa: E402
 from costmodel.estimate import estimate  # noqa: E402
 from costmodel.hardware.cluster import Cluster  # noqa: E402
-from costmodel.rank_layout import even_stages  # noqa: E402
+from costmodel.pipeline import stage_rank  # noqa: E402
 from costmodel.strategy import RuntimeOptions, StageSpec, Strategy  # noqa: E402
 from costmodel.validation import error_band  # noqa: E402
 from models.registry import build_model  # noqa: E402
@@ -123,6 +126,8 @@ from planner.search.stage_problem import StageProblem, StageProblemBuilder  # no
 
 GPT_TINY = ("layers=3", "hidden=256", "heads=8", "vocab=1000", "seq=128")
 GPT_INTERLEAVE = ("layers=4", "hidden=256", "heads=8", "vocab=1000", "seq=128")
+GPT_UNEVEN = ("layers=7", "hidden=256", "heads=8", "vocab=1000", "seq=128")
+"""7 blocks + the embedding + the head = 9 units: 4 chunks of 2 or 3, 6 of 1 or 2, 8 of 1 or 2 on pp=2."""
 GPT_MEMORY = ("layers=3", "hidden=1024", "heads=16", "vocab=8000", "seq=512")
 LLAMA_TINY = ("layers=3", "hidden=256", "heads=8", "kv_heads=4", "vocab=1000", "seq=128")
 
@@ -195,6 +200,26 @@ class BruteResult:
     per_strategy: dict = field(default_factory=dict)   # candidate -> the strategy of that best partition
 
 
+def interleaved_chunkings(chain: ir.LayerChain, p: int, v: int) -> list[list[tuple[int, int]]]:
+    """Every cut of the chain into p*v chunks that hold q or q+1 units (the embedding, each block and the head count
+    one unit each): all C(pv, E) choices of the larger chunks, enumerated -- not the search's per-rank reduction."""
+    n = len(chain.segments)
+    main = Counter(s.class_id for s in chain.segments).most_common(1)[0][0]
+    blocks = [s.index for s in chain.segments if s.class_id == main]
+    starts = ([0] if blocks[0] > 0 else []) + blocks + ([blocks[-1] + 1] if blocks[-1] + 1 < n else [])
+    q, extra = divmod(len(starts), p * v)
+    if q == 0:
+        return []
+    out = []
+    for larger in itertools.combinations(range(p * v), extra):
+        cuts, unit = [0], 0
+        for j in range(p * v):
+            unit += q + (j in larger)
+            cuts.append(starts[unit] if unit < len(starts) else n)
+        out.append(list(itertools.pairwise(cuts)))
+    return out
+
+
 def brute_force(chain: ir.LayerChain, cluster: Cluster, batch: int, space: SearchSpace) -> BruteResult:
     """Every candidate of the space, GPipe twins of the 1F1B ones, every partition and every recomputation per
     stage (per rank for interleaved), each priced by `costmodel.estimate`: the fitting minimum."""
@@ -215,10 +240,11 @@ def brute_force(chain: ir.LayerChain, cluster: Cluster, batch: int, space: Searc
         costs = layer_cost_map(builder, cand, placements)
         p = cand.mesh.pp
         layouts = []
-        if cand.schedule is Schedule.INTERLEAVED:
-            chunks = even_stages(chain, p * cand.virtual_stages)
-            for rc in itertools.product(options, repeat=p):
-                layouts.append([StageSpec(c.start, c.stop, rc[j % p]) for j, c in enumerate(chunks)])
+        if cand.virtual_stages > 1:  # interleaved, interleaved-zb:V, zbv, dualpipev: every chunking, rc per rank
+            for chunks in interleaved_chunkings(chain, p, cand.virtual_stages):
+                for rc in itertools.product(options, repeat=p):
+                    layouts.append([StageSpec(a, b, rc[stage_rank(cand.schedule, p, j)])
+                                    for j, (a, b) in enumerate(chunks)])
         else:
             for cuts in itertools.combinations(range(1, n), p - 1):
                 bounds = (0, *cuts, n)
@@ -249,6 +275,13 @@ def _instances(tmp: Path) -> list[tuple[str, ir.LayerChain, Cluster, int, Search
         ("gpt 4 cpu ranks on 2 host cores", gpt, shared_cores(tmp), 4, space),
         ("gpt 2x2 h100, tp overlap, no dp overlap", gpt, Cluster.parse("2x2xh100"), 4,
          space.with_changes(runtime=RuntimeOptions(tp_overlap=True, dp_overlap=False, reshard_after_forward=False))),
+        ("gpt-7-layers uneven interleaved pp=2 v<=4", chain_of("gpt", GPT_UNEVEN), Cluster.parse("1x4xa100-80gb"), 8,
+         space.with_changes(pp=2, schedule=Schedule.INTERLEAVED, max_virtual_stages=4, max_microbatch_size=1)),
+        # every schedule: 1f1b, interleaved:2, interleaved-zb:1 and :2, zbv and dualpipev (V-shaped placement)
+        ("gpt-7-layers all schedules pp=2", chain_of("gpt", GPT_UNEVEN), Cluster.parse("1x4xa100-80gb"), 8,
+         space.with_changes(pp=2, max_microbatch_size=1)),
+        ("gpt 1.3GB zero-bubble pp=2 (memory)", memory, small_memory(tmp, "1.3GB"), 8,
+         space.with_changes(pp=2, schedule=Schedule.ZBV, max_microbatch_size=1)),
     ]
 
 
@@ -270,12 +303,13 @@ def _check_grid(instances) -> tuple[int, int]:
 
 
 def test_search_matches_brute_force(tmp_path: Path) -> None:
-    """A quick slice of the grid: plain, memory-bound (recomputation decides), a straggler, and ranks sharing host
-    cores (speeds that change with the schedule's bubbles)."""
+    """A quick slice of the grid: plain, memory-bound (recomputation decides), a straggler, ranks sharing host
+    cores (speeds that change with the schedule's bubbles), uneven virtual stages, every schedule (zero-bubble ones
+    included) and a memory-bound V-shaped one."""
     instances = _instances(tmp_path)
-    checked, estimates = _check_grid([instances[0], instances[4], instances[7], instances[8]])
+    checked, estimates = _check_grid([instances[i] for i in (0, 4, 7, 8, 10, 11, 12)])
     print(f"search == brute force on {checked} instances ({estimates} brute-force estimates)")
-    assert checked == 4
+    assert checked == 7
 
 
 @pytest.mark.slow
@@ -333,10 +367,20 @@ def test_fixed_dimensions_are_respected_and_optimal() -> None:
 
 
 def random_partition(built: StageProblem, cand: Candidate, rng: random.Random) -> tuple[float, Strategy]:
-    """A random partition of a built problem (random cuts and recomputation): its objective and strategy."""
+    """A random partition of a built problem (random cuts, or per rank a random chunk layout, and random
+    recomputation): its objective and strategy."""
     problem = built.problem
-    if built.chunks:
-        stages = [StageChoice(k, k + 1, rng.choice(problem.options)) for k in range(problem.num_stages)]
+    if built.layout is not None:
+        layout, p = built.layout, problem.num_stages
+        while True:  # per rank a random number of larger chunks and lead choice, until they are a layout
+            extras = [rng.randint(0, cand.virtual_stages) for _ in range(p)]
+            options = [rng.choice(problem.options) for _ in range(p)]
+            if sum(extras) == layout.extra and all(
+                    layout.fixed or layout.rank_units(k, e, o.endswith("+lead")) is not None
+                    for k, (e, o) in enumerate(zip(extras, options, strict=True))):
+                break
+        starts = [k + sum(extras[:k]) for k in range(p + 1)]
+        stages = [StageChoice(starts[k], starts[k + 1], options[k]) for k in range(p)]
     else:
         cuts = sorted(rng.sample(range(1, problem.num_segments), problem.num_stages - 1))
         bounds = [0, *cuts, problem.num_segments]
@@ -351,6 +395,7 @@ def test_search_objective_equals_estimate_on_random_partitions(tmp_path: Path) -
     rng = random.Random(11)
     checked = 0
     cases = [(chain_of("gpt", GPT_INTERLEAVE), Cluster.parse("2x4xa100-80gb")),
+             (chain_of("gpt", GPT_UNEVEN), Cluster.parse("1x8xa100-80gb")),
              (chain_of("llama", LLAMA_TINY), mixed(tmp_path)),
              (chain_of("gpt", GPT_TINY), yaml_cluster(tmp_path, "dc", """name: dc
 groups:

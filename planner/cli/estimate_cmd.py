@@ -22,7 +22,7 @@ import argparse
 import sys
 from typing import Any
 
-from costmodel.strategy import Recompute, RuntimeOptions, Schedule, Strategy
+from costmodel.strategy import SCHEDULE_CHOICES, Recompute, RuntimeOptions, Schedule, Strategy, parse_schedule
 from planner.api import estimate_plan, load_profile
 from planner.cli.common import (
     add_cluster_argument,
@@ -43,21 +43,15 @@ from planner.tracing import trace_model
 
 
 def schedule_arg(text: str) -> tuple[Schedule, int]:
-    """`1f1b`, `gpipe` or `interleaved:V` -> (schedule, virtual stages)."""
-    name, _, v = text.strip().lower().partition(":")
-    valid = "1f1b, gpipe, interleaved:V"
+    """`1f1b`, `gpipe`, `interleaved:V`, `interleaved-zb[:V]`, `zbv`, `dualpipev` -> (schedule, virtual stages)."""
     try:
-        schedule = Schedule(name)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"unknown schedule {text!r}; valid: {valid}") from None
-    if schedule is Schedule.INTERLEAVED:
-        if not v.isdigit() or int(v) < 2:
-            raise argparse.ArgumentTypeError(f"interleaved needs :V with V >= 2 chunks per rank, e.g. "
-                                             f"interleaved:2; got {text!r}")
-        return schedule, int(v)
-    if v:
-        raise argparse.ArgumentTypeError(f"only interleaved takes :V, got {text!r}; valid: {valid}")
-    return schedule, 1
+        schedule, v = parse_schedule(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if schedule is Schedule.INTERLEAVED and v is None:
+        raise argparse.ArgumentTypeError(f"interleaved needs :V with V >= 2 chunks per rank, e.g. interleaved:2; "
+                                         f"got {text!r}")
+    return schedule, v or 1
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -76,7 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dp", type=positive_int, default=None, help="data-parallel degree")
     p.add_argument("--mbs", type=positive_int, default=None, help="micro-batch size")
     p.add_argument("--schedule", type=schedule_arg, default=None,
-                   metavar="1f1b|gpipe|interleaved:V", help="pipeline schedule (default 1f1b)")
+                   metavar="SCHEDULE", help=f"pipeline schedule: {SCHEDULE_CHOICES} (default 1f1b)")
     p.add_argument("--recompute", choices=[r.value for r in Recompute], default=None,
                    help="activation recomputation of every stage (default none)")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO stage (default 0)")

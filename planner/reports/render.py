@@ -8,8 +8,9 @@ from __future__ import annotations
 from costmodel.breakdown import Estimate
 from costmodel.hardware.cluster import Cluster
 from costmodel.memory import GIB
+from costmodel.pipeline import chunk_stages
 from costmodel.rank_layout import axis_strides
-from costmodel.strategy import MeshAxis, Schedule, Strategy
+from costmodel.strategy import MeshAxis, Strategy
 from costmodel.validation import within_band
 from planner.plan import Plan, SearchInfo
 
@@ -44,7 +45,7 @@ def stage_table(plan: Plan) -> list[str]:
     per_rank = s.tp * s.cp * s.dp
     rows = []
     for r, se in enumerate(est.stages):
-        chunks = s.stages[r::s.pp] if s.stages else ()
+        chunks = [s.stages[j] for j in chunk_stages(s.schedule, s.pp, s.virtual_stages, r)] if s.stages else ()
         segs = ", ".join(f"{c.start}-{c.stop - 1}" if c.stop - c.start > 1 else f"{c.start}" for c in chunks) \
             or f"{se.start}-{se.stop - 1}"
         recompute = ",".join(sorted({c.recompute.value for c in chunks})) or s.recompute.value
@@ -59,7 +60,7 @@ def stage_table(plan: Plan) -> list[str]:
 
 def render_plan(plan: Plan, cluster: Cluster) -> str:
     s, est, info = plan.strategy, plan.predicted, plan.search
-    sched = f"interleaved (v={s.virtual_stages})" if s.schedule is Schedule.INTERLEAVED else s.schedule.value
+    sched = s.schedule.value + (f" (v={s.virtual_stages})" if s.virtual_stages > 1 else "")
     seq = f", seq {plan.training.seq_len}" if plan.training.seq_len else ""
     lines = [
         f"plan for {plan.model.name} ({plan.model.params / 1e9:.2f}B params) on {cluster.name} "

@@ -2,24 +2,14 @@
 
 What is simulated
 -----------------
-Every pipeline rank (a "stage" of the plan) runs its operations in the order its schedule prescribes
-(`schedule_order`):
-
-- GPipe (Huang et al. 2019): all forwards, then all backwards.
-- 1F1B (Narayanan et al., SC'21, "PipeDream-Flush"): rank d runs min(p - d - 1, m) warm-up forwards, then
-  alternates one forward and one backward, then drains the remaining backwards.
-- Interleaved 1F1B (Narayanan et al., SC'21; Megatron-LM `forward_backward_pipelining_with_interleaving`): each
-  rank holds v model chunks, virtual stage s = chunk * p + rank. Forwards run in groups of p micro-batches per
-  chunk, the warm-up is (p - d - 1) * 2 + (v - 1) * p operations (all of them when m == p), backwards mirror the
-  chunk order. Megatron-LM requires m divisible by p for this schedule, and so does the simulation.
-
-An operation starts when its rank is free and its input is there: F(s, j) needs F(s - 1, j), B(s, j) needs
-B(s + 1, j) and F(s, j). Durations are the plan's per-rank forward/backward times split evenly over the rank's v
-chunks, and point-to-point transfers are blocking as in the cost model (costmodel/pipeline.py): the receiving
-forward of virtual stage s > 0 and the receiving backward of every virtual stage but the last first wait one
-send/recv of `p2p_s`. Start times follow from one pass over the operations in topological order (Kahn), so the
-result is exact for this model. For equal stages and no transfer time it reproduces the closed forms:
-(m + p - 1)(f + b) for GPipe and 1F1B, and m(f + b) + (p - 1)(f + b)/v interleaved.
+Every pipeline rank (a "stage" of the plan) runs its operations in the order its schedule prescribes, each as soon
+as its rank is free and its input is there (`planner.reports.schedule_simulation`: GPipe, 1F1B, Megatron-LM's
+interleaved 1F1B, and torch's own action lists for the zero-bubble schedules, whose backwards split into input-
+and weight-gradient operations). Durations are the plan's per-rank forward/backward times split evenly over the
+rank's v chunks (the plan keeps per-rank times; chunks of uneven virtual stages are shown equal), the weight-
+gradient part of a zero-bubble backward its `wgrad_s`. For equal stages and no transfer time it reproduces the
+closed forms: (m + p - 1)(f + b) for GPipe and 1F1B, m(f + b) + (p - 1)(f + b)/v interleaved, and
+m(f + b) + (p - 1)(f + i - w)/v for the zero-bubble schedules.
 
 Agreement with the cost model, by construction
 ----------------------------------------------
@@ -36,7 +26,8 @@ then the optimizer step (`breakdown.optimizer_s`). The timeline is built to span
 2. The simulation of the schedule fills [0, S]. The closed form for unequal stages is an upper bound of the
    1F1B and interleaved simulations, sum_i(f_i + b_i) + (m - 1) max_i(f_i + b_i) for v = 1 (and exact for GPipe),
    so S <= P; the difference P - S is an explicit idle event, "schedule slack", on every track, so the reader sees
-   how much the closed form charges beyond the simulation.
+   how much the closed form charges beyond the simulation. (The zero-bubble closed form is within 6% of its
+   simulation either way; should it be below, `model_gap_s` says by how much.)
 3. The tail is its own events on every track: "end-of-step comm (exposed)" of step_time_s - P - optimizer_s,
    then "optimizer step". (The plan does not split that communication into the gradient reduction before the
    optimizer and ZeRO-1/2's weight all-gather after it, so it is shown as one slice before the optimizer.)
@@ -47,25 +38,34 @@ by how much (`explain` reports it); the tests check that it stays 0.
 Inside each forward and backward, the parts are apportioned from the plan's breakdown (the plan keeps per-rank
 forward/backward times, not their parts): exposed tensor-parallel communication is the share
 tp_comm_s / (compute_s + recompute_s + tp_comm_s) at the end of each operation; recomputation is a nested event at
-the start of the backward of chunks that recompute: the chunk's whole forward for "full" recomputation (it re-runs
-the forward, communication included), the breakdown's recompute share for "selective".
+the start of the backward of chunks that recompute (of the input-gradient operation, for the zero-bubble
+schedules): the chunk's whole forward for "full" recomputation (it re-runs the forward, communication included),
+the breakdown's recompute share for "selective". A weight-gradient operation is its own event ("W3"), of kind
+`weight_grad`.
 """
 
 from __future__ import annotations
 
 import enum
 import json
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from costmodel.breakdown import TimeBreakdown
-from costmodel.pipeline import pipeline_times
-from costmodel.strategy import Recompute, Schedule
+from costmodel.strategy import Recompute
 from planner.errors import UserError
 from planner.plan import Plan
+from planner.reports.schedule_simulation import (
+    BackwardPart,
+    PipelineOp,
+    fit_p2p_time,
+    pipeline_span,
+    receives,
+    schedule_order,
+    simulate_pipeline,
+)
 
 _REL_TOL = 1e-12
 """Relative tolerance below which two times are the same (float rounding of sums of many terms)."""
@@ -73,32 +73,20 @@ _REL_TOL = 1e-12
 _GAP_TOL = 1e-9
 """Relative excess of the simulation over the prediction that counts as a disagreement (`model_gap_s`)."""
 
-_BISECTION_STEPS = 200
-"""Halvings when solving for the per-boundary send/recv time (far past float resolution)."""
-
 
 class EventKind(enum.StrEnum):
     """What a stage is doing during an event; the `cat` of the Chrome trace event."""
 
     FORWARD = "forward"
     BACKWARD = "backward"
+    WEIGHT_GRAD = "weight_grad"
+    """The weight-gradient part of a backward, run on its own by the zero-bubble schedules."""
     RECOMPUTE = "recompute"
     TP_COMM = "tp_comm"
     PP_COMM = "pp_comm"
     DP_COMM = "dp_comm"
     OPTIMIZER = "optimizer"
     IDLE = "idle"
-
-
-class PipelineOp(NamedTuple):
-    """One pipeline operation; prints as torch.distributed.pipelining does ("F3", "B0"), plus "@s" for chunks."""
-
-    forward: bool
-    virtual_stage: int
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{'F' if self.forward else 'B'}{self.microbatch}@{self.virtual_stage}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,138 +133,6 @@ class StepTimeline:
         return max(e.end_s for e in self.events) - min(e.start_s for e in self.events)
 
 
-def schedule_order(schedule: Schedule, num_stages: int, num_microbatches: int, virtual_stages: int,
-                   stage: int) -> tuple[PipelineOp, ...]:
-    """The operations device `stage` runs, in order (see the module docstring for each schedule)."""
-    p, m, v = num_stages, num_microbatches, virtual_stages
-    schedule = Schedule(schedule)
-    if not 0 <= stage < p:
-        raise ValueError(f"stage {stage} is not in [0, {p})")
-    if schedule is not Schedule.INTERLEAVED and v != 1:
-        raise ValueError(f"virtual_stages={v} needs the interleaved schedule, not {schedule.value}")
-    if schedule is Schedule.GPIPE:
-        return (tuple(PipelineOp(True, stage, j) for j in range(m))
-                + tuple(PipelineOp(False, stage, j) for j in range(m)))
-    if schedule is Schedule.ONE_F_ONE_B:
-        fwd = [PipelineOp(True, stage, j) for j in range(m)]
-        bwd = [PipelineOp(False, stage, j) for j in range(m)]
-        warmup = min(p - stage - 1, m)
-    else:
-        if m % p:
-            raise ValueError(f"the interleaved schedule needs num_microbatches ({m}) divisible by pp ({p}), "
-                             "as Megatron-LM requires")
-        total = m * v
-        fwd = [_interleaved_op(k, p, v, stage, forward=True) for k in range(total)]
-        bwd = [_interleaved_op(k, p, v, stage, forward=False) for k in range(total)]
-        # Megatron-LM runs every forward first when m == p ("all warm-up"), else the 1F1B-style warm-up.
-        warmup = total if m == p else min((p - stage - 1) * 2 + (v - 1) * p, total)
-    ops = fwd[:warmup]
-    for k in range(len(fwd) - warmup):
-        ops += [fwd[warmup + k], bwd[k]]
-    ops += bwd[len(bwd) - warmup:] if warmup else []
-    return tuple(ops)
-
-
-def _interleaved_op(k: int, p: int, v: int, stage: int, *, forward: bool) -> PipelineOp:
-    group, r = divmod(k, p * v)
-    chunk = r // p if forward else v - 1 - r // p
-    return PipelineOp(forward, chunk * p + stage, group * p + r % p)
-
-
-class _PipelineDag:
-    """The operations of all ranks in one topological order with their predecessors and durations."""
-
-    def __init__(self, stage_fwd_s: Sequence[float], stage_bwd_s: Sequence[float], schedule: Schedule,
-                 num_microbatches: int, virtual_stages: int, p2p_s: float) -> None:
-        p, v = len(stage_fwd_s), virtual_stages
-        if p == 0 or len(stage_bwd_s) != p:
-            raise ValueError(f"need one forward and one backward time per stage, got {len(stage_fwd_s)} and "
-                             f"{len(stage_bwd_s)}")
-        orders = [schedule_order(schedule, p, num_microbatches, v, d) for d in range(p)]
-        last = p * v - 1
-        preds: dict[PipelineOp, list[PipelineOp]] = {op: [] for order in orders for op in order}
-        for order in orders:
-            for a, b in zip(order, order[1:], strict=False):
-                preds[b].append(a)
-        for op, into in preds.items():
-            s, j = op.virtual_stage, op.microbatch
-            if op.forward and s > 0:
-                into.append(PipelineOp(True, s - 1, j))
-            if not op.forward:
-                into.append(PipelineOp(True, s, j))
-                if s < last:
-                    into.append(PipelineOp(False, s + 1, j))
-        succ: dict[PipelineOp, list[PipelineOp]] = {op: [] for op in preds}
-        indegree = {op: len(into) for op, into in preds.items()}
-        for op, into in preds.items():
-            for src in into:
-                succ[src].append(op)
-        topo: list[PipelineOp] = []
-        queue = deque(op for order in orders for op in order if indegree[op] == 0)
-        while queue:  # Kahn's algorithm; FIFO over rank order keeps it deterministic
-            op = queue.popleft()
-            topo.append(op)
-            for nxt in succ[op]:
-                indegree[nxt] -= 1
-                if indegree[nxt] == 0:
-                    queue.append(nxt)
-        if len(topo) != len(preds):  # a cycle: the operation orders contradict the data dependencies
-            raise ValueError(f"schedule {Schedule(schedule).value} deadlocks with p={p}, m={num_microbatches}, "
-                             f"v={v}")
-        index = {op: i for i, op in enumerate(topo)}
-        self.ops: tuple[PipelineOp, ...] = tuple(topo)
-        self.recv = tuple(p2p_s if (op.virtual_stage > 0 if op.forward else op.virtual_stage < last) else 0.0
-                          for op in topo)
-        self.work = tuple((stage_fwd_s if op.forward else stage_bwd_s)[op.virtual_stage % p] / v for op in topo)
-        self.preds = tuple(tuple(index[src] for src in preds[op]) for op in topo)
-
-    def simulate(self) -> dict[PipelineOp, tuple[float, float]]:
-        end = [0.0] * len(self.ops)
-        for i, into in enumerate(self.preds):
-            end[i] = max((end[k] for k in into), default=0.0) + self.recv[i] + self.work[i]
-        return {op: (e - r - w, e) for op, e, r, w in zip(self.ops, end, self.recv, self.work, strict=True)}
-
-
-def simulate_pipeline(stage_fwd_s: Sequence[float], stage_bwd_s: Sequence[float], schedule: Schedule,
-                      num_microbatches: int, virtual_stages: int = 1,
-                      p2p_s: float = 0.0) -> dict[PipelineOp, tuple[float, float]]:
-    """Start and end of every operation, the blocking receive included (module docstring). `stage_fwd_s[d]` is
-    one micro-batch's forward on rank d (all its chunks); each of the v chunks takes 1/v of it."""
-    return _PipelineDag(stage_fwd_s, stage_bwd_s, schedule, num_microbatches, virtual_stages, p2p_s).simulate()
-
-
-def pipeline_span(times: Mapping[PipelineOp, tuple[float, float]]) -> float:
-    return max(end for _, end in times.values())
-
-
-def fit_p2p_time(stage_fwd_s: Sequence[float], stage_bwd_s: Sequence[float], schedule: Schedule,
-                 num_microbatches: int, virtual_stages: int, pp_comm_s: float) -> float:
-    """The send/recv seconds per virtual-stage boundary for which `costmodel.pipeline.pipeline_times` charges
-    `pp_comm_s` of pipeline communication (0 without boundaries or communication). Its p2p share only grows
-    with the transfer time, so bisection finds it."""
-    v = virtual_stages
-    fwd = [f / v for _ in range(v) for f in stage_fwd_s]  # virtual stage j = chunk * p + rank
-    bwd = [b / v for _ in range(v) for b in stage_bwd_s]
-    if len(fwd) < 2 or pp_comm_s <= 0:
-        return 0.0
-
-    def charged(c: float) -> float:
-        return pipeline_times(fwd, bwd, schedule, num_microbatches, v, c).p2p_s
-
-    hi = pp_comm_s
-    for _ in range(_BISECTION_STEPS):  # charged(c) >= c for c > 0, so this ends at once; kept safe anyway
-        if charged(hi) >= pp_comm_s:
-            break
-        hi *= 2
-    lo = 0.0
-    for _ in range(_BISECTION_STEPS):
-        mid = (lo + hi) / 2
-        if mid in (lo, hi):
-            break
-        lo, hi = (mid, hi) if charged(mid) < pp_comm_s else (lo, mid)
-    return hi
-
-
 def predicted_pipeline_s(plan: Plan) -> float:
     """P: the part of the predicted step from the first forward to the last backward (module docstring)."""
     bd, stages = plan.predicted.breakdown, plan.predicted.stages
@@ -294,9 +150,10 @@ def build_timeline(plan: Plan) -> StepTimeline:
     bd = predicted.breakdown
     fwd = [s.fwd_s for s in stages]
     bwd = [s.bwd_s for s in stages]
+    wgrad = [s.wgrad_s for s in stages] if strategy.schedule.zero_bubble else None
     try:
-        p2p_s = fit_p2p_time(fwd, bwd, strategy.schedule, m, v, bd.pp_comm_s)
-        times = simulate_pipeline(fwd, bwd, strategy.schedule, m, v, p2p_s)
+        p2p_s = fit_p2p_time(fwd, bwd, strategy.schedule, m, v, bd.pp_comm_s, wgrad)
+        times = simulate_pipeline(fwd, bwd, strategy.schedule, m, v, p2p_s, wgrad)
     except ValueError as e:
         raise UserError(f"cannot simulate the plan's schedule: {e}") from None
     simulated_s = pipeline_span(times)
@@ -309,7 +166,9 @@ def build_timeline(plan: Plan) -> StepTimeline:
     events: list[TimelineEvent] = []
     for d in range(p):
         ops = schedule_order(strategy.schedule, p, m, v, d)
-        events += _op_events(d, ops, times, p2p_s, p * v - 1, fwd[d] / v, v, tp_share, recompute, bd)
+        receive = [receives(op, strategy.schedule, p, v) for op in ops]
+        events += _op_events(d, ops, times, [p2p_s if r else 0.0 for r in receive], fwd[d] / v, v, tp_share,
+                             recompute, bd)
         events += _gap_events(d, ops, times)
         events += _tail_events(d, own_end=times[ops[-1]][1], simulated_end=simulated_s, pipeline_end=tail_start,
                                end_comm_s=end_comm_s, optimizer_s=bd.optimizer_s)
@@ -334,22 +193,26 @@ def _recompute_per_virtual_stage(plan: Plan) -> tuple[Recompute, ...]:
     return (strategy.recompute,) * (strategy.pp * strategy.virtual_stages)
 
 
-def _op_events(d: int, ops: Sequence[PipelineOp], times: Mapping[PipelineOp, tuple[float, float]], p2p_s: float,
-               last: int, chunk_fwd_s: float, virtual_stages: int, tp_share: float,
+def _op_events(d: int, ops: Sequence[PipelineOp], times: Mapping[PipelineOp, tuple[float, float]],
+               recv_s: Sequence[float], chunk_fwd_s: float, virtual_stages: int, tp_share: float,
                recompute: Sequence[Recompute], bd: TimeBreakdown) -> list[TimelineEvent]:
-    """Per operation: the blocking receive, then the forward/backward with its nested recompute and TP parts."""
+    """Per operation: the blocking receive (`recv_s`, per operation), then the forward/backward with its nested
+    recompute and TP parts; a weight-gradient operation is its own event."""
     events: list[TimelineEvent] = []
-    for op in ops:
+    for op, recv in zip(ops, recv_s, strict=True):
         start, end = times[op]
         s, j = op.virtual_stage, op.microbatch
-        if p2p_s > 0 and (s > 0 if op.forward else s < last):
+        if recv > 0:
             what = "activations" if op.forward else "gradients"
-            events.append(TimelineEvent(d, EventKind.PP_COMM, f"recv {what}", start, p2p_s, j, s))
-            start += p2p_s
+            events.append(TimelineEvent(d, EventKind.PP_COMM, f"recv {what}", start, recv, j, s))
+            start += recv
         duration = end - start
-        name = f"{'F' if op.forward else 'B'}{j}" + (f" v{s}" if virtual_stages > 1 else "")
-        kind = EventKind.FORWARD if op.forward else EventKind.BACKWARD
+        name = ("F" if op.forward else op.part.value) + f"{j}" + (f" v{s}" if virtual_stages > 1 else "")
+        weight = op.part is BackwardPart.WEIGHT
+        kind = EventKind.FORWARD if op.forward else EventKind.WEIGHT_GRAD if weight else EventKind.BACKWARD
         events.append(TimelineEvent(d, kind, name, start, duration, j, s))
+        if weight:
+            continue
         tp_s = duration * tp_share
         if not op.forward and bd.recompute_s > 0 and s < len(recompute):
             rc_s = min(_recompute_time(recompute[s], chunk_fwd_s, duration, bd), max(duration - tp_s, 0.0))
@@ -442,7 +305,7 @@ def segment_range(start: int, stop: int) -> str:
 
 def plan_title(plan: Plan) -> str:
     s = plan.strategy
-    schedule = s.schedule.value + (f":{s.virtual_stages}" if s.virtual_stages > 1 else "")
+    schedule = s.schedule.label(s.virtual_stages)
     step = plan.predicted.step_time_s
     step_text = f"{step:.4g} s" if step >= 1 else f"{step * 1e3:.4g} ms"
     return (f"{plan.model.name}: dp={s.dp} tp={s.tp} pp={s.pp} mbs={s.microbatch_size} "

@@ -12,7 +12,9 @@ FQNs, e.g. `blocks.3.attn.q_proj.weight`) and takes / returns the values live ac
 A value live across a cut must be a tensor (it is sent with point-to-point communication).
 
 Stage `i` runs on pipeline rank `i % pp` (the looped placement of Megatron-LM's interleaved schedule,
-Narayanan et al. SC'21, sec. 2.2), so rank r holds stages r, r + pp, r + 2pp, ...
+Narayanan et al. SC'21, sec. 2.2), so rank r holds stages r, r + pp, r + 2pp, ...; the V-shaped zero-bubble
+schedules (zbv, dualpipev) put stages r and 2pp - 1 - r on rank r, as torch's `ScheduleZBVZeroBubble` and
+`ScheduleDualPipeV` expect.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from costmodel.pipeline import chunk_stages
 from costmodel.strategy import Schedule, StageSpec
 from ir.layer_chain import LayerChain
 from planner.errors import UserError
@@ -193,23 +196,35 @@ def _stage_module(model: nn.Module, graph: fx.Graph, stage: Mapping[fx.Node, int
     return fx.GraphModule(model, g, class_name=f"PipelineStage{index}")
 
 
-def stage_indices_of_rank(pp_rank: int, pp: int, num_stages: int) -> tuple[int, ...]:
-    """Looped placement: pipeline rank r holds stages r, r + pp, ..."""
-    return tuple(range(pp_rank, num_stages, pp))
+def stage_indices_of_rank(pp_rank: int, pp: int, num_stages: int,
+                          schedule: Schedule = Schedule.ONE_F_ONE_B) -> tuple[int, ...]:
+    """Looped placement: pipeline rank r holds stages r, r + pp, ...; on a V (zbv, dualpipev) r and 2pp - 1 - r
+    (`costmodel.pipeline.chunk_stages`, the placement the plan was priced with)."""
+    return chunk_stages(schedule, pp, num_stages // pp, pp_rank)
 
 
 def build_schedule(pipeline_stages: Sequence[Any], schedule: Schedule, num_microbatches: int,
                    loss_fn: Any) -> Any:
-    """The `torch.distributed.pipelining` schedule for the plan; gradients are averaged over micro-batches."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    """The `torch.distributed.pipelining` schedule for the plan. Gradients come back summed over micro-batches
+    (`train_step` averages them once per parameter)."""
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleDualPipeV,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
 
-    if schedule is Schedule.INTERLEAVED:
-        return ScheduleInterleaved1F1B(list(pipeline_stages), num_microbatches, loss_fn=loss_fn, scale_grads=True)
+    multi = {Schedule.INTERLEAVED: ScheduleInterleaved1F1B, Schedule.INTERLEAVED_ZB: ScheduleInterleavedZeroBubble,
+             Schedule.ZBV: ScheduleZBVZeroBubble, Schedule.DUALPIPEV: ScheduleDualPipeV}
+    if schedule in multi:
+        return multi[schedule](list(pipeline_stages), num_microbatches, loss_fn=loss_fn, scale_grads=False)
     if len(pipeline_stages) != 1:
         raise UserError(f"schedule {schedule.value} runs one stage per rank, got {len(pipeline_stages)}; "
-                        "use the interleaved schedule for virtual stages")
+                        "use a schedule with model chunks (interleaved, interleaved-zb, zbv, dualpipev)")
     # With fewer micro-batches than stages, 1F1B's warm-up already holds every micro-batch, so it runs exactly
     # as GPipe (all forwards, then all backwards); torch's Schedule1F1B refuses that case.
     one_f_one_b = schedule is Schedule.ONE_F_ONE_B and num_microbatches >= pipeline_stages[0].num_stages
     cls = Schedule1F1B if one_f_one_b else ScheduleGPipe
-    return cls(pipeline_stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(pipeline_stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)

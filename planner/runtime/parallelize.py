@@ -19,8 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from costmodel.estimate import recomputes
+from costmodel.pipeline import split_backward_problem, stage_rank
 from costmodel.rank_layout import even_stages
-from costmodel.strategy import StageSpec, Strategy
+from costmodel.strategy import Schedule, StageSpec, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import PlanLoadError, UserError
 from planner.plan import Plan
@@ -248,7 +250,7 @@ def _layers_in(part: nn.Module, model: nn.Module) -> list[tuple[str, nn.Module]]
 
 
 def _tied_across_stages(model: nn.Module, stage_modules: Mapping[int, nn.Module], mesh: Any,
-                        layout: MeshLayout) -> tuple[TiedAcrossStages, ...]:
+                        layout: MeshLayout, schedule: Schedule) -> tuple[TiedAcrossStages, ...]:
     import torch.distributed as dist
 
     tied = []
@@ -260,9 +262,11 @@ def _tied_across_stages(model: nn.Module, stage_modules: Mapping[int, nn.Module]
             for name, q in part.named_parameters():
                 if q is p:
                     names[index] = name
+        pp_ranks = sorted({stage_rank(schedule, pp, i) for i in names})
         if len(names) < 2:
             continue
-        pp_ranks = sorted({i % pp for i in names})
+        if len(pp_ranks) == 1:  # one rank holds every use: one parameter, its gradients add up by themselves
+            continue
         if len(pp_ranks) < len(names):
             raise UserError(f"parameter {group[0][0]}.{group[0][1]} is tied across stages {sorted(names)} that "
                             "run on the same pipeline rank; untie the weights or cut elsewhere")
@@ -385,7 +389,8 @@ def runtime_unsupported(strategy: Strategy) -> str:
     if not r.dp_overlap and strategy.dp * strategy.cp > 1:
         return ("the plan prices data-parallel communication without overlap (dp_overlap=false, another trainer's "
                 "behaviour); this runtime always overlaps it: plan with dp_overlap=true")
-    return ""
+    return split_backward_problem(strategy.schedule, recomputed=recomputes(strategy),
+                                  resharded=strategy.zero_stage == 3 and r.reshard_after_forward)
 
 
 def _pipeline(model: nn.Module, plan: Plan, mesh: Any, layout: MeshLayout, chain: LayerChain,
@@ -395,9 +400,9 @@ def _pipeline(model: nn.Module, plan: Plan, mesh: Any, layout: MeshLayout, chain
 
     strategy = plan.strategy
     all_parts = build_stage_modules(model, chain, stages)
-    tied = _tied_across_stages(model, all_parts, mesh, layout)
+    tied = _tied_across_stages(model, all_parts, mesh, layout, strategy.schedule)
     pp_rank = sharded.meshes.pp.get_local_rank()
-    mine = stage_indices_of_rank(pp_rank, strategy.pp, len(stages))
+    mine = stage_indices_of_rank(pp_rank, strategy.pp, len(stages), strategy.schedule)
     parts = {i: all_parts[i] for i in mine}
     for part in parts.values():
         _data_parallel(part, _layers_in(part, model), sharded, strategy)

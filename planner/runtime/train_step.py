@@ -79,6 +79,12 @@ def _pipelined(pm: ParallelModel, batch: tuple[torch.Tensor, ...]) -> torch.Tens
         pm.schedule.step(*batch, target=sample_ids, losses=losses, return_outputs=False)
     finally:
         pm.microbatch_loss.batch = ()
+    # The mean over micro-batches, once per parameter: torch's schedules would divide per stage, twice for a
+    # parameter two stages of this rank share (the tied embedding and head on a V-shaped schedule's rank 0).
+    with torch.no_grad():
+        for p in pm.parameters():
+            if p.grad is not None:
+                p.grad.div_(pm.strategy.num_microbatches)
     if not pm.holds_last_stage:
         return torch.zeros((), device=pm.device)
     return torch.stack([loss.detach().float() for loss in losses]).mean()

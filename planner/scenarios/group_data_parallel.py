@@ -30,7 +30,8 @@ from costmodel.estimate import estimate as costmodel_estimate
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.layer_cost import LayerCost
-from costmodel.strategy import Schedule, Strategy
+from costmodel.pipeline import schedule_problem
+from costmodel.strategy import Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import UserError
 from planner.search.branch_and_bound import SearchOptions, search
@@ -386,7 +387,7 @@ def _balanced(chain: LayerChain, cluster: Cluster, subs: Sequence[Cluster], glob
 
     def step(g: int, m: int) -> float:
         st = planned[g][0]  # type: ignore[index]
-        if st.schedule is Schedule.INTERLEAVED and m % st.pp:
+        if schedule_problem(st.schedule, st.pp, m):
             return math.inf
         e = est(g, m)
         return e.step_time_s if e.fits else math.inf

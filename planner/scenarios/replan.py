@@ -38,7 +38,8 @@ from costmodel.breakdown import Estimate
 from costmodel.estimate import estimate as costmodel_estimate
 from costmodel.hardware.cluster import Cluster
 from costmodel.layer_cost import LayerCost
-from costmodel.strategy import Recompute, Schedule, Strategy
+from costmodel.pipeline import stage_rank
+from costmodel.strategy import Recompute, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import PlanLoadError, UserError
 from planner.plan import Alternative, ModuleSharding, Plan, SearchInfo
@@ -123,7 +124,7 @@ def _stage_of_segments(strategy: Strategy, num_segments: int) -> list[int]:
     out = [-1] * num_segments
     for j, st in enumerate(strategy.stages):
         for i in range(st.start, min(st.stop, num_segments)):
-            out[i] = j % strategy.pp
+            out[i] = stage_rank(strategy.schedule, strategy.pp, j)
     return out
 
 
@@ -227,10 +228,7 @@ def neighbourhood(old: Strategy, space: SearchSpace | None = None) -> SearchSpac
     pins: dict[str, Any] = {"tp": old.tp, "cp": old.cp, "ep": old.ep}
     if old.tp > 1:
         pins["sequence_parallel"] = old.sequence_parallel
-    if old.schedule is Schedule.INTERLEAVED:
-        pins["schedule"] = Schedule.INTERLEAVED
-    else:
-        pins["schedule"] = old.schedule
+    pins["schedule"] = old.schedule
     # A pin the caller already gave wins (the caller asked for it explicitly).
     given = base.pinned()
     return base.with_changes(**{k: v for k, v in pins.items() if k not in given})

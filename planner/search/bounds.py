@@ -8,12 +8,15 @@ from collections.abc import Sequence
 import numpy as np
 
 from costmodel.layer_cost import LayerCost
-from costmodel.strategy import Schedule, StageSpec
+from costmodel.pipeline import chunk_stages
+from costmodel.step_time import tp_exposed
+from costmodel.strategy import Schedule
 from planner.search.candidates import Candidate
+from planner.search.interleaved_layout import InterleavedLayout
 from planner.search.stage_problem import segment_work, tp_overlap_chunks
 
 
-def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: float) -> float:
+def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: float, forward_s: float = 0.0) -> float:
     """A lower bound on the candidate's step time from tp == 1 prices, without solving any sharding.
 
     `replicated_s`: forward + backward compute of one micro-batch of the whole chain replicated on one device,
@@ -21,9 +24,15 @@ def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: floa
     GEMM efficiency curve only rises with size, the memory and launch terms scale at most as 1/tp),
     communication and recomputation are >= 0, and the busiest pipeline rank carries at least 1/p of the work:
     ``T >= S/v + (m - 1/v) S/p`` with ``S = replicated_s / tp`` (v = 1 for GPipe and 1F1B), plus the smallest
-    possible optimizer step (`optimizer_s`, computed by the caller for an even split)."""
-    total = replicated_s / (cand.mesh.tp * cand.mesh.cp)  # context parallelism splits every op's work cp ways
+    possible optimizer step (`optimizer_s`, computed by the caller for an even split). A zero-bubble schedule's
+    fill and drain can be less than S/v: ``T >= max(m S/p, (m - 2/v) S/p + F/v)`` with F the forward part of S
+    (`forward_s` replicated; `tight_lower_bound` says why)."""
+    split = cand.mesh.tp * cand.mesh.cp  # context parallelism splits every op's work cp ways
+    total = replicated_s / split
     m, p = cand.num_microbatches, cand.mesh.pp
+    if cand.schedule.zero_bubble:
+        v = cand.virtual_stages
+        return max(m * total / p, (m - 2 / v) * total / p + forward_s / split / v) + optimizer_s
     v = cand.virtual_stages if cand.schedule is Schedule.INTERLEAVED else 1
     return total / v + (m - 1 / v) * total / p + optimizer_s
 
@@ -57,26 +66,66 @@ def _min_max_partition(prefix: np.ndarray, p: int) -> float:
 
 
 def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost], float]], *, optimizer_s: float,
-                      chunks: Sequence[StageSpec] = (), p2p: Sequence[float] = ()) -> float:
+                      layout: InterleavedLayout | None = None, p2p: Sequence[float] = ()) -> float:
     """A lower bound on the candidate's step time from its own layer prices (tp sharding solved).
 
     `costs`: per pipeline rank, its segment prices and speed. Per segment ``w_j`` is the least over ranks of
     ``(forward + backward compute) / speed + forward + backward TP communication`` (recomputation and
     data-parallel communication are >= 0). The pipeline's bottleneck rank carries at least the min-max
-    contiguous split of ``w`` over p stages; for interleaved, whose chunks are fixed, exactly its chunks' ``w``
-    plus their sends (`p2p`, one per chunk boundary). So ``T >= W / v + (m - 1/v) U + optimizer_s``."""
+    contiguous split of ``w`` over p stages; for interleaved, the least bottleneck of its chunk layouts
+    (`interleaved_bottleneck`) with the sends (`p2p`, one per chunk boundary). So
+    ``T >= W / v + (m - 1/v) U + optimizer_s``. A zero-bubble schedule's step is at least m D_* + the other
+    ranks' E_r / v (`costmodel.pipeline`, * the busiest rank). For interleaved-zb and dualpipev E_r = f_r +
+    max(i_r - w_r, 0) <= D_r and their sum is at least F + max(I - W, 0) over the chain (W: the weight-gradient
+    compute, I the rest of the backward, F the forward); ZB-V's E_r is at least f_r and at most 2 D_r. So
+    ``T >= max(m U, (m - 1/v) U + (F + max(I - W, 0)) / v)``, resp. ``max(m U, (m - 2/v) U + F / v)``, plus
+    `optimizer_s`."""
     w = np.min([segment_work(segs, speed, tp_overlap_chunks(cand)) for segs, speed in costs], axis=0)
     prefix = np.concatenate([[0.0], np.cumsum(w)])
     m, p = cand.num_microbatches, cand.mesh.pp
     total = float(prefix[-1])
-    if cand.schedule is Schedule.INTERLEAVED and chunks:
+    if layout is not None:
         v = cand.virtual_stages
-        n = len(chunks)
-        per_chunk = [float(prefix[c.stop] - prefix[c.start]) + (p2p[j - 1] if j > 0 else 0.0)
-                     + (p2p[j] if j < n - 1 else 0.0) for j, c in enumerate(chunks)]
-        u = max(sum(per_chunk[r::p]) for r in range(p))
-        total = sum(per_chunk)
+        u = interleaved_bottleneck(layout, w, p2p)
+        total += 2 * sum(p2p)  # every boundary is sent once and received once
     else:
         v = 1
         u = _min_max_partition(prefix, p)
+    if cand.schedule.zero_bubble:
+        n = tp_overlap_chunks(cand)
+        parts = np.min([[(c.fwd_compute_s / speed + tp_exposed(c.fwd_comm_s, c.fwd_compute_s / speed, n),
+                          c.bwd_compute_s * (1 - 2 * c.weight_grad_share) / speed
+                          + tp_exposed(c.bwd_comm_s, c.bwd_compute_s / speed, n)) for c in segs]
+                         for segs, speed in costs], axis=0).sum(axis=0) + sum(p2p)
+        forward, input_less_weight = float(parts[0]), max(float(parts[1]), 0.0)
+        if cand.schedule is Schedule.ZBV:
+            return max(m * u, (m - 2 / v) * u + forward / v) + optimizer_s
+        return max(m * u, (m - 1 / v) * u + (forward + input_less_weight) / v) + optimizer_s
     return total / v + (m - 1 / v) * u + optimizer_s
+
+
+def interleaved_bottleneck(layout: InterleavedLayout, w: np.ndarray, p2p: Sequence[float]) -> float:
+    """The least largest rank work max_r D_r over the layouts (`planner.search.interleaved_problem`), from the
+    per-segment work ``w`` and the sends: each rank starts with its smaller chunks (its sends are fixed by
+    position), and the E extra blocks go one by one to the rank with the least work that has room (at most v
+    each) -- optimal for min-max with equal increments. Layouts the sends leave out only raise it."""
+    p, v, n = layout.pp, layout.virtual_stages, len(p2p) + 1
+
+    def mine(r: int) -> tuple[int, ...]:
+        return chunk_stages(layout.schedule, p, v, r)
+
+    def sends(r: int) -> float:
+        return sum((p2p[j - 1] if j > 0 else 0.0) + (p2p[j] if j < n - 1 else 0.0) for j in mine(r))
+
+    if layout.fixed:
+        return max(sum(float(w[layout.fixed[j].start:layout.fixed[j].stop].sum()) for j in mine(r)) + sends(r)
+                   for r in range(p))
+    block = float(w[layout.pre])
+    work = [sum(float(w[list(chunk)].sum()) for chunk in layout.chunk_segments(r, (layout.small,) * v)) + sends(r)
+            for r in range(p)]
+    room = [v] * p
+    for _ in range(layout.extra):
+        r = min((r for r in range(p) if room[r]), key=lambda r: work[r])
+        work[r] += block
+        room[r] -= 1
+    return max(work)

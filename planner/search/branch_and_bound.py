@@ -14,9 +14,10 @@ ZeRO stage and sequence parallelism. The space, for a free dimension:
 - meshes: every mesh of `enumerate_meshes` on those counts; tp must divide the attention heads (and relate to
   the kv heads) as `costmodel.estimate` requires;
 - ``mbs``: divisors of ``global_batch / dp`` up to `SearchSpace.max_microbatch_size`;
-- schedule: 1F1B; when pp > 1 also interleaved with v in 2..max_virtual_stages when the repeated layer class
-  divides into p*v equal chunks and ``m`` is a multiple of p (Megatron-LM's conditions). GPipe is searched only
-  when pinned: on the same stages it is never faster than 1F1B (``sum F + (m-1) max F + sum B + (m-1) max B >=
+- schedule: 1F1B; when pp > 1 also interleaved with v in 2..max_virtual_stages when the chain's units (the
+  embedding, each block, the head) fill p*v chunks of q or q+1 (`planner.search.interleaved_layout`; chunks of
+  equal class counts for a chain without one run of blocks) and ``m`` is a multiple of p (Megatron-LM's condition).
+  GPipe is searched only when pinned: on the same stages it is never faster than 1F1B (``sum F + (m-1) max F + sum B + (m-1) max B >=
   sum(F+B) + (m-1) max(F+B)``) and keeps all m micro-batches in flight instead of ``min(p - k, m)``, with the same
   drain and tails, so 1F1B is at least as good on every partition (the brute-force tests include GPipe);
 - ZeRO 0..3 when dp > 1 (0 otherwise); SP on and off when tp > 1.
@@ -62,9 +63,8 @@ from costmodel.expert_parallel import model_state_bytes as expert_state_bytes
 from costmodel.hardware.cluster import Cluster
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import framework_overhead_bytes
-from costmodel.rank_layout import even_stages
 from costmodel.step_time import optimizer_step_time
-from costmodel.strategy import MeshAxis, Recompute, Schedule, Strategy
+from costmodel.strategy import MeshAxis, Recompute, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import InfeasibleError, TimeLimitError, UserError
 from planner.plan import Alternative, ModuleSharding
@@ -211,7 +211,7 @@ class SearchState:
     candidates: list[Candidate] = field(default_factory=list)
     invalid: dict[tuple, str] = field(default_factory=dict)
     _memory_need: dict[tuple, float] = field(default_factory=dict)
-    _replicated: dict[tuple, float] = field(default_factory=dict)
+    _replicated: dict[tuple, tuple[float, float]] = field(default_factory=dict)
     _optimizer: dict[tuple, float] = field(default_factory=dict)
     _price: dict[int, float] = field(default_factory=dict)
     _pipeline_bound: dict[tuple, float] = field(default_factory=dict)
@@ -245,7 +245,8 @@ class SearchState:
         cand = self.candidates[payload]
         m = cand.mesh
         floor = simplicity_floor(tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep, zero_stage=cand.zero_stage,
-                                 num_microbatches=cand.num_microbatches)
+                                 num_microbatches=cand.num_microbatches, virtual_stages=cand.virtual_stages,
+                                 zero_bubble=cand.schedule.zero_bubble)
         return self.ties.may_lead(self.found[0], m.num_devices, floor)
 
     def ranked_found(self) -> list[Found]:
@@ -308,16 +309,19 @@ class SearchState:
             rec = self.meshes.setdefault((m.dp, m.tp, m.pp), _MeshRecord())
             rec.memory_need_bytes = min(rec.memory_need_bytes, need)
             return math.inf
-        total = min(self._replicated_total(pl.device, cand.microbatch_size) / pl.speed for pl in placements)
-        lb = cheap_lower_bound(cand, total, optimizer_s=self.optimizer_bound(cand, placements))
+        total = min(self._replicated_total(pl.device, cand.microbatch_size)[0] / pl.speed for pl in placements)
+        forward = min(self._replicated_total(pl.device, cand.microbatch_size)[1] / pl.speed for pl in placements)
+        lb = cheap_lower_bound(cand, total, optimizer_s=self.optimizer_bound(cand, placements), forward_s=forward)
         return lb * self.price_factor(cand)
 
-    def _replicated_total(self, device, mbs: int) -> float:
+    def _replicated_total(self, device, mbs: int) -> tuple[float, float]:
+        """(forward + backward, forward) compute of one micro-batch of the whole chain on one `device`."""
         key = (device.name, mbs)
         if key not in self._replicated:
             costs = self.builder.table.segment_costs(device, tp=1, tp_stride=1, sequence_parallel=False,
                                                      microbatch_size=mbs)
-            self._replicated[key] = sum(c.fwd_compute_s + c.bwd_compute_s for c in costs)
+            self._replicated[key] = (sum(c.fwd_compute_s + c.bwd_compute_s for c in costs),
+                                     sum(c.fwd_compute_s for c in costs))
         return self._replicated[key]
 
     def expert_numel(self) -> int:
@@ -354,9 +358,10 @@ class SearchState:
         it is cached across the ZeRO stages and the other candidates that share it."""
         placements = self.builder.placements(cand)
         m = cand.mesh
-        interleaved = cand.schedule is Schedule.INTERLEAVED
+        interleaved = cand.schedule.chunked and cand.virtual_stages > 1
         key = (tuple(sorted({(pl.device.name, pl.speed) for pl in placements})), m.tp, m.stride(MeshAxis.TP), cand.sequence_parallel, cand.microbatch_size, m.pp,
                cand.num_microbatches, cand.virtual_stages if interleaved else 1,
+               cand.schedule.zero_bubble, cand.schedule.v_shape,  # the bound's form and the chunks' placement
                (m.dp, m.cp, m.mesh_order) if interleaved and m.pp > 1 else (),
                # cp / ep change the segment prices (planner.search.layer_costs.AxisSplit).
                (m.cp, m.stride(MeshAxis.CP), m.ep, m.stride(MeshAxis.EP), m.num_devices))
@@ -366,12 +371,9 @@ class SearchState:
             costs = [(self.builder.segment_costs(cand, device), speed)
                      for device, speed in {(pl.device.name, pl.speed): (pl.device, pl.speed)
                                            for pl in placements}.values()]
-            chunks: tuple = ()
-            p2p: list[float] = []
-            if interleaved:
-                chunks = even_stages(self.chain, m.pp * cand.virtual_stages)
-                p2p = self.builder.interleaved_p2p(cand, chunks, placements)
-            pipe = self._pipeline_bound[key] = tight_lower_bound(cand, costs, optimizer_s=0.0, chunks=chunks,
+            layout = self.builder.layout(cand) if interleaved else None
+            p2p = self.builder.interleaved_sends(cand, layout, placements) if layout is not None else []
+            pipe = self._pipeline_bound[key] = tight_lower_bound(cand, costs, optimizer_s=0.0, layout=layout,
                                                                  p2p=p2p)
         return (pipe + self.optimizer_bound(cand, placements)) * self.price_factor(cand)
 

@@ -10,16 +10,17 @@ batch and `SearchSpace`, per device count (`device_counts`); the space is spelle
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from costmodel.context_parallel import cp_options
 from costmodel.expert_parallel import ep_options
 from costmodel.hardware.cluster import Cluster
+from costmodel.pipeline import schedule_problem, split_backward_problem
 from costmodel.strategy import Recompute, RuntimeOptions, Schedule, StageSpec, Strategy
 from ir.layer_chain import LayerChain
 from planner.search.device_groups import mesh_type_problem
+from planner.search.interleaved_layout import ChainUnits, InterleavedLayout
 from planner.search.meshes import MeshCandidate, divisors, enumerate_meshes
 from planner.search.space import Objective, SearchSpace
 from planner.strategy_label import Detail, strategy_label
@@ -109,29 +110,43 @@ def device_counts(cluster: Cluster, space: SearchSpace, objective: Objective) ->
     return tuple(sorted(counts, reverse=True))
 
 
-def _main_class_count(chain: LayerChain) -> int:
-    counts = Counter(s.class_id for s in chain.segments)
-    return max(counts.values())
-
-
-def _schedules(space: SearchSpace, pp: int, m: int, chain: LayerChain, main_count: int
+def _schedules(space: SearchSpace, pp: int, m: int, chain: LayerChain, units: ChainUnits
                ) -> list[tuple[Schedule, int]]:
-    if space.schedule is not None and space.schedule is not Schedule.INTERLEAVED:
-        return [(space.schedule, 1)]
+    """(schedule, chunks per rank) the candidate tries with m micro-batches on p ranks."""
+    pinned = space.schedule
+    if pinned is Schedule.GPIPE:
+        return [(pinned, 1)]
     # GPipe is not searched unless pinned: for the same stages it is never faster than 1F1B (sum F + (m-1) max F
     # + sum B + (m-1) max B >= sum (F+B) + (m-1) max (F+B)) and it keeps all m micro-batches in flight instead of
     # min(p - k, m), with the same drain and tails; so 1F1B is at least as good on every partition.
     out: list[tuple[Schedule, int]] = []
-    if space.schedule is None:
-        out = [(Schedule.ONE_F_ONE_B, 1)]
-    if pp == 1 or m % pp:
+    if pinned in (None, Schedule.ONE_F_ONE_B):
+        out.append((Schedule.ONE_F_ONE_B, 1))
+    if pp == 1:
         return out
-    v_options = ([space.virtual_stages] if space.virtual_stages is not None
-                 else range(2, space.max_virtual_stages + 1))
-    for v in v_options:
-        if v >= 2 and pp * v <= len(chain.segments) and main_count % (pp * v) == 0:
-            out.append((Schedule.INTERLEAVED, v))
+    for schedule in (Schedule.INTERLEAVED, Schedule.INTERLEAVED_ZB, Schedule.ZBV, Schedule.DUALPIPEV):
+        # Zero-bubble schedules run without recomputation (the partition problem drops it) and keep ZeRO-3's
+        # gathered weights (`pipeline.split_backward_problem`; the ZeRO stages are filtered below).
+        recomputed = space.recompute not in (None, Recompute.NONE)
+        if (pinned not in (None, schedule) or schedule_problem(schedule, pp, m)
+                or split_backward_problem(schedule, recomputed=recomputed, resharded=False)):
+            continue
+        for v in _chunk_options(space, schedule):
+            # Chunks of q or q+1 layers, the embedding and the loss counted as layers (interleaved_layout);
+            # one chunk per rank is a contiguous stage.
+            if v == 1 or InterleavedLayout.of(chain, pp, v, units, schedule) is not None:
+                out.append((schedule, v))
     return out
+
+
+def _chunk_options(space: SearchSpace, schedule: Schedule) -> list[int]:
+    """Chunks per rank a schedule tries: two on a V, 2.. (interleaved) or 1.. (interleaved-zb) up to the most."""
+    if schedule.v_shape:
+        return [2] if space.virtual_stages in (None, 2) else []
+    least = 2 if schedule is Schedule.INTERLEAVED else 1
+    if space.virtual_stages is not None:
+        return [space.virtual_stages] if space.virtual_stages >= least else []
+    return list(range(least, space.max_virtual_stages + 1))
 
 
 def enumerate_candidates(chain: LayerChain, cluster: Cluster, global_batch: int, space: SearchSpace,
@@ -148,7 +163,7 @@ def candidates_for(num_devices: int, chain: LayerChain, cluster: Cluster, global
                    invalid: dict[tuple, str]) -> list[Candidate]:
     """The candidates on exactly `num_devices` devices; meshes whose tp cannot shard the heads go to `invalid`."""
     out: list[Candidate] = []
-    main_count = _main_class_count(chain)
+    units = ChainUnits.of(chain)
     # Context-parallel degrees the chain allows, expert-parallel degrees dividing its experts.
     cps = [c for c in cp_options(chain, num_devices) if space.cp in (None, c)]
     eps = [e for e in ep_options(chain, num_devices) if space.ep in (None, e)]
@@ -166,12 +181,12 @@ def candidates_for(num_devices: int, chain: LayerChain, cluster: Cluster, global
         if why:
             invalid[(mesh.dp, mesh.tp, mesh.pp)] = why
             continue
-        out.extend(_mesh_candidates(mesh, chain, global_batch, space, main_count))
+        out.extend(_mesh_candidates(mesh, chain, global_batch, space, units))
     return out
 
 
 def _mesh_candidates(mesh: MeshCandidate, chain: LayerChain, global_batch: int, space: SearchSpace,
-                     main_count: int) -> list[Candidate]:
+                     units: ChainUnits) -> list[Candidate]:
     out = []
     per_replica = global_batch // mesh.dp
     for mbs in divisors(per_replica):
@@ -191,8 +206,11 @@ def _mesh_candidates(mesh: MeshCandidate, chain: LayerChain, global_batch: int, 
                else [False] if mesh.tp == 1 else [False, True])
         if mesh.tp == 1 and any(sps):
             continue
-        for schedule, v in _schedules(space, mesh.pp, m, chain, main_count):
+        for schedule, v in _schedules(space, mesh.pp, m, chain, units):
             for zero in zeros:
+                resharded = zero == 3 and space.runtime.reshard_after_forward
+                if split_backward_problem(schedule, recomputed=False, resharded=resharded):
+                    continue
                 for sp in sps:
                     out.append(Candidate(mesh, mbs, m, schedule, v, zero, sp, space.runtime))
     return out

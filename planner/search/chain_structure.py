@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from costmodel.estimate import shared_parameter_copies
-from costmodel.strategy import StageSpec
+from costmodel.strategy import Schedule, StageSpec
 from ir.layer_chain import LayerChain
 
 Composition = tuple[tuple[int, ...], int, int, np.ndarray, np.ndarray]
@@ -66,9 +66,10 @@ class ChainStructure:
                 total += size
         return total
 
-    def shared_copies(self, chunks: tuple[StageSpec, ...], pp: int) -> tuple[int, ...]:
-        """`costmodel.estimate.shared_parameter_copies` of fixed chunks (cached per chunking)."""
-        key = (tuple((c.start, c.stop) for c in chunks), pp)
+    def shared_copies(self, chunks: tuple[StageSpec, ...], pp: int,
+                      schedule: Schedule = Schedule.ONE_F_ONE_B) -> tuple[int, ...]:
+        """`costmodel.estimate.shared_parameter_copies` of fixed chunks (cached per chunking and placement)."""
+        key = (tuple((c.start, c.stop) for c in chunks), pp, schedule.v_shape)
         if key not in self._shared:
-            self._shared[key] = shared_parameter_copies(self.chain, chunks, pp)
+            self._shared[key] = shared_parameter_copies(self.chain, chunks, pp, schedule)
         return self._shared[key]

@@ -19,6 +19,7 @@ from typing import Any
 
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import CommGroup
+from costmodel.pipeline import stage_rank
 from costmodel.rank_layout import cp_group, device_map, dp_group, p2p_group, tp_group
 from costmodel.strategy import Strategy
 
@@ -80,6 +81,6 @@ def with_device_groups(cluster: Cluster, strategy: Strategy) -> Strategy:
     if len(cluster.groups) == 1 or not strategy.stages:
         return strategy
     placements = device_map(cluster, strategy)
-    stages = tuple(dataclasses.replace(st, device_group=placements[j % strategy.pp].group)
+    stages = tuple(dataclasses.replace(st, device_group=placements[stage_rank(strategy.schedule, strategy.pp, j)].group)
                    for j, st in enumerate(strategy.stages))
     return dataclasses.replace(strategy, stages=stages)

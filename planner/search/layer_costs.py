@@ -17,7 +17,7 @@ from typing import Any
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
-from costmodel.layer_pricing import owned_param_tensors, price_segment, segment_glue
+from costmodel.layer_pricing import owned_param_tensors, price_segment, segment_glue, weight_grad_share
 from costmodel.rank_layout import type_group
 from ir.graph import Node
 from ir.layer_chain import LayerChain
@@ -185,7 +185,8 @@ class LayerCostTable:
             costs[cid] = dataclasses.replace(
                 cost, param_tensors=owned, dtensor_param_tensors=min(cost.dtensor_param_tensors, owned),
                 fwd_compute_s=cost.fwd_compute_s + glue.forward_s, bwd_compute_s=cost.bwd_compute_s + glue.backward_s,
-                recompute_full_s=cost.recompute_full_s + glue.forward_s)
+                recompute_full_s=cost.recompute_full_s + glue.forward_s,
+                weight_grad_share=weight_grad_share(self.chain.nodes_of(segment)))
             sharding[cid] = tuple(solved.module_styles())
         return ClassPrices(costs, sharding)
 

@@ -8,7 +8,8 @@ claim more than the published runs back. Among the strategies tied with the fast
 2. a lower ZeRO stage;
 3. fewer micro-batches per step;
 4. less recomputation (none < selective < op < full, summed over stages);
-5. fewer virtual stages, then no sequence parallelism;
+5. fewer virtual stages, then a plain schedule before a zero-bubble one (its split backward and deferred weight
+   gradients hold activations longer), then no sequence parallelism;
 6. then the faster.
 
 The other strategies keep their order by objective after it.
@@ -53,15 +54,17 @@ def simplicity_key(strategy: Strategy) -> tuple[int, ...]:
     dims = sum(1 for d in (s.tp, s.pp, s.cp, s.ep) if d > 1)
     recompute = (sum(_RECOMPUTE_WEIGHT[st.recompute] for st in s.stages) if s.stages
                  else _RECOMPUTE_WEIGHT[s.recompute])
-    return (dims, s.zero_stage, s.num_microbatches, recompute, s.virtual_stages, int(s.sequence_parallel))
+    return (dims, s.zero_stage, s.num_microbatches, recompute, s.virtual_stages, int(s.schedule.zero_bubble),
+            int(s.sequence_parallel))
 
 
-def simplicity_floor(*, tp: int, pp: int, cp: int, ep: int, zero_stage: int, num_microbatches: int
-                     ) -> tuple[int, ...]:
-    """The smallest `simplicity_key` a strategy with these degrees can have, whatever its recomputation, virtual
-    stages and sequence parallelism (known only once its partition is solved)."""
+def simplicity_floor(*, tp: int, pp: int, cp: int, ep: int, zero_stage: int, num_microbatches: int,
+                     virtual_stages: int = 0, zero_bubble: bool = False) -> tuple[int, ...]:
+    """The smallest `simplicity_key` a strategy with these degrees (and, when given, chunks per rank and
+    schedule) can have, whatever its recomputation and sequence parallelism (known only once its partition is
+    solved)."""
     dims = sum(1 for d in (tp, pp, cp, ep) if d > 1)
-    return (dims, zero_stage, num_microbatches, 0, 0, 0)
+    return (dims, zero_stage, num_microbatches, 0, virtual_stages, int(zero_bubble), 0)
 
 
 @dataclass

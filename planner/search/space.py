@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from costmodel.strategy import Recompute, RuntimeOptions, Schedule
+from costmodel.strategy import Recompute, RuntimeOptions, Schedule, parse_schedule
 
 RUNTIME_FIELDS = frozenset({"dp_overlap", "reshard_after_forward", "tp_overlap"})
 """`--fix` keys that set a `RuntimeOptions` field (how the trainer runs the strategy) rather than a dimension."""
@@ -85,14 +85,18 @@ class SearchSpace:
         if self.recompute is not None:
             object.__setattr__(self, "recompute", Recompute(self.recompute))
         if self.virtual_stages is not None and self.virtual_stages > 1:
-            if self.schedule not in (None, Schedule.INTERLEAVED):
-                raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule=interleaved, "
-                                 f"not {self.schedule.value}")
-            object.__setattr__(self, "schedule", Schedule.INTERLEAVED)
+            if self.schedule is not None and not self.schedule.chunked:
+                raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule=interleaved (or another "
+                                 f"schedule with model chunks), not {self.schedule.value}")
+            if self.schedule is None:
+                object.__setattr__(self, "schedule", Schedule.INTERLEAVED)
+        if self.schedule is not None and self.schedule.v_shape and self.virtual_stages not in (None, 2):
+            raise ValueError(f"schedule={self.schedule.value} runs exactly 2 chunks per rank, not "
+                             f"virtual_stages={self.virtual_stages}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sp=true needs tp > 1 (sequence parallelism shards over the tensor-parallel axis)")
-        if self.schedule is Schedule.INTERLEAVED and self.pp == 1:
-            raise ValueError("schedule=interleaved needs pp > 1")
+        if self.schedule is not None and self.schedule.chunked and self.pp == 1:
+            raise ValueError(f"schedule={self.schedule.value} needs pp > 1")
         if self.max_microbatch_size < 1 or self.max_virtual_stages < 1:
             raise ValueError("max_microbatch_size and max_virtual_stages must be >= 1")
 
@@ -133,17 +137,13 @@ class SearchSpace:
 def _parse_fix(field: str, key: str, value: str) -> dict[str, Any]:
     low = value.lower()
     if field == "schedule":
-        name, _, v = low.partition(":")
-        valid = ", ".join([s.value for s in Schedule] + ["interleaved:V"])
         try:
-            schedule = Schedule(name)
-        except ValueError:
-            raise ValueError(f"--fix {key}={value}: unknown schedule; valid: {valid}") from None
+            schedule, v = parse_schedule(value)
+        except ValueError as e:
+            raise ValueError(f"--fix {key}={value}: {e}") from None
         out: dict[str, Any] = {"schedule": schedule}
-        if v:
-            if schedule is not Schedule.INTERLEAVED:
-                raise ValueError(f"--fix {key}={value}: only interleaved takes :V; valid: {valid}")
-            out["virtual_stages"] = _positive(key, v)
+        if v is not None:
+            out["virtual_stages"] = v
         return out
     if field == "recompute":
         try:

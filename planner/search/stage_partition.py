@@ -36,8 +36,9 @@ completion, ``Phi(S + h[k][j], max(U, g[k][j]))``, is no better than the incumbe
 bounded below by 0). ``h[k][j]`` (least remaining
 sum) and ``g[k][j]`` (least remaining maximum, per coordinate) come from two suffix dynamic programs over the same
 feasibility, so the bound is valid. The incumbent starts from the min-max (bottleneck) partition. The result is
-the exact optimum of ``Phi`` over all partitions and options (tested against brute force); among ties the first
-found in the fixed visiting order (stages left to right, shorter stages first, options in the given order) wins.
+the exact optimum of ``Phi`` over all partitions and options (tested against brute force); among ties a given
+`PartitionProblem.preferred` partition wins, then the first found in the fixed visiting order (stages left to
+right, shorter stages first, options in the given order).
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ class PartitionProblem:
     """Per profile (R, L+1, L+1): what the stage adds to the drain of the stages after it."""
     tail_const: tuple[np.ndarray, ...] | None = None
     """Per profile (R, L+1, L+1): the part c of the stage's tail that no drain hides (None: zero)."""
+    preferred: tuple[StageChoice, ...] | None = None
+    """A partition that wins ties: the solver takes it as its first incumbent (when it fits), so another partition
+    replaces it only with a strictly smaller objective."""
 
     @property
     def has_tail(self) -> bool:
@@ -286,6 +290,8 @@ def solve_partition(problem: PartitionProblem, *, upper_bound: float = math.inf)
     if not np.isfinite(h[0, 0]).all():
         return None
     search = _LabelSearch(problem, upper_bound)
+    if problem.preferred is not None:
+        search.offer(evaluate(problem, problem.preferred)[0], list(problem.preferred))
     seed = _bottleneck_partition(problem, masks)
     if seed is not None:
         search.offer(evaluate(problem, seed)[0], seed)

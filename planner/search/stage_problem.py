@@ -17,9 +17,11 @@ strategy (`tests/test_search_bruteforce.py` checks it on every instance):
   it (`pipeline.drain_slack`: the backward and sends of the stages before it), plus the largest optimizer step
   and the largest post-step gather.
 
-For the interleaved schedule the chain is split into p*v chunks by `costmodel.rank_layout.even_stages` (the
-partition Megatron-LM uses), and the problem's units are the pipeline ranks: each rank picks its recomputation,
-and ``T = S / v + (m - 1/v) max_k D_k`` plus the same tails (D_k: the rank's chunks, sends included).
+For the interleaved schedule the chain is cut into p*v chunks that hold q or q+1 units (the embedding, each block
+and the head; `planner.search.interleaved_layout`), and the problem's units are the pipeline ranks: each rank picks
+how many of its chunks are the larger ones, whether its lead chunk is, and its recomputation, and
+``T = S / v + (m - 1/v) max_k D_k`` plus the same tails (D_k: the rank's chunks, sends included;
+`planner.search.interleaved_problem`).
 
 Stage terms depend on the stage's position (first / middle / last / only: who sends and receives) and on the
 device and speed of its ranks; each distinct combination is one profile of the `PartitionProblem`. Stages with
@@ -41,13 +43,12 @@ from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import CommGroup, spans
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
-from costmodel.memory import PricedSegment, rank_memory
-from costmodel.pipeline import in_flight_per_chunk
+from costmodel.memory import PricedSegment, rank_memory, saved_bytes
+from costmodel.pipeline import in_flight_per_chunk, stage_rank, zero_bubble_fill
 from costmodel.rank_layout import (
     busy_fraction,
     device_map,
     dp_group,
-    even_stages,
     p2p_group,
     shared_weight_group,
     tp_group,
@@ -57,9 +58,11 @@ from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strateg
 from ir.layer_chain import LayerChain
 from planner.search.candidates import Candidate
 from planner.search.chain_structure import ChainStructure
+from planner.search.interleaved_layout import ChainUnits, InterleavedLayout, RankChoice
+from planner.search.interleaved_problem import ChoiceTerms, decode, interleaved_problem, step_objective
 from planner.search.layer_costs import AxisSplit, LayerCostTable
 from planner.search.meshes import MeshCandidate
-from planner.search.stage_partition import Partition, PartitionProblem, StageKind, stage_kind
+from planner.search.stage_partition import Partition, PartitionProblem, StageKind, solve_partition, stage_kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,17 +81,15 @@ class StageProblem:
     candidate: Candidate
     problem: PartitionProblem
     placements: tuple[RankPlacement, ...]
-    chunks: tuple[StageSpec, ...] = ()
-    """Interleaved only: the fixed p*v chunks (the DP then picks one recomputation per rank)."""
+    layout: InterleavedLayout | None = None
+    """Interleaved only: the chunk layouts the DP picks from (one per rank, with its recomputation)."""
     pruned: bool = False
     """Whether stages were left out by the upper bound (then "nothing fits" does not mean out of memory)."""
 
     def stages(self, partition: Partition) -> tuple[StageSpec, ...]:
-        if not self.chunks:
+        if self.layout is None:
             return tuple(StageSpec(s.start, s.stop, Recompute(s.option)) for s in partition.stages)
-        pp = self.candidate.mesh.pp
-        rc = [Recompute(s.option) for s in partition.stages]
-        return tuple(StageSpec(c.start, c.stop, rc[j % pp]) for j, c in enumerate(self.chunks))
+        return decode(self.layout, partition)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,8 @@ class _Terms:
     fwd: tuple[float, ...]
     """Per chunk: forward seconds (compute / speed + TP + ZeRO-3 gathers)."""
     bwd: tuple[float, ...]
+    wgrad: tuple[float, ...]
+    """Per chunk: of `bwd`, the weight-gradient seconds (the zero-bubble schedules' W)."""
     tail: float
     """Exposed end-of-step gradient reduction + TP gradient sync, before the drain hides part of it."""
     tail_const: float
@@ -120,6 +123,9 @@ class _Terms:
     """Peak bytes with no micro-batch in flight (`rank_memory` with in_flight 0 / the schedule's counts)."""
     memory1: float
     """Peak bytes with one micro-batch in flight per chunk (contiguous stages only)."""
+    chunk_act: tuple[float, ...] = ()
+    """Per chunk: the activation bytes one micro-batch saves there; peak memory is memory0 + sum_c n_c chunk_act[c]
+    for in-flight counts n_c (`memory.rank_memory` is affine in them)."""
 
 
 @dataclass
@@ -139,6 +145,10 @@ class StageProblemBuilder:
     _strategies: dict[tuple, Strategy] = field(default_factory=dict, repr=False)
     _p2p_sig: dict[tuple, tuple] = field(default_factory=dict, repr=False)
     _framework: dict[str, FrameworkCosts] = field(default_factory=dict, repr=False)
+    _layouts: dict[tuple[int, int, Schedule], InterleavedLayout | None] = field(default_factory=dict, repr=False)
+    _units: ChainUnits | None = field(default=None, repr=False)
+    _chunk_cache: dict[tuple, dict] = field(default_factory=dict, repr=False)
+    """`costmodel.estimate.rank_step_terms`' chunk terms per rank signature (a rank's chunks repeat)."""
     _dp_comm_cache: dict[tuple, DataParallelComm] = field(default_factory=dict, repr=False)
     """`step_time.data_parallel_comm` results by what they depend on (the group through `collectives.spans`)."""
 
@@ -224,7 +234,9 @@ class StageProblemBuilder:
         m = cand.mesh
         setting = RankSetting(ctx.index, ctx.device, ctx.speed, self.framework(ctx.device))
         times, tail = rank_step_terms(chunks, shared, self.strategy_of(cand), setting, self.cluster, self.dtype,
-                                      dp_comm=self._dp_comm)
+                                      dp_comm=self._dp_comm,
+                                      chunk_cache=self._chunk_cache.setdefault((ctx.signature, cand.num_microbatches,
+                                                                                cand.schedule), {}))
         exposed = tail.exposed_end_reduce()
         dp = m.dp * m.cp
 
@@ -233,20 +245,25 @@ class StageProblemBuilder:
                                device_name=ctx.device.name, extra_params=shared, ep=m.ep,
                                reshard_after_forward=cand.runtime.reshard_after_forward).total
 
-        if in_flight is None:   # contiguous: affine in the stage's in-flight count
-            mem0, mem1 = memory([0]), memory([1])
+        if in_flight is None:   # affine in the in-flight counts of the chunks
+            mem0 = memory([0] * len(chunks))
+            mem1 = memory([1]) if len(chunks) == 1 else mem0  # the contiguous problem's slope
         else:
             mem0 = mem1 = memory(in_flight)
-        return _Terms(tuple(t.fwd_s for t in times), tuple(t.bwd_s for t in times), exposed + tail.tp_grad_sync_s,
-                      tail.shared_sync_s, tail.optimizer_s, tail.post_step_s, mem0, mem1)
+        act = tuple(float(sum(saved_bytes(s.cost, s.recompute) for s in chunk)) for chunk in chunks)
+        return _Terms(tuple(t.fwd_s for t in times), tuple(t.bwd_s for t in times), tuple(t.wgrad_s for t in times),
+                      exposed + tail.tp_grad_sync_s,
+                      tail.shared_sync_s, tail.optimizer_s, tail.post_step_s, mem0, mem1, act)
 
     def _p2p(self, cand: Candidate, boundary: int, nbytes: float) -> float:
         """`costmodel.estimate.p2p_time`, cached by what the send depends on."""
         if cand.mesh.pp == 1 or nbytes <= 0:
             return 0.0
         m = cand.mesh
-        # The pair of a boundary depends on the mesh and on the boundary's rank (j % pp, or the wrap-around).
-        position = boundary % m.pp if (boundary + 1) % m.pp else -1
+        # The pair of a boundary depends on the mesh and on the ranks of its two stages.
+        position = (stage_rank(cand.schedule, m.pp, boundary), stage_rank(cand.schedule, m.pp, boundary + 1))
+        if position[0] == position[1]:  # the tip of a V: both stages on one rank
+            return 0.0
         sig_key = (m, position)
         sig = self._p2p_sig.get(sig_key)
         if sig is None:
@@ -256,13 +273,23 @@ class StageProblemBuilder:
             self._p2p_cache[key] = p2p_time(self.strategy_of(cand), boundary, nbytes, self.cluster)
         return self._p2p_cache[key]
 
-    def interleaved_p2p(self, cand: Candidate, chunks: Sequence[StageSpec],
-                        placements: Sequence[RankPlacement]) -> list[float]:
-        """Send seconds of each boundary between the fixed interleaved chunks."""
-        p = cand.mesh.pp
+    def layout(self, cand: Candidate) -> InterleavedLayout | None:
+        """The interleaved chunk layouts of the candidate's p and v (cached; None: the chain has none)."""
+        key = (cand.mesh.pp, cand.virtual_stages, cand.schedule)
+        if key not in self._layouts:
+            self._units = self._units or ChainUnits.of(self.chain)
+            self._layouts[key] = InterleavedLayout.of(self.chain, *key[:2], units=self._units, schedule=key[2])
+        return self._layouts[key]
+
+    def interleaved_sends(self, cand: Candidate, layout: InterleavedLayout,
+                          placements: Sequence[RankPlacement]) -> list[float]:
+        """Send seconds of each boundary between interleaved chunks, by position: each carries the output of a
+        block (unit layouts) or of the fixed chunk's last segment, priced on the sending rank's device."""
+        p, n = cand.mesh.pp, cand.mesh.pp * cand.virtual_stages
         costs = {pl.device.name: self.segment_costs(cand, pl.device) for pl in placements}
-        return [self._p2p(cand, j, costs[placements[j % p].device.name][chunks[j].stop - 1].boundary_bytes)
-                for j in range(len(chunks) - 1)]
+        last = ([c.stop - 1 for c in layout.fixed] if layout.fixed else [layout.pre] * n)
+        return [self._p2p(cand, j, costs[placements[stage_rank(cand.schedule, p, j)].device.name][last[j]]
+                          .boundary_bytes) for j in range(n - 1)]
 
     # -- problems --------------------------------------------------------------------------------------------
     def build(self, cand: Candidate, options: Sequence[Recompute], upper_bound: float = math.inf
@@ -274,7 +301,9 @@ class StageProblemBuilder:
         placements = self.placements(cand)
         if placements is None:
             return None
-        if cand.schedule is Schedule.INTERLEAVED:
+        if cand.schedule.zero_bubble:  # no recomputation with a split backward (`pipeline.recompute_problem`)
+            options = tuple(o for o in options if o is Recompute.NONE) or (Recompute.NONE,)
+        if cand.schedule.chunked and (cand.virtual_stages > 1 or cand.schedule is Schedule.INTERLEAVED):
             return self._build_interleaved(cand, options, placements)
         return self._build_contiguous(cand, options, placements, upper_bound)
 
@@ -296,7 +325,7 @@ class StageProblemBuilder:
                 arrays.setdefault(name, []).append(arr)
         in_flight = tuple(in_flight_per_chunk(cand.schedule, p, k, m, 1)[0] for k in range(p))
         capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
-        objective = _gpipe_objective(m) if gpipe else _one_f_one_b_objective(m, 1)
+        objective = _gpipe_objective(m) if gpipe else step_objective(cand.schedule, m, 1)
         problem = PartitionProblem(num_segments=n, num_stages=p, options=tuple(o.value for o in options),
                                    stage_profile=tuple(profile), in_flight=in_flight, capacity=capacity,
                                    objective=objective, **{name: tuple(arrs) for name, arrs in arrays.items()})
@@ -325,7 +354,7 @@ class StageProblemBuilder:
         """The `PartitionProblem` arrays of pipeline rank k's profile (every stage [a, b) it may hold, with
         every recomputation option), and whether the upper bound pruned some stages."""
         n, p, m = len(self.chain.segments), cand.mesh.pp, cand.num_microbatches
-        gpipe = cand.schedule is Schedule.GPIPE
+        gpipe, zero_bubble = cand.schedule is Schedule.GPIPE, cand.schedule.zero_bubble
         ns, nu = (2, 4) if gpipe else (1, 3)
         shape = (len(options), n + 1, n + 1)
         kind = stage_kind(k, p)
@@ -346,8 +375,10 @@ class StageProblemBuilder:
             keep = _stage_shape_mask(kind, aa, bb, n, p)
             if math.isfinite(upper_bound):
                 # A stage's f + b is at least its compute and TP communication, and the bottleneck stage
-                # costs (m - 1) times that on top of the total: stages that alone reach the bound are useless.
-                useful = total + (m - 1) * (prefix[bb] - prefix[aa]) < upper_bound
+                # costs (m - 1) times that on top of the total (m times it, with a zero-bubble schedule's fill
+                # and drain, which can be less than the total): stages that alone reach the bound are useless.
+                least = m * (prefix[bb] - prefix[aa])
+                useful = (least if zero_bubble else total + least - (prefix[bb] - prefix[aa])) < upper_bound
                 pruned = pruned or bool((keep & ~useful).any())
                 keep &= useful
             if not keep.any():
@@ -357,19 +388,14 @@ class StageProblemBuilder:
                 t = self._composition_terms(cand, ctx, costs, rc, comp, a0, b0)
                 fwd = t.fwd[0] + recv[aa]        # the send into this stage delays its forward
                 bwd = t.bwd[0] + send[bb]        # the gradient coming back delays its backward
-                if gpipe:
-                    additive[r, aa, bb, 0], additive[r, aa, bb, 1] = fwd, bwd
-                    bottleneck[r, aa, bb, 0], bottleneck[r, aa, bb, 1] = fwd, bwd
-                    bottleneck[r, aa, bb, 2], bottleneck[r, aa, bb, 3] = t.post, t.optimizer
-                else:
-                    additive[r, aa, bb, 0] = fwd + bwd
-                    bottleneck[r, aa, bb, 0] = fwd + bwd
-                    bottleneck[r, aa, bb, 1], bottleneck[r, aa, bb, 2] = t.post, t.optimizer
+                s, u = _pipeline_terms(cand.schedule, m, fwd, bwd, t)
+                additive[r, aa, bb], bottleneck[r, aa, bb] = s, u
                 memory_base[r, aa, bb] = t.memory0
                 per_microbatch[r, aa, bb] = t.memory1 - t.memory0
                 tail[r, aa, bb] = t.tail
                 tail_const[r, aa, bb] = t.tail_const
-                drain[r, aa, bb] = t.bwd[0] + send[bb]   # drain behind it: its backward and the send
+                # The drain behind it: its backward and the send (none: W fills it, `pipeline.drain_slack`).
+                drain[r, aa, bb] = 0.0 if zero_bubble else t.bwd[0] + send[bb]
         return {"additive": additive, "bottleneck": bottleneck, "memory_base": memory_base,
                 "memory_per_microbatch": per_microbatch, "tail": tail, "tail_const": tail_const,
                 "drain": drain}, pruned
@@ -387,48 +413,55 @@ class StageProblemBuilder:
         return t
 
     def _build_interleaved(self, cand: Candidate, options: Sequence[Recompute],
-                           placements: tuple[RankPlacement, ...]) -> StageProblem:
-        p, v, m = cand.mesh.pp, cand.virtual_stages, cand.num_microbatches
-        chunks = even_stages(self.chain, p * v)
-        nchunks = len(chunks)
-        shape = (len(options), p + 1, p + 1)
-        additive, bottleneck = np.zeros(shape + (1,)), np.zeros(shape + (3,))
-        memory_base, per_microbatch, tail, tail_const, drain = (np.zeros(shape) for _ in range(5))
+                           placements: tuple[RankPlacement, ...]) -> StageProblem | None:
+        p, m = cand.mesh.pp, cand.num_microbatches
+        layout = self.layout(cand)
+        if layout is None:
+            return None
+        # Tied weights sit on the embedding's and the head's ranks whatever the layout (interleaved_layout).
+        copies = self.structure.shared_copies(layout.example_stages(), p, cand.schedule)
+        shared = [-(-x // cand.mesh.tp) for x in copies]
+        contexts = [self._context(cand, k, pl) for k, pl in enumerate(placements)]
         costs_of = {pl.device.name: self.segment_costs(cand, pl.device) for pl in placements}
-        shared = [-(-x // cand.mesh.tp) for x in self.structure.shared_copies(chunks, p)]
-        p2p = self.interleaved_p2p(cand, chunks, placements)
-        for k, pl in enumerate(placements):
-            ctx = self._context(cand, k, pl)
-            costs = costs_of[pl.device.name]
-            mine = list(range(k, nchunks, p))
-            counts = in_flight_per_chunk(cand.schedule, p, k, m, v)
-            layout = tuple(tuple(self.chain.segments[i].class_id for i in range(chunks[j].start, chunks[j].stop))
-                           for j in mine)
-            for r, rc in enumerate(options):
-                cache_key = (ctx.signature, rc, layout, shared[k], counts)
-                t = self._terms.get(cache_key)
-                if t is None:
-                    segs = [[PricedSegment(costs[i], rc) for i in range(chunks[j].start, chunks[j].stop)]
-                            for j in mine]
-                    t = self._terms[cache_key] = self._rank_terms(cand, ctx, segs, shared[k], counts)
-                work = 0.0
-                for j, f, b in zip(mine, t.fwd, t.bwd, strict=True):
-                    work += f + b + (p2p[j - 1] if j > 0 else 0.0) + (p2p[j] if j < nchunks - 1 else 0.0)
-                additive[r, k, k + 1, 0] = work
-                bottleneck[r, k, k + 1] = (work, t.post, t.optimizer)
-                memory_base[r, k, k + 1] = t.memory0
-                tail[r, k, k + 1] = t.tail
-                tail_const[r, k, k + 1] = t.tail_const
-                # The drain behind rank k+1 runs through virtual stage k (this rank's first chunk) and its send.
-                drain[r, k, k + 1] = t.bwd[0] + (p2p[k] if k < nchunks - 1 else 0.0)
+        counts = [in_flight_per_chunk(cand.schedule, p, k, m, cand.virtual_stages) for k in range(p)]
+
+        def price(k: int, choice: RankChoice, rc: Recompute) -> ChoiceTerms:
+            ctx, costs = contexts[k], costs_of[placements[k].device.name]
+            layout_key = tuple(tuple(self.chain.segments[i].class_id for i in chunk) for chunk in choice.chunks)
+            # Ranks with the same signature and chunks share their terms; only memory depends on the in-flight
+            # counts, and affinely.
+            cache_key = (ctx.signature, rc, layout_key, shared[k])
+            t = self._terms.get(cache_key)
+            if t is None:
+                segs = [[PricedSegment(costs[i], rc) for i in chunk] for chunk in choice.chunks]
+                t = self._terms[cache_key] = self._rank_terms(cand, ctx, segs, shared[k], None)
+            memory = t.memory0 + sum(n * a for n, a in zip(counts[k], t.chunk_act, strict=True))
+            return ChoiceTerms(t.fwd, t.bwd, t.wgrad, t.tail, t.tail_const, t.optimizer, t.post, memory)
+
+        sends = self.interleaved_sends(cand, layout, placements)
         capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
-        # The units are the pipeline ranks, one profile; memory is all in `memory_base` (no micro-batch count).
-        problem = PartitionProblem(num_segments=p, num_stages=p, options=tuple(o.value for o in options),
-                                   additive=(additive,), bottleneck=(bottleneck,), memory_base=(memory_base,),
-                                   memory_per_microbatch=(per_microbatch,), stage_profile=(0,) * p,
-                                   in_flight=(0,) * p, capacity=capacity, objective=_one_f_one_b_objective(m, v),
-                                   tail=(tail,), drain=(drain,), tail_const=(tail_const,))
-        return StageProblem(cand, problem, placements, chunks)
+        # Ties go to the even split (what an estimate without stages prices): its best recomputation first.
+        even, preferred = layout.even_picks(), None
+        if even is not None:
+            best = solve_partition(interleaved_problem(layout, options, price, sends, capacity, m, only=even))
+            preferred = best.stages if best is not None else None
+        problem = interleaved_problem(layout, options, price, sends, capacity, m, preferred=preferred)
+        return StageProblem(cand, problem, placements, layout=layout)
+
+
+def _pipeline_terms(schedule: Schedule, m: int, fwd: np.ndarray, bwd: np.ndarray, t: _Terms
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(additive, bottleneck) columns of contiguous stages with these forward / backward seconds (sends
+    included): GPipe (F, B | F, B, post, opt); 1F1B (F + B | F + B, post, opt); a zero-bubble schedule with one
+    chunk (E_r | m D_r - E_r, post, opt; `pipeline.zero_bubble_fill`)."""
+    post, opt = np.full_like(fwd, t.post), np.full_like(fwd, t.optimizer)
+    if schedule is Schedule.GPIPE:
+        return np.stack([fwd, bwd], axis=-1), np.stack([fwd, bwd, post, opt], axis=-1)
+    if schedule.zero_bubble:
+        fill = np.array([zero_bubble_fill(schedule, x, y - t.wgrad[0], t.wgrad[0]) for x, y in zip(fwd, bwd,
+                                                                                                     strict=True)])
+        return fill[:, None], np.stack([m * (fwd + bwd) - fill, post, opt], axis=-1)
+    return (fwd + bwd)[:, None], np.stack([fwd + bwd, post, opt], axis=-1)
 
 
 def segment_work(costs: Sequence[LayerCost], speed: float, tp_overlap_chunks: int = 0) -> np.ndarray:
@@ -457,13 +490,6 @@ def _stage_shape_mask(kind: StageKind, aa: np.ndarray, bb: np.ndarray, n: int, p
     if kind in (StageKind.FIRST, StageKind.MIDDLE):
         keep &= bb <= n - 1
     return keep
-
-
-def _one_f_one_b_objective(m: int, v: int):
-    """T = S / v + (m - 1/v) U_pipe + U_post + U_opt + tail (`pipeline._steady_formula` plus the step's tails)."""
-    def phi(s, u):
-        return s[0] / v + (m - 1 / v) * u[0] + u[1] + u[2] + u[3]
-    return phi
 
 
 def _gpipe_objective(m: int):

@@ -17,7 +17,8 @@ are in planner/trainers/data/megatron_lm_arguments.json). What maps to what:
     tp_overlap           --tp-comm-overlap (needs sequence parallelism)
     dtype                --bf16 / --fp16
 
-Megatron-LM has no GPipe schedule and no per-op recomputation; those export as 1F1B and selective with a warning.
+Megatron-LM has no GPipe schedule, no zero-bubble schedule and no per-op recomputation; those export as 1F1B,
+(interleaved) 1F1B over the same stages and selective, each with a warning.
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ def _pipeline_arguments(cfg: TrainerConfig, num_layers: int, notes: Notes) -> li
     if cfg.schedule is Schedule.GPIPE:
         notes.add("Megatron-LM has no GPipe schedule; exported as 1F1B (the same bubble, fewer micro-batches in "
                   "flight, so less activation memory than planned)")
+    if cfg.schedule.zero_bubble:
+        placed = "a looped placement instead of the V, " if cfg.schedule.v_shape else ""
+        notes.add(f"Megatron-LM has no {cfg.schedule.value} schedule; exported as "
+                  f"{'interleaved 1F1B' if cfg.virtual_stages > 1 else '1F1B'} with {placed}the same stages "
+                  f"(the weight gradients do not fill the bubbles: slower than planned)")
     blocks = cfg.stage_blocks or even_shares(num_layers, cfg.pp * cfg.virtual_stages)
     equal = len(set(blocks)) == 1
     if cfg.virtual_stages > 1:

@@ -10,7 +10,9 @@ command-line overrides. What maps to what:
     ZeRO-3 resharding     fsdp_reshard_after_forward = "always" / "never"
     tp, pp, cp, ep        tensor_/pipeline_/context_/expert_parallel_degree (sequence parallelism is always on with
                           tp in torchtitan 0.2)
-    schedule              pipeline_parallel_schedule = "1F1B" / "GPipe" / "Interleaved1F1B"
+    schedule              pipeline_parallel_schedule = "1F1B" / "GPipe" / "Interleaved1F1B" /
+                          "InterleavedZeroBubble" / "ZBVZeroBubble" / "DualPipeV" (torch's own schedule classes;
+                          torchtitan places the two stages of the V-shaped ones on a rank itself)
     stages                module_fqns_per_model_part (torchtitan's decoder FQNs: tok_embeddings, layers.N, norm,
                           output), always written when pp > 1 so that the cut is exact
     batch                 training.local_batch_size (per data-parallel rank; with pp, micro-batch *
@@ -31,9 +33,10 @@ from costmodel.strategy import Recompute, RuntimeOptions, Schedule
 from planner.errors import UserError
 from planner.trainers.common import ModelShape, Notes, Trainer, TrainerConfig
 
-_SCHEDULES = {Schedule.ONE_F_ONE_B: "1F1B", Schedule.GPIPE: "GPipe", Schedule.INTERLEAVED: "Interleaved1F1B"}
-_APPROXIMATED = {"LoopedBFS": "Interleaved1F1B", "InterleavedZeroBubble": "Interleaved1F1B",
-                 "ZBVZeroBubble": "Interleaved1F1B", "DualPipeV": "Interleaved1F1B"}
+_SCHEDULES = {Schedule.ONE_F_ONE_B: "1F1B", Schedule.GPIPE: "GPipe", Schedule.INTERLEAVED: "Interleaved1F1B",
+              Schedule.INTERLEAVED_ZB: "InterleavedZeroBubble", Schedule.ZBV: "ZBVZeroBubble",
+              Schedule.DUALPIPEV: "DualPipeV"}
+_APPROXIMATED = {"LoopedBFS": "Interleaved1F1B"}
 TORCHTITAN_MODELS = {"llama3-8b": ("llama3", "8B"), "llama3-70b": ("llama3", "70B"), "llama3-405b": ("llama3", "405B")}
 """Zoo presets that are torchtitan's own model flavors (torchtitan/models/llama3/__init__.py)."""
 
@@ -171,8 +174,8 @@ def _read_pipeline(par: Mapping[str, Any], pp: int, source: str,
         return Schedule.ONE_F_ONE_B, 1, None
     name = str(par.get("pipeline_parallel_schedule", "1F1B"))
     if name in _APPROXIMATED:
-        notes.add(f"pipeline schedule {name} priced as {_APPROXIMATED[name]} (stratagem prices 1F1B, GPipe and "
-                  f"interleaved 1F1B)")
+        notes.add(f"pipeline schedule {name} priced as {_APPROXIMATED[name]} (stratagem prices "
+                  f"{', '.join(_SCHEDULES.values())})")
         name = _APPROXIMATED[name]
     by_name = {v: k for k, v in _SCHEDULES.items()}
     if name not in by_name:
@@ -186,11 +189,15 @@ def _read_pipeline(par: Mapping[str, Any], pp: int, source: str,
             raise UserError(f"{source}: {len(blocks)} model parts for pipeline_parallel_degree {pp}")
         virtual = len(blocks) // pp
     else:
-        blocks, virtual = None, 2 if schedule is Schedule.INTERLEAVED else 1
+        blocks, virtual = None, 2 if schedule.chunked and schedule is not Schedule.INTERLEAVED_ZB else 1
         notes.add("no module_fqns_per_model_part: priced with an even split of the layers (torchtitan weighs the "
                   "embedding and the output as one layer each)")
-    if schedule is not Schedule.INTERLEAVED and virtual != 1:
+    if not schedule.chunked and virtual != 1:
         raise UserError(f"{source}: {name} runs one stage per rank, the config has {virtual}")
+    if schedule.v_shape and virtual != 2:
+        raise UserError(f"{source}: {name} runs two stages per rank (a V), the config has {virtual}")
+    if schedule is Schedule.INTERLEAVED and virtual < 2:
+        raise UserError(f"{source}: {name} needs at least two stages per rank, the config has {virtual}")
     return schedule, virtual, blocks
 
 

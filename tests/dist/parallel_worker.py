@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from costmodel.breakdown import Estimate, TimeBreakdown
-from costmodel.strategy import Recompute, StageSpec, Strategy
+from costmodel.strategy import Recompute, RuntimeOptions, StageSpec, Strategy
 from models import gpt, llama, moe
 from models.synthetic import normal, token_ids
 from planner.runtime.parallelize import count_trainable_params, parallelize
@@ -138,6 +138,20 @@ CONFIGS: dict[str, Config] = {
                                              schedule="interleaved")),
     "pp2_interleaved_m1": Config("gpt", dict(pp=2, virtual_stages=2, microbatch_size=4, num_microbatches=1,
                                              schedule="interleaved")),
+    # uneven virtual stages: 5 blocks + the embedding + the head in 4 chunks, the embedding alone in the first
+    "pp2_interleaved_uneven": Config("gpt", dict(pp=2, virtual_stages=2, microbatch_size=2, num_microbatches=4,
+                                                 schedule="interleaved"), settings=dict(layers=5),
+                                     first_blocks=(0, 2, 4), stage_recompute=(Recompute.NONE, Recompute.FULL) * 2),
+    # zero-bubble schedules: the backward split into input and weight gradients (torch's own schedules)
+    "pp2_zb": Config("gpt", dict(pp=2, microbatch_size=2, num_microbatches=4, schedule="interleaved-zb")),
+    "pp2_interleaved_zb": Config("gpt", dict(pp=2, virtual_stages=2, microbatch_size=2, num_microbatches=4,
+                                             schedule="interleaved-zb"), settings=dict(layers=5),
+                                 first_blocks=(0, 2, 4)),
+    "pp2_zbv": Config("gpt", dict(pp=2, virtual_stages=2, microbatch_size=1, num_microbatches=4, schedule="zbv")),
+    "pp2_zbv_untied": Config("gpt", dict(pp=2, virtual_stages=2, microbatch_size=1, num_microbatches=4,
+                                         schedule="zbv"), settings=dict(tie_embeddings=False)),
+    "pp2_dualpipev": Config("gpt", dict(pp=2, virtual_stages=2, microbatch_size=1, num_microbatches=8,
+                                        schedule="dualpipev"), first_blocks=(1, 2, 3)),
     "user_pp2": Config("user", dict(pp=2, microbatch_size=2, num_microbatches=4)),
     "user_dp2_recompute": Config("user", dict(dp=2, microbatch_size=2, num_microbatches=2, recompute="full")),
     "pp2_llama_uneven": Config("llama", dict(pp=2, microbatch_size=2, num_microbatches=4), first_blocks=(1,)),
@@ -171,6 +185,21 @@ CONFIGS: dict[str, Config] = {
     "user_pp2_fsdp2": Config("user", dict(pp=2, dp=2, microbatch_size=1, num_microbatches=4, zero_stage=3)),
     "pp2_interleaved_dp2": Config("llama", dict(pp=2, dp=2, virtual_stages=2, microbatch_size=1,
                                                 num_microbatches=4, schedule="interleaved")),
+    "pp2_zbv_fsdp2": Config("llama", dict(pp=2, dp=2, virtual_stages=2, microbatch_size=1, num_microbatches=4,
+                                               schedule="zbv", zero_stage=3,
+                                               runtime=RuntimeOptions(reshard_after_forward=False))),
+    "pp2_zbv_dp2": Config("llama", dict(pp=2, dp=2, virtual_stages=2, microbatch_size=1, num_microbatches=4,
+                                        schedule="zbv")),
+    "pp2_zb_zero1": Config("gpt", dict(pp=2, dp=2, microbatch_size=1, num_microbatches=4, schedule="interleaved-zb",
+                                       zero_stage=1)),
+    "pp2_zb_zero2": Config("gpt", dict(pp=2, dp=2, microbatch_size=1, num_microbatches=4, schedule="interleaved-zb",
+                                       zero_stage=2)),
+    "pp2_dualpipev_tp2": Config("llama", dict(pp=2, tp=2, virtual_stages=2, microbatch_size=2, num_microbatches=4,
+                                              schedule="dualpipev"), TP_LLAMA),
+    # uneven virtual stages under ZeRO-1: 3 blocks + the embedding + the head in 4 chunks, the head with a block
+    "pp2_interleaved_uneven_zero1": Config("llama", dict(pp=2, dp=2, virtual_stages=2, microbatch_size=1,
+                                                         num_microbatches=4, schedule="interleaved", zero_stage=1),
+                                           settings=dict(layers=3), first_blocks=(0, 1, 2)),
     # context parallelism (seq 8 = 2*cp chunks of 2 tokens) and expert parallelism
     "cp2": Config("gpt", dict(cp=2, microbatch_size=2, num_microbatches=2)),
     "cp2_llama_recompute": Config("llama", dict(cp=2, microbatch_size=4, num_microbatches=1, recompute="full")),

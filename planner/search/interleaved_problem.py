@@ -1,0 +1,155 @@
+"""An interleaved candidate as a stage-partition problem: each pipeline rank picks its chunk layout and
+recomputation.
+
+Formulation
+-----------
+The layouts (`planner.search.interleaved_layout`): rank r holds v chunks, e_r of them one unit larger (sum_r e_r = E),
+its lead chunk larger or not, and one recomputation mode. Per choice the rank's terms come from
+`costmodel.estimate.rank_step_terms` (as for every stage, `planner.search.stage_problem`): per chunk f_c and b_c,
+the exposed end-of-step reduction, the shared-weight sync, the optimizer step, the post-step gather, and its peak
+memory `memory.rank_memory` with the schedule's in-flight count of each chunk.
+
+Sends: boundary j (chunk j -> j + 1) costs s_j, by its position only (j % p, and the wrap from rank p-1 back to
+rank 0; each carries a block's output). With chunk j = c p + r, rank r's work per micro-batch is
+
+    D_r = sum_c (f_c + b_c + s_{j-1} [j > 0] + s_j [j < p v - 1])
+
+and the step (`pipeline.pipeline_times`, `step_time.step_breakdown`) is
+
+    T = S / v + (m - 1/v) max_r D_r + max_r post_r + max_r opt_r + max_r (max(tail_r - P_r, 0) + c_r)
+
+with S = sum_r D_r and the drain P_r = sum_{k < r} (b of rank k's first chunk + s_k).
+
+As a `PartitionProblem`: the "segments" are N = p + E tokens, rank r is stage r and takes e_r + 1 of them (so the
+e_r add up to E), and its options are (recomputation, lead larger or not). Stage r's terms depend on its token
+count, not on where its tokens start; a choice that is not a layout (`InterleavedLayout.rank_units`) never fits.
+Stage r always starts at a token in r .. r + E (each earlier stage took 1 .. v + 1), so ranks r and r + E + 1 never
+read the same entries and share one profile: min(p, E + 1) profiles (one when the units divide evenly). The DP's
+optimum is then the optimum over every canonical layout and per-rank recomputation, hence over every layout (the
+layout module's docstring).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from costmodel.pipeline import chunk_stages, zero_bubble_extra, zero_bubble_fill
+from costmodel.strategy import Recompute, Schedule
+from planner.search.interleaved_layout import InterleavedLayout, RankChoice
+from planner.search.stage_partition import Partition, PartitionProblem, StageChoice
+
+LEAD_SUFFIX = "+lead"
+"""Marks the options whose lead chunk is one of the rank's larger ones."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceTerms:
+    """One rank's terms for one (layout choice, recomputation), per micro-batch and end of step."""
+
+    fwd: tuple[float, ...]
+    """Per chunk: forward seconds (before sends)."""
+    bwd: tuple[float, ...]
+    wgrad: tuple[float, ...]
+    """Per chunk: of `bwd`, the weight-gradient seconds (W of the zero-bubble schedules)."""
+    tail: float
+    tail_const: float
+    optimizer: float
+    post: float
+    memory: float
+
+
+def option_names(layout: InterleavedLayout, options: Sequence[Recompute]) -> tuple[str, ...]:
+    """The DP's options: each recomputation, with and (for unit layouts) without a larger lead chunk."""
+    return tuple(rc.value + (LEAD_SUFFIX if lead else "") for rc in options for lead in layout.lead_options)
+
+
+def decode(layout: InterleavedLayout, partition: Partition):
+    """The chunks (`StageSpec`s in chain order) of a solved problem."""
+    picks, recompute = [], []
+    for st in partition.stages:
+        lead = st.option.endswith(LEAD_SUFFIX)
+        picks.append((st.stop - st.start - 1, lead))
+        recompute.append(Recompute(st.option.removesuffix(LEAD_SUFFIX)))
+    return layout.stages(picks, recompute)
+
+
+def rank_terms(layout: InterleavedLayout, rank: int, terms: ChoiceTerms, sends: Sequence[float],
+               num_microbatches: int) -> tuple[float, float, float]:
+    """The rank's (additive, steady, extra) terms of the step (module docstring): D_r, D_r, 0 for interleaved
+    1F1B; E_r, m D_r - E_r / v, X_r / v for the zero-bubble schedules. Sends join the receiving forward and the
+    sending input gradient."""
+    schedule, p, v = layout.schedule, layout.pp, layout.virtual_stages
+    last = len(sends)
+    f = i = w = 0.0
+    for j, fc, bc, wc in zip(chunk_stages(schedule, p, v, rank), terms.fwd, terms.bwd, terms.wgrad, strict=True):
+        f += fc + (sends[j - 1] if j > 0 else 0.0)
+        i += bc - wc + (sends[j] if j < last else 0.0)
+        w += wc
+    d = f + i + w
+    if not schedule.zero_bubble:
+        return d, d, 0.0
+    e = zero_bubble_fill(schedule, f, i, w)
+    return e, num_microbatches * d - e / v, zero_bubble_extra(schedule, p, f, i) / v
+
+
+def interleaved_problem(layout: InterleavedLayout, options: Sequence[Recompute],
+                        price: Callable[[int, RankChoice, Recompute], ChoiceTerms], sends: Sequence[float],
+                        capacity: Sequence[float], num_microbatches: int, *,
+                        only: Sequence[tuple[int, bool]] | None = None,
+                        preferred: tuple[StageChoice, ...] | None = None) -> PartitionProblem:
+    """The `PartitionProblem` of the module docstring; `price(rank, choice, recompute)` gives a choice's terms,
+    `sends` one time per chunk boundary. `only`: per rank the one (extra, lead_large) it may take (the even
+    split); `preferred`: the partition that wins ties."""
+    p, extra = layout.pp, layout.extra
+    n, profiles = p + extra, min(p, extra + 1)
+    names = option_names(layout, options)
+    shape = (profiles, len(names), n + 1, n + 1)
+    zero_bubble = layout.schedule.zero_bubble
+    additive, bottleneck = np.zeros(shape + (1,)), np.zeros(shape + (4 if zero_bubble else 3,))
+    memory_base = np.full(shape, np.inf)  # a choice that is not a layout never fits
+    tail, tail_const, drain = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+    for k in range(p):
+        q = k % profiles
+        for choice in layout.choices(k):
+            if only is not None and (choice.extra, choice.lead_large) != tuple(only[k]):
+                continue
+            tokens = choice.extra + 1
+            a = np.arange(k, min(k + extra, n - tokens) + 1)
+            for r, rc in enumerate(options):
+                o = r * len(layout.lead_options) + layout.lead_options.index(choice.lead_large)
+                t = price(k, choice, rc)
+                add, steady, paired = rank_terms(layout, k, t, sends, num_microbatches)
+                additive[q, o, a, a + tokens, 0] = add
+                bottleneck[q, o, a, a + tokens] = (steady, t.post, t.optimizer, paired)[:bottleneck.shape[-1]]
+                memory_base[q, o, a, a + tokens] = t.memory
+                tail[q, o, a, a + tokens] = t.tail
+                tail_const[q, o, a, a + tokens] = t.tail_const
+                # The drain behind rank k+1 runs through virtual stage k (this rank's first chunk) and its send;
+                # the zero-bubble schedules fill it with weight gradients (`pipeline.drain_slack`).
+                drain[q, o, a, a + tokens] = 0.0 if zero_bubble else t.bwd[0] + sends[k]
+    # Memory is all in `memory_base` (the in-flight counts are in it, per chunk).
+    return PartitionProblem(num_segments=n, num_stages=p, options=names,
+                            stage_profile=tuple(k % profiles for k in range(p)), in_flight=(0,) * p,
+                            capacity=tuple(capacity), additive=tuple(additive),
+                            objective=step_objective(layout.schedule, num_microbatches, layout.virtual_stages),
+                            bottleneck=tuple(bottleneck), memory_base=tuple(memory_base),
+                            memory_per_microbatch=tuple(np.zeros(shape)), tail=tuple(tail),
+                            tail_const=tuple(tail_const), drain=tuple(drain), preferred=preferred)
+
+
+def step_objective(schedule: Schedule, num_microbatches: int, virtual_stages: int):
+    """Phi(S, U) of the step (`pipeline._steady_formula` plus the step's tails): S / v + (m - 1/v) U_pipe + U_post
+    + U_opt + tail for 1F1B and interleaved; S / v + U_pipe + U_post + U_opt [+ U_extra] + tail for the
+    zero-bubble schedules, whose U_pipe is already m D_r - E_r / v."""
+    m, v = num_microbatches, virtual_stages
+    if not Schedule(schedule).zero_bubble:
+        def phi(s, u):
+            return s[0] / v + (m - 1 / v) * u[0] + u[1] + u[2] + u[-1]
+        return phi
+
+    def phi_zero_bubble(s, u):
+        return s[0] / v + sum(u[:-1]) + u[-1]
+    return phi_zero_bubble

@@ -1,0 +1,109 @@
+"""Uneven virtual stages: the interleaved chunk layouts (embedding and loss counted as layers), their closed-form
+step time against the event simulation, and the search on a 126-layer model as Llama 3 405B was trained."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from test_pipeline import simulate
+from test_search_bruteforce import chain_of
+
+from costmodel.hardware.cluster import Cluster
+from costmodel.pipeline import pipeline_step_time
+from costmodel.rank_layout import even_stages
+from costmodel.strategy import Recompute, Schedule
+from planner.search.branch_and_bound import search
+from planner.search.interleaved_layout import ChainUnits, InterleavedLayout
+from planner.search.space import SearchSpace
+
+GPT_7 = ("layers=7", "hidden=256", "heads=8", "vocab=1000", "seq=128")
+LLAMA_126 = ("layers=126", "hidden=256", "heads=8", "kv_heads=8", "vocab=1000", "seq=128")
+
+
+def test_units_of_a_transformer_chain() -> None:
+    units = ChainUnits.of(chain_of("gpt", GPT_7))
+    assert (units.pre, units.blocks, units.post, units.num_segments) == (1, 7, 1, 9)
+    layout = InterleavedLayout.of(chain_of("gpt", GPT_7), 2, 3, units)
+    # 9 units in 6 chunks: q = 1, E = 3 chunks of 2.
+    assert (layout.num_units, layout.small, layout.extra) == (9, 1, 3)
+
+
+def test_llama3_405b_layout_puts_the_embedding_and_the_head_alone() -> None:
+    layout = InterleavedLayout(pp=16, virtual_stages=8, num_segments=128, pre=1, blocks=126, post=1)
+    assert (layout.small, layout.extra) == (1, 0)
+    stages = layout.example_stages()
+    assert len(stages) == 128 and all(s.num_segments == 1 for s in stages)
+    # pp=8, v=8: 64 chunks of 2 units -- the embedding with a block, the head with a block.
+    layout = InterleavedLayout(pp=8, virtual_stages=8, num_segments=128, pre=1, blocks=126, post=1)
+    stages = layout.example_stages()
+    assert (layout.small, layout.extra) == (2, 0)
+    assert stages[0].num_segments == stages[-1].num_segments == 2 and stages[1].num_segments == 2
+
+
+def test_every_layout_has_a_canonical_one_with_the_same_rank_sizes() -> None:
+    """Each of the C(pv, E) choices of larger chunks maps to a per-rank (extra, lead) of the space with the same
+    multiset of chunk sizes and the same lead chunk on every rank."""
+    layout = InterleavedLayout.of(chain_of("gpt", GPT_7), 2, 3)
+    p, v, q = 2, 3, layout.small
+    for larger in itertools.combinations(range(p * v), layout.extra):
+        units = [q + (j in larger) for j in range(p * v)]
+        for r in range(p):
+            mine = units[r::p]
+            lead = layout.lead_chunk(r)
+            sizes = layout.rank_units(r, sum(u > q for u in mine), mine[lead] > q)
+            assert sizes is not None and sorted(sizes) == sorted(mine) and sizes[lead] == mine[lead]
+
+
+def test_even_split_is_in_the_space_when_the_blocks_divide() -> None:
+    chain = chain_of("gpt", ("layers=8", "hidden=256", "heads=8", "vocab=1000", "seq=128"))
+    layout = InterleavedLayout.of(chain, 2, 2)
+    picks = layout.even_picks()
+    assert picks == ((1, True), (1, True))
+    assert layout.stages(picks, [Recompute.NONE] * 2) == even_stages(chain, 4)
+
+
+def test_a_chain_without_one_run_of_blocks_keeps_fixed_chunks() -> None:
+    chain = chain_of("t5", ("layers=2", "hidden=128", "heads=4", "vocab=500", "seq=32"))
+    units = ChainUnits.of(chain)
+    assert units.blocks == 0
+    layout = InterleavedLayout.of(chain, 2, 2, units)
+    if layout is not None:
+        assert layout.fixed == even_stages(chain, 4) and layout.extra == 0
+
+
+def test_uneven_interleaved_closed_form_against_the_simulation() -> None:
+    """Chunks of q or q+1 identical blocks, the embedding (5% of a block) and the head (66%, the Llama 3 405B
+    ratio) counted as units: the closed form of `costmodel.pipeline` is within 2% of the event simulation for
+    Llama 3 405B's layouts and within 20% for random ones (chunks of 1 and 2 units differ 2x)."""
+    def times(units: list[int]) -> tuple[list[float], list[float]]:
+        n = len(units)
+        work = [u - (j == 0) - (j == n - 1) + 0.05 * (j == 0) + 0.66 * (j == n - 1) for j, u in enumerate(units)]
+        return work, [2 * w for w in work]
+
+    for p, v, q, m in ((16, 8, 1, 16), (8, 8, 2, 16), (16, 4, 2, 32)):
+        f, b = times([q] * (p * v))
+        sim = simulate(f, b, "interleaved", m, v)
+        assert pipeline_step_time(f, b, "interleaved", m, v) == pytest.approx(sim, rel=0.02)
+    rng = random.Random(1)
+    for _ in range(100):
+        p, v, q = rng.choice([2, 4, 8]), rng.randint(2, 4), rng.randint(1, 3)
+        m = p * rng.randint(1, 3)
+        larger = set(rng.sample(range(p * v), rng.randint(0, p * v - 1)))
+        f, b = times([q + (j in larger) for j in range(p * v)])
+        sim = simulate(f, b, "interleaved", m, v)
+        assert pipeline_step_time(f, b, "interleaved", m, v) == pytest.approx(sim, rel=0.20)
+
+
+def test_search_interleaves_126_layers_on_pp8_v8() -> None:
+    """`--fix pp=8 --fix schedule=interleaved:8` on a 126-layer model: 128 units in 64 chunks of 2, the embedding
+    and the head each with one block (no strategy matched when the blocks had to divide into p*v chunks)."""
+    chain = chain_of("llama", LLAMA_126)
+    space = SearchSpace(pp=8, schedule=Schedule.INTERLEAVED, virtual_stages=8, tp=1, microbatch_size=1,
+                        zero_stage=1, recompute=Recompute.NONE)
+    result = search(chain, Cluster.parse("8x8xh100-sxm"), global_batch=64, space=space)
+    s = result.best.strategy
+    assert (s.pp, s.virtual_stages, s.schedule) == (8, 8, Schedule.INTERLEAVED)
+    assert len(s.stages) == 64 and {st.num_segments for st in s.stages} == {2}
+    assert result.best.estimate.fits and result.status == "optimal"
