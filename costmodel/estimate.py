@@ -82,13 +82,24 @@ def param_tensor_kinds(strategy: Strategy, costs: Iterable[LayerCost]) -> tuple[
 
 
 def p2p_time(strategy: Strategy, boundary: int, nbytes: float, cluster: Cluster) -> float:
-    """Seconds to send `nbytes` (per device) across virtual-stage boundary `boundary`; all tp*cp*dp pairs of the
-    two stages send at once (`concurrent`)."""
+    """Seconds a stage waits per micro-batch and direction to move `nbytes` (per device) across virtual-stage
+    boundary `boundary`; all tp*cp*dp pairs of the two stages send at once (`concurrent`).
+
+    With `RuntimeOptions.p2p_scatter_gather` and a replicated activation (tp > 1, no sequence parallelism) each
+    pair sends 1/tp of it and the receiving stage all-gathers it over its tp group. With `p2p_blocking` the sender
+    waits for each transfer as well as the receiver: a stage pays its two transfers of a micro-batch in each
+    direction, not one (`tests/test_pipeline_p2p.py` checks this against DeepSpeed's own `TrainSchedule`)."""
     group = p2p_group(strategy, boundary)
     if strategy.pp == 1 or nbytes <= 0 or group.size == 1:
         return 0.0
-    return collective_time(Collective.SEND_RECV, nbytes, group, cluster,
+    runtime, gather = strategy.runtime, 0.0
+    if runtime.p2p_scatter_gather and strategy.tp > 1 and not strategy.sequence_parallel:
+        receiver = stage_rank(strategy.schedule, strategy.pp, boundary + 1)
+        gather = collective_time(Collective.ALL_GATHER, nbytes, tp_group(strategy, receiver), cluster)
+        nbytes = nbytes / strategy.tp
+    send = collective_time(Collective.SEND_RECV, nbytes, group, cluster,
                            concurrent=strategy.tp * strategy.cp * strategy.dp)
+    return (2 * send if runtime.p2p_blocking else send) + gather
 
 
 def shared_parameter_copies(chain: LayerChain, stages: Sequence[StageSpec], pp: int,

@@ -119,17 +119,32 @@ class RuntimeOptions:
     """Tensor-parallel collectives pipelined with the GEMMs beside them in tp chunks (Transformer Engine userbuffers,
     Megatron-Core `--tp-comm-overlap`). `planner.parallelize` does not run it: plans with it are for export."""
 
+    p2p_scatter_gather: bool = False
+    """Pipeline sends without sequence parallelism: each tensor-parallel rank sends its 1/tp slice of the
+    replicated boundary activation and the receiving stage all-gathers it over its tp group (Narayanan et al.,
+    SC'21, Sec. 4.1 "scatter/gather communication optimization"; Megatron-LM's default until Megatron-Core, and
+    DeepSpeed's pipeline engine `pipe_partitioned` / `grad_partitioned`, default true). False: every tp rank sends
+    the whole activation (torch.distributed.pipelining, Megatron-Core)."""
+    p2p_blocking: bool = False
+    """Every pipeline send and receive is its own blocking operation, so the sender waits as long as the receiver
+    and a step's two transfers do not overlap (DeepSpeed's pipeline engine: `SendActivation`, `RecvGrad`, ... as
+    separate instructions of its `TrainSchedule`). False: a step's send is paired with its receive and waited
+    later (Megatron-LM's `send_forward_recv_backward`, torch.distributed.pipelining's batched p2p), so only the
+    receiver waits."""
+
     def to_dict(self) -> dict[str, bool]:
-        return {"dp_overlap": self.dp_overlap, "reshard_after_forward": self.reshard_after_forward,
-                "tp_overlap": self.tp_overlap}
+        return {name: getattr(self, name) for name in RUNTIME_OPTION_NAMES}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RuntimeOptions:
-        unknown = set(d) - {"dp_overlap", "reshard_after_forward", "tp_overlap"}
+        unknown = set(d) - set(RUNTIME_OPTION_NAMES)
         if unknown:
-            raise ValueError(f"unknown runtime options {sorted(unknown)}; valid: dp_overlap, reshard_after_forward, "
-                             f"tp_overlap")
+            raise ValueError(f"unknown runtime options {sorted(unknown)}; valid: {', '.join(RUNTIME_OPTION_NAMES)}")
         return cls(**{k: bool(v) for k, v in d.items()})
+
+
+RUNTIME_OPTION_NAMES = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking")
+"""The fields of `RuntimeOptions`, in the order plans write them."""
 
 
 @dataclass(frozen=True, slots=True)

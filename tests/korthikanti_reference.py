@@ -24,6 +24,7 @@ from costmodel.hardware.collectives import Collective, CommGroup, collective_tim
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_pricing import region_inputs, selective_recompute_region
 from costmodel.operators import node_time, retype_ratio
+from costmodel.strategy import RuntimeOptions
 from ir.graph import Node, OpKind, dtype_bytes
 from ir.layer_chain import LayerChain, Segment
 
@@ -220,7 +221,9 @@ def strategy_for(row: KorthikantiRow, recompute: Recompute, sequence_parallel: b
     return Strategy(dp=row.dp, tp=row.tp, pp=row.pp, microbatch_size=row.microbatch,
                     num_microbatches=row.global_batch // (row.dp * row.microbatch),
                     schedule=Schedule.INTERLEAVED if interleaved else Schedule.ONE_F_ONE_B,
-                    virtual_stages=row.interleave, sequence_parallel=sequence_parallel, recompute=recompute)
+                    virtual_stages=row.interleave, sequence_parallel=sequence_parallel, recompute=recompute,
+                    # Megatron-LM of 2022 scattered and gathered pipeline sends (Narayanan et al. 2021 Sec. 4.1).
+                    runtime=RuntimeOptions(p2p_scatter_gather=True))
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,10 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
         # FlashAttention (Dao et al., May 2022) introduced; its attention was the fused-softmax math kernel.
         sets.append("attn_impl=fused_softmax")
         inferred.append("explicit attention with Megatron's fused softmax (no FlashAttention in Megatron-DeepSpeed of the time)")
+        # Megatron's --attention-dropout / --hidden-dropout default to 0.1; the BLOOM run kept them ("The default
+        # Megatron-LM dropout settings are inherited", bigscience train/tr11-176B-ml/README.md), MT-NLG states none.
+        sets.append("dropout=0.1")
+        inferred.append("dropout 0.1 in attention and on the residual branches (Megatron-LM's default, inherited)")
         if recompute is None:
             recompute = Recompute.FULL
             inferred.append("full recompute (selective recompute came with Korthikanti et al. 2022)")
@@ -148,6 +152,8 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
             inferred.append("no sequence parallelism (came with Korthikanti et al. 2022)")
         inferred.append("no data-parallel overlap (DeepSpeed's pipeline engine reduces gradients after the "
                         "pipeline flush)")
+        inferred.append("pipeline sends as DeepSpeed's pipeline engine runs them: partitioned over the tp ranks "
+                        "(pipe_partitioned), each send and receive blocking both ends")
     if recompute is None:
         unstated.append("recompute")
     if sp is None and int(r["tp"]) > 1:
@@ -171,8 +177,10 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
         stage_layers = (edge,) + (inner,) * (pp - 2) + (edge,)
     inter = OMNI_PATH_PER_GPU_GBPS if "Omni-Path" in r["device_notes"] else None
     hbm = re.search(r"(\d+) GB HBM\w* \(([\d.]+) TB/s\)", r["device_notes"])
+    deepspeed_pipeline = "Megatron-DeepSpeed" in framework and int(r["pp"]) > 1
     runtime = RuntimeOptions(dp_overlap="Megatron-DeepSpeed" not in framework,
-                             tp_overlap="TP/PP communication enabled" in framework)
+                             tp_overlap="TP/PP communication enabled" in framework,
+                             p2p_scatter_gather=deepspeed_pipeline, p2p_blocking=deepspeed_pipeline)
     return PublishedRun(
         name=r["run"], family=family, sets=tuple(sets), seq=seq, device=r["device"], num_gpus=gpus,
         gpus_per_node=int(r["gpus_per_node"]), tp=int(r["tp"]), pp=int(r["pp"]), cp=int(r["cp"] or 1),
@@ -199,8 +207,10 @@ def _korthikanti_rows(r: dict[str, str]) -> list[PublishedRun]:
                   global_batch=int(r["global_batch_size"]), microbatch_size=int(r["micro_batch_size"]),
                   virtual_stages=v, zero_stage=0, measured_memory_gib=None, counts="iteration time",
                   framework="Megatron-LM 2022, explicit attention (fused scale-mask-softmax) with dropout",
-                  # Sec. 6.3: "no DP grad all-reduce overlap" in these runs.
-                  runtime=RuntimeOptions(dp_overlap=False))
+                  # Sec. 6.3: "no DP grad all-reduce overlap" in these runs; Megatron-LM of 2022 scattered and
+                  # gathered pipeline sends without sequence parallelism (--scatter-gather-tensors-in-pipeline,
+                  # on by default; Narayanan et al. 2021 Sec. 4.1).
+                  runtime=RuntimeOptions(dp_overlap=False, p2p_scatter_gather=True))
     out = []
     for col, recompute, sp in (("full_recompute", Recompute.FULL, False),
                                ("present_work_seqpar_plus_selective", Recompute.SELECTIVE, True)):

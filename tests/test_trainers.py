@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from costmodel.strategy import Recompute, Schedule, StageSpec
+from costmodel.strategy import Recompute, RuntimeOptions, Schedule, StageSpec
 from planner.cli.common import plan_model
 from planner.cli.main import main
 from planner.errors import UserError
@@ -220,3 +220,20 @@ def test_cli_plan_baseline_prints_the_gain(tmp_path: Path, capsys) -> None:
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert f"baseline megatron:{args_file}" in text and "predicted gain:" in text and "what changes" in text
+
+
+def test_deepspeed_pipeline_sends_are_read_and_written(tmp_path: Path) -> None:
+    """DeepSpeed's pipeline engine blocks both ends of each send and partitions activations over the tp ranks
+    unless `pipe_partitioned` is off: imports price that, exports write it and warn about paired sends."""
+    base = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": 4}}
+    for partitioned in (None, False):
+        cfg = json.loads(json.dumps(base))
+        if partitioned is not None:
+            cfg["pipeline"]["pipe_partitioned"] = partitioned
+        path = tmp_path / f"ds_{partitioned}.json"
+        path.write_text(json.dumps(cfg))
+        runtime = read_trainer_config(f"deepspeed:{path}").runtime
+        assert runtime.p2p_blocking and runtime.p2p_scatter_gather == (partitioned is None)
+    flat = dict(base, pipeline={"stages": 1})
+    (tmp_path / "flat.json").write_text(json.dumps(flat))
+    assert read_trainer_config(f"deepspeed:{tmp_path / 'flat.json'}").runtime == RuntimeOptions(dp_overlap=False)

@@ -5,10 +5,13 @@ prints its Plan JSON and `-o FILE` writes it. A strategy that cannot run (degree
 batch that does not divide, tp that does not divide the heads) is an error that says why (exit 2); one that runs
 out of memory is still priced and reported as not fitting, with the memory each stage needs.
 
-Three flags price the strategy as another trainer runs it (`costmodel.strategy.RuntimeOptions`): `--no-dp-overlap`
+Five flags price the strategy as another trainer runs it (`costmodel.strategy.RuntimeOptions`): `--no-dp-overlap`
 (data-parallel communication after the backward, as Megatron-LM before its overlap flags or DeepSpeed's pipeline
 engine), `--keep-gathered` (ZeRO-3 keeps gathered weights from forward to backward: FSDP2
-`reshard_after_forward=False`) and `--tp-overlap` (Megatron-Core / Transformer Engine `--tp-comm-overlap`).
+`reshard_after_forward=False`), `--tp-overlap` (Megatron-Core / Transformer Engine `--tp-comm-overlap`),
+`--p2p-scatter-gather` (pipeline sends of 1/tp of a replicated activation, all-gathered by the receiver:
+Megatron-LM before Megatron-Core, DeepSpeed's pipeline engine) and `--p2p-blocking` (each pipeline send and
+receive blocks both ends: DeepSpeed's pipeline engine).
 
 `--from TRAINER:FILE` prices the configuration a team runs today instead of the flags: a Megatron-LM or
 Megatron-DeepSpeed argument file, a torchtitan TOML job config or a DeepSpeed JSON config
@@ -81,13 +84,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="ZeRO-3 keeps gathered weights from forward to backward (no reshard after forward)")
     p.add_argument("--tp-overlap", action="store_true",
                    help="tensor-parallel collectives overlap the GEMMs (Megatron-Core --tp-comm-overlap)")
+    p.add_argument("--p2p-scatter-gather", action="store_true",
+                   help="pipeline sends carry 1/tp of a replicated activation, all-gathered by the receiver "
+                        "(Megatron-LM before Megatron-Core, DeepSpeed's pipeline engine)")
+    p.add_argument("--p2p-blocking", action="store_true",
+                   help="each pipeline send and receive blocks both ends (DeepSpeed's pipeline engine)")
     add_output_arguments(p)
     add_trace_cache_arguments(p)
     p.set_defaults(func=run)
 
 
 STRATEGY_FLAGS = ("batch", "tp", "pp", "dp", "mbs", "schedule", "recompute", "zero", "sp", "no_dp_overlap",
-                  "keep_gathered", "tp_overlap")
+                  "keep_gathered", "tp_overlap", "p2p_scatter_gather", "p2p_blocking")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,7 +130,9 @@ def _estimate_flags(args: argparse.Namespace, cluster: Any, profile: Any) -> Any
                             recompute=Recompute(args.recompute or Recompute.NONE.value),
                             runtime=RuntimeOptions(dp_overlap=not args.no_dp_overlap,
                                                    reshard_after_forward=not args.keep_gathered,
-                                                   tp_overlap=args.tp_overlap))
+                                                   tp_overlap=args.tp_overlap,
+                                                   p2p_scatter_gather=args.p2p_scatter_gather,
+                                                   p2p_blocking=args.p2p_blocking))
     except ValueError as e:
         raise UserError(f"invalid strategy: {e}") from None
     dtype = args.dtype or "bfloat16"

@@ -11,9 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from costmodel.strategy import Recompute, RuntimeOptions, Schedule, parse_schedule
+from costmodel.strategy import RUNTIME_OPTION_NAMES, Recompute, RuntimeOptions, Schedule, parse_schedule
 
-RUNTIME_FIELDS = frozenset({"dp_overlap", "reshard_after_forward", "tp_overlap"})
+RUNTIME_FIELDS = frozenset(RUNTIME_OPTION_NAMES)
 """`--fix` keys that set a `RuntimeOptions` field (how the trainer runs the strategy) rather than a dimension."""
 
 
@@ -33,7 +33,7 @@ FIX_KEYS: Mapping[str, str] = {
     "zero": "zero_stage", "zero_stage": "zero_stage",
     "sp": "sequence_parallel", "sequence_parallel": "sequence_parallel",
     "recompute": "recompute",
-    "dp_overlap": "dp_overlap", "reshard_after_forward": "reshard_after_forward", "tp_overlap": "tp_overlap",
+    **{name: name for name in RUNTIME_OPTION_NAMES},
 }
 """`--fix` key (and its aliases) -> SearchSpace field."""
 

@@ -268,7 +268,11 @@ class StageProblemBuilder:
         sig = self._p2p_sig.get(sig_key)
         if sig is None:
             sig = self._p2p_sig[sig_key] = self._sig(p2p_group(self.strategy_of(cand), boundary))
-        key = (sig, nbytes, m.tp * m.cp * m.dp)
+        runtime = cand.runtime
+        # A scatter/gather send also all-gathers over the receiving rank's tp group.
+        gathered = runtime.p2p_scatter_gather and m.tp > 1 and not cand.sequence_parallel
+        gather_sig = self._sig(tp_group(self.strategy_of(cand), position[1])) if gathered else None
+        key = (sig, nbytes, m.tp * m.cp * m.dp, runtime.p2p_blocking, gather_sig)
         if key not in self._p2p_cache:
             self._p2p_cache[key] = p2p_time(self.strategy_of(cand), boundary, nbytes, self.cluster)
         return self._p2p_cache[key]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,9 @@ def pipeline_notes(cfg: TrainerConfig, notes: Notes) -> None:
     if cfg.runtime.dp_overlap:
         notes.add("DeepSpeed's pipeline engine reduces gradients after the pipeline flush; the plan priced them "
                   "overlapped with the backward")
+    if not cfg.runtime.p2p_blocking:
+        notes.add("DeepSpeed's pipeline engine blocks both ends of every send; the plan priced paired sends that "
+                  "only the receiver waits for")
 
 
 def config_dict(cfg: TrainerConfig, notes: Notes) -> dict[str, Any]:
@@ -66,7 +70,9 @@ def config_dict(cfg: TrainerConfig, notes: Notes) -> dict[str, Any]:
                                            "cpu_checkpointing": False}
     if cfg.pp > 1:
         out["pipeline"] = {"stages": cfg.pp, "activation_checkpoint_interval":
-                           1 if cfg.recompute is Recompute.FULL else 0}
+                           1 if cfg.recompute is Recompute.FULL else 0,
+                           "pipe_partitioned": cfg.runtime.p2p_scatter_gather,
+                           "grad_partitioned": cfg.runtime.p2p_scatter_gather}
     if cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1:
         notes.add("the DeepSpeed JSON carries no tensor/pipeline/sequence degree: launch it with the arguments of "
                   "`stratagem export --to megatron-deepspeed`")
@@ -123,7 +129,8 @@ def read_json(text: str, *, source: str) -> TrainerConfig:
         raise UserError(f"{source}: train_micro_batch_size_per_gpu must be given as an integer")
     gas = ds.get("gradient_accumulation_steps", 1)
     gbs = ds.get("train_batch_size")
-    stages = ds.get("pipeline", {}).get("stages", 1) if isinstance(ds.get("pipeline"), Mapping) else 1
+    pipe = ds.get("pipeline", {}) if isinstance(ds.get("pipeline"), Mapping) else {}
+    stages = pipe.get("stages", 1)
     pp = stages if isinstance(stages, int) else 1
     zero = ds.get("zero_optimization", {})
     stage = int(zero.get("stage", 0)) if isinstance(zero, Mapping) else 0
@@ -131,8 +138,18 @@ def read_json(text: str, *, source: str) -> TrainerConfig:
         trainer=Trainer.DEEPSPEED, pp=pp, microbatch_size=mbs, global_batch=gbs if isinstance(gbs, int) else None,
         samples_per_rank=mbs * int(gas), zero_stage=stage, recompute=_json_recompute(ds),
         runtime=RuntimeOptions(dp_overlap=bool(zero.get("overlap_comm", stage == 3)) and pp == 1,
-                               reshard_after_forward=int(zero.get("stage3_max_reuse_distance", 1e9)) < 1e12),
+                               reshard_after_forward=int(zero.get("stage3_max_reuse_distance", 1e9)) < 1e12,
+                               **pipeline_runtime(pipe, pp)),
         dtype=_json_dtype(ds))
+
+
+def pipeline_runtime(pipe: Mapping[str, Any], pp: int) -> dict[str, bool]:
+    """How DeepSpeed's pipeline engine sends between stages: every send and receive its own blocking
+    instruction, activations partitioned over the tensor-parallel ranks unless `pipe_partitioned` is off
+    (deepspeed/runtime/pipe/engine.py; the defaults are in deepspeed/runtime/config.py)."""
+    if pp == 1:
+        return {}
+    return {"p2p_blocking": True, "p2p_scatter_gather": bool(pipe.get("pipe_partitioned", True))}
 
 
 def _json(text: str, source: str) -> Mapping[str, Any]:
@@ -165,16 +182,19 @@ def read_arguments(text: str, *, source: str, folder: Path) -> TrainerConfig:
     if ns.micro_batch_size is None:
         raise UserError(f"{source}: --micro-batch-size is missing")
     zero = int(ns.zero_stage)
+    pp = 1 if ns.no_pipeline_parallel else ns.pipeline_model_parallel_size
     ds_path = folder / ns.deepspeed_config if ns.deepspeed_config else None
+    pipe = RuntimeOptions(dp_overlap=pp == 1, **pipeline_runtime({}, pp))
     if ds_path is not None and ds_path.is_file():
         ds = read_json(ds_path.read_text(encoding="utf-8"), source=str(ds_path))
         zero = ds.zero_stage
-    pp = 1 if ns.no_pipeline_parallel else ns.pipeline_model_parallel_size
+        if ds.pp > 1:  # the JSON's pipeline section says whether sends are partitioned
+            pipe = replace(pipe, p2p_scatter_gather=ds.runtime.p2p_scatter_gather)
     granularity = ns.recompute_granularity or ("full" if ns.checkpoint_activations else None)
     recompute = {"full": Recompute.FULL, "selective": Recompute.SELECTIVE}.get(granularity, Recompute.NONE)
     return TrainerConfig(
         trainer=Trainer.MEGATRON_DEEPSPEED, tp=ns.tensor_model_parallel_size, pp=pp,
         cp=ns.ds_sequence_parallel_size, microbatch_size=ns.micro_batch_size, global_batch=ns.global_batch_size,
         zero_stage=zero, sequence_parallel=bool(ns.sequence_parallel), recompute=recompute,
-        runtime=RuntimeOptions(dp_overlap=pp == 1), seq_len=ns.seq_length,
+        runtime=pipe, seq_len=ns.seq_length,
         dtype="bfloat16" if ns.bf16 else "float16" if ns.fp16 else "float32", num_layers=ns.num_layers)
