@@ -31,6 +31,9 @@ from costmodel.strategy import Recompute, RuntimeOptions, Schedule
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 PUBLISHED_CSV = DATA_DIR / "published_runs.csv"
 KORTHIKANTI_CSV = DATA_DIR / "korthikanti2022_selective_recompute.csv"
+FSDP_CSV = Path(__file__).resolve().parents[1] / "bench" / "data" / "published_fsdp_runs.csv"
+"""Published eager FSDP runs (MosaicML llm-foundry's benchmark tables), in the columns of `PUBLISHED_CSV`; each
+row cites its source."""
 GIB = 1024 ** 3
 
 # Network facts of the clusters named in the rows' device notes (the shorthand's defaults are the typical NIC).
@@ -124,8 +127,10 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
     if family == "llama":
         sets.append(f"kv_heads={kv_heads}")
     else:
-        # Megatron-LM GPTs untie the output layer (the published sizes count it: 1.7B = 24 layers + 2 x V x h).
-        sets.append("tie_embeddings=false")
+        # Megatron-LM GPTs untie the output layer (the published sizes count it: 1.7B = 24 layers + 2 x V x h);
+        # a row whose framework notes say "tied embeddings" (MPT) keeps the zoo GPT's tied head.
+        if "tied embeddings" not in r["framework_notes"]:
+            sets.append("tie_embeddings=false")
     framework = r["framework_notes"]
     unstated, inferred = [], []
     mbs, zero = _int(r["micro_batch"]), _zero_of(r["dp_sharding"])
@@ -265,7 +270,7 @@ def extra_runs() -> list[PublishedRun]:
 
 
 def all_runs() -> list[PublishedRun]:
-    return load_published_runs() + load_korthikanti_runs() + extra_runs()
+    return load_published_runs() + load_korthikanti_runs() + extra_runs() + load_published_runs(FSDP_CSV)
 
 
 def schedule_of(run: PublishedRun) -> tuple[Schedule | None, int | None]:
@@ -377,13 +382,29 @@ def predict(run: PublishedRun, chains: dict | None = None, training_efficiency: 
         if best is None or p.predicted.step_time_s < best.predicted.step_time_s:
             best = p
     if best is None:
-        raise RuntimeError(f"{run.name}: no plan fits with the published configuration")
+        best = _priced_out_of_memory(run, chain, cluster)
     est = best.predicted
     b = est.breakdown
     return Prediction(step_s=est.step_time_s, memory_gib=max(est.peak_memory_bytes) / GIB, mfu=est.mfu,
                       strategy=_describe(best.strategy), chosen=", ".join(run.unstated) or "-",
                       device_bound_s=b.compute_s + b.recompute_s + b.bubble_s + b.optimizer_s,
                       breakdown=b.to_dict(), error_band=est.error_band)
+
+
+def _priced_out_of_memory(run: PublishedRun, chain, cluster):
+    """The published configuration priced as is when the model says it does not fit (the run did: a memory error
+    of the model, shown as such), if the source states every choice; else an error."""
+    from costmodel.strategy import Strategy
+    from planner.api import estimate_plan
+
+    stated = None not in (run.microbatch_size, run.zero_stage, run.recompute) and run.pp == 1
+    if not stated:
+        raise RuntimeError(f"{run.name}: no plan fits with the published configuration")
+    mbs = run.microbatch_size
+    strategy = Strategy(dp=run.dp, tp=run.tp, pp=1, cp=run.cp, ep=run.ep, microbatch_size=mbs,
+                        num_microbatches=run.global_batch // (run.dp * mbs), zero_stage=run.zero_stage,
+                        recompute=run.recompute, sequence_parallel=bool(run.sequence_parallel), runtime=run.runtime)
+    return estimate_plan(chain, cluster, strategy, global_batch=run.global_batch)
 
 
 FIT_GRID = tuple(round(0.5 + 0.005 * i, 3) for i in range(101))
