@@ -84,6 +84,24 @@ class Recompute(enum.StrEnum):
     everything else (norms, activations, the other matmuls) in backward (`costmodel.layer_pricing`)."""
 
 
+class Offload(enum.StrEnum):
+    """What of the model state lives in host memory instead of on the device (`costmodel.offload` prices it)."""
+
+    NONE = "none"
+    OPTIMIZER = "optimizer"
+    """ZeRO-Offload (Ren et al., ATC'21): the fp32 master weights and Adam moments on the host and the Adam step on
+    the CPU; gradients go device-to-host, updated 16-bit weights host-to-device (DeepSpeed `offload_optimizer`,
+    Megatron-LM `--optimizer-cpu-offload`). `planner.parallelize` does not run it: plans with it are for export."""
+    PARAMS = "params"
+    """FSDP2's `CPUOffloadPolicy` (ZeRO-3 only): sharded parameters, gradients and optimizer state on the host;
+    each unit's shard is copied host-to-device before its all-gather, its reduce-scattered gradient
+    device-to-host, and the optimizer steps on the CPU (DeepSpeed `offload_param` + `offload_optimizer`,
+    torchtitan `enable_cpu_offload`)."""
+
+
+OFFLOAD_CHOICES = ", ".join(o.value for o in Offload)
+
+
 class MeshAxis(enum.StrEnum):
     """Axes of the device mesh. "axis" names a mesh axis, "dim" a tensor dimension."""
 
@@ -118,18 +136,30 @@ class RuntimeOptions:
     tp_overlap: bool = False
     """Tensor-parallel collectives pipelined with the GEMMs beside them in tp chunks (Transformer Engine userbuffers,
     Megatron-Core `--tp-comm-overlap`). `planner.parallelize` does not run it: plans with it are for export."""
+    offload: Offload = Offload.NONE
+    """Model state kept in host memory (`Offload`); the search chooses it when the device memory binds."""
 
-    def to_dict(self) -> dict[str, bool]:
-        return {"dp_overlap": self.dp_overlap, "reshard_after_forward": self.reshard_after_forward,
-                "tp_overlap": self.tp_overlap}
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "offload", Offload(self.offload))
+        except ValueError:
+            raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {self.offload!r}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"dp_overlap": self.dp_overlap, "reshard_after_forward": self.reshard_after_forward,
+                               "tp_overlap": self.tp_overlap}
+        if self.offload is not Offload.NONE:  # absent when off: plans written before offload existed stay valid
+            out["offload"] = self.offload.value
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RuntimeOptions:
-        unknown = set(d) - {"dp_overlap", "reshard_after_forward", "tp_overlap"}
+        unknown = set(d) - {"dp_overlap", "reshard_after_forward", "tp_overlap", "offload"}
         if unknown:
             raise ValueError(f"unknown runtime options {sorted(unknown)}; valid: dp_overlap, reshard_after_forward, "
-                             f"tp_overlap")
-        return cls(**{k: bool(v) for k, v in d.items()})
+                             f"tp_overlap, offload")
+        flags = {k: bool(v) for k, v in d.items() if k != "offload"}
+        return cls(**flags, offload=Offload(d.get("offload", "none")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +228,10 @@ class Strategy:
             raise ValueError(f"runtime must be a RuntimeOptions, got {type(self.runtime).__name__}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.runtime.offload is Offload.PARAMS and self.zero_stage != 3:
+            raise ValueError(f"offload=params (FSDP2 CPUOffloadPolicy) keeps sharded parameters on the host and "
+                             f"needs zero_stage 3, got {self.zero_stage}; use offload=optimizer with ZeRO-"
+                             f"{self.zero_stage}")
         if sorted(self.mesh_order) != sorted(DEFAULT_MESH_ORDER):
             raise ValueError(f"mesh_order must order each of {[a.value for a in DEFAULT_MESH_ORDER]} once")
         if self.virtual_stages > 1 and not self.schedule.chunked:
