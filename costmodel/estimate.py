@@ -311,12 +311,9 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
                                     zero_stage=strategy.zero_stage, dp_size=strategy.dp * strategy.cp,
                                     ep=strategy.ep)
     r = rank.index
-    host = host_of(rank.device.name)
-    tail = (offload_tail(strategy.runtime.offload, local_params, host, weight_bytes=dtype_bytes(dtype))
-            if host is not None else None)
-    device_step = optimizer_step_time(
-        local_params if strategy.runtime.offload is Offload.NONE or tail is None else 0, rank.device,
-        speed=rank.speed, host_s=rank.framework.optimizer_host_s(*param_tensor_kinds(strategy, costs)))
+    optimizer_s, copy_s = optimizer_terms(
+        local_params, rank.device, strategy.runtime.offload, dtype=dtype, speed=rank.speed,
+        host_s=rank.framework.optimizer_host_s(*param_tensor_kinds(strategy, costs)))
     return times, RankTail(
         end_reduce_s=end_reduce, end_reduce_chunks=max(end_chunks, 1),
         last_bwd_window_s=sum(t.compute_bwd_s + t.recompute_s + t.tp_bwd_s for t in times),
@@ -325,8 +322,21 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
             cluster, concurrent=strategy.num_devices // strategy.tp,
             per_tensor_s=rank.framework.grad_sync_per_tensor(strategy.tp)),
         shared_sync_s=_shared_sync_time(shared_params, strategy, r, cluster),
-        optimizer_s=device_step + (tail.total_s if tail else 0.0), offload_copy_s=tail.copy_s if tail else 0.0,
+        optimizer_s=optimizer_s, offload_copy_s=copy_s,
         post_step_s=post, overlap=strategy.runtime.dp_overlap)
+
+
+def optimizer_terms(local_params: int, device: DeviceSpec, offload: Offload, *, dtype: str, speed: float = 1.0,
+                    host_s: float = 0.0) -> tuple[float, float]:
+    """(seconds of the optimizer step, of which host-device copies) of a rank updating `local_params`: Adam on the
+    device (`step_time.optimizer_step_time`), or with `offload` the end-of-step copies and the CPU's Adam
+    (`costmodel.offload.offload_tail`); a device without host data is priced without offload (its estimate
+    says it cannot offload). `host_s` is the framework's per-tensor host work, paid either way."""
+    host = host_of(device.name)
+    if Offload(offload) is Offload.NONE or host is None:
+        return optimizer_step_time(local_params, device, speed=speed, host_s=host_s), 0.0
+    tail = offload_tail(offload, local_params, host, weight_bytes=dtype_bytes(dtype))
+    return tail.total_s + host_s, tail.copy_s
 
 
 def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSetting, cluster: Cluster,

@@ -153,7 +153,8 @@ def least_memory(state: SearchState) -> tuple[float, Candidate | None]:
             continue
         m = cand.mesh
         even = -(-state.chain.graph.param_count // (m.tp * m.pp))
-        need = model_state_bytes(even, zero_stage=cand.zero_stage, dp=m.dp * m.cp, dtype=state.dtype).total
+        need = model_state_bytes(even, zero_stage=cand.zero_stage, dp=m.dp * m.cp, dtype=state.dtype,
+                                 offload=cand.runtime.offload).total
         bounded.append((need + framework_overhead_bytes(placements[0].device.name), cand.sort_key, cand))
     bounded.sort(key=lambda t: (t[0], t[1]))
     best, arg = math.inf, None
