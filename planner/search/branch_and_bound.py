@@ -247,7 +247,7 @@ class SearchState:
         m = cand.mesh
         floor = simplicity_floor(tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep, zero_stage=cand.zero_stage,
                                  num_microbatches=cand.num_microbatches, virtual_stages=cand.virtual_stages,
-                                 zero_bubble=cand.schedule.zero_bubble)
+                                 zero_bubble=cand.schedule.zero_bubble, offload=cand.runtime.offload)
         return self.ties.may_lead(self.found[0], m.num_devices, floor)
 
     def ranked_found(self) -> list[Found]:
