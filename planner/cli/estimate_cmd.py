@@ -9,6 +9,9 @@ Three flags price the strategy as another trainer runs it (`costmodel.strategy.R
 (data-parallel communication after the backward, as Megatron-LM before its overlap flags or DeepSpeed's pipeline
 engine), `--keep-gathered` (ZeRO-3 keeps gathered weights from forward to backward: FSDP2
 `reshard_after_forward=False`) and `--tp-overlap` (Megatron-Core / Transformer Engine `--tp-comm-overlap`).
+`--offload optimizer|params` keeps model state in host memory (`costmodel.offload`): the optimizer state alone
+(ZeRO-Offload) or, under `--zero 3`, the sharded parameters, gradients and optimizer state (FSDP2
+`CPUOffloadPolicy`).
 
 `--from TRAINER:FILE` prices the configuration a team runs today instead of the flags: a Megatron-LM or
 Megatron-DeepSpeed argument file, a torchtitan TOML job config or a DeepSpeed JSON config
@@ -22,7 +25,15 @@ import argparse
 import sys
 from typing import Any
 
-from costmodel.strategy import SCHEDULE_CHOICES, Recompute, RuntimeOptions, Schedule, Strategy, parse_schedule
+from costmodel.strategy import (
+    SCHEDULE_CHOICES,
+    Offload,
+    Recompute,
+    RuntimeOptions,
+    Schedule,
+    Strategy,
+    parse_schedule,
+)
 from planner.api import estimate_plan, load_profile
 from planner.cli.common import (
     add_cluster_argument,
@@ -81,13 +92,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="ZeRO-3 keeps gathered weights from forward to backward (no reshard after forward)")
     p.add_argument("--tp-overlap", action="store_true",
                    help="tensor-parallel collectives overlap the GEMMs (Megatron-Core --tp-comm-overlap)")
+    p.add_argument("--offload", choices=[o.value for o in Offload], default=None,
+                   help="model state in host memory: optimizer (ZeRO-Offload) or params (FSDP2 CPUOffloadPolicy, "
+                        "needs --zero 3); default none")
     add_output_arguments(p)
     add_trace_cache_arguments(p)
     p.set_defaults(func=run)
 
 
 STRATEGY_FLAGS = ("batch", "tp", "pp", "dp", "mbs", "schedule", "recompute", "zero", "sp", "no_dp_overlap",
-                  "keep_gathered", "tp_overlap")
+                  "keep_gathered", "tp_overlap", "offload")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,7 +136,8 @@ def _estimate_flags(args: argparse.Namespace, cluster: Any, profile: Any) -> Any
                             recompute=Recompute(args.recompute or Recompute.NONE.value),
                             runtime=RuntimeOptions(dp_overlap=not args.no_dp_overlap,
                                                    reshard_after_forward=not args.keep_gathered,
-                                                   tp_overlap=args.tp_overlap))
+                                                   tp_overlap=args.tp_overlap,
+                                                   offload=Offload(args.offload or Offload.NONE.value)))
     except ValueError as e:
         raise UserError(f"invalid strategy: {e}") from None
     dtype = args.dtype or "bfloat16"
