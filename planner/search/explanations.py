@@ -14,7 +14,7 @@ from costmodel.expert_parallel import (
 )
 from costmodel.hardware.cluster import Cluster
 from costmodel.memory import GIB, framework_overhead_bytes, model_state_bytes
-from costmodel.strategy import MeshAxis, Strategy
+from costmodel.strategy import MeshAxis, Offload, Strategy
 from ir.layer_chain import LayerChain
 from planner.plan import Alternative
 from planner.search.candidates import (
@@ -22,6 +22,7 @@ from planner.search.candidates import (
     enumerate_candidates,
     head_problem,
     node_size,
+    offload_options,
 )
 from planner.search.pricing import layer_cost_map, least_memory_of
 from planner.search.space import Objective, SearchSpace
@@ -181,8 +182,10 @@ def nothing_fits_message(state: SearchState, space: SearchSpace) -> str:
     need, cand = least_memory(state)
     capacity = max(g.device.memory_bytes for g in state.cluster.groups)
     n = state.cluster.num_available
-    sharded = model_state_bytes(-(-state.chain.graph.param_count // n), zero_stage=3, dp=1,
-                                dtype=state.dtype).total
+    # The least device state the searched offloads leave (parameters offload only where FSDP2 shards, n > 1).
+    offloads = [o for o in offload_options(space, state.cluster) if o is not Offload.PARAMS or n > 1]
+    sharded = min(model_state_bytes(-(-state.chain.graph.param_count // n), zero_stage=3, dp=1, dtype=state.dtype,
+                                    offload=o).total for o in offloads or [Offload.NONE])
     if need <= capacity:
         # Only possible when the memory-optimal strategy is outside what the search may return (never for the
         # default space); say so rather than print a contradiction.
