@@ -30,6 +30,9 @@ class HostSpec:
     """The device's share of its node's host memory; 0 where no source gives it (offloading is then refused)."""
     adam_params_per_s: float
     """Parameters per second the device's share of the host CPU updates with Adam (fp32 master, m, v)."""
+    host_is_device: bool = False
+    """The device is the host's CPU itself (`cpu`): offloading frees no memory, so the search does not try it
+    unless pinned (the runtime still runs it, as FSDP2 does on CPU)."""
     sources: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -50,6 +53,7 @@ def _row_spec(row: dict[str, str]) -> HostSpec | None:
         device_to_host_bandwidth=float(row["device_to_host_gbps"]) * 1e9,
         host_memory_bytes=round(float(memory) * 1e9) if memory else 0,
         adam_params_per_s=float(row["cpu_adam_gparams"]) * 1e9,
+        host_is_device=row["host_is_device"].strip() == "1",
         sources={"host_link": row["source_host_link"], "host_memory": row["source_host_memory"],
                  "cpu_adam": row["source_cpu_adam"]})
 

@@ -115,11 +115,12 @@ def device_counts(cluster: Cluster, space: SearchSpace, objective: Objective) ->
 
 def offload_options(space: SearchSpace, cluster: Cluster) -> tuple[Offload, ...]:
     """What the search tries to offload: the pin, else nothing and, where every device type of the cluster has
-    host data with a known host memory (`costmodel.hardware.host`), the optimizer and the parameters."""
+    host data with a known host memory and is not the host itself (`costmodel.hardware.host`), the optimizer and
+    the parameters."""
     if space.offload is not None:
         return (space.offload,)
     hosts = [host_of(g.device.name) for g in cluster.groups]
-    if all(h is not None and h.host_memory_bytes > 0 for h in hosts):
+    if all(h is not None and h.host_memory_bytes > 0 and not h.host_is_device for h in hosts):
         return tuple(Offload)
     return (Offload.NONE,)
 
