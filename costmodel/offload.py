@@ -34,7 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodel.hardware.host import HostSpec
+from costmodel.breakdown import MemoryBreakdown
+from costmodel.hardware.host import HostSpec, host_of
 from costmodel.memory import GIB, GRAD_BYTES, MASTER_BYTES
 from costmodel.strategy import Offload
 
@@ -85,6 +86,18 @@ def offload_tail(offload: Offload, updated_params: int, host: HostSpec, *, weigh
         return OffloadTail(cpu_step_s=cpu)
     return OffloadTail(d2h_s=GRAD_BYTES * updated_params / host.device_to_host_bandwidth, cpu_step_s=cpu,
                        h2d_s=weight_bytes * updated_params / host.host_to_device_bandwidth)
+
+
+HOST_OVERFLOW_BYTES = 2.0 ** 60
+"""Added to the device bytes of a stage whose offloaded state overflows its host (`bytes_to_fit`)."""
+
+
+def bytes_to_fit(memory: MemoryBreakdown, offload: Offload, device_name: str) -> float:
+    """The device bytes a stage must fit in: its peak, plus `HOST_OVERFLOW_BYTES` when its host cannot take what
+    it offloads -- far above any device's memory, so the stage does not fit, and small enough that the difference
+    of two such values keeps its bytes (float64 spacing at 2^60 is 256), as a search's affine memory terms need."""
+    overflow = host_problem(offload, device_name, host_of(device_name), memory.host, 0)
+    return memory.total + (HOST_OVERFLOW_BYTES if overflow else 0.0)
 
 
 def host_problem(offload: Offload, device_name: str, host: HostSpec | None, host_bytes: int, stage: int) -> str:

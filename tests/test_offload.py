@@ -219,3 +219,18 @@ def test_runtime_json_carries_offload_only_when_set() -> None:
     assert RuntimeOptions.from_dict({"offload": "params"}).offload is Offload.PARAMS
     s = Strategy(dp=2, zero_stage=3, runtime=_runtime("params"))
     assert Strategy.from_dict(s.to_dict()) == s and s.to_dict()["runtime"]["offload"] == "params"
+
+
+def test_state_the_host_cannot_hold_does_not_fit_and_keeps_the_memory_slope() -> None:
+    from costmodel.breakdown import MemoryBreakdown
+    from costmodel.offload import HOST_OVERFLOW_BYTES, bytes_to_fit
+
+    host = host_of("h100-sxm").host_memory_bytes
+
+    def mem(activations: int, offloaded: int) -> MemoryBreakdown:
+        return MemoryBreakdown(params=10**9, grads=0, optimizer=0, activations=activations, temporary=0,
+                               overhead=0, host=offloaded)
+
+    assert bytes_to_fit(mem(5, host), Offload.OPTIMIZER, "h100-sxm") == 10**9 + 5
+    over = [bytes_to_fit(mem(a, host + 1), Offload.OPTIMIZER, "h100-sxm") for a in (0, 123_456_789)]
+    assert over[0] == 10**9 + HOST_OVERFLOW_BYTES and abs(over[1] - over[0] - 123_456_789) <= 256

@@ -42,10 +42,9 @@ from costmodel.framework import FrameworkCosts
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import CommGroup, spans
 from costmodel.hardware.device import DeviceSpec
-from costmodel.hardware.host import host_of
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment, rank_memory, saved_bytes
-from costmodel.offload import host_problem
+from costmodel.offload import bytes_to_fit
 from costmodel.pipeline import in_flight_per_chunk, stage_rank, zero_bubble_fill
 from costmodel.rank_layout import (
     busy_fraction,
@@ -243,12 +242,10 @@ class StageProblemBuilder:
         dp = m.dp * m.cp
 
         def memory(counts: Sequence[int]) -> float:
-            mb = rank_memory(chunks, counts, zero_stage=cand.zero_stage, dp=dp, dtype=self.dtype,
-                             device_name=ctx.device.name, extra_params=shared, ep=m.ep,
-                             reshard_after_forward=cand.runtime.reshard_after_forward, offload=cand.runtime.offload)
-            # State the host cannot hold makes the stage not fit, the slope (mem1 - mem0) staying exact.
-            overflow = host_problem(cand.runtime.offload, ctx.device.name, host_of(ctx.device.name), mb.host, 0)
-            return mb.total + (HOST_OVERFLOW_BYTES if overflow else 0)
+            return bytes_to_fit(rank_memory(chunks, counts, zero_stage=cand.zero_stage, dp=dp, dtype=self.dtype,
+                                            device_name=ctx.device.name, extra_params=shared, ep=m.ep,
+                                            reshard_after_forward=cand.runtime.reshard_after_forward,
+                                            offload=cand.runtime.offload), cand.runtime.offload, ctx.device.name)
 
         if in_flight is None:   # affine in the in-flight counts of the chunks
             mem0 = memory([0] * len(chunks))
@@ -452,11 +449,6 @@ class StageProblemBuilder:
             preferred = best.stages if best is not None else None
         problem = interleaved_problem(layout, options, price, sends, capacity, m, preferred=preferred)
         return StageProblem(cand, problem, placements, layout=layout)
-
-
-HOST_OVERFLOW_BYTES = 2.0 ** 60
-"""Added to the device memory of a stage whose offloaded state overflows its host: far above any device's memory,
-and small enough that the difference of two such memories keeps its bytes (float64 spacing there is 256)."""
 
 
 def _pipeline_terms(schedule: Schedule, m: int, fwd: np.ndarray, bwd: np.ndarray, t: _Terms
