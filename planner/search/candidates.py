@@ -125,6 +125,16 @@ def offload_options(space: SearchSpace, cluster: Cluster) -> tuple[Offload, ...]
     return (Offload.NONE,)
 
 
+def _offload_applies(offload: Offload, zero: int, dp_size: int, space: SearchSpace) -> bool:
+    """FSDP2 offloads parameters only when it shards them (ZeRO-3). With data parallelism and the ZeRO stage free,
+    the optimizer is offloaded only with its state sharded (ZeRO >= 1), as DeepSpeed (`offload_optimizer`) and
+    Megatron-LM (`--optimizer-cpu-offload` needs its distributed optimizer) run it: the CPU then steps 1/dp of
+    the parameters for the same device memory."""
+    if offload is Offload.PARAMS:
+        return zero == 3
+    return offload is Offload.NONE or zero >= 1 or dp_size == 1 or space.zero_stage is not None
+
+
 def _schedules(space: SearchSpace, pp: int, m: int, chain: LayerChain, units: ChainUnits
                ) -> list[tuple[Schedule, int]]:
     """(schedule, chunks per rank) the candidate tries with m micro-batches on p ranks."""
@@ -227,8 +237,8 @@ def _mesh_candidates(mesh: MeshCandidate, chain: LayerChain, global_batch: int, 
                 resharded = zero == 3 and space.runtime.reshard_after_forward
                 if split_backward_problem(schedule, recomputed=False, resharded=resharded):
                     continue
-                # FSDP2 offloads parameters only when it shards them (ZeRO-3).
-                runtimes = [replace(space.runtime, offload=o) for o in offloads if o is not Offload.PARAMS or zero == 3]
+                runtimes = [replace(space.runtime, offload=o) for o in offloads
+                            if _offload_applies(o, zero, mesh.dp * mesh.cp, space)]
                 for sp in sps:
                     out.extend(Candidate(mesh, mbs, m, schedule, v, zero, sp, rt) for rt in runtimes)
     return out
