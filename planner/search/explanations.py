@@ -40,6 +40,7 @@ _PHRASES = {
     "dp_comm_s": "more exposed data-parallel communication",
     "bubble_s": "a larger pipeline bubble",
     "optimizer_s": "a longer optimizer step",
+    "offload_s": "host-device copies of the state it offloads",
     "framework_s": "more framework host work (FSDP2 / DTensor / pipeline / checkpoint machinery)",
 }
 
@@ -60,13 +61,15 @@ def _loss_reason(state: SearchState, best: RankedStrategy, alt: Found) -> str:
     est = costmodel_estimate(state.chain, state.cluster, alt.strategy, layer_costs=costs, dtype=state.dtype,
                              profile=state.builder.table.profile, global_batch=state.global_batch)
     ours, theirs = best.estimate.breakdown.to_dict(), est.breakdown.to_dict()
-    worst = max(_PHRASES, key=lambda k: (theirs[k] - ours[k], k))
-    delta = theirs[worst] - ours[worst]
+    worst = max(_PHRASES, key=lambda k: (theirs.get(k, 0.0) - ours.get(k, 0.0), k))
+    delta = theirs.get(worst, 0.0) - ours.get(worst, 0.0)
     pct = 100.0 * (alt.objective - best.objective) / best.objective
     phrase = _PHRASES[worst]
     m = alt.candidate.mesh
     strides = {a: m.stride(a) for a in (MeshAxis.TP, MeshAxis.DP, MeshAxis.PP)}
-    if worst == "dp_comm_s" and (tier := _crosses(state.cluster, m.dp, strides[MeshAxis.DP])):
+    if worst == "optimizer_s" and alt.strategy.runtime.offload is not Offload.NONE:
+        phrase = "its optimizer steps on the CPU (offloaded)"
+    elif worst == "dp_comm_s" and (tier := _crosses(state.cluster, m.dp, strides[MeshAxis.DP])):
         phrase = f"its gradient all-reduce crosses the {tier} tier"
     elif worst == "tp_comm_s" and (tier := _crosses(state.cluster, m.tp, strides[MeshAxis.TP])):
         phrase = f"its tensor-parallel all-reduces cross the {tier} tier"
