@@ -234,3 +234,20 @@ def test_state_the_host_cannot_hold_does_not_fit_and_keeps_the_memory_slope() ->
     assert bytes_to_fit(mem(5, host), Offload.OPTIMIZER, "h100-sxm") == 10**9 + 5
     over = [bytes_to_fit(mem(a, host + 1), Offload.OPTIMIZER, "h100-sxm") for a in (0, 123_456_789)]
     assert over[0] == 10**9 + HOST_OVERFLOW_BYTES and abs(over[1] - over[0] - 123_456_789) <= 256
+
+
+def test_cli_estimate_offload_prints_and_writes_what_is_offloaded() -> None:
+    import json
+    import subprocess
+
+    argv = [sys.executable, "-m", "planner.cli.main", "estimate", "gpt-tiny", "--cluster", "1x8xa100-80gb",
+            "--batch", "16", "--tp", "1", "--pp", "1", "--dp", "8", "--mbs", "2", "--zero", "3", "--offload", "params"]
+    out = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["strategy"]["runtime"]["offload"] == "params"
+    assert plan["predicted"]["breakdown"]["offload_s"] > 0 and plan["predicted"]["stages"][0]["memory"]["host"] > 0
+    assert plan["predicted"]["stages"][0]["memory"]["optimizer"] == 0
+    text = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO).stdout
+    assert "runtime: data-parallel overlap on, reshard after forward, offload params" in text
+    assert "offload: parameters, gradients and optimizer state (FSDP2 CPUOffloadPolicy) in host memory" in text
