@@ -24,18 +24,22 @@ class TimeBreakdown:
     framework_s: float = 0.0
     """Framework host work on the bottleneck rank (`costmodel.framework`: data-parallel unit hooks, pipeline
     actions, checkpoint machinery); 0 unless a profile measured it. Optional in plan JSON (older plans)."""
+    offload_s: float = 0.0
+    """Exposed host-device copies of offloaded model state (`costmodel.offload`); the CPU's optimizer step is in
+    `optimizer_s`. In plan JSON only when not 0."""
 
     @property
     def total_s(self) -> float:
         return (self.compute_s + self.recompute_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s
-                + self.bubble_s + self.optimizer_s + self.framework_s)
+                + self.bubble_s + self.optimizer_s + self.framework_s + self.offload_s)
 
     def to_dict(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "offload_s" or self.offload_s}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TimeBreakdown:
-        return cls(**{k: float(d[k]) for k in cls.__dataclass_fields__ if k in d or k != "framework_s"})
+        return cls(**{k: float(d[k]) for k in cls.__dataclass_fields__
+                      if k in d or k not in ("framework_s", "offload_s")})
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,17 +52,20 @@ class MemoryBreakdown:
     activations: int
     temporary: int
     overhead: int
+    host: int = 0
+    """Model state offloaded to host memory (`costmodel.offload`); not part of `total`, the device's peak. In plan
+    JSON only when not 0."""
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.activations + self.temporary + self.overhead
 
     def to_dict(self) -> dict[str, int]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "host" or self.host}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> MemoryBreakdown:
-        return cls(**{k: int(d[k]) for k in cls.__dataclass_fields__})
+        return cls(**{k: int(d[k]) for k in cls.__dataclass_fields__ if k in d or k != "host"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,8 @@ its ranks (`rank_layout.rank_speeds`). Segment prices come from `layer_costs[(cl
 planner's sharding solutions for the strategy's tp and micro-batch), or, for tp == 1, from
 `layer_pricing.price_segment`. Then `step_time.stage_time` / `data_parallel_comm` / `step_breakdown` give the
 step time and its breakdown, `memory.rank_memory` the peak bytes per pipeline rank (plus copies of weights shared
-with another rank: `shared_parameter_copies`), and:
+with another rank: `shared_parameter_copies`) and the host bytes of offloaded state (`costmodel.offload`, checked
+against the host memory per device), and:
 
     model FLOPs per step    = (graph forward + backward FLOPs) * global_batch / traced batch   (no recomputation)
     hardware FLOPs per step = model FLOPs + recomputed forward FLOPs of every micro-batch of every replica
@@ -39,9 +40,11 @@ from costmodel.framework import FrameworkCosts
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.hardware.device import DeviceSpec
+from costmodel.hardware.host import host_of
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import op_policy_kept, price_segment, selective_recompute_region
 from costmodel.memory import GIB, GRAD_BYTES, PricedSegment, rank_memory
+from costmodel.offload import HostCopy, host_copy, host_problem, offload_tail
 from costmodel.pipeline import (
     chunk_stages,
     in_flight_per_chunk,
@@ -62,7 +65,7 @@ from costmodel.step_time import (
     step_breakdown,
     tp_grad_sync_time,
 )
-from costmodel.strategy import Recompute, Schedule, StageSpec, Strategy
+from costmodel.strategy import Offload, Recompute, Schedule, StageSpec, Strategy
 from costmodel.validation import error_band
 from ir import build_layer_chain
 from ir.graph import Graph, dtype_bytes
@@ -319,6 +322,9 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
                                     zero_stage=strategy.zero_stage, dp_size=strategy.dp * strategy.cp,
                                     ep=strategy.ep)
     r = rank.index
+    optimizer_s, copy_s = optimizer_terms(
+        local_params, rank.device, strategy.runtime.offload, dtype=dtype, speed=rank.speed,
+        host_s=rank.framework.optimizer_host_s(*param_tensor_kinds(strategy, costs)))
     return times, RankTail(
         end_reduce_s=end_reduce, end_reduce_chunks=max(end_chunks, 1),
         last_bwd_window_s=sum(t.compute_bwd_s + t.recompute_s + t.tp_bwd_s for t in times),
@@ -327,10 +333,21 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
             cluster, concurrent=strategy.num_devices // strategy.tp,
             per_tensor_s=rank.framework.grad_sync_per_tensor(strategy.tp)),
         shared_sync_s=_shared_sync_time(shared_params, strategy, r, cluster),
-        optimizer_s=optimizer_step_time(
-            local_params, rank.device, speed=rank.speed,
-            host_s=rank.framework.optimizer_host_s(*param_tensor_kinds(strategy, costs))),
+        optimizer_s=optimizer_s, offload_copy_s=copy_s,
         post_step_s=post, overlap=strategy.runtime.dp_overlap)
+
+
+def optimizer_terms(local_params: int, device: DeviceSpec, offload: Offload, *, dtype: str, speed: float = 1.0,
+                    host_s: float = 0.0) -> tuple[float, float]:
+    """(seconds of the optimizer step, of which host-device copies) of a rank updating `local_params`: Adam on the
+    device (`step_time.optimizer_step_time`), or with `offload` the end-of-step copies and the CPU's Adam
+    (`costmodel.offload.offload_tail`); a device without host data is priced without offload (its estimate
+    says it cannot offload). `host_s` is the framework's per-tensor host work, paid either way."""
+    host = host_of(device.name)
+    if Offload(offload) is Offload.NONE or host is None:
+        return optimizer_step_time(local_params, device, speed=speed, host_s=host_s), 0.0
+    tail = offload_tail(offload, local_params, host, weight_bytes=dtype_bytes(dtype))
+    return tail.total_s + host_s, tail.copy_s
 
 
 def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSetting, cluster: Cluster,
@@ -347,12 +364,24 @@ def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSet
                    param_bytes=params * weight_bytes, num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
                    bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=group, cluster=cluster,
                    concurrent=strategy.tp * pp, overlap=runtime.dp_overlap,
-                   reshard_after_forward=runtime.reshard_after_forward)
+                   reshard_after_forward=runtime.reshard_after_forward,
+                   host_copy=_stage_host_copy(segs, strategy, rank.device))
     host = host_time(segs, rank.framework, zero_stage=strategy.zero_stage, dp_size=dp_size, pipeline_size=pp)
     chunk = stage_time(segs, speed=rank.speed, dp_fwd_s=comm.per_microbatch_fwd_s,
                        dp_bwd_s=comm.per_microbatch_bwd_s, host=host,
-                       tp_overlap_chunks=strategy.tp if runtime.tp_overlap else 0)
+                       tp_overlap_chunks=strategy.tp if runtime.tp_overlap else 0,
+                       offload_fwd_s=comm.offload_fwd_s, offload_bwd_s=comm.offload_bwd_s)
     return chunk, comm
+
+
+def _stage_host_copy(segs: Sequence[PricedSegment], strategy: Strategy, device: DeviceSpec) -> HostCopy | None:
+    """FSDP2's per-micro-batch copies of a stage whose parameters are offloaded (`costmodel.offload`), or None."""
+    host = host_of(device.name)
+    if strategy.runtime.offload is not Offload.PARAMS or host is None:
+        return None
+    shard = optimizer_params(sum(s.cost.param_count for s in segs), sum(s.cost.expert_param_count for s in segs),
+                             zero_stage=strategy.zero_stage, dp_size=strategy.dp * strategy.cp, ep=strategy.ep)
+    return host_copy(shard, host, num_microbatches=strategy.num_microbatches)
 
 
 def _shared_sync_time(shared_params: int, strategy: Strategy, pp_rank: int, cluster: Cluster) -> float:
@@ -396,13 +425,18 @@ def _stage_estimates(priced: Sequence[Sequence[PricedSegment]], stage_times: Seq
     for r, rank in enumerate(ranks):
         counts = in_flight_per_chunk(strategy.schedule, pp, r, strategy.num_microbatches, strategy.virtual_stages)
         mine = [stage_times[j] for j in _rank_stages(strategy, r)]
-        memory = rank_memory([priced[j] for j in _rank_stages(strategy, r)], counts, zero_stage=strategy.zero_stage, dp=strategy.dp * strategy.cp,
+        memory = rank_memory([priced[j] for j in _rank_stages(strategy, r)], counts,
+                             zero_stage=strategy.zero_stage, dp=strategy.dp * strategy.cp,
                              dtype=dtype, device_name=rank.device.name, extra_params=shared[r], ep=strategy.ep,
-                             reshard_after_forward=strategy.runtime.reshard_after_forward)
+                             reshard_after_forward=strategy.runtime.reshard_after_forward,
+                             offload=strategy.runtime.offload)
         capacity = rank.device.memory_bytes
         if memory.total > capacity:
             problems.append(f"stage {r} needs {memory.total / GIB:.1f} GiB > {capacity / GIB:.1f} GiB "
                             f"({rank.device.name})")
+        why = host_problem(strategy.runtime.offload, rank.device.name, host_of(rank.device.name), memory.host, r)
+        if why and why not in problems:
+            problems.append(why)
         zero_bubble = strategy.schedule.zero_bubble
         out.append(StageEstimate(
             index=r, start=stages[r].start, stop=stages[r].stop, device=rank.device.name,

@@ -72,6 +72,7 @@ from costmodel.memory import ModelState
 from costmodel.memory import model_state_bytes as _dense_state_bytes
 from costmodel.operators import node_time, retype_ratio
 from costmodel.profile_db import OpProfile
+from costmodel.strategy import Offload
 from ir.graph import Node
 from ir.layer_chain import LayerChain
 from ir.moe_structure import (
@@ -304,11 +305,11 @@ def optimizer_params(param_count: int, expert_param_count: int, *, zero_stage: i
 
 
 def model_state_bytes(param_count: int, expert_param_count: int, *, zero_stage: int, dp_size: int, ep: int,
-                      dtype: str) -> ModelState:
+                      dtype: str, offload: Offload = Offload.NONE) -> ModelState:
     """`memory.model_state_bytes` with expert state sharded over n / ep ranks instead of n."""
-    dense = _dense_state_bytes(param_count - expert_param_count, zero_stage=zero_stage, dp=dp_size, dtype=dtype)
+    dense = _dense_state_bytes(param_count - expert_param_count, zero_stage=zero_stage, dp=dp_size, dtype=dtype,
+                               offload=offload)
     if not expert_param_count:
         return dense
-    expert = _dense_state_bytes(expert_param_count, zero_stage=zero_stage, dp=max(dp_size // ep, 1), dtype=dtype)
-    return ModelState(params=dense.params + expert.params, grads=dense.grads + expert.grads,
-                      optimizer=dense.optimizer + expert.optimizer)
+    return dense + _dense_state_bytes(expert_param_count, zero_stage=zero_stage, dp=max(dp_size // ep, 1),
+                                      dtype=dtype, offload=offload)

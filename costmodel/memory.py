@@ -12,6 +12,17 @@ Model state, mixed-precision Adam as Megatron-LM and PyTorch FSDP2 keep it (per 
 Training in fp32 keeps 4 + 4 + 8 (no master copy), sharded the same way. (Rajbhandari et al., SC'20, Sec. 3.1
 count 2 + 2 + 12 with 16-bit gradients: the same total under ZeRO-3, 2 bytes less without it.)
 
+Offload (`strategy.Offload`) moves model state to host memory (`MemoryBreakdown.host`, checked against the host
+memory per device by `costmodel.offload`):
+- optimizer (ZeRO-Offload, Ren et al., ATC'21 Sec. 4.1): the fp32 master weight and Adam m and v (12 bytes) and
+  the fp32 gradient the CPU step reads (4) live on the host for every parameter this rank updates (its shard under
+  ZeRO >= 1): 16 bytes each; the device keeps the training-dtype weights (under ZeRO-3 its shard of them) and its
+  gradient buffers, and no optimizer state.
+- params (FSDP2 `CPUOffloadPolicy`, ZeRO-3): the sharded fp32 parameter, its gradient and the Adam state are host
+  tensors (`torch.distributed.fsdp._fully_shard._fsdp_param`: the padded shard is moved `.cpu()` at init), the
+  whole 16/d bytes; the device keeps none of them between uses, only the unit being gathered: its fp32 shard
+  copied host-to-device before the all-gather (a temporary, beside the gathered weights).
+
 Activations: for each model chunk on the device, the bytes its segments save for one micro-batch under their
 recomputation choice (`LayerCost.saved_bytes_*`), times the micro-batches in flight on that chunk at the schedule's
 peak (`costmodel.pipeline.in_flight_per_chunk`: GPipe m, 1F1B p - rank, interleaved Megatron's count).
@@ -41,7 +52,7 @@ from dataclasses import dataclass
 
 from costmodel.breakdown import MemoryBreakdown
 from costmodel.layer_cost import LayerCost
-from costmodel.strategy import Recompute
+from costmodel.strategy import Offload, Recompute
 from ir.graph import dtype_bytes
 
 GIB = 1024 ** 3
@@ -62,10 +73,16 @@ class ModelState:
     params: int
     grads: int
     optimizer: int
+    host: int = 0
+    """Bytes of model state offloaded to host memory (not part of `total`, the device's bytes)."""
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer
+
+    def __add__(self, other: ModelState) -> ModelState:
+        return ModelState(self.params + other.params, self.grads + other.grads, self.optimizer + other.optimizer,
+                          self.host + other.host)
 
 
 def _validate_zero(zero_stage: int, dp: int) -> None:
@@ -75,22 +92,32 @@ def _validate_zero(zero_stage: int, dp: int) -> None:
         raise ValueError(f"dp must be >= 1, got {dp}")
 
 
-def model_state_bytes(param_count: int, *, zero_stage: int = 0, dp: int = 1, dtype: str = "bfloat16"
-                      ) -> ModelState:
-    """Weights, gradients and Adam state of `param_count` parameters on one rank (see module docstring)."""
+def model_state_bytes(param_count: int, *, zero_stage: int = 0, dp: int = 1, dtype: str = "bfloat16",
+                      offload: Offload = Offload.NONE) -> ModelState:
+    """Weights, gradients and Adam state of `param_count` parameters on one rank, and what `offload` moves to
+    the host (see module docstring)."""
     _validate_zero(zero_stage, dp)
     w = dtype_bytes(dtype)
     shard = math.ceil(param_count / dp)
     if w >= MASTER_BYTES or zero_stage >= 3:
         # The sharded (or only) fp32 weight is the master copy: no separate 12-byte master + moments.
-        return ModelState(params=(shard if zero_stage >= 3 else param_count) * MASTER_BYTES,
-                          grads=(shard if zero_stage >= 2 else param_count) * GRAD_BYTES,
-                          optimizer=(shard if zero_stage >= 1 else param_count) * OPTIMIZER_BYTES_FP32)
-    return ModelState(
-        params=param_count * w,
-        grads=(shard if zero_stage >= 2 else param_count) * GRAD_BYTES,
-        optimizer=(shard if zero_stage >= 1 else param_count) * OPTIMIZER_BYTES_MIXED,
-    )
+        state = ModelState(params=(shard if zero_stage >= 3 else param_count) * MASTER_BYTES,
+                           grads=(shard if zero_stage >= 2 else param_count) * GRAD_BYTES,
+                           optimizer=(shard if zero_stage >= 1 else param_count) * OPTIMIZER_BYTES_FP32)
+    else:
+        state = ModelState(params=param_count * w,
+                           grads=(shard if zero_stage >= 2 else param_count) * GRAD_BYTES,
+                           optimizer=(shard if zero_stage >= 1 else param_count) * OPTIMIZER_BYTES_MIXED)
+    offload = Offload(offload)
+    if offload is Offload.PARAMS:
+        if zero_stage != 3:
+            raise ValueError(f"offload=params needs zero_stage 3, got {zero_stage}")
+        return ModelState(0, 0, 0, host=state.total)
+    if offload is Offload.OPTIMIZER:
+        updated = shard if zero_stage >= 1 else param_count
+        return ModelState(params=(shard if zero_stage >= 3 else param_count) * w, grads=state.grads, optimizer=0,
+                          host=updated * (MASTER_BYTES + OPTIMIZER_BYTES_FP32 + GRAD_BYTES))
+    return state
 
 
 def saved_bytes(cost: LayerCost, recompute: Recompute) -> int:
@@ -119,7 +146,8 @@ class PricedSegment:
 
 def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[int], *, zero_stage: int = 0,
                 dp: int = 1, dtype: str = "bfloat16", device_name: str = "gpu", extra_params: int = 0,
-                ep: int = 1, reshard_after_forward: bool = True) -> MemoryBreakdown:
+                ep: int = 1, reshard_after_forward: bool = True, offload: Offload = Offload.NONE
+                ) -> MemoryBreakdown:
     """Peak bytes on one device holding `chunks` (one per virtual stage) with `in_flight[c]` micro-batches each.
 
     `extra_params`: parameters the device holds besides its segments' own (a copy of a weight shared with another
@@ -131,10 +159,10 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
     # Expert parallelism (costmodel/expert_parallel.py): expert state is sharded over dp / ep ranks.
     experts = sum(s.cost.expert_param_count for s in segments)
     state = model_state_bytes(sum(s.cost.param_count for s in segments) + extra_params - experts,
-                              zero_stage=zero_stage, dp=dp, dtype=dtype)
+                              zero_stage=zero_stage, dp=dp, dtype=dtype, offload=offload)
     if experts:
-        ex = model_state_bytes(experts, zero_stage=zero_stage, dp=max(dp // ep, 1), dtype=dtype)
-        state = ModelState(state.params + ex.params, state.grads + ex.grads, state.optimizer + ex.optimizer)
+        state += model_state_bytes(experts, zero_stage=zero_stage, dp=max(dp // ep, 1), dtype=dtype,
+                                   offload=offload)
     activations = sum(n * sum(saved_bytes(s.cost, s.recompute) for s in chunk)
                       for chunk, n in zip(chunks, in_flight, strict=True))
     rematerialized = max((s.cost.saved_bytes_none - saved_bytes(s.cost, s.recompute) for s in segments), default=0)
@@ -148,9 +176,12 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
     if zero_stage >= 3:
         gathered = [s.cost.param_count * w for s in segments]
         temporary += 2 * max(gathered, default=0) if reshard_after_forward else sum(gathered)
+    if Offload(offload) is Offload.PARAMS:
+        # The fp32 shard of the unit being gathered, copied host-to-device ahead of its all-gather.
+        temporary += MASTER_BYTES * math.ceil(max((s.cost.param_count for s in segments), default=0) / dp)
     return MemoryBreakdown(params=state.params, grads=state.grads, optimizer=state.optimizer,
                            activations=activations, temporary=temporary,
-                           overhead=framework_overhead_bytes(device_name))
+                           overhead=framework_overhead_bytes(device_name), host=state.host)
 
 
 def korthikanti_layer_activation_bytes(*, seq: int, batch: int, hidden: int, heads: int, tp: int = 1,

@@ -30,6 +30,11 @@ Gradients are reduced in fp32 (`memory.GRAD_BYTES`), weights gathered in the tra
   chunk per segment; without `reshard_after_forward` only before the forward), gradients reduce-scattered during
   every backward.
 With `RuntimeOptions.dp_overlap` off nothing overlaps: every term above is its full collective time.
+Offloading (`costmodel.offload`): under FSDP2's parameter offload each gather is preceded by the host-to-device
+copy of the shard in the same prefetched chain, exposed(G + H, F, n), and each reduce-scatter followed by the
+device-to-host copy of the gradient shard (blocking, so exposed, when gradients accumulate over micro-batches);
+what this adds over the same terms without the copies is kept apart (`offload_fwd_s` / `offload_bwd_s`) for the
+breakdown. The offloaded optimizer's end-of-step copies and CPU step replace the device's optimizer step.
 Tensor-parallel collectives are exposed, unless `RuntimeOptions.tp_overlap` pipelines them with the segment's
 GEMMs in tp chunks: exposed(C_tp, compute, tp) per segment and pass.
 Under ZeRO >= 1 every collective is issued once per FSDP unit (one per segment, as `planner.runtime.apply_fsdp` wraps
@@ -57,6 +62,7 @@ from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.hardware.device import DeviceSpec
 from costmodel.memory import PricedSegment
+from costmodel.offload import HostCopy
 from costmodel.operators import T_KERNEL_FLOOR_S
 from costmodel.pipeline import chunk_stages, drain_slack, pipeline_times
 from costmodel.strategy import Recompute, Schedule
@@ -116,14 +122,18 @@ class StageTime:
     wgrad_s: float = 0.0
     """Of `compute_bwd_s`, the weight-gradient work (`LayerCost.weight_grad_share`): W of the zero-bubble
     schedules, which run it apart from the input gradient (B)."""
+    offload_fwd_s: float = 0.0
+    """Exposed host-to-device copies of offloaded parameters in the forward (`costmodel.offload`)."""
+    offload_bwd_s: float = 0.0
 
     @property
     def fwd_s(self) -> float:
-        return self.compute_fwd_s + self.tp_fwd_s + self.dp_fwd_s + self.host_fwd_s
+        return self.compute_fwd_s + self.tp_fwd_s + self.dp_fwd_s + self.host_fwd_s + self.offload_fwd_s
 
     @property
     def bwd_s(self) -> float:
-        return self.compute_bwd_s + self.recompute_s + self.tp_bwd_s + self.dp_bwd_s + self.host_bwd_s
+        return (self.compute_bwd_s + self.recompute_s + self.tp_bwd_s + self.dp_bwd_s + self.host_bwd_s
+                + self.offload_bwd_s)
 
 
 def recompute_time(segment: PricedSegment) -> float:
@@ -173,7 +183,8 @@ def tp_exposed(comm_s: float, compute_s: float, tp_overlap_chunks: int) -> float
 
 
 def stage_time(segments: Sequence[PricedSegment], *, speed: float = 1.0, dp_fwd_s: float = 0.0,
-               dp_bwd_s: float = 0.0, host: PassCost = ZERO_PASS, tp_overlap_chunks: int = 0) -> StageTime:
+               dp_bwd_s: float = 0.0, host: PassCost = ZERO_PASS, tp_overlap_chunks: int = 0,
+               offload_fwd_s: float = 0.0, offload_bwd_s: float = 0.0) -> StageTime:
     """`StageTime` of a virtual stage made of `segments` (LayerCosts + recompute choices); `host` is its
     framework host work (`host_time`); `tp_overlap_chunks` > 1 overlaps tensor-parallel collectives with the
     GEMMs in that many chunks (`RuntimeOptions.tp_overlap`)."""
@@ -192,6 +203,8 @@ def stage_time(segments: Sequence[PricedSegment], *, speed: float = 1.0, dp_fwd_
         host_fwd_s=host.forward_s,
         host_bwd_s=host.backward_s,
         wgrad_s=sum(s.cost.bwd_compute_s * s.cost.weight_grad_share for s in segments) / speed,
+        offload_fwd_s=offload_fwd_s,
+        offload_bwd_s=offload_bwd_s,
     )
 
 
@@ -208,21 +221,26 @@ class DataParallelComm:
     end_reduce_chunks: int = 1
     post_step_s: float = 0.0
     """ZeRO-1/2 all-gather of the updated weights, the part the next step's first forward does not hide."""
+    offload_fwd_s: float = 0.0
+    """What the host-to-device copies of offloaded parameters add to `per_microbatch_fwd_s` (kept apart)."""
+    offload_bwd_s: float = 0.0
+    """What the copies (host-to-device before gathers, device-to-host after reduce-scatters) add to the backward."""
 
 
 def data_parallel_comm(*, zero_stage: int, grad_bytes: float, param_bytes: float, num_segments: int,
                        fwd_window_s: float, bwd_window_s: float, group: CommGroup, cluster: Cluster,
                        concurrent: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True,
-                       reshard_after_forward: bool = True) -> DataParallelComm:
+                       reshard_after_forward: bool = True, host_copy: HostCopy | None = None) -> DataParallelComm:
     """Price the data-parallel collectives of one stage (module docstring). Bytes are this rank's unsharded
     gradient and weight bytes (after tensor parallelism).
 
     Under ZeRO-1..3 every collective goes out once per FSDP unit (a unit per segment), and each piece pays the
     collective's latency: n pieces of S / n bytes. ZeRO-0's gradient all-reduce is one collective over the whole
     part (`replicate` keeps one unit; gradient buckets only pace its overlap with the backward). The units' host
-    work is `host_time`'s."""
+    work is `host_time`'s. `host_copy`: FSDP2's parameter-offload copies of the stage (ZeRO-3 only)."""
     if group.size <= 1 or grad_bytes <= 0:
-        return DataParallelComm()
+        return _host_copy_only(host_copy, num_segments, fwd_window_s, bwd_window_s, overlap,
+                               reshard_after_forward)
 
     def t(kind: Collective, nbytes: float, pieces: int) -> float:
         return pieces * collective_time(kind, nbytes / pieces, group, cluster, concurrent=concurrent)
@@ -245,8 +263,30 @@ def data_parallel_comm(*, zero_stage: int, grad_bytes: float, param_bytes: float
         return DataParallelComm(per_microbatch_bwd_s=exposed(reduce, bwd_window_s, n_seg),
                                 post_step_s=exposed(gather, fwd_window_s, n_seg))
     backward = gather + reduce if reshard_after_forward else reduce
-    return DataParallelComm(per_microbatch_fwd_s=exposed(gather, fwd_window_s, n_seg),
-                            per_microbatch_bwd_s=exposed(backward, bwd_window_s, n_seg))
+    fwd, bwd = exposed(gather, fwd_window_s, n_seg), exposed(backward, bwd_window_s, n_seg)
+    if host_copy is None:
+        return DataParallelComm(per_microbatch_fwd_s=fwd, per_microbatch_bwd_s=bwd)
+    h2d, d2h = host_copy.h2d_s, host_copy.d2h_s
+    chain = backward + (h2d if reshard_after_forward else 0.0) + (0.0 if host_copy.blocking else d2h)
+    return DataParallelComm(
+        per_microbatch_fwd_s=fwd, per_microbatch_bwd_s=bwd,
+        offload_fwd_s=exposed(gather + h2d, fwd_window_s, n_seg) - fwd,
+        offload_bwd_s=exposed(chain, bwd_window_s, n_seg) - bwd + (d2h if host_copy.blocking else 0.0))
+
+
+def _host_copy_only(host_copy: HostCopy | None, num_segments: int, fwd_window_s: float, bwd_window_s: float,
+                    overlap: bool, reshard_after_forward: bool) -> DataParallelComm:
+    """A single data-parallel rank with offloaded parameters: only the copies, prefetched as the gathers are."""
+    if host_copy is None:
+        return DataParallelComm()
+    n = max(num_segments, 1)
+    h2d, d2h = host_copy.h2d_s, host_copy.d2h_s
+    chain = (h2d if reshard_after_forward else 0.0) + (0.0 if host_copy.blocking else d2h)
+    if not overlap:
+        return DataParallelComm(offload_fwd_s=h2d, offload_bwd_s=chain + (d2h if host_copy.blocking else 0.0))
+    return DataParallelComm(offload_fwd_s=overlapped_exposed(h2d, fwd_window_s, n),
+                            offload_bwd_s=overlapped_exposed(chain, bwd_window_s, n)
+                            + (d2h if host_copy.blocking else 0.0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +303,9 @@ class RankTail:
     """All-reduce of gradients of weights shared with another pipeline rank (tied embeddings: Megatron-LM keeps a
     copy on the last stage); it waits for both ranks, so no drain hides it."""
     optimizer_s: float = 0.0
+    """The optimizer step: on the device, or with offloading the end-of-step copies and the CPU step."""
+    offload_copy_s: float = 0.0
+    """Of `optimizer_s`, the host-device copies of an offloaded optimizer (`costmodel.offload.OffloadTail`)."""
     post_step_s: float = 0.0
     overlap: bool = True
     """Whether the end-of-step gradient reduction overlaps the last backward (`RuntimeOptions.dp_overlap`)."""
@@ -296,6 +339,7 @@ def step_breakdown(stages: Sequence[StageTime], tails: Sequence[RankTail], *, sc
     tp = m * sum(s.tp_fwd_s + s.tp_bwd_s for s in mine)
     dp = m * sum(s.dp_fwd_s + s.dp_bwd_s for s in mine)
     host = m * sum(s.host_fwd_s + s.host_bwd_s for s in mine)
+    offload = m * sum(s.offload_fwd_s + s.offload_bwd_s for s in mine)
     # End of step: gradient reduction hidden by the last backward and the drain, then optimizer, then gathers.
     slack = drain_slack(bwd, pp, p2p_time, schedule)
     tail_tp = tail_dp = 0.0
@@ -305,8 +349,9 @@ def step_breakdown(stages: Sequence[StageTime], tails: Sequence[RankTail], *, sc
         if left > tail_tp + tail_dp:
             tail_tp = min(tail.tp_grad_sync_s, left)
             tail_dp = left - tail_tp
-    optimizer = max(t.optimizer_s for t in tails)
+    slowest = max(tails, key=lambda t: t.optimizer_s)
     post = max(t.post_step_s for t in tails)
     return TimeBreakdown(compute_s=compute, recompute_s=recompute, tp_comm_s=tp + tail_tp, pp_comm_s=pipe.p2p_s,
-                         dp_comm_s=dp + tail_dp + post, bubble_s=pipe.bubble_s, optimizer_s=optimizer,
-                         framework_s=host)
+                         dp_comm_s=dp + tail_dp + post, bubble_s=pipe.bubble_s,
+                         optimizer_s=slowest.optimizer_s - slowest.offload_copy_s, framework_s=host,
+                         offload_s=offload + slowest.offload_copy_s)

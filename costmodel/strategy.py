@@ -84,6 +84,24 @@ class Recompute(enum.StrEnum):
     everything else (norms, activations, the other matmuls) in backward (`costmodel.layer_pricing`)."""
 
 
+class Offload(enum.StrEnum):
+    """What of the model state lives in host memory instead of on the device (`costmodel.offload` prices it)."""
+
+    NONE = "none"
+    OPTIMIZER = "optimizer"
+    """ZeRO-Offload (Ren et al., ATC'21): the fp32 master weights and Adam moments on the host and the Adam step on
+    the CPU; gradients go device-to-host, updated 16-bit weights host-to-device (DeepSpeed `offload_optimizer`,
+    Megatron-LM `--optimizer-cpu-offload`). `planner.parallelize` does not run it: plans with it are for export."""
+    PARAMS = "params"
+    """FSDP2's `CPUOffloadPolicy` (ZeRO-3 only): sharded parameters, gradients and optimizer state on the host;
+    each unit's shard is copied host-to-device before its all-gather, its reduce-scattered gradient
+    device-to-host, and the optimizer steps on the CPU (DeepSpeed `offload_param` + `offload_optimizer`,
+    torchtitan `enable_cpu_offload`)."""
+
+
+OFFLOAD_CHOICES = ", ".join(o.value for o in Offload)
+
+
 class MeshAxis(enum.StrEnum):
     """Axes of the device mesh. "axis" names a mesh axis, "dim" a tensor dimension."""
 
@@ -118,6 +136,8 @@ class RuntimeOptions:
     tp_overlap: bool = False
     """Tensor-parallel collectives pipelined with the GEMMs beside them in tp chunks (Transformer Engine userbuffers,
     Megatron-Core `--tp-comm-overlap`). `planner.parallelize` does not run it: plans with it are for export."""
+    offload: Offload = Offload.NONE
+    """Model state kept in host memory (`Offload`); the search chooses it when the device memory binds."""
 
     p2p_scatter_gather: bool = False
     """Pipeline sends without sequence parallelism: each tensor-parallel rank sends its 1/tp slice of the
@@ -132,19 +152,35 @@ class RuntimeOptions:
     later (Megatron-LM's `send_forward_recv_backward`, torch.distributed.pipelining's batched p2p), so only the
     receiver waits."""
 
-    def to_dict(self) -> dict[str, bool]:
-        return {name: getattr(self, name) for name in RUNTIME_OPTION_NAMES}
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "offload", Offload(self.offload))
+        except ValueError:
+            raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {self.offload!r}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        # Options added later are written only when set: plans written before them stay byte-identical.
+        out: dict[str, Any] = {name: getattr(self, name) for name in RUNTIME_FLAGS
+                               if name not in _LATER_FLAGS or getattr(self, name)}
+        if self.offload is not Offload.NONE:
+            out["offload"] = self.offload.value
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RuntimeOptions:
         unknown = set(d) - set(RUNTIME_OPTION_NAMES)
         if unknown:
             raise ValueError(f"unknown runtime options {sorted(unknown)}; valid: {', '.join(RUNTIME_OPTION_NAMES)}")
-        return cls(**{k: bool(v) for k, v in d.items()})
+        flags = {k: bool(v) for k, v in d.items() if k != "offload"}
+        return cls(**flags, offload=Offload(d.get("offload", "none")))
 
 
-RUNTIME_OPTION_NAMES = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking")
-"""The fields of `RuntimeOptions`, in the order plans write them."""
+RUNTIME_FLAGS = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking")
+"""The true/false fields of `RuntimeOptions`, in the order plans write them."""
+_LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking"})
+RUNTIME_OPTION_NAMES = (*RUNTIME_FLAGS, "offload")
+"""Every field of `RuntimeOptions` (the keys of its JSON)."""
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +249,10 @@ class Strategy:
             raise ValueError(f"runtime must be a RuntimeOptions, got {type(self.runtime).__name__}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.runtime.offload is Offload.PARAMS and self.zero_stage != 3:
+            raise ValueError(f"offload=params (FSDP2 CPUOffloadPolicy) keeps sharded parameters on the host and "
+                             f"needs zero_stage 3, got {self.zero_stage}; use offload=optimizer with ZeRO-"
+                             f"{self.zero_stage}")
         if sorted(self.mesh_order) != sorted(DEFAULT_MESH_ORDER):
             raise ValueError(f"mesh_order must order each of {[a.value for a in DEFAULT_MESH_ORDER]} once")
         if self.virtual_stages > 1 and not self.schedule.chunked:

@@ -34,6 +34,7 @@ def strategy_label(s: Strategy, detail: Detail = Detail.FULL) -> str:
     schedule = s.schedule.label(s.virtual_stages)
     text += f" mbs={s.microbatch_size} m={s.num_microbatches} {schedule} zero={s.zero_stage}"
     text += " sp" if s.sequence_parallel else ""
+    text += f" offload={s.runtime.offload.value}" if s.runtime.offload.value != "none" else ""
     if detail is Detail.FULL:
         modes = sorted({st.recompute.value for st in s.stages}) or [s.recompute.value]
         text += f" recompute={','.join(modes)}"

@@ -56,13 +56,13 @@ PARAM_ATOL = 1e-7
 UPDATE_RTOL = 1e-2
 UPDATE_FLOOR = 1e-6
 
-CONFIGS_2 = ("dp2", "dp2_zero1", "fsdp2", "tp2", "tp2_sp", "tp2_sp_llama", "tp2_moe", "tp2_sp_moe",
+CONFIGS_2 = ("dp2", "dp2_zero1", "fsdp2", "fsdp2_offload", "tp2", "tp2_sp", "tp2_sp_llama", "tp2_moe", "tp2_sp_moe",
              "pp2_gpipe", "pp2_1f1b", "pp2_1f1b_one_microbatch", "pp2_interleaved", "pp2_interleaved_m3",
              "pp2_interleaved_m1", "pp2_interleaved_uneven", "pp2_zb", "pp2_interleaved_zb", "pp2_zbv",
              "pp2_zbv_untied", "pp2_dualpipev", "pp2_llama_uneven", "user_pp2", "user_dp2_recompute", "recompute_full_dp2",
              "recompute_selective_tp2", "recompute_op_fsdp2", "tp2_sp_selective_island", "tp2_sp_unpaired_colwise", "recompute_pp2",
              "cp2", "cp2_llama_recompute", "ep2", "ep2_fsdp")
-CONFIGS_4 = ("dp4_fsdp", "tp2_dp2", "tp2_sp_fsdp2", "pp2_dp2", "pp2_fsdp2", "pp2_tp2", "pp2_tp2_sp_recompute",
+CONFIGS_4 = ("dp4_fsdp", "tp2_dp2", "tp2_sp_fsdp2", "pp2_dp2", "pp2_fsdp2", "pp2_fsdp2_offload", "pp2_tp2", "pp2_tp2_sp_recompute",
              "pp4_1f1b", "pp2_interleaved_dp2", "pp2_interleaved_uneven_zero1", "pp2_zbv_fsdp2",
              "pp2_zbv_dp2", "pp2_zb_zero1", "pp2_zb_zero2", "pp2_dualpipev_tp2", "user_pp2_fsdp2", "cp2_dp2", "cp2_fsdp2_selective", "cp2_tp2_sp",
              "cp2_pp2", "ep2_dp4", "ep2_tp2", "ep2_pp2", "cp2_ep2_moe")
@@ -580,6 +580,10 @@ def _check_config(name: str, ranks: list[dict[str, Any]]) -> None:
     split = strategy.tp * strategy.pp * strategy.ep * (strategy.dp * strategy.cp if strategy.zero_stage else 1)
     for r in ranks:
         assert r["local_numel"] == full if split == 1 else r["local_numel"] < full
+    # ...and FSDP2 offloads to the host exactly when the plan says so
+    if strategy.zero_stage:
+        policy = "CPUOffloadPolicy" if strategy.runtime.offload.value == "params" else "OffloadPolicy"
+        assert all(r["offload_policies"] == [policy] for r in ranks), f"{name}: {ranks[0]['offload_policies']}"
 
 
 @pytest.mark.multiprocess

@@ -33,8 +33,10 @@ def two_nodes():
 def test_strategy_records_runtime_options_and_rejects_unknown_ones():
     s = Strategy(dp=2, runtime=RuntimeOptions(dp_overlap=False, tp_overlap=True))
     assert Strategy.from_dict(s.to_dict()) == s
-    assert s.to_dict()["runtime"] == {"dp_overlap": False, "reshard_after_forward": True, "tp_overlap": True,
-                                      "p2p_scatter_gather": False, "p2p_blocking": False}
+    assert s.to_dict()["runtime"] == {"dp_overlap": False, "reshard_after_forward": True, "tp_overlap": True}
+    piped = Strategy(dp=2, runtime=RuntimeOptions(p2p_blocking=True))  # later options are written only when set
+    assert piped.to_dict()["runtime"]["p2p_blocking"] and "p2p_scatter_gather" not in piped.to_dict()["runtime"]
+    assert Strategy.from_dict(piped.to_dict()) == piped
     old = {k: v for k, v in s.to_dict().items() if k != "runtime"}
     assert Strategy.from_dict(old).runtime == RuntimeOptions()  # plans written before the field
     with pytest.raises(ValueError, match="unknown runtime options.*valid: dp_overlap"):
@@ -116,8 +118,7 @@ def test_estimate_flags_and_report(tmp_path):
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
-    assert plan["strategy"]["runtime"] == {"dp_overlap": False, "reshard_after_forward": False, "tp_overlap": True,
-                                           "p2p_scatter_gather": False, "p2p_blocking": False}
+    assert plan["strategy"]["runtime"] == {"dp_overlap": False, "reshard_after_forward": False, "tp_overlap": True}
     assert plan["strategy"]["recompute"] == "op" and plan["predicted"]["error_band"] > 0
     text = subprocess.run(
         [sys.executable, "-m", "planner.cli.main", "estimate", "gpt-tiny", "--cluster", "1x8xa100-80gb",

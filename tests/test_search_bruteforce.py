@@ -282,6 +282,11 @@ def _instances(tmp: Path) -> list[tuple[str, ir.LayerChain, Cluster, int, Search
          space.with_changes(pp=2, max_microbatch_size=1)),
         ("gpt 1.3GB zero-bubble pp=2 (memory)", memory, small_memory(tmp, "1.3GB"), 8,
          space.with_changes(pp=2, schedule=Schedule.ZBV, max_microbatch_size=1)),
+        # nothing fits without offloading: the optimizer state (ZeRO-0), the parameters too (ZeRO-3)
+        ("gpt 1.2GB zero=0 dp=4 (optimizer offload)", memory, small_memory(tmp, "1.2GB"), 8,
+         space.with_changes(zero_stage=0, pp=1, tp=1)),
+        ("gpt 1.06GB zero=3 dp=4 (parameter offload)", memory, small_memory(tmp, "1.06GB"), 8,
+         space.with_changes(zero_stage=3, pp=1, tp=1)),
     ]
 
 
@@ -305,11 +310,11 @@ def _check_grid(instances) -> tuple[int, int]:
 def test_search_matches_brute_force(tmp_path: Path) -> None:
     """A quick slice of the grid: plain, memory-bound (recomputation decides), a straggler, ranks sharing host
     cores (speeds that change with the schedule's bubbles), uneven virtual stages, every schedule (zero-bubble ones
-    included) and a memory-bound V-shaped one."""
+    included), a memory-bound V-shaped one and two that fit only by offloading to the host."""
     instances = _instances(tmp_path)
-    checked, estimates = _check_grid([instances[i] for i in (0, 4, 7, 8, 10, 11, 12)])
+    checked, estimates = _check_grid([instances[i] for i in (0, 4, 7, 8, 10, 11, 12, 13, 14)])
     print(f"search == brute force on {checked} instances ({estimates} brute-force estimates)")
-    assert checked == 7
+    assert checked == 9
 
 
 @pytest.mark.slow

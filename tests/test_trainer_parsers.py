@@ -44,6 +44,10 @@ def exports() -> dict[str, tuple[Plan, dict[Trainer, str]]]:
             stages = tuple(replace(s, recompute=Recompute.FULL) for s in plan.strategy.stages)
             variants[path.stem + "+full+zero1"] = replace(plan, strategy=replace(
                 plan.strategy, zero_stage=1, recompute=Recompute.FULL, stages=stages))
+        elif plan.strategy.dp > 1:  # offloading: the optimizer under ZeRO-1, the parameters under ZeRO-3
+            for zero, offload in ((1, "optimizer"), (3, "params")):
+                variants[f"{path.stem}+zero{zero}+offload-{offload}"] = replace(plan, strategy=replace(
+                    plan.strategy, zero_stage=zero, runtime=replace(plan.strategy.runtime, offload=offload)))
         for name, p in variants.items():
             out[name] = (p, {t: export_plan(p, t, layout, shape).text for t in Trainer})
     return out
@@ -67,6 +71,7 @@ def test_torchtitan_config_manager_reads_the_export(exports, tmp_path: Path) -> 
             assert len(parts) == s.pp * s.virtual_stages and parts[0][0] == "tok_embeddings", name
             assert cfg.training.local_batch_size % par.pipeline_parallel_microbatch_size == 0, name
         assert cfg.activation_checkpoint.mode in ("none", "full", "selective"), name
+        assert cfg.training.enable_cpu_offload == (s.runtime.offload.value != "none"), name
 
 
 class _DataParallelOnly:
@@ -95,6 +100,10 @@ def test_deepspeed_config_accepts_the_export(exports, monkeypatch) -> None:
         assert cfg.train_micro_batch_size_per_gpu == s.microbatch_size, name
         assert cfg.gradient_accumulation_steps == s.num_microbatches, name
         assert cfg.zero_optimization_stage == (min(s.zero_stage, 1) if s.pp > 1 else s.zero_stage), name
+        offloaded = {k for k in ("offload_optimizer", "offload_param")
+                     if getattr(cfg.zero_config, k) is not None and getattr(cfg.zero_config, k).device == "cpu"}
+        want = {"none": set(), "optimizer": {"offload_optimizer"}, "params": {"offload_optimizer", "offload_param"}}
+        assert offloaded == want[s.runtime.offload.value], (name, offloaded)
     with pytest.raises(AssertionError, match="train_batch_size is not equal"):
         ds_config.DeepSpeedConfig({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 3,
                                    "gradient_accumulation_steps": 4}, mpu=_DataParallelOnly(2))

@@ -116,6 +116,29 @@ def test_zero_bubble_schedules_round_trip_through_torchtitan_and_warn_in_megatro
         assert back.strategy.schedule == "interleaved" and back.strategy.stages == strategy.stages
 
 
+def test_offload_round_trips_where_the_trainer_has_it_and_warns_where_not(golden, tmp_path: Path) -> None:
+    """DeepSpeed `offload_optimizer` / `offload_param`, Megatron-LM `--optimizer-cpu-offload` (optimizer only),
+    torchtitan `enable_cpu_offload` (FSDP2's CPUOffloadPolicy: parameters)."""
+    plan, layout, shape = golden["gpt3-1.3b-2x8xa100"]
+    s = plan.strategy
+    cases = {  # (zero, offload) -> trainers that carry it exactly, and the text that shows it
+        (1, "optimizer"): {Trainer.MEGATRON: "--optimizer-cpu-offload", Trainer.DEEPSPEED: '"offload_optimizer"'},
+        (3, "params"): {Trainer.TORCHTITAN: "enable_cpu_offload = true", Trainer.DEEPSPEED: '"offload_param"'},
+    }
+    for (zero, offload), exact in cases.items():
+        strategy = replace(s, dp=16, tp=1, pp=1, virtual_stages=1, schedule="1f1b", zero_stage=zero, stages=(),
+                           sequence_parallel=False, microbatch_size=2, num_microbatches=s.global_batch // 32,
+                           runtime=replace(s.runtime, offload=offload))
+        variant = replace(plan, strategy=strategy)
+        for trainer in (Trainer.MEGATRON, Trainer.TORCHTITAN, Trainer.DEEPSPEED):
+            result, back = round_trip(variant, layout, shape, trainer, tmp_path)
+            if trainer in exact:
+                assert exact[trainer] in result.text, (trainer, result.text)
+                assert back.strategy.runtime.offload == strategy.runtime.offload, (trainer, offload)
+            else:
+                assert any("offload" in w for w in result.warnings), (trainer, result.warnings)
+
+
 def test_megatron_layout_strings() -> None:
     assert format_megatron_layout((1, 2, 2, 1)) == "Et|tt|tt|tL"
     assert parse_megatron_layout("Et|tt|tt|tL") == (1, 2, 2, 1)

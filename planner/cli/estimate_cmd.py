@@ -12,6 +12,9 @@ engine), `--keep-gathered` (ZeRO-3 keeps gathered weights from forward to backwa
 `--p2p-scatter-gather` (pipeline sends of 1/tp of a replicated activation, all-gathered by the receiver:
 Megatron-LM before Megatron-Core, DeepSpeed's pipeline engine) and `--p2p-blocking` (each pipeline send and
 receive blocks both ends: DeepSpeed's pipeline engine).
+`--offload optimizer|params` keeps model state in host memory (`costmodel.offload`): the optimizer state alone
+(ZeRO-Offload) or, under `--zero 3`, the sharded parameters, gradients and optimizer state (FSDP2
+`CPUOffloadPolicy`).
 
 `--from TRAINER:FILE` prices the configuration a team runs today instead of the flags: a Megatron-LM or
 Megatron-DeepSpeed argument file, a torchtitan TOML job config or a DeepSpeed JSON config
@@ -25,7 +28,15 @@ import argparse
 import sys
 from typing import Any
 
-from costmodel.strategy import SCHEDULE_CHOICES, Recompute, RuntimeOptions, Schedule, Strategy, parse_schedule
+from costmodel.strategy import (
+    SCHEDULE_CHOICES,
+    Offload,
+    Recompute,
+    RuntimeOptions,
+    Schedule,
+    Strategy,
+    parse_schedule,
+)
 from planner.api import estimate_plan, load_profile
 from planner.cli.common import (
     add_cluster_argument,
@@ -89,13 +100,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(Megatron-LM before Megatron-Core, DeepSpeed's pipeline engine)")
     p.add_argument("--p2p-blocking", action="store_true",
                    help="each pipeline send and receive blocks both ends (DeepSpeed's pipeline engine)")
+    p.add_argument("--offload", choices=[o.value for o in Offload], default=None,
+                   help="model state in host memory: optimizer (ZeRO-Offload) or params (FSDP2 CPUOffloadPolicy, "
+                        "needs --zero 3); default none")
     add_output_arguments(p)
     add_trace_cache_arguments(p)
     p.set_defaults(func=run)
 
 
 STRATEGY_FLAGS = ("batch", "tp", "pp", "dp", "mbs", "schedule", "recompute", "zero", "sp", "no_dp_overlap",
-                  "keep_gathered", "tp_overlap", "p2p_scatter_gather", "p2p_blocking")
+                  "keep_gathered", "tp_overlap", "p2p_scatter_gather", "p2p_blocking", "offload")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,7 +146,8 @@ def _estimate_flags(args: argparse.Namespace, cluster: Any, profile: Any) -> Any
                                                    reshard_after_forward=not args.keep_gathered,
                                                    tp_overlap=args.tp_overlap,
                                                    p2p_scatter_gather=args.p2p_scatter_gather,
-                                                   p2p_blocking=args.p2p_blocking))
+                                                   p2p_blocking=args.p2p_blocking,
+                                                   offload=Offload(args.offload or Offload.NONE.value)))
     except ValueError as e:
         raise UserError(f"invalid strategy: {e}") from None
     dtype = args.dtype or "bfloat16"

@@ -163,7 +163,8 @@ _NAMED_PATHS: frozenset[str] = frozenset(
     + [f"predicted.{k}" for k in ("step_time_s", "tokens_per_s", "samples_per_s", "tflops_per_device",
                                   "hardware_tflops_per_device", "mfu", "hfu", "fits")]
     + [f"predicted.breakdown.{k}" for k in ("compute_s", "recompute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s",
-                                            "bubble_s", "optimizer_s", "framework_s")]
+                                            "bubble_s", "optimizer_s", "framework_s", "offload_s")]
+    + ["strategy.runtime.offload"]
     + [f"search.{k}" for k in ("status", "candidates", "optimality_gap")])
 
 _NAMED_PREFIXES: tuple[str, ...] = (
@@ -198,7 +199,10 @@ def _named_changes(old: Plan, new: Plan) -> Iterator[Change]:
                      "virtual_stages", "zero_stage", "sequence_parallel", "recompute")
     yield from rows("strategy", [(k, o["strategy"][k], n["strategy"][k], Unit.NONE) for k in strategy_keys]
                     + [("mesh_order", ",".join(o["strategy"]["mesh_order"]),
-                        ",".join(n["strategy"]["mesh_order"]), Unit.NONE)])
+                        ",".join(n["strategy"]["mesh_order"]), Unit.NONE),
+                       # absent from the JSON of a plan that offloads nothing
+                       ("offload", o["strategy"]["runtime"].get("offload", "none"),
+                        n["strategy"]["runtime"].get("offload", "none"), Unit.NONE)])
     yield from rows("stages", list(_stage_pairs(old, new)))
     yield from rows("sharding", list(_sharding_pairs(old, new)))
     yield from rows("predicted", list(_prediction_pairs(o["predicted"], n["predicted"])))
@@ -263,8 +267,8 @@ def _prediction_pairs(o: Mapping[str, Any], n: Mapping[str, Any]) -> Iterator[tu
     yield "fits", o["fits"], n["fits"], Unit.NONE
     yield "problems", "; ".join(o["problems"]), "; ".join(n["problems"]), Unit.NONE
     for key in ("compute_s", "recompute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "bubble_s", "optimizer_s",
-                "framework_s"):
-        # framework_s is absent from plans written before it existed: 0 there
+                "framework_s", "offload_s"):
+        # framework_s is absent from plans written before it existed, offload_s from plans offloading nothing
         yield f"breakdown.{key}", o["breakdown"].get(key, 0.0), n["breakdown"].get(key, 0.0), Unit.SECONDS
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from costmodel.breakdown import StageEstimate
 from costmodel.validation import within_band
 from planner.plan import Plan
+from planner.reports.render import offload_text
 from planner.reports.timeline import StepTimeline, segment_range
 from planner.strategy_label import strategy_label
 
@@ -35,6 +36,7 @@ _BREAKDOWN_TERMS: tuple[tuple[str, str], ...] = (
     ("bubble_s", "pipeline bubble"),
     ("optimizer_s", "optimizer step"),
     ("framework_s", "framework host work"),
+    ("offload_s", "host-device copies (offload)"),
 )
 _COMM_TERMS = ("tp_comm_s", "pp_comm_s", "dp_comm_s")
 _LEADING_MARGIN = re.compile(r"^[+-]?\d+(\.\d+)?% step time[:;,]?\s*")
@@ -131,7 +133,9 @@ def explain_plan(plan: Plan, *, timeline: StepTimeline | None = None) -> Explana
     predicted = plan.predicted
     step = predicted.step_time_s
     bd = predicted.breakdown.to_dict()
-    terms = [TermShare(k, label, bd[k], bd[k] / step if step > 0 else 0.0) for k, label in _BREAKDOWN_TERMS]
+    # offload_s only where the plan offloads (older plans and the rest have no such term).
+    terms = [TermShare(k, label, bd[k], bd[k] / step if step > 0 else 0.0) for k, label in _BREAKDOWN_TERMS
+             if k in bd]
     comm = sum(bd[k] for k in _COMM_TERMS)
     terms.append(TermShare("comm_total", "all exposed communication", comm, comm / step if step > 0 else 0.0))
 
@@ -154,7 +158,7 @@ def explain_plan(plan: Plan, *, timeline: StepTimeline | None = None) -> Explana
 
 
 def _stage_row(s: StageEstimate) -> StageRow:
-    parts = s.memory.to_dict()
+    parts = {k: v for k, v in s.memory.to_dict().items() if k != "host"}  # host memory is not the device's
     largest = max(sorted(parts), key=lambda k: parts[k])
     return StageRow(index=s.index, segments=segment_range(s.start, s.stop), device=s.device, fwd_s=s.fwd_s,
                     bwd_s=s.bwd_s, peak_bytes=s.memory.total, capacity_bytes=s.capacity_bytes,
@@ -194,6 +198,9 @@ def _lost(summary: str, step_time_s: float | None, reason: str, best_s: float, b
 def _notes(plan: Plan, rows: Sequence[StageRow], timeline: StepTimeline | None) -> list[str]:
     notes: list[str] = []
     predicted, s = plan.predicted, plan.strategy
+    offloaded = offload_text(s, predicted)
+    if offloaded:
+        notes.append(offloaded)
     step = predicted.step_time_s
     bubble = predicted.breakdown.bubble_s / step if step > 0 else 0.0
     if s.pp > 1 and bubble > BUBBLE_NOTE_SHARE:

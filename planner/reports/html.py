@@ -17,6 +17,7 @@ from planner.errors import UserError
 from planner.plan import Plan
 from planner.reports.diff import Change, PlanDiff, diff_plans, format_value
 from planner.reports.html_charts import breakdown_svg, memory_svg, mesh_svg, timeline_svg
+from planner.reports.render import offload_text
 from planner.reports.svg import attr, stage_colour
 from planner.reports.timeline import build_timeline, segment_range
 from planner.strategy_label import strategy_label
@@ -91,8 +92,12 @@ def _summary(plan: Plan) -> str:
              _card("schedule", "schedule", f"{schedule}, {s.num_microbatches} x {s.microbatch_size}", schedule),
              _card("fits", "fits in memory", "yes" if p.fits else "NO", p.fits),
              _card("search", "search", _search_text(plan), plan.search.status)]
+    offloaded = offload_text(s, p)
+    if offloaded:
+        cards.append(_card("offload", "offload to host", s.runtime.offload.value, s.runtime.offload.value))
     problems = "".join(f'<p class="bad">{escape(x)}</p>' for x in p.problems)
-    return _section("summary", "Summary", f'<div class="cards">{"".join(cards)}</div>{problems}')
+    note = f'<p class="note">{escape(offloaded)}</p>' if offloaded else ""
+    return _section("summary", "Summary", f'<div class="cards">{"".join(cards)}</div>{note}{problems}')
 
 
 def _search_text(plan: Plan) -> str:

@@ -28,7 +28,8 @@ from planner.reports.timeline import StepTimeline
 GIB = 1 << 30
 TERM_LABELS = {"compute_s": "compute", "recompute_s": "recomputation", "tp_comm_s": "tensor-parallel comm",
                "pp_comm_s": "pipeline send/recv", "dp_comm_s": "data-parallel comm", "bubble_s": "pipeline bubble",
-               "optimizer_s": "optimizer step", "framework_s": "framework host work"}
+               "optimizer_s": "optimizer step", "framework_s": "framework host work",
+               "offload_s": "host-device copies (offload)"}
 MAX_MESH_NODES = 32
 """Nodes drawn in the mesh picture; larger clusters show the first ones (the pattern repeats) and say so."""
 
@@ -103,7 +104,8 @@ def memory_svg(plan: Plan) -> str:
     body = []
     for i, st in enumerate(stages):
         y = 20 + i * (bar + gap)
-        parts = [Segment(k, k, v / GIB, MEMORY_COLOURS[k]) for k, v in st.memory.to_dict().items()]
+        # Offloaded state sits in host memory: not a part of the device's bar.
+        parts = [Segment(k, k, v / GIB, MEMORY_COLOURS[k]) for k, v in st.memory.to_dict().items() if k != "host"]
         body.append(text(left - 8, y + bar / 2 + 4, f"stage {st.index}", anchor="end", size=12))
         body += stacked_bar(parts, left, y, width, bar, top_value / GIB, "GiB")
         cap_x = left + width * st.capacity_bytes / top_value

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from costmodel.breakdown import Estimate
 from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.host import host_of
 from costmodel.memory import GIB
 from costmodel.pipeline import chunk_stages
 from costmodel.rank_layout import axis_strides
-from costmodel.strategy import MeshAxis, Strategy
+from costmodel.strategy import MeshAxis, Offload, Strategy
 from costmodel.validation import within_band
 from planner.plan import Plan, SearchInfo
 
@@ -70,6 +71,7 @@ def render_plan(plan: Plan, cluster: Cluster) -> str:
         f"{s.microbatch_size}, ZeRO-{s.zero_stage}, "
         f"sequence parallel {'on' if s.sequence_parallel else 'off'}, recompute {s.recompute.value}",
         runtime_line(s),
+        *filter(None, [offload_text(s, est)]),
         "stages:",
         *stage_table(plan),
     ]
@@ -119,7 +121,29 @@ def runtime_line(s: Strategy) -> str:
     if s.pp > 1 and (r.p2p_scatter_gather or r.p2p_blocking):
         how = [w for w, on in (("scatter/gather", r.p2p_scatter_gather), ("blocking", r.p2p_blocking)) if on]
         parts.append(f"pipeline sends {' and '.join(how)}")
+    if r.offload is not Offload.NONE:
+        parts.append(f"offload {r.offload.value}")
     return "runtime: " + ", ".join(parts)
+
+
+_OFFLOADED = {Offload.OPTIMIZER: "optimizer state (fp32 master weights, Adam moments, gradient copy)",
+              Offload.PARAMS: "parameters, gradients and optimizer state (FSDP2 CPUOffloadPolicy)"}
+
+
+def offload_text(s: Strategy, est: Estimate) -> str:
+    """What the plan offloads to host memory and what it costs ('' when nothing): host bytes per device against
+    the host's memory, the exposed host-device copies and the CPU's optimizer step per step."""
+    offload = s.runtime.offload
+    if offload is Offload.NONE:
+        return ""
+    host_bytes = max((st.memory.host for st in est.stages), default=0)
+    hosts = [host_of(st.device) for st in est.stages]
+    capacity = min((h.host_memory_bytes for h in hosts if h is not None), default=0)
+    of = f" of {_gib(capacity)} GiB" if capacity else ""
+    bd = est.breakdown
+    return (f"offload: {_OFFLOADED[offload]} in host memory, {_gib(host_bytes)} GiB per device{of}; "
+            f"per step {bd.offload_s:.3g} s of host-device copies exposed, optimizer step on the CPU "
+            f"{bd.optimizer_s:.3g} s")
 
 
 def band_text(est: Estimate) -> str:

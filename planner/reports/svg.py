@@ -17,6 +17,7 @@ STAGE_COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948
 TERM_COLOURS = {
     "compute_s": "#4e79a7", "recompute_s": "#a0cbe8", "tp_comm_s": "#f28e2b", "pp_comm_s": "#edc948",
     "dp_comm_s": "#e15759", "bubble_s": "#bab0ac", "optimizer_s": "#59a14f", "framework_s": "#b07aa1",
+    "offload_s": "#76b7b2",
 }
 MEMORY_COLOURS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#59a14f", "activations": "#e15759",
                   "temporary": "#edc948", "overhead": "#bab0ac"}

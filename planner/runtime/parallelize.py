@@ -22,7 +22,7 @@ from torch import nn
 from costmodel.estimate import recomputes
 from costmodel.pipeline import split_backward_problem, stage_rank
 from costmodel.rank_layout import even_stages
-from costmodel.strategy import Schedule, StageSpec, Strategy
+from costmodel.strategy import Offload, Schedule, StageSpec, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import PlanLoadError, UserError
 from planner.plan import Plan
@@ -348,7 +348,8 @@ def _data_parallel(part: nn.Module, layers: Sequence[tuple[str, nn.Module]], sha
     experts = [m for m in sharded.experts if id(m) in inside]
     apply_data_parallel(part, [m for _, m in layers], sharded.meshes.replicas, zero_stage=strategy.zero_stage,
                         experts=experts, experts_mesh=sharded.meshes.expert_replicas,
-                        reshard_after_forward=strategy.runtime.reshard_after_forward)
+                        reshard_after_forward=strategy.runtime.reshard_after_forward,
+                        offload=strategy.runtime.offload)
 
 
 def _model_parallel(model: nn.Module, plan: Plan, meshes: PlanMeshes, stages: Sequence[StageSpec],
@@ -389,6 +390,11 @@ def runtime_unsupported(strategy: Strategy) -> str:
     if (r.p2p_scatter_gather or r.p2p_blocking) and strategy.pp > 1:
         return ("the plan prices pipeline sends as another trainer runs them (p2p_scatter_gather / p2p_blocking); "
                 "this runtime sends whole activations, paired: plan with both false, or export the plan")
+    if r.offload is Offload.OPTIMIZER:
+        return ("the plan offloads the optimizer state alone (offload=optimizer, ZeRO-Offload), which FSDP2 has no "
+                "form of; export the plan to DeepSpeed or Megatron-LM, or plan with --fix offload=params or none")
+    if r.offload is Offload.PARAMS and strategy.dp * strategy.cp == 1:
+        return "offload=params runs through FSDP2, which this runtime applies only with dp*cp > 1"
     if not r.dp_overlap and strategy.dp * strategy.cp > 1:
         return ("the plan prices data-parallel communication without overlap (dp_overlap=false, another trainer's "
                 "behaviour); this runtime always overlaps it: plan with dp_overlap=true")

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 
 from costmodel.breakdown import Estimate
 from costmodel.estimate import estimate as costmodel_estimate
+from costmodel.estimate import optimizer_terms
 from costmodel.expert_parallel import (
     expert_param_numel,
     num_experts,
@@ -64,7 +65,7 @@ from costmodel.hardware.cluster import Cluster
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import framework_overhead_bytes
 from costmodel.step_time import optimizer_step_time
-from costmodel.strategy import MeshAxis, Recompute, Strategy
+from costmodel.strategy import MeshAxis, Offload, Recompute, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import InfeasibleError, TimeLimitError, UserError
 from planner.plan import Alternative, ModuleSharding
@@ -246,7 +247,7 @@ class SearchState:
         m = cand.mesh
         floor = simplicity_floor(tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep, zero_stage=cand.zero_stage,
                                  num_microbatches=cand.num_microbatches, virtual_stages=cand.virtual_stages,
-                                 zero_bubble=cand.schedule.zero_bubble)
+                                 zero_bubble=cand.schedule.zero_bubble, offload=cand.runtime.offload)
         return self.ties.may_lead(self.found[0], m.num_devices, floor)
 
     def ranked_found(self) -> list[Found]:
@@ -297,13 +298,13 @@ class SearchState:
         if placements is None:
             return math.inf
         m = cand.mesh
-        key = (m.tp * m.pp, m.dp * m.cp, m.ep, cand.zero_stage)
+        key = (m.tp * m.pp, m.dp * m.cp, m.ep, cand.zero_stage, cand.runtime.offload)
         need = self._memory_need.get(key)
         if need is None:
             # Experts split over ep hold 1/ep of their weights, ZeRO-sharded over dp*cp/ep ranks.
             even, even_experts = self._even_params(m)
             state = expert_state_bytes(even, even_experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp,
-                                       ep=m.ep, dtype=self.dtype).total
+                                       ep=m.ep, dtype=self.dtype, offload=cand.runtime.offload).total
             need = self._memory_need[key] = state + framework_overhead_bytes(placements[0].device.name)
         if need > max(pl.device.memory_bytes for pl in placements):
             rec = self.meshes.setdefault((m.dp, m.tp, m.pp), _MeshRecord())
@@ -344,11 +345,15 @@ class SearchState:
         m = cand.mesh
         fastest = max(placements, key=lambda pl: pl.speed)
         # The speed is in the key: where devices share host cores it changes with the schedule's bubbles.
-        key = (m, cand.zero_stage, fastest.device.name, fastest.speed)
+        key = (m, cand.zero_stage, fastest.device.name, fastest.speed, cand.runtime.offload)
         if key not in self._optimizer:
             even, even_experts = self._even_params(m)
             local = optimizer_params(even, even_experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp, ep=m.ep)
-            self._optimizer[key] = optimizer_step_time(local, fastest.device, speed=fastest.speed)
+            if cand.runtime.offload is Offload.NONE:
+                self._optimizer[key] = optimizer_step_time(local, fastest.device, speed=fastest.speed)
+            else:  # the host CPU's step does not scale with the device's speed: the cheapest host bounds it
+                self._optimizer[key] = min(optimizer_terms(local, pl.device, cand.runtime.offload, dtype=self.dtype,
+                                                           speed=pl.speed)[0] for pl in placements)
         return self._optimizer[key]
 
     def refine(self, cand: Candidate) -> float:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from costmodel.context_parallel import cp_options
 from costmodel.expert_parallel import ep_options
 from costmodel.hardware.cluster import Cluster
+from costmodel.hardware.host import host_of
 from costmodel.pipeline import schedule_problem, split_backward_problem
-from costmodel.strategy import Recompute, RuntimeOptions, Schedule, StageSpec, Strategy
+from costmodel.strategy import Offload, Recompute, RuntimeOptions, Schedule, StageSpec, Strategy
 from ir.layer_chain import LayerChain
 from planner.search.device_groups import mesh_type_problem
 from planner.search.interleaved_layout import ChainUnits, InterleavedLayout
@@ -26,6 +27,7 @@ from planner.search.space import Objective, SearchSpace
 from planner.strategy_label import Detail, strategy_label
 
 _SCHEDULE_ORDER: dict[Schedule, int] = {s: i for i, s in enumerate(Schedule)}
+_OFFLOAD_ORDER: dict[Offload, int] = {o: i for i, o in enumerate(Offload)}
 """Declaration order of the schedules, for `Candidate.sort_key` (a dict: `list(Schedule)` per call costs tens of
 microseconds, and the search sorts thousands of candidates)."""
 
@@ -64,7 +66,8 @@ class Candidate:
         """Deterministic order among candidates of equal priority."""
         m = self.mesh
         return (m.tp, m.pp, m.dp, m.cp, m.ep, tuple(a.value for a in m.mesh_order), self.microbatch_size,
-                _SCHEDULE_ORDER[self.schedule], self.virtual_stages, self.zero_stage, self.sequence_parallel)
+                _SCHEDULE_ORDER[self.schedule], self.virtual_stages, self.zero_stage, self.sequence_parallel,
+                _OFFLOAD_ORDER[self.runtime.offload])
 
     @property
     def label(self) -> str:
@@ -108,6 +111,28 @@ def device_counts(cluster: Cluster, space: SearchSpace, objective: Objective) ->
     if objective is not Objective.COST or not space.whole_nodes_only or n <= per_node:
         counts |= set(range(1, min(n, per_node) + 1))
     return tuple(sorted(counts, reverse=True))
+
+
+def offload_options(space: SearchSpace, cluster: Cluster) -> tuple[Offload, ...]:
+    """What the search tries to offload: the pin, else nothing and, where every device type of the cluster has
+    host data with a known host memory and is not the host itself (`costmodel.hardware.host`), the optimizer and
+    the parameters."""
+    if space.offload is not None:
+        return (space.offload,)
+    hosts = [host_of(g.device.name) for g in cluster.groups]
+    if all(h is not None and h.host_memory_bytes > 0 and not h.host_is_device for h in hosts):
+        return tuple(Offload)
+    return (Offload.NONE,)
+
+
+def _offload_applies(offload: Offload, zero: int, dp_size: int, space: SearchSpace) -> bool:
+    """FSDP2 offloads parameters only when it shards them (ZeRO-3). With data parallelism and the ZeRO stage free,
+    the optimizer is offloaded only with its state sharded (ZeRO >= 1), as DeepSpeed (`offload_optimizer`) and
+    Megatron-LM (`--optimizer-cpu-offload` needs its distributed optimizer) run it: the CPU then steps 1/dp of
+    the parameters for the same device memory."""
+    if offload is Offload.PARAMS:
+        return zero == 3
+    return offload is Offload.NONE or zero >= 1 or dp_size == 1 or space.zero_stage is not None
 
 
 def _schedules(space: SearchSpace, pp: int, m: int, chain: LayerChain, units: ChainUnits
@@ -170,6 +195,7 @@ def candidates_for(num_devices: int, chain: LayerChain, cluster: Cluster, global
     meshes = enumerate_meshes(num_devices, devices_per_node=node_size(cluster), global_batch=global_batch,
                               max_pp=len(chain.segments), dp=space.dp, tp=space.tp, pp=space.pp,
                               tp_across_nodes=space.tp_across_nodes, cp_options=cps, ep_options=eps)
+    offloads = offload_options(space, cluster)
     heads: dict[int, str] = {}  # head_problem scans every node: once per tp degree, not per mesh
     for mesh in meshes:
         if mesh.tp not in heads:
@@ -181,12 +207,12 @@ def candidates_for(num_devices: int, chain: LayerChain, cluster: Cluster, global
         if why:
             invalid[(mesh.dp, mesh.tp, mesh.pp)] = why
             continue
-        out.extend(_mesh_candidates(mesh, chain, global_batch, space, units))
+        out.extend(_mesh_candidates(mesh, chain, global_batch, space, units, offloads))
     return out
 
 
 def _mesh_candidates(mesh: MeshCandidate, chain: LayerChain, global_batch: int, space: SearchSpace,
-                     units: ChainUnits) -> list[Candidate]:
+                     units: ChainUnits, offloads: Sequence[Offload] = (Offload.NONE,)) -> list[Candidate]:
     out = []
     per_replica = global_batch // mesh.dp
     for mbs in divisors(per_replica):
@@ -211,6 +237,8 @@ def _mesh_candidates(mesh: MeshCandidate, chain: LayerChain, global_batch: int, 
                 resharded = zero == 3 and space.runtime.reshard_after_forward
                 if split_backward_problem(schedule, recomputed=False, resharded=resharded):
                     continue
+                runtimes = [replace(space.runtime, offload=o) for o in offloads
+                            if _offload_applies(o, zero, mesh.dp * mesh.cp, space)]
                 for sp in sps:
-                    out.append(Candidate(mesh, mbs, m, schedule, v, zero, sp, space.runtime))
+                    out.extend(Candidate(mesh, mbs, m, schedule, v, zero, sp, rt) for rt in runtimes)
     return out

@@ -14,7 +14,7 @@ from costmodel.expert_parallel import (
 )
 from costmodel.hardware.cluster import Cluster
 from costmodel.memory import GIB, framework_overhead_bytes, model_state_bytes
-from costmodel.strategy import MeshAxis, Strategy
+from costmodel.strategy import MeshAxis, Offload, Strategy
 from ir.layer_chain import LayerChain
 from planner.plan import Alternative
 from planner.search.candidates import (
@@ -22,6 +22,7 @@ from planner.search.candidates import (
     enumerate_candidates,
     head_problem,
     node_size,
+    offload_options,
 )
 from planner.search.pricing import layer_cost_map, least_memory_of
 from planner.search.space import Objective, SearchSpace
@@ -39,6 +40,7 @@ _PHRASES = {
     "dp_comm_s": "more exposed data-parallel communication",
     "bubble_s": "a larger pipeline bubble",
     "optimizer_s": "a longer optimizer step",
+    "offload_s": "host-device copies of the state it offloads",
     "framework_s": "more framework host work (FSDP2 / DTensor / pipeline / checkpoint machinery)",
 }
 
@@ -59,13 +61,15 @@ def _loss_reason(state: SearchState, best: RankedStrategy, alt: Found) -> str:
     est = costmodel_estimate(state.chain, state.cluster, alt.strategy, layer_costs=costs, dtype=state.dtype,
                              profile=state.builder.table.profile, global_batch=state.global_batch)
     ours, theirs = best.estimate.breakdown.to_dict(), est.breakdown.to_dict()
-    worst = max(_PHRASES, key=lambda k: (theirs[k] - ours[k], k))
-    delta = theirs[worst] - ours[worst]
+    worst = max(_PHRASES, key=lambda k: (theirs.get(k, 0.0) - ours.get(k, 0.0), k))
+    delta = theirs.get(worst, 0.0) - ours.get(worst, 0.0)
     pct = 100.0 * (alt.objective - best.objective) / best.objective
     phrase = _PHRASES[worst]
     m = alt.candidate.mesh
     strides = {a: m.stride(a) for a in (MeshAxis.TP, MeshAxis.DP, MeshAxis.PP)}
-    if worst == "dp_comm_s" and (tier := _crosses(state.cluster, m.dp, strides[MeshAxis.DP])):
+    if worst == "optimizer_s" and alt.strategy.runtime.offload is not Offload.NONE:
+        phrase = "its optimizer steps on the CPU (offloaded)"
+    elif worst == "dp_comm_s" and (tier := _crosses(state.cluster, m.dp, strides[MeshAxis.DP])):
         phrase = f"its gradient all-reduce crosses the {tier} tier"
     elif worst == "tp_comm_s" and (tier := _crosses(state.cluster, m.tp, strides[MeshAxis.TP])):
         phrase = f"its tensor-parallel all-reduces cross the {tier} tier"
@@ -153,7 +157,8 @@ def least_memory(state: SearchState) -> tuple[float, Candidate | None]:
             continue
         m = cand.mesh
         even = -(-state.chain.graph.param_count // (m.tp * m.pp))
-        need = model_state_bytes(even, zero_stage=cand.zero_stage, dp=m.dp * m.cp, dtype=state.dtype).total
+        need = model_state_bytes(even, zero_stage=cand.zero_stage, dp=m.dp * m.cp, dtype=state.dtype,
+                                 offload=cand.runtime.offload).total
         bounded.append((need + framework_overhead_bytes(placements[0].device.name), cand.sort_key, cand))
     bounded.sort(key=lambda t: (t[0], t[1]))
     best, arg = math.inf, None
@@ -180,8 +185,10 @@ def nothing_fits_message(state: SearchState, space: SearchSpace) -> str:
     need, cand = least_memory(state)
     capacity = max(g.device.memory_bytes for g in state.cluster.groups)
     n = state.cluster.num_available
-    sharded = model_state_bytes(-(-state.chain.graph.param_count // n), zero_stage=3, dp=1,
-                                dtype=state.dtype).total
+    # The least device state the searched offloads leave (parameters offload only where FSDP2 shards, n > 1).
+    offloads = [o for o in offload_options(space, state.cluster) if o is not Offload.PARAMS or n > 1]
+    sharded = min(model_state_bytes(-(-state.chain.graph.param_count // n), zero_stage=3, dp=1, dtype=state.dtype,
+                                    offload=o).total for o in offloads or [Offload.NONE])
     if need <= capacity:
         # Only possible when the memory-optimal strategy is outside what the search may return (never for the
         # default space); say so rather than print a contradiction.

@@ -3,6 +3,8 @@
 Step times closer than the validated error band (`costmodel.validation`) are ties: a ranking between them would
 claim more than the published runs back. Among the strategies tied with the fastest, the plan is the simplest:
 
+0. no offload before an offloaded optimizer before offloaded parameters (the host's memory, link and CPU join the
+   step, and `planner.parallelize` runs only the last);
 1. fewer parallel dimensions (each of tp, pp, cp, ep above 1 counts; data parallelism is the default use of
    devices and does not);
 2. a lower ZeRO stage;
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from costmodel.breakdown import Estimate
-from costmodel.strategy import Recompute, Strategy
+from costmodel.strategy import Offload, Recompute, Strategy
 from costmodel.validation import within_band
 
 TIE_LEADS = 4
@@ -35,6 +37,7 @@ TIE_LEADS = 4
 each against its own estimate's band, which for a plan on part of a mixed cluster can be narrower."""
 
 _RECOMPUTE_WEIGHT = {Recompute.NONE: 0, Recompute.SELECTIVE: 1, Recompute.OP: 2, Recompute.FULL: 3}
+_OFFLOAD_WEIGHT = {Offload.NONE: 0, Offload.OPTIMIZER: 1, Offload.PARAMS: 2}
 
 
 class Ranked(Protocol):
@@ -54,17 +57,19 @@ def simplicity_key(strategy: Strategy) -> tuple[int, ...]:
     dims = sum(1 for d in (s.tp, s.pp, s.cp, s.ep) if d > 1)
     recompute = (sum(_RECOMPUTE_WEIGHT[st.recompute] for st in s.stages) if s.stages
                  else _RECOMPUTE_WEIGHT[s.recompute])
-    return (dims, s.zero_stage, s.num_microbatches, recompute, s.virtual_stages, int(s.schedule.zero_bubble),
+    return (_OFFLOAD_WEIGHT[s.runtime.offload], dims, s.zero_stage, s.num_microbatches, recompute, s.virtual_stages, int(s.schedule.zero_bubble),
             int(s.sequence_parallel))
 
 
 def simplicity_floor(*, tp: int, pp: int, cp: int, ep: int, zero_stage: int, num_microbatches: int,
-                     virtual_stages: int = 0, zero_bubble: bool = False) -> tuple[int, ...]:
+                     virtual_stages: int = 0, zero_bubble: bool = False,
+                     offload: Offload = Offload.NONE) -> tuple[int, ...]:
     """The smallest `simplicity_key` a strategy with these degrees (and, when given, chunks per rank and
     schedule) can have, whatever its recomputation and sequence parallelism (known only once its partition is
     solved)."""
     dims = sum(1 for d in (tp, pp, cp, ep) if d > 1)
-    return (dims, zero_stage, num_microbatches, 0, virtual_stages, int(zero_bubble), 0)
+    return (_OFFLOAD_WEIGHT[Offload(offload)], dims, zero_stage, num_microbatches, 0, virtual_stages,
+            int(zero_bubble), 0)
 
 
 @dataclass

@@ -11,9 +11,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from costmodel.strategy import RUNTIME_OPTION_NAMES, Recompute, RuntimeOptions, Schedule, parse_schedule
+from costmodel.strategy import (
+    OFFLOAD_CHOICES,
+    RUNTIME_FLAGS,
+    Offload,
+    Recompute,
+    RuntimeOptions,
+    Schedule,
+    parse_schedule,
+)
 
-RUNTIME_FIELDS = frozenset(RUNTIME_OPTION_NAMES)
+RUNTIME_FIELDS = frozenset(RUNTIME_FLAGS)
 """`--fix` keys that set a `RuntimeOptions` field (how the trainer runs the strategy) rather than a dimension."""
 
 
@@ -32,8 +40,8 @@ FIX_KEYS: Mapping[str, str] = {
     "virtual_stages": "virtual_stages", "v": "virtual_stages",
     "zero": "zero_stage", "zero_stage": "zero_stage",
     "sp": "sequence_parallel", "sequence_parallel": "sequence_parallel",
-    "recompute": "recompute",
-    **{name: name for name in RUNTIME_OPTION_NAMES},
+    "recompute": "recompute", "offload": "offload",
+    **{name: name for name in RUNTIME_FLAGS},
 }
 """`--fix` key (and its aliases) -> SearchSpace field."""
 
@@ -60,6 +68,9 @@ class SearchSpace:
     sequence_parallel: bool | None = None
     recompute: Recompute | None = None
     """Pins every stage's recomputation; None lets the stage partition choose per stage."""
+    offload: Offload | None = None
+    """Model state offloaded to host memory (`costmodel.strategy.Offload`); None searches it where the cluster's
+    devices have host data (`costmodel.hardware.host`): always slower, it wins only where memory binds."""
     max_microbatch_size: int = 16
     """Largest micro-batch tried when it is free: past a few samples GEMMs are already large, and bigger
     micro-batches only lengthen the pipeline bubble and the activation memory. Without pipelining, the whole
@@ -84,6 +95,7 @@ class SearchSpace:
             object.__setattr__(self, "schedule", Schedule(self.schedule))
         if self.recompute is not None:
             object.__setattr__(self, "recompute", Recompute(self.recompute))
+        self._validate_offload()
         if self.virtual_stages is not None and self.virtual_stages > 1:
             if self.schedule is not None and not self.schedule.chunked:
                 raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule=interleaved (or another "
@@ -99,6 +111,23 @@ class SearchSpace:
             raise ValueError(f"schedule={self.schedule.value} needs pp > 1")
         if self.max_microbatch_size < 1 or self.max_virtual_stages < 1:
             raise ValueError("max_microbatch_size and max_virtual_stages must be >= 1")
+
+    def _validate_offload(self) -> None:
+        if self.runtime.offload is not Offload.NONE:  # an offload given as a runtime option pins the dimension
+            if self.offload not in (None, self.runtime.offload):
+                raise ValueError(f"offload={self.offload.value} contradicts runtime offload="
+                                 f"{self.runtime.offload.value}")
+            object.__setattr__(self, "offload", self.runtime.offload)
+            object.__setattr__(self, "runtime", replace(self.runtime, offload=Offload.NONE))
+        if self.offload is None:
+            return
+        try:
+            object.__setattr__(self, "offload", Offload(self.offload))
+        except ValueError:
+            raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {self.offload!r}") from None
+        if self.offload is Offload.PARAMS and self.zero_stage not in (None, 3):
+            raise ValueError(f"offload=params (FSDP2 CPUOffloadPolicy) needs zero=3, not zero={self.zero_stage}; "
+                             f"use offload=optimizer with ZeRO-{self.zero_stage}")
 
     @classmethod
     def from_fixes(cls, fixes: Sequence[str], **ranges: Any) -> SearchSpace:
@@ -152,6 +181,11 @@ def _parse_fix(field: str, key: str, value: str) -> dict[str, Any]:
             raise ValueError(f"--fix {key}={value}: valid: {', '.join(r.value for r in Recompute)}") from None
     if field == "sequence_parallel":
         return {field: _boolean(key, value)}
+    if field == "offload":
+        try:
+            return {field: Offload(low)}
+        except ValueError:
+            raise ValueError(f"--fix {key}={value}: valid: {OFFLOAD_CHOICES}") from None
     if field == "zero_stage":
         if low not in ("0", "1", "2", "3"):
             raise ValueError(f"--fix {key}={value}: valid: 0, 1, 2, 3")

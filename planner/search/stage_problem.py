@@ -44,6 +44,7 @@ from costmodel.hardware.collectives import CommGroup, spans
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment, rank_memory, saved_bytes
+from costmodel.offload import bytes_to_fit
 from costmodel.pipeline import in_flight_per_chunk, stage_rank, zero_bubble_fill
 from costmodel.rank_layout import (
     busy_fraction,
@@ -221,7 +222,7 @@ class StageProblemBuilder:
         """`step_time.data_parallel_comm`, cached by what it depends on (the group through `collectives.spans`)."""
         key = (kw["zero_stage"], kw["grad_bytes"], kw["param_bytes"], kw["num_segments"], kw["fwd_window_s"],
                kw["bwd_window_s"], self._sig(kw["group"]), kw["concurrent"], kw["overlap"],
-               kw["reshard_after_forward"])
+               kw["reshard_after_forward"], kw.get("host_copy"))
         hit = self._dp_comm_cache.get(key)
         if hit is None:
             hit = self._dp_comm_cache[key] = data_parallel_comm(**kw)
@@ -241,9 +242,10 @@ class StageProblemBuilder:
         dp = m.dp * m.cp
 
         def memory(counts: Sequence[int]) -> float:
-            return rank_memory(chunks, counts, zero_stage=cand.zero_stage, dp=dp, dtype=self.dtype,
-                               device_name=ctx.device.name, extra_params=shared, ep=m.ep,
-                               reshard_after_forward=cand.runtime.reshard_after_forward).total
+            return bytes_to_fit(rank_memory(chunks, counts, zero_stage=cand.zero_stage, dp=dp, dtype=self.dtype,
+                                            device_name=ctx.device.name, extra_params=shared, ep=m.ep,
+                                            reshard_after_forward=cand.runtime.reshard_after_forward,
+                                            offload=cand.runtime.offload), cand.runtime.offload, ctx.device.name)
 
         if in_flight is None:   # affine in the in-flight counts of the chunks
             mem0 = memory([0] * len(chunks))

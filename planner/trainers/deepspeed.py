@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from costmodel.strategy import Recompute, RuntimeOptions, Schedule
+from costmodel.strategy import Offload, Recompute, RuntimeOptions, Schedule
 from planner.errors import UserError
 from planner.trainers.argtable import argument_tokens, load_table
 from planner.trainers.common import ModelShape, Notes, Trainer, TrainerConfig
@@ -60,6 +60,10 @@ def config_dict(cfg: TrainerConfig, notes: Notes) -> dict[str, Any]:
     if zero == 3 and not cfg.runtime.reshard_after_forward:
         zero_opt["stage3_max_live_parameters"] = int(1e12)
         zero_opt["stage3_max_reuse_distance"] = int(1e12)
+    zero_opt.update(_offload_sections(cfg.runtime.offload, zero, notes))
+    if cfg.runtime.offload is not Offload.NONE and zero == 0:
+        notes.add("DeepSpeed offloads the optimizer under ZeRO >= 1; exported as ZeRO-1")
+        zero_opt["stage"] = 1
     out: dict[str, Any] = {"train_batch_size": cfg.global_batch, "train_micro_batch_size_per_gpu": cfg.microbatch_size,
                            "gradient_accumulation_steps": cfg.global_batch // (cfg.microbatch_size * dp),
                            "zero_optimization": zero_opt}
@@ -77,6 +81,34 @@ def config_dict(cfg: TrainerConfig, notes: Notes) -> dict[str, Any]:
         notes.add("the DeepSpeed JSON carries no tensor/pipeline/sequence degree: launch it with the arguments of "
                   "`stratagem export --to megatron-deepspeed`")
     return out
+
+
+def _offload_sections(offload: Offload, zero: int, notes: Notes) -> dict[str, Any]:
+    """ZeRO-Offload (`offload_optimizer`) and ZeRO-3's parameter offload (`offload_param`, with the optimizer:
+    what FSDP2's CPUOffloadPolicy offloads), to pinned host memory."""
+    cpu = {"device": "cpu", "pin_memory": True}
+    if offload is Offload.NONE:
+        return {}
+    if offload is Offload.PARAMS and zero != 3:
+        notes.add(f"DeepSpeed offloads parameters under ZeRO-3 only; ZeRO-{zero} exported with the optimizer "
+                  f"offloaded alone (more device memory than planned)")
+        return {"offload_optimizer": cpu}
+    if offload is Offload.PARAMS:
+        return {"offload_param": cpu, "offload_optimizer": dict(cpu)}
+    return {"offload_optimizer": cpu}
+
+
+def _read_offload(zero: Mapping[str, Any], source: str) -> Offload:
+    def on(key: str) -> bool:
+        section = zero.get(key)
+        device = str(section.get("device", "none")) if isinstance(section, Mapping) else "none"
+        if device == "nvme":
+            raise UserError(f"{source}: zero_optimization.{key}.device nvme is not priced; valid: cpu, none")
+        return device == "cpu"
+
+    if on("offload_param"):
+        return Offload.PARAMS
+    return Offload.OPTIMIZER if on("offload_optimizer") else Offload.NONE
 
 
 def render_json(cfg: TrainerConfig, notes: Notes) -> str:
@@ -139,7 +171,8 @@ def read_json(text: str, *, source: str) -> TrainerConfig:
         samples_per_rank=mbs * int(gas), zero_stage=stage, recompute=_json_recompute(ds),
         runtime=RuntimeOptions(dp_overlap=bool(zero.get("overlap_comm", stage == 3)) and pp == 1,
                                reshard_after_forward=int(zero.get("stage3_max_reuse_distance", 1e9)) < 1e12,
-                               **pipeline_runtime(pipe, pp)),
+                               **pipeline_runtime(pipe, pp),
+                               offload=_read_offload(zero, source) if isinstance(zero, Mapping) else Offload.NONE),
         dtype=_json_dtype(ds))
 
 
@@ -188,6 +221,7 @@ def read_arguments(text: str, *, source: str, folder: Path) -> TrainerConfig:
     if ds_path is not None and ds_path.is_file():
         ds = read_json(ds_path.read_text(encoding="utf-8"), source=str(ds_path))
         zero = ds.zero_stage
+        pipe = replace(pipe, offload=ds.runtime.offload)
         if ds.pp > 1:  # the JSON's pipeline section says whether sends are partitioned
             pipe = replace(pipe, p2p_scatter_gather=ds.runtime.p2p_scatter_gather)
     granularity = ns.recompute_granularity or ("full" if ns.checkpoint_activations else None)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 
 from costmodel.rank_layout import even_shares
-from costmodel.strategy import DEFAULT_MESH_ORDER, Recompute, RuntimeOptions, Schedule
+from costmodel.strategy import DEFAULT_MESH_ORDER, Offload, Recompute, RuntimeOptions, Schedule
 from planner.errors import UserError
 from planner.trainers.argtable import argument_tokens, load_table
 from planner.trainers.common import ModelShape, Notes, Trainer, TrainerConfig
@@ -73,6 +73,7 @@ def parallel_arguments(cfg: TrainerConfig, num_layers: int, notes: Notes) -> lis
     args += [f"--micro-batch-size {cfg.microbatch_size}", f"--global-batch-size {cfg.global_batch}"]
     args += _recompute_arguments(cfg.recompute, notes)
     args += _sharding_arguments(cfg, notes)
+    args += _offload_arguments(cfg, notes)
     args += _overlap_arguments(cfg, notes)
     args += {"bfloat16": ["--bf16"], "float16": ["--fp16"]}.get(cfg.dtype or "float32", [])
     return args
@@ -126,6 +127,23 @@ def _sharding_arguments(cfg: TrainerConfig, notes: Notes) -> list[str]:
             "--ckpt-format fsdp_dtensor"]
 
 
+def _offload_arguments(cfg: TrainerConfig, notes: Notes) -> list[str]:
+    """Megatron-Core's HybridDeviceOptimizer: the distributed optimizer's state and step on the CPU; the fraction
+    defaults to 0 (nothing offloaded), so it is given."""
+    if cfg.runtime.offload is Offload.NONE:
+        return []
+    if cfg.runtime.offload is Offload.PARAMS:
+        notes.add("Megatron-LM offloads the optimizer, not the parameters (FSDP2's CPUOffloadPolicy); exported as "
+                  "--optimizer-cpu-offload: the sharded weights and gradients stay on the device, more memory than "
+                  "planned")
+    args = ["--optimizer-cpu-offload", "--optimizer-offload-fraction 1.0"]
+    if cfg.zero_stage == 0:
+        notes.add("Megatron-LM offloads the distributed optimizer only; exported with --use-distributed-optimizer "
+                  "(ZeRO-1)")
+        args.insert(0, "--use-distributed-optimizer")
+    return args
+
+
 def _overlap_arguments(cfg: TrainerConfig, notes: Notes) -> list[str]:
     args = []
     if cfg.runtime.dp_overlap:
@@ -165,7 +183,8 @@ def read(text: str, *, source: str) -> TrainerConfig:
         schedule=Schedule.INTERLEAVED if virtual > 1 else Schedule.ONE_F_ONE_B, virtual_stages=virtual,
         stage_blocks=blocks, zero_stage=_read_zero(ns), sequence_parallel=ns.sequence_parallel,
         recompute=_read_recompute(ns, notes),
-        runtime=RuntimeOptions(dp_overlap=ns.overlap_grad_reduce, tp_overlap=ns.tp_comm_overlap),
+        runtime=RuntimeOptions(dp_overlap=ns.overlap_grad_reduce, tp_overlap=ns.tp_comm_overlap,
+                               offload=_read_offload(ns, notes)),
         mesh_order=PP_INSIDE_DP if ns.use_tp_pp_dp_mapping else DEFAULT_MESH_ORDER,
         seq_len=ns.seq_length, dtype="bfloat16" if ns.bf16 else "float16" if ns.fp16 else "float32",
         num_layers=ns.num_layers, notes=tuple(notes.items))
@@ -196,6 +215,15 @@ def _read_pipeline(ns: argparse.Namespace, pp: int, source: str) -> tuple[int, t
         raise UserError(f"{source}: {layers} layers with {first} on the first and {last} on the last stage do not "
                         f"split evenly over the {middle} middle stages")
     return 1, (first,) + (rest // middle if middle else 0,) * middle + (last,)
+
+
+def _read_offload(ns: argparse.Namespace, notes: Notes) -> Offload:
+    fraction = ns.optimizer_offload_fraction or 0.0
+    if not ns.optimizer_cpu_offload or fraction <= 0:
+        return Offload.NONE
+    if fraction < 1:
+        notes.add(f"--optimizer-offload-fraction {fraction} offloads part of the optimizer; priced as all of it")
+    return Offload.OPTIMIZER
 
 
 def _read_zero(ns: argparse.Namespace) -> int:

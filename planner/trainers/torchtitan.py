@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from costmodel.rank_layout import even_shares
-from costmodel.strategy import Recompute, RuntimeOptions, Schedule
+from costmodel.strategy import Offload, Recompute, RuntimeOptions, Schedule
 from planner.errors import UserError
 from planner.trainers.common import ModelShape, Notes, Trainer, TrainerConfig
 
@@ -71,6 +71,12 @@ def sections(cfg: TrainerConfig, shape: ModelShape, notes: Notes) -> dict[str, d
     local = cfg.microbatch_size * (cfg.global_batch // (cfg.microbatch_size * cfg.dp) if cfg.pp > 1 else 1)
     out["training"] = {"local_batch_size": local, "global_batch_size": cfg.global_batch, "seq_len": cfg.seq_len,
                        "mixed_precision_param": "float32" if cfg.dtype == "float32" else "bfloat16"}
+    if cfg.runtime.offload is not Offload.NONE:
+        out["training"]["enable_cpu_offload"] = True
+        if cfg.runtime.offload is Offload.OPTIMIZER:
+            notes.add("torchtitan offloads parameters, gradients and optimizer together (FSDP2's CPUOffloadPolicy); "
+                      "the plan's optimizer-only offload exported as enable_cpu_offload: more host-device copies "
+                      "than planned")
     if cfg.dtype == "float16":
         notes.add("torchtitan trains in bfloat16 or float32, not float16; exported as bfloat16")
     out["parallelism"] = _parallelism(cfg, shape, notes)
@@ -81,7 +87,8 @@ def sections(cfg: TrainerConfig, shape: ModelShape, notes: Notes) -> dict[str, d
 
 
 def _parallelism(cfg: TrainerConfig, shape: ModelShape, notes: Notes) -> dict[str, Any]:
-    ddp = cfg.zero_stage == 0 and cfg.tp == cfg.pp == cfg.cp == 1
+    # torchtitan offloads through FSDP only: an offloading plan is exported as FSDP whatever its ZeRO stage.
+    ddp = cfg.zero_stage == 0 and cfg.tp == cfg.pp == cfg.cp == 1 and cfg.runtime.offload is Offload.NONE
     if not ddp and cfg.zero_stage != 3:
         notes.add(f"torchtitan shards data-parallel state with FSDP (ZeRO-3) or not at all (DDP, only without "
                   f"other parallelism); ZeRO-{cfg.zero_stage} exported as FSDP: less memory, more weight gathers "
@@ -156,7 +163,9 @@ def read(text: str, *, source: str) -> TrainerConfig:
         schedule=schedule, virtual_stages=virtual, stage_blocks=blocks, zero_stage=zero, sequence_parallel=tp > 1,
         recompute=_read_recompute(_section(doc, "activation_checkpoint", source), notes),
         runtime=RuntimeOptions(reshard_after_forward=reshard,
-                               tp_overlap=bool(par.get("enable_async_tensor_parallel", False))),
+                               tp_overlap=bool(par.get("enable_async_tensor_parallel", False)),
+                               offload=Offload.PARAMS if train.get("enable_cpu_offload") and zero == 3
+                               else Offload.NONE),
         seq_len=int(train["seq_len"]) if "seq_len" in train else None,
         dtype=str(train.get("mixed_precision_param", "bfloat16")), notes=tuple(notes.items))
 

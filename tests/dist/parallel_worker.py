@@ -121,6 +121,9 @@ CONFIGS: dict[str, Config] = {
     "dp2": Config("gpt", dict(dp=2, microbatch_size=2, num_microbatches=2)),
     "dp2_zero1": Config("gpt", dict(dp=2, microbatch_size=4, num_microbatches=1, zero_stage=1)),
     "fsdp2": Config("gpt", dict(dp=2, microbatch_size=2, num_microbatches=2, zero_stage=3)),
+    # FSDP2's CPUOffloadPolicy: the shards, gradients and optimizer on the host (a no-op copy on cpu devices)
+    "fsdp2_offload": Config("gpt", dict(dp=2, microbatch_size=2, num_microbatches=2, zero_stage=3,
+                                        runtime=RuntimeOptions(offload="params"))),
     "tp2": Config("gpt", dict(tp=2, microbatch_size=4, num_microbatches=2), TP_FULL),
     "tp2_sp": Config("gpt", dict(tp=2, microbatch_size=4, num_microbatches=2, sequence_parallel=True),
                      TP_FULL + SP_NORMS),
@@ -178,6 +181,8 @@ CONFIGS: dict[str, Config] = {
                                          sequence_parallel=True), TP_LLAMA + SP_NORMS),
     "pp2_dp2": Config("gpt", dict(pp=2, dp=2, microbatch_size=1, num_microbatches=4)),
     "pp2_fsdp2": Config("gpt", dict(pp=2, dp=2, microbatch_size=1, num_microbatches=4, zero_stage=3)),
+    "pp2_fsdp2_offload": Config("gpt", dict(pp=2, dp=2, microbatch_size=1, num_microbatches=4, zero_stage=3,
+                                            runtime=RuntimeOptions(offload="params"))),
     "pp2_tp2": Config("gpt", dict(pp=2, tp=2, microbatch_size=2, num_microbatches=4), TP_FULL),
     "pp2_tp2_sp_recompute": Config("gpt", dict(pp=2, tp=2, microbatch_size=2, num_microbatches=4,
                                                sequence_parallel=True, recompute="full"), TP_FULL + SP_NORMS),
@@ -314,7 +319,20 @@ def run_config(name: str) -> dict[str, Any]:
                          _max_abs(ref - init)]
     return {"losses": losses, "ref_losses": ref_losses, "params": params, "param_groups": _param_groups(cfg),
             "local_numel": local_numel, "model_numel": count_trainable_params(build(cfg)[0]), "seconds": elapsed,
-            "attention_tokens": sorted(set(seen))}
+            "attention_tokens": sorted(set(seen)), "offload_policies": _offload_policies(pm)}
+
+
+def _offload_policies(pm: Any) -> list[str]:
+    """The offload policies of this rank's FSDP2 parameter groups (a plan-to-runtime mapping check)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = set()
+    for part in pm.parts.values():
+        for module in part.modules():
+            group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+            if group is not None:
+                names.add(type(group.offload_policy).__name__)
+    return sorted(names)
 
 
 def _record_attention_tokens(model: nn.Module) -> list[int]:
