@@ -35,6 +35,7 @@ from costmodel.expert_parallel import (
     expert_layer,
     optimizer_params,
 )
+from costmodel.float8 import FP8_WEIGHT_BYTES
 from costmodel.framework import FrameworkCosts
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import Collective, CommGroup, collective_time
@@ -170,7 +171,7 @@ class _Prices:
             rep = self.chain.representative(seg.class_id)
             mbs = self.strategy.microbatch_size
             cost = price_segment(self.chain, rep, device, microbatch_size=mbs, dtype=self.dtype,
-                                 profile=self.profile)
+                                 profile=self.profile, fp8=self.strategy.runtime.fp8)
             # Routed experts as they run with every expert on this rank (costmodel/expert_parallel.py).
             setting = ExpertSetting(ep=1, microbatch_size=mbs, traced_batch=self.chain.graph.batch_size,
                                     traced_dtype=self.chain.graph.dtype, dtype=self.dtype,
@@ -331,9 +332,10 @@ def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSet
     # Expert weights are reduced over dp*cp/ep ranks (costmodel/expert_parallel.py).
     params = dp_synced_params((s.cost for s in segs), dp_size=dp_size, ep=strategy.ep)
     # Every (tp, pp) coordinate runs its own data-parallel reduction at the same time. Gradients are reduced
-    # in fp32 (`memory.GRAD_BYTES`), weights gathered in the training dtype.
+    # in fp32 (`memory.GRAD_BYTES`), weights gathered in the training dtype, FP8 weights in one byte
+    # (`costmodel.float8`).
     comm = dp_comm(zero_stage=strategy.zero_stage, grad_bytes=params * GRAD_BYTES,
-                   param_bytes=params * weight_bytes, num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
+                   param_bytes=params * weight_bytes - _fp8_gather_saving(segs, strategy, weight_bytes), num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
                    bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=group, cluster=cluster,
                    concurrent=strategy.tp * pp, overlap=runtime.dp_overlap,
                    reshard_after_forward=runtime.reshard_after_forward)
@@ -342,6 +344,15 @@ def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSet
                        dp_bwd_s=comm.per_microbatch_bwd_s, host=host,
                        tp_overlap_chunks=strategy.tp if runtime.tp_overlap else 0)
     return chunk, comm
+
+
+def _fp8_gather_saving(segs: Sequence[PricedSegment], strategy: Strategy, weight_bytes: int) -> float:
+    """Bytes a ZeRO-3 gather of these segments saves when tensorwise FP8 gathers converted weights in one byte."""
+    fp8 = strategy.runtime.fp8
+    if fp8 is None or not fp8.fp8_all_gather or strategy.zero_stage != 3:
+        return 0.0
+    converted = sum(s.cost.fp8_weight_share * (s.cost.param_count - s.cost.expert_param_count) for s in segs)
+    return converted * (weight_bytes - FP8_WEIGHT_BYTES)
 
 
 def _shared_sync_time(shared_params: int, strategy: Strategy, pp_rank: int, cluster: Cluster) -> float:

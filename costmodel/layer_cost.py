@@ -57,3 +57,6 @@ class LayerCost:
     """Fraction of `bwd_compute_s` that computes weight gradients (`layer_pricing.weight_grad_share`): the work
     the zero-bubble schedules split off the backward and defer. A share, so that pricing that scales the backward
     (context and expert parallelism) keeps it."""
+    fp8_weight_share: float = 0.0
+    """Fraction of `param_count` that FP8 training converts (`costmodel.float8.fp8_weight_share`; 0 without FP8):
+    ZeRO-3 with tensorwise scaling gathers those weights in FP8."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from costmodel.float8 import Float8Recipe, fp8_weight_share
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.operators import GEMM_KINDS, node_time, retype_ratio
@@ -127,15 +128,17 @@ def weight_grad_share(nodes: Sequence[Node]) -> float:
 
 
 def price_segment(chain: LayerChain, segment: Segment, device: DeviceSpec, *, microbatch_size: int,
-                  dtype: str = "bfloat16", profile: OpProfile | None = None) -> LayerCost:
-    """`LayerCost` of `segment` replicated on one `device` for a micro-batch of `microbatch_size` samples."""
+                  dtype: str = "bfloat16", profile: OpProfile | None = None,
+                  fp8: Float8Recipe | None = None) -> LayerCost:
+    """`LayerCost` of `segment` replicated on one `device` for a micro-batch of `microbatch_size` samples; `fp8`
+    runs its linear layers in FP8 (`costmodel.float8`)."""
     if microbatch_size < 1:
         raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
     graph = chain.graph
     scale = microbatch_size / graph.batch_size
     ratio = retype_ratio(graph.dtype, dtype)
     nodes = chain.nodes_of(segment)
-    times = [node_time(n, device, flops_scale=scale, bytes_scale=scale, dtype=dtype, profile=profile)
+    times = [node_time(n, device, flops_scale=scale, bytes_scale=scale, dtype=dtype, profile=profile, fp8=fp8)
              for n in nodes]
     glue = segment_glue(segment, device, microbatch_size=microbatch_size, dtype=dtype, profile=profile)
     fwd = sum(t[0] for t in times) + glue.forward_s
@@ -169,4 +172,5 @@ def price_segment(chain: LayerChain, segment: Segment, device: DeviceSpec, *, mi
         saved_bytes_op=round(saved_op * act),
         recompute_op_s=sum(t[0] for n, t in zip(nodes, times, strict=True) if n.name not in kept),
     ), loss_bytes, device, dtype)
-    return dataclasses.replace(cost, weight_grad_share=weight_grad_share(nodes))
+    return dataclasses.replace(cost, weight_grad_share=weight_grad_share(nodes),
+                               fp8_weight_share=fp8_weight_share(nodes) if fp8 is not None else 0.0)

@@ -59,6 +59,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from costmodel.float8 import CAST_BYTES_PER_BYTE, Float8Recipe, cast_operands, converted_node
+from costmodel.hardware.catalog import FP8_DTYPE, fp8_matmul_efficiency
 from costmodel.hardware.device import DeviceSpec
 from costmodel.profile_db import OpProfile, op_signature
 from ir.graph import Node, OpKind, dtype_bytes
@@ -134,6 +136,13 @@ def compute_rate(kind: OpKind, device: DeviceSpec, dtype: str, size_flops: float
     return _vector_flops(device, dtype)
 
 
+def fp8_gemm_rate(device: DeviceSpec, size_flops: float) -> float:
+    """Achieved FLOP/s of an FP8 GEMM of `size_flops` FLOPs (`costmodel.float8`): the FP8 peak at the measured
+    FP8 level, on the same size curve."""
+    peak = device.flops(FP8_DTYPE)
+    return peak * fp8_matmul_efficiency(device) * gemm_size_factor(size_flops / peak)
+
+
 def roofline_time(flops: float, nbytes: float, rate: float, device: DeviceSpec) -> float:
     """max(compute, memory) / training efficiency, at least the kernel floor, in seconds; zero work costs nothing
     (no kernel is launched)."""
@@ -173,11 +182,29 @@ def node_bytes(node: Node, *, bytes_scale: float = 1.0, param_scale: float = 1.0
     return (activations * bytes_scale + params * param_scale) * ratio
 
 
+def fp8_cast_times(node: Node, device: DeviceSpec, recipe: Float8Recipe, *, bytes_scale: float, param_scale: float,
+                   dtype: str) -> tuple[float, float]:
+    """(forward, backward) seconds of casting a converted linear's operands to FP8 (`costmodel.float8`): each cast
+    moves `CAST_BYTES_PER_BYTE` per byte of the operand in the training dtype, memory-bound."""
+    ratio = retype_ratio(_node_dtype(node) or dtype, dtype)
+    operand = {"x": node.input_specs[0].nbytes * bytes_scale * ratio if node.input_specs else 0.0,
+               "w": node.param_specs[0].nbytes * param_scale * ratio,
+               "dy": node.output_specs[0].nbytes * bytes_scale * ratio if node.output_specs else 0.0}
+    fwd, bwd = cast_operands(node, recipe)
+    return tuple(sum(roofline_time(0.0, CAST_BYTES_PER_BYTE * operand[o], 0.0, device) for o in ops)
+                 for ops in (fwd, bwd))
+
+
 def node_time(node: Node, device: DeviceSpec, *, flops_scale: float = 1.0, bytes_scale: float = 1.0,
               dtype: str = "bfloat16", profile: OpProfile | None = None, param_scale: float = 1.0,
-              gemm_groups: int = 1) -> tuple[float, float]:
+              gemm_groups: int = 1, fp8: Float8Recipe | None = None) -> tuple[float, float]:
     """(forward seconds, backward seconds) of `node` on `device` (formulas in the module docstring).
-    `gemm_groups`: the node's FLOPs are that many equal GEMMs (a grouped GEMM), each sized for `s(tau)` alone."""
+    `gemm_groups`: the node's FLOPs are that many equal GEMMs (a grouped GEMM), each sized for `s(tau)` alone.
+    `fp8`: linear layers run as FP8 training converts them (`costmodel.float8`): their GEMMs at the FP8 rate plus
+    the casts of their operands."""
+    if fp8 is not None and converted_node(node):
+        return _fp8_linear_time(node, device, fp8, flops_scale=flops_scale, bytes_scale=bytes_scale,
+                                param_scale=param_scale, dtype=dtype)
     if profile is not None:
         sig = op_signature(node, flops_scale=flops_scale, bytes_scale=bytes_scale, param_scale=param_scale)
         hit = profile.lookup(device.name, sig)
@@ -196,3 +223,18 @@ def node_time(node: Node, device: DeviceSpec, *, flops_scale: float = 1.0, bytes
         return fwd, 0.0
     bwd_bytes = fwd_bytes * BACKWARD_BYTES_FACTOR.get(node.op_kind, 1.5)
     return fwd, roofline_time(bwd_flops, bwd_bytes, rate, device)
+
+
+def _fp8_linear_time(node: Node, device: DeviceSpec, recipe: Float8Recipe, *, flops_scale: float,
+                     bytes_scale: float, param_scale: float, dtype: str) -> tuple[float, float]:
+    """A converted linear: its GEMMs at the FP8 rate (bytes as in BF16: the GEMMs are compute-bound at these
+    sizes) plus the operand casts. A measured profile of the BF16 op does not apply."""
+    fwd_flops = node.forward_flops * flops_scale
+    fwd_bytes = node_bytes(node, bytes_scale=bytes_scale, param_scale=param_scale, dtype=dtype)
+    rate = fp8_gemm_rate(device, fwd_flops)
+    cast_fwd, cast_bwd = fp8_cast_times(node, device, recipe, bytes_scale=bytes_scale, param_scale=param_scale,
+                                        dtype=dtype)
+    fwd = roofline_time(fwd_flops, fwd_bytes, rate, device)
+    bwd = roofline_time(node.backward_flops * flops_scale, fwd_bytes * BACKWARD_BYTES_FACTOR[OpKind.LINEAR], rate,
+                        device)
+    return fwd + cast_fwd, bwd + cast_bwd

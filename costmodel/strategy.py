@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from costmodel.float8 import Float8Recipe
+
 
 class Schedule(enum.StrEnum):
     """Pipeline schedule: GPipe, 1F1B and interleaved 1F1B (Narayanan et al., SC'21); the zero-bubble schedules,
@@ -118,18 +120,31 @@ class RuntimeOptions:
     tp_overlap: bool = False
     """Tensor-parallel collectives pipelined with the GEMMs beside them in tp chunks (Transformer Engine userbuffers,
     Megatron-Core `--tp-comm-overlap`). `planner.parallelize` does not run it: plans with it are for export."""
+    fp8: Float8Recipe | None = None
+    """Linear layers trained in FP8 with this scaling recipe (torchao float8 training, as torchtitan converts
+    them; `costmodel.float8` says what is priced); None trains every op in the training dtype. Needs FP8 tensor
+    cores (a device with an FP8 peak in the catalog)."""
 
-    def to_dict(self) -> dict[str, bool]:
-        return {"dp_overlap": self.dp_overlap, "reshard_after_forward": self.reshard_after_forward,
-                "tp_overlap": self.tp_overlap}
+    def __post_init__(self) -> None:
+        if self.fp8 is not None:
+            object.__setattr__(self, "fp8", Float8Recipe(self.fp8))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"dp_overlap": self.dp_overlap, "reshard_after_forward": self.reshard_after_forward,
+                               "tp_overlap": self.tp_overlap}
+        if self.fp8 is not None:  # absent when off: plans written before FP8 existed read back unchanged
+            out["fp8"] = self.fp8.value
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RuntimeOptions:
-        unknown = set(d) - {"dp_overlap", "reshard_after_forward", "tp_overlap"}
+        unknown = set(d) - {"dp_overlap", "reshard_after_forward", "tp_overlap", "fp8"}
         if unknown:
             raise ValueError(f"unknown runtime options {sorted(unknown)}; valid: dp_overlap, reshard_after_forward, "
-                             f"tp_overlap")
-        return cls(**{k: bool(v) for k, v in d.items()})
+                             f"tp_overlap, fp8")
+        fp8 = d.get("fp8")
+        return cls(**{k: bool(v) for k, v in d.items() if k != "fp8"},
+                   fp8=Float8Recipe(fp8) if fp8 is not None else None)
 
 
 @dataclass(frozen=True, slots=True)

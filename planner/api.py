@@ -192,7 +192,7 @@ def validate_strategy(chain: LayerChain, cluster: Cluster, strategy: Strategy, g
 
 def _estimate_with_sharding(chain: LayerChain, cluster: Cluster, strategy: Strategy, global_batch: int | None,
                             dtype: str, profile: Any) -> tuple[Estimate, tuple[ModuleSharding, ...]]:
-    table = LayerCostTable(chain, cluster, dtype=dtype, profile=profile)
+    table = LayerCostTable(chain, cluster, dtype=dtype, profile=profile, fp8=strategy.runtime.fp8)
     builder = StageProblemBuilder(chain, cluster, table, dtype)
     cand = Candidate.of(strategy)
     placements = builder.placements(cand)

@@ -1,0 +1,117 @@
+"""FP8 training of linear layers as torchao runs it (`torchao.float8`, the converter torchtitan applies): which
+GEMMs run in FP8, what the conversion adds, and what stays in BF16.
+
+A converted linear y = x W^T keeps its BF16 weight, gradient and optimizer state; each GEMM casts its operands to
+FP8 (e4m3) with dynamic scales and multiplies them on the FP8 tensor cores (`torch._scaled_mm`):
+
+    GEMM rate   R8 = peak_fp8 * fp8_matmul_efficiency * s(F / peak_fp8)
+                (forward y = x W^T and both backward GEMMs dX = dY W, dW = dY^T x; `s` is the size curve of
+                `costmodel.operators`, fitted on BF16 and FP8 series alike; the level is the measured FP8
+                max-achievable matmul over the FP8 peak, `catalog.fp8_matmul_efficiency`)
+    one cast    CAST_BYTES_PER_BYTE = 2.5 bytes moved per byte of the BF16 operand: the amax reduction reads it
+                (1), the scaled cast reads it again and writes half as many FP8 bytes (1 + 0.5); memory-bound,
+                priced like every elementwise kernel (HBM roofline, at least the kernel floor)
+    forward     casts x and W
+    backward    casts dY once (tensorwise: one scale serves dX and dW, and torch.compile, which torchtitan runs FP8
+                with, computes the cast once) or twice (rowwise: scales along rows for dX, along columns for dW),
+                and casts x and W again: torchao saves the BF16 x and W for backward
+                (`matmul_with_hp_or_float8_args.forward`: `ctx.save_for_backward(input_hp, weight_hp_t)`,
+                torchao/float8/float8_linear.py) and recasts them there
+
+Memory: what autograd saves is the BF16 input and weight (same torchao source), so activation memory, weights,
+gradients and optimizer state are priced as without FP8.
+
+ZeRO-3 (FSDP2) with tensorwise scaling: torchao's `enable_fsdp_float8_all_gather` casts each weight shard to FP8
+before the all-gather, so a converted weight is gathered in 1 byte instead of 2 (`fp8_weight_share` of
+`LayerCost`); torchtitan's configurations of the published FP8 runs set it (train_configs/llama3_405b.toml at
+torchtitan 9dec370, and the launch command of its docs/float8.md). Rowwise scaling gathers in BF16 ("for float8
+with rowwise scaling, all distributed communication is done in high precision", torchtitan
+components/quantization/float8.md).
+
+What stays BF16 (`converts`): the attention core, norms, softmax, embeddings and every op that is not an
+`nn.Linear`; the model's output layer and MoE routers (torchtitan's converter filters `output` and `router.gate`
+by name; here the zoo's and transformers' names for them, `FILTERED_MODULE_NAMES`); routed experts' grouped GEMMs
+(torchtitan converts them with a separate converter, not priced here); and linears with a dimension not divisible
+by 16 (FP8 tensor cores need it; torchtitan's `module_filter_fn` skips them).
+
+Not priced: the weight cast with FP8 all-gather runs on the 1/dp shard before the gather, not on the gathered
+weight (priced on the gathered weight: an upper bound); the amax all-reduce of the precomputed weight scales (one
+small all-reduce per step); torchtitan's FP8 tensor-parallel all-gathers of activations (tp collectives are
+priced in BF16).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from ir.graph import Node, OpKind
+
+FP8_WEIGHT_BYTES = 1
+"""Bytes per element of an FP8 (e4m3) weight, as ZeRO-3 gathers a converted weight with tensorwise scaling."""
+CAST_BYTES_PER_BYTE = 2.5
+"""HBM bytes moved per byte of a BF16 operand cast to FP8 with a dynamic scale (module docstring)."""
+FP8_DIM_MULTIPLE = 16
+"""FP8 tensor-core GEMMs need both dimensions of the weight divisible by 16 (torchtitan `module_filter_fn`)."""
+FILTERED_MODULE_NAMES = frozenset({"output", "lm_head", "router", "gate"})
+"""Last names of modules kept in BF16: the output layer (torchtitan `output`, the zoo's `lm_head`) and MoE routers
+(torchtitan `router.gate`, the zoo's `router`, transformers' `gate` of Mixtral and DeepSeek)."""
+
+
+class Float8Recipe(enum.StrEnum):
+    """How torchao scales FP8 operands (`Float8LinearConfig.from_recipe_name`)."""
+
+    TENSORWISE = "tensorwise"
+    """One dynamic scale per tensor; weights all-gathered in FP8 under FSDP2."""
+    ROWWISE = "rowwise"
+    """One dynamic scale per row (per column for the weight-gradient GEMM's operands); communication in BF16."""
+
+    @property
+    def fp8_all_gather(self) -> bool:
+        """Whether ZeRO-3 gathers the converted weights in FP8."""
+        return self is Float8Recipe.TENSORWISE
+
+    @property
+    def grad_output_casts(self) -> int:
+        """Casts of the output gradient in a backward (module docstring)."""
+        return 1 if self is Float8Recipe.TENSORWISE else 2
+
+
+FP8_RECIPES = ", ".join(r.value for r in Float8Recipe)
+
+
+def parse_recipe(text: str) -> Float8Recipe:
+    """"tensorwise" -> TENSORWISE; unknown text raises ValueError naming the valid recipes."""
+    try:
+        return Float8Recipe(text.strip().lower())
+    except ValueError:
+        raise ValueError(f"unknown FP8 recipe {text!r}; valid: {FP8_RECIPES}") from None
+
+
+def converts(module_path: str, in_features: int, out_features: int) -> bool:
+    """Whether FP8 training converts the `nn.Linear` at `module_path` of this shape (module docstring)."""
+    name = module_path.rsplit(".", 1)[-1]
+    return (name not in FILTERED_MODULE_NAMES and in_features % FP8_DIM_MULTIPLE == 0
+            and out_features % FP8_DIM_MULTIPLE == 0)
+
+
+def converted_node(node: Node) -> bool:
+    """Whether `node` is the GEMM of a converted linear layer (its weight is a 2-D (out, in) parameter)."""
+    if node.op_kind is not OpKind.LINEAR or not node.param_specs or len(node.param_specs[0].shape) != 2:
+        return False
+    out_features, in_features = node.param_specs[0].shape
+    return converts(node.module_path, in_features, out_features)
+
+
+def cast_operands(node: Node, recipe: Float8Recipe) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(forward, backward) operands cast to FP8, each named once per cast: "x", "w", "dy"."""
+    return ("x", "w"), ("dy",) * recipe.grad_output_casts + ("x", "w")
+
+
+def fp8_weight_share(nodes: Sequence[Node]) -> float:
+    """Fraction of the parameters of `nodes` that are converted linear weights (gathered in FP8 under FSDP2)."""
+    total = sum(n.param_count for n in nodes)
+    if total <= 0:
+        return 0.0
+    converted = sum(n.param_specs[0].numel for n in nodes if converted_node(n))
+    return converted / total
