@@ -43,8 +43,10 @@ priced in BF16).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+from costmodel.hardware.catalog import FP8_DTYPE, list_devices
+from costmodel.hardware.device import DeviceSpec
 from ir.graph import Node, OpKind
 
 FP8_WEIGHT_BYTES = 1
@@ -115,3 +117,18 @@ def fp8_weight_share(nodes: Sequence[Node]) -> float:
         return 0.0
     converted = sum(n.param_specs[0].numel for n in nodes if converted_node(n))
     return converted / total
+
+
+def fp8_devices() -> tuple[str, ...]:
+    """Catalog devices with FP8 tensor cores (an FP8 peak), in catalog order."""
+    return tuple(d.name for d in list_devices() if FP8_DTYPE in d.peak_flops)
+
+
+def fp8_problem(devices: Iterable[DeviceSpec]) -> str | None:
+    """Why FP8 training cannot run on `devices` (those without FP8 tensor cores, and the catalog's that have
+    them), or None when every device has them."""
+    lacking = sorted({d.name for d in devices if FP8_DTYPE not in d.peak_flops})
+    if not lacking:
+        return None
+    return (f"FP8 training needs FP8 tensor cores and {', '.join(lacking)} "
+            f"{'has' if len(lacking) == 1 else 'have'} none; devices with them: {', '.join(fp8_devices())}")

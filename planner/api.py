@@ -27,12 +27,13 @@ import ir
 from costmodel.breakdown import Estimate
 from costmodel.estimate import estimate as costmodel_estimate
 from costmodel.estimate import recomputes
+from costmodel.float8 import fp8_problem
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collective_fit import calibrated_cluster
 from costmodel.pipeline import schedule_problem, split_backward_problem
 from costmodel.profile_db import OpProfile
 from costmodel.rank_layout import even_stages
-from costmodel.strategy import Strategy
+from costmodel.strategy import RuntimeOptions, Strategy
 from costmodel.validation import error_band
 from ir.graph import Graph
 from ir.layer_chain import LayerChain
@@ -122,8 +123,9 @@ def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any
              progress: ProgressCallback | None = None, profile: OpProfile | None = None) -> tuple[Plan, ...]:
     """The `top_k` best distinct strategies as plans, best first (each carries the same search information)."""
     name = model_name or getattr(model_or_chain, "model_name", None) or type(model_or_chain).__name__
-    chain = as_chain(model_or_chain, inputs_or_spec, model_name=name, dtype=dtype, progress=progress)
     cluster = as_cluster(cluster, profile)
+    check_fp8(cluster, (space or SearchSpace()).runtime)
+    chain = as_chain(model_or_chain, inputs_or_spec, model_name=name, dtype=dtype, progress=progress)
     options = SearchOptions(objective=Objective(objective), top_k=top_k, time_limit_s=time_limit_s,
                             progress=progress, tie_band=error_band(g.device for g in cluster.groups))
     result = search(chain, cluster, global_batch=global_batch, space=space, options=options, dtype=dtype,
@@ -138,7 +140,15 @@ def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any
 def estimate(chain: LayerChain, cluster: Cluster | str, strategy: Strategy, *, global_batch: int | None = None,
              dtype: str = "bfloat16", profile: OpProfile | None = None) -> Estimate:
     """`costmodel.estimate` of `strategy`, with the layer classes' sharding solved for its tp (as the search does)."""
-    return _estimate_with_sharding(chain, as_cluster(cluster, profile), strategy, global_batch, dtype, profile)[0]
+    cluster = as_cluster(cluster, profile)
+    check_fp8(cluster, strategy.runtime)
+    return _estimate_with_sharding(chain, cluster, strategy, global_batch, dtype, profile)[0]
+
+
+def check_fp8(cluster: Cluster, runtime: RuntimeOptions) -> None:
+    """Raise UserError when `runtime` trains in FP8 on a cluster with a device without FP8 tensor cores."""
+    if runtime.fp8 is not None and (why := fp8_problem(g.device for g in cluster.groups)):
+        raise UserError(f"--fp8 {runtime.fp8.value}: {why}")
 
 
 def estimate_plan(chain: LayerChain, cluster: Cluster | str, strategy: Strategy, *, global_batch: int,
@@ -151,6 +161,7 @@ def estimate_plan(chain: LayerChain, cluster: Cluster | str, strategy: Strategy,
     memory is still priced and its `predicted.problems` say by how much."""
     started = time.monotonic()
     cluster = as_cluster(cluster, profile)
+    check_fp8(cluster, strategy.runtime)
     strategy = validate_strategy(chain, cluster, strategy, global_batch)
     est, sharding = _estimate_with_sharding(chain, cluster, strategy, global_batch, dtype, profile)
     info = _model_info(chain, model_name or chain.graph.model_name, settings)

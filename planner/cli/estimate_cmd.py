@@ -19,6 +19,7 @@ file's unless --seq / --dtype say otherwise.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any
 
@@ -27,6 +28,7 @@ from planner.api import estimate_plan, load_profile
 from planner.cli.common import (
     add_cluster_argument,
     add_dtype_argument,
+    add_fp8_argument,
     add_model_arguments,
     add_output_arguments,
     add_profile_argument,
@@ -60,6 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_arguments(p)
     add_cluster_argument(p)
     add_dtype_argument(p, default=None)
+    add_fp8_argument(p)
     add_profile_argument(p)
     p.add_argument("--from", dest="from_", default=None, metavar="TRAINER:FILE",
                    help="price a trainer's configuration instead of the flags below: megatron:ARGS, "
@@ -122,7 +125,7 @@ def _estimate_flags(args: argparse.Namespace, cluster: Any, profile: Any) -> Any
                             recompute=Recompute(args.recompute or Recompute.NONE.value),
                             runtime=RuntimeOptions(dp_overlap=not args.no_dp_overlap,
                                                    reshard_after_forward=not args.keep_gathered,
-                                                   tp_overlap=args.tp_overlap))
+                                                   tp_overlap=args.tp_overlap, fp8=args.fp8))
     except ValueError as e:
         raise UserError(f"invalid strategy: {e}") from None
     dtype = args.dtype or "bfloat16"
@@ -142,7 +145,10 @@ def _estimate_imported(args: argparse.Namespace, cluster: Any, profile: Any) -> 
     imported = imported_strategy(args.from_, cfg, BlockLayout.of(traced.chain), cluster.num_available)
     for note in cfg.notes:
         print(f"stratagem: warning: {note}", file=sys.stderr)
-    return estimate_plan(traced.chain, cluster, imported.strategy, profile=profile,
+    strategy = imported.strategy
+    if args.fp8:  # on top of the file's configuration, as for --dtype
+        strategy = dataclasses.replace(strategy, runtime=dataclasses.replace(strategy.runtime, fp8=args.fp8))
+    return estimate_plan(traced.chain, cluster, strategy, profile=profile,
                          global_batch=imported.global_batch, dtype=dtype, model_name=traced.name,
                          settings=traced.settings)
 

@@ -116,6 +116,9 @@ def runtime_line(s: Strategy) -> str:
         parts.append("reshard after forward" if r.reshard_after_forward else "weights kept gathered to backward")
     if s.tp > 1:
         parts.append(f"tensor-parallel overlap {'on' if r.tp_overlap else 'off'}")
+    if r.fp8 is not None:
+        gather = ", gathered in FP8 by ZeRO-3" if r.fp8.fp8_all_gather and s.zero_stage == 3 else ""
+        parts.append(f"FP8 linear layers ({r.fp8.value} scaling, output layer and routers not converted{gather})")
     return "runtime: " + ", ".join(parts)
 
 
