@@ -35,7 +35,7 @@ from costmodel.expert_parallel import (
     expert_layer,
     optimizer_params,
 )
-from costmodel.float8 import FP8_WEIGHT_BYTES
+from costmodel.float8 import FP8_BYTES
 from costmodel.framework import FrameworkCosts
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import Collective, CommGroup, collective_time
@@ -352,7 +352,7 @@ def _fp8_gather_saving(segs: Sequence[PricedSegment], strategy: Strategy, weight
     if fp8 is None or not fp8.fp8_all_gather or strategy.zero_stage != 3:
         return 0.0
     converted = sum(s.cost.fp8_weight_share * (s.cost.param_count - s.cost.expert_param_count) for s in segs)
-    return converted * (weight_bytes - FP8_WEIGHT_BYTES)
+    return converted * (weight_bytes - FP8_BYTES)
 
 
 def _shared_sync_time(shared_params: int, strategy: Strategy, pp_rank: int, cluster: Cluster) -> float:

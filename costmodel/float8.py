@@ -8,18 +8,24 @@ FP8 (e4m3) with dynamic scales and multiplies them on the FP8 tensor cores (`tor
                 (forward y = x W^T and both backward GEMMs dX = dY W, dW = dY^T x; `s` is the size curve of
                 `costmodel.operators`, fitted on BF16 and FP8 series alike; the level is the measured FP8
                 max-achievable matmul over the FP8 peak, `catalog.fp8_matmul_efficiency`)
-    one cast    CAST_BYTES_PER_BYTE = 2.5 bytes moved per byte of the BF16 operand: the amax reduction reads it
-                (1), the scaled cast reads it again and writes half as many FP8 bytes (1 + 0.5); memory-bound,
-                priced like every elementwise kernel (HBM roofline, at least the kernel floor)
-    forward     casts x and W
-    backward    casts dY once (tensorwise: one scale serves dX and dW, and torch.compile, which torchtitan runs FP8
-                with, computes the cast once) or twice (rowwise: scales along rows for dX, along columns for dW),
-                and casts x and W again: torchao saves the BF16 x and W for backward
-                (`matmul_with_hp_or_float8_args.forward`: `ctx.save_for_backward(input_hp, weight_hp_t)`,
-                torchao/float8/float8_linear.py) and recasts them there
+    casts       memory-bound kernels per GEMM operand (x the input, w the weight, dy the output gradient), priced
+                like every elementwise kernel (HBM roofline, at least the kernel floor), with the traffic of
+                torchao's own roofline model of float8 training (`get_tensor_memory_traffic_ovhd_s`,
+                torchao/testing/training/roofline_utils.py at pytorch/ao 36027d8, not fused with the previous
+                op); per element, h the training dtype's bytes, 1 byte per FP8 element written:
 
-Memory: what autograd saves is the BF16 input and weight (same torchao source), so activation memory, weights,
-gradients and optimizer state are priced as without FP8.
+                recipe      operand  forward                         backward
+                tensorwise  x, dy    amax (read h), cast writing both layouts (h + 2): 2h + 2, in the pass
+                                     that produces the operand (dy: backward)
+                tensorwise  w        amax (h) + cast (h + 1)         cast to the other layout (h + 1)
+                rowwise     x, dy    cast and a transposed copy (2h + 1), then its cast (h + 1): forward and
+                                     backward for x, both in backward for dy
+                rowwise     w        cast (h + 1)                    transposed copy (2h) + its cast (h + 1)
+
+Memory: what `Float8Linear`'s autograd function saves is the BF16 input and weight
+(`matmul_with_hp_or_float8_args.forward`: `ctx.save_for_backward(input_hp, weight_hp_t)`,
+torchao/float8/float8_linear.py), so activation memory, weights, gradients and optimizer state are priced as
+without FP8 (torch.compile's partitioner may keep FP8 copies instead: not priced).
 
 ZeRO-3 (FSDP2) with tensorwise scaling: torchao's `enable_fsdp_float8_all_gather` casts each weight shard to FP8
 before the all-gather, so a converted weight is gathered in 1 byte instead of 2 (`fp8_weight_share` of
@@ -43,16 +49,15 @@ priced in BF16).
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from costmodel.hardware.catalog import FP8_DTYPE, list_devices
 from costmodel.hardware.device import DeviceSpec
 from ir.graph import Node, OpKind
 
-FP8_WEIGHT_BYTES = 1
-"""Bytes per element of an FP8 (e4m3) weight, as ZeRO-3 gathers a converted weight with tensorwise scaling."""
-CAST_BYTES_PER_BYTE = 2.5
-"""HBM bytes moved per byte of a BF16 operand cast to FP8 with a dynamic scale (module docstring)."""
+FP8_BYTES = 1
+"""Bytes per FP8 (e4m3) element: a cast's output, and a converted weight as ZeRO-3 gathers it (tensorwise)."""
 FP8_DIM_MULTIPLE = 16
 """FP8 tensor-core GEMMs need both dimensions of the weight divisible by 16 (torchtitan `module_filter_fn`)."""
 FILTERED_MODULE_NAMES = frozenset({"output", "lm_head", "router", "gate"})
@@ -73,10 +78,6 @@ class Float8Recipe(enum.StrEnum):
         """Whether ZeRO-3 gathers the converted weights in FP8."""
         return self is Float8Recipe.TENSORWISE
 
-    @property
-    def grad_output_casts(self) -> int:
-        """Casts of the output gradient in a backward (module docstring)."""
-        return 1 if self is Float8Recipe.TENSORWISE else 2
 
 
 FP8_RECIPES = ", ".join(r.value for r in Float8Recipe)
@@ -105,9 +106,39 @@ def converted_node(node: Node) -> bool:
     return converts(node.module_path, in_features, out_features)
 
 
-def cast_operands(node: Node, recipe: Float8Recipe) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(forward, backward) operands cast to FP8, each named once per cast: "x", "w", "dy"."""
-    return ("x", "w"), ("dy",) * recipe.grad_output_casts + ("x", "w")
+class Operand(enum.StrEnum):
+    """A GEMM operand of a linear layer that FP8 training casts."""
+
+    INPUT = "x"
+    WEIGHT = "w"
+    GRAD_OUTPUT = "dy"
+
+
+@dataclass(frozen=True, slots=True)
+class CastTraffic:
+    """HBM traffic per element of one operand's casts in one pass: reads and writes in the training dtype, FP8
+    elements written."""
+
+    reads: int = 0
+    writes: int = 0
+    fp8_writes: int = 0
+
+    def bytes_per_element(self, dtype_bytes: int) -> int:
+        return (self.reads + self.writes) * dtype_bytes + self.fp8_writes * FP8_BYTES
+
+
+_NONE = CastTraffic()
+CAST_TRAFFIC: Mapping[tuple[Float8Recipe, Operand], tuple[CastTraffic, CastTraffic]] = {
+    (Float8Recipe.TENSORWISE, Operand.INPUT): (CastTraffic(reads=2, fp8_writes=2), _NONE),
+    (Float8Recipe.TENSORWISE, Operand.WEIGHT): (CastTraffic(reads=2, fp8_writes=1), CastTraffic(reads=1, fp8_writes=1)),
+    (Float8Recipe.TENSORWISE, Operand.GRAD_OUTPUT): (_NONE, CastTraffic(reads=2, fp8_writes=2)),
+    (Float8Recipe.ROWWISE, Operand.INPUT): (CastTraffic(reads=1, writes=1, fp8_writes=1),
+                                            CastTraffic(reads=1, fp8_writes=1)),
+    (Float8Recipe.ROWWISE, Operand.WEIGHT): (CastTraffic(reads=1, fp8_writes=1),
+                                             CastTraffic(reads=2, writes=1, fp8_writes=1)),
+    (Float8Recipe.ROWWISE, Operand.GRAD_OUTPUT): (_NONE, CastTraffic(reads=2, writes=1, fp8_writes=2)),
+}
+"""(forward, backward) cast traffic per recipe and operand: the table of the module docstring."""
 
 
 def fp8_weight_share(nodes: Sequence[Node]) -> float:

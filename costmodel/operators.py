@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from costmodel.float8 import CAST_BYTES_PER_BYTE, Float8Recipe, cast_operands, converted_node
+from costmodel.float8 import CAST_TRAFFIC, Float8Recipe, Operand, converted_node
 from costmodel.hardware.catalog import FP8_DTYPE, fp8_matmul_efficiency
 from costmodel.hardware.device import DeviceSpec
 from costmodel.profile_db import OpProfile, op_signature
@@ -184,15 +184,18 @@ def node_bytes(node: Node, *, bytes_scale: float = 1.0, param_scale: float = 1.0
 
 def fp8_cast_times(node: Node, device: DeviceSpec, recipe: Float8Recipe, *, bytes_scale: float, param_scale: float,
                    dtype: str) -> tuple[float, float]:
-    """(forward, backward) seconds of casting a converted linear's operands to FP8 (`costmodel.float8`): each cast
-    moves `CAST_BYTES_PER_BYTE` per byte of the operand in the training dtype, memory-bound."""
-    ratio = retype_ratio(_node_dtype(node) or dtype, dtype)
-    operand = {"x": node.input_specs[0].nbytes * bytes_scale * ratio if node.input_specs else 0.0,
-               "w": node.param_specs[0].nbytes * param_scale * ratio,
-               "dy": node.output_specs[0].nbytes * bytes_scale * ratio if node.output_specs else 0.0}
-    fwd, bwd = cast_operands(node, recipe)
-    return tuple(sum(roofline_time(0.0, CAST_BYTES_PER_BYTE * operand[o], 0.0, device) for o in ops)
-                 for ops in (fwd, bwd))
+    """(forward, backward) seconds of casting a converted linear's operands to FP8 (`costmodel.float8`): each
+    operand's casts in a pass are one memory-bound term of `CAST_TRAFFIC` bytes per element."""
+    elements = {Operand.INPUT: node.input_specs[0].numel * bytes_scale if node.input_specs else 0.0,
+                Operand.WEIGHT: node.param_specs[0].numel * param_scale,
+                Operand.GRAD_OUTPUT: node.output_specs[0].numel * bytes_scale if node.output_specs else 0.0}
+    width = dtype_bytes(dtype)
+    fwd = bwd = 0.0
+    for operand, n in elements.items():
+        traffic_fwd, traffic_bwd = CAST_TRAFFIC[recipe, operand]
+        fwd += roofline_time(0.0, n * traffic_fwd.bytes_per_element(width), 0.0, device)
+        bwd += roofline_time(0.0, n * traffic_bwd.bytes_per_element(width), 0.0, device)
+    return fwd, bwd
 
 
 def node_time(node: Node, device: DeviceSpec, *, flops_scale: float = 1.0, bytes_scale: float = 1.0,
