@@ -60,9 +60,10 @@ FP8_BYTES = 1
 """Bytes per FP8 (e4m3) element: a cast's output, and a converted weight as ZeRO-3 gathers it (tensorwise)."""
 FP8_DIM_MULTIPLE = 16
 """FP8 tensor-core GEMMs need both dimensions of the weight divisible by 16 (torchtitan `module_filter_fn`)."""
-FILTERED_MODULE_NAMES = frozenset({"output", "lm_head", "router", "gate"})
-"""Last names of modules kept in BF16: the output layer (torchtitan `output`, the zoo's `lm_head`) and MoE routers
-(torchtitan `router.gate`, the zoo's `router`, transformers' `gate` of Mixtral and DeepSeek)."""
+FILTERED_MODULE_NAMES = frozenset({"output", "lm_head", "head", "classifier", "router", "gate"})
+"""Last names of modules kept in BF16: the output layer (torchtitan `output`, the zoo's and transformers'
+`lm_head`, `head`, `classifier`) and MoE routers (torchtitan `router.gate`, the zoo's `router`, transformers'
+`gate` of Mixtral and DeepSeek). By name, as torchtitan filters: the runtime converts exactly what is priced."""
 
 
 class Float8Recipe(enum.StrEnum):
