@@ -40,7 +40,7 @@ def fp8_runtime_problem(device_type: str, capability: tuple[int, int] | None = N
         return (f"the plan trains linear layers in FP8, which needs compute capability "
                 f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or later; this GPU has {'.'.join(map(str, capability))}")
     if importlib.util.find_spec("torchao") is None:
-        return "the plan trains linear layers in FP8 with torchao, which is not installed: pip install torchao"
+        return "the plan trains linear layers in FP8 with torchao, which is not installed: pip install 'stratagem[fp8]'"
     return ""
 
 
