@@ -173,3 +173,36 @@ def test_runtime_converts_exactly_the_priced_modules_and_refuses_cpu():
     assert "down_proj" in {n.rsplit(".", 1)[-1] for n in fp8_modules(llama.module)}
     assert "this rank runs on cpu" in fp8_runtime_problem("cpu")
     assert "compute capability 8.9 or later; this GPU has 8.0" in fp8_runtime_problem("cuda", (8, 0))
+
+
+TORCHTITAN_FP8 = """
+[model]
+converters = ["float8"]
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = true
+filter_fqns = ["output"]
+[parallelism]
+data_parallel_shard_degree = 8
+[training]
+local_batch_size = 2
+global_batch_size = 16
+"""
+
+
+def test_torchtitan_float8_config_reads_and_writes_back():
+    from planner.trainers.common import ModelShape, Notes
+    from planner.trainers.torchtitan import read, sections
+
+    cfg = read(TORCHTITAN_FP8, source="job.toml")
+    assert cfg.runtime.fp8 is TENSORWISE  # torchao's default recipe when none is named
+    assert read(TORCHTITAN_FP8.replace("[quantize.linear.float8]", '[quantize.linear.float8]\nrecipe_name = "rowwise"'),
+                source="job.toml").runtime.fp8 is ROWWISE
+    assert read(TORCHTITAN_FP8.replace('["float8"]', "[]"), source="job.toml").runtime.fp8 is None
+    with pytest.raises(UserError, match=r"job.toml: \[quantize.linear.float8\] unknown FP8 recipe 'mx'"):
+        read(TORCHTITAN_FP8.replace("[quantize.linear.float8]", '[quantize.linear.float8]\nrecipe_name = "mx"'),
+             source="job.toml")
+    out = sections(cfg, ModelShape(name="llama-tiny", family="llama", num_layers=2), Notes())
+    assert out["model"]["converters"] == ["float8"] and out["compile"]["enable"]
+    assert out["quantize.linear.float8"] == {"recipe_name": "tensorwise", "filter_fqns": ["output"],
+                                             "enable_fsdp_float8_all_gather": True,
+                                             "precompute_float8_dynamic_scale_for_fsdp": True}
