@@ -22,7 +22,7 @@ the cluster has, tp > 1 without layer costs) raises ValueError.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from costmodel.breakdown import Estimate, StageEstimate, TimeBreakdown
 from costmodel.context_parallel import cp_problem
@@ -328,6 +328,7 @@ def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSet
                 ) -> tuple[StageTime, DataParallelComm]:
     """One virtual stage's `StageTime` on `rank`, with its data-parallel communication over `group`."""
     pp, dp_size, runtime = strategy.pp, strategy.dp * strategy.cp, strategy.runtime
+    segs = _fp8_shard_casts(segs, strategy)
     plain = stage_time(segs, speed=rank.speed)
     # Expert weights are reduced over dp*cp/ep ranks (costmodel/expert_parallel.py).
     params = dp_synced_params((s.cost for s in segs), dp_size=dp_size, ep=strategy.ep)
@@ -346,10 +347,29 @@ def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSet
     return chunk, comm
 
 
+def _fp8_gathers_weights(strategy: Strategy) -> bool:
+    """Whether ZeRO-3 gathers converted weights in FP8 (FSDP's float8 all-gather, tensorwise scaling only)."""
+    fp8 = strategy.runtime.fp8
+    return fp8 is not None and fp8.fp8_all_gather and strategy.zero_stage == 3 and strategy.dp * strategy.cp > 1
+
+
+def _fp8_shard_casts(segs: Sequence[PricedSegment], strategy: Strategy) -> Sequence[PricedSegment]:
+    """With FP8 all-gathers each rank casts its 1/dp shard of a converted weight before the gather, and the
+    linear finds the gathered weight in FP8: the layer's weight casts shrink to that share (`costmodel.float8`)."""
+    if not _fp8_gathers_weights(strategy):
+        return segs
+    gone = 1 - 1 / (strategy.dp * strategy.cp)
+
+    def shard(c: LayerCost) -> LayerCost:
+        fwd, bwd = gone * c.fp8_weight_cast_fwd_s, gone * c.fp8_weight_cast_bwd_s
+        return replace(c, fwd_compute_s=c.fwd_compute_s - fwd, bwd_compute_s=c.bwd_compute_s - bwd,
+                       recompute_full_s=c.recompute_full_s - fwd)
+    return [replace(s, cost=shard(s.cost)) for s in segs]
+
+
 def _fp8_gather_saving(segs: Sequence[PricedSegment], strategy: Strategy, weight_bytes: int) -> float:
     """Bytes a ZeRO-3 gather of these segments saves when tensorwise FP8 gathers converted weights in one byte."""
-    fp8 = strategy.runtime.fp8
-    if fp8 is None or not fp8.fp8_all_gather or strategy.zero_stage != 3:
+    if not _fp8_gathers_weights(strategy):
         return 0.0
     converted = sum(s.cost.fp8_weight_share * (s.cost.param_count - s.cost.expert_param_count) for s in segs)
     return converted * (weight_bytes - FP8_BYTES)

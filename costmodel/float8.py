@@ -27,11 +27,14 @@ Memory: what `Float8Linear`'s autograd function saves is the BF16 input and weig
 torchao/float8/float8_linear.py), so activation memory, weights, gradients and optimizer state are priced as
 without FP8 (torch.compile's partitioner may keep FP8 copies instead: not priced).
 
-ZeRO-3 (FSDP2) with tensorwise scaling: torchao's `enable_fsdp_float8_all_gather` casts each weight shard to FP8
-before the all-gather, so a converted weight is gathered in 1 byte instead of 2 (`fp8_weight_share` of
-`LayerCost`); torchtitan's configurations of the published FP8 runs set it (train_configs/llama3_405b.toml at
-torchtitan 9dec370, and the launch command of its docs/float8.md). Rowwise scaling gathers in BF16 ("for float8
-with rowwise scaling, all distributed communication is done in high precision", torchtitan
+ZeRO-3 (FSDP2) with tensorwise scaling: torchao's `enable_fsdp_float8_all_gather` casts each rank's weight shard
+to FP8 before the all-gather (`WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`, torchao/float8/
+fsdp_utils.py), and the linear finds the gathered weight already in FP8 (`tensor_already_casted_to_fp8` in
+float8_linear.py). So a converted weight is gathered in 1 byte instead of 2 (`LayerCost.fp8_weight_share`), and its
+casts run on the 1/dp shard (`LayerCost.fp8_weight_cast_fwd_s` / `_bwd_s` shrink to that share in
+`costmodel.estimate`). torchtitan's configurations of the published FP8 runs set it (train_configs/llama3_405b.toml
+at torchtitan 9dec370, and the launch command of its docs/float8.md). Rowwise scaling gathers in BF16 ("for
+float8 with rowwise scaling, all distributed communication is done in high precision", torchtitan
 components/quantization/float8.md).
 
 What stays BF16 (`converts`): the attention core, norms, softmax, embeddings and every op that is not an
@@ -40,10 +43,9 @@ by name; here the zoo's and transformers' names for them, `FILTERED_MODULE_NAMES
 (torchtitan converts them with a separate converter, not priced here); and linears with a dimension not divisible
 by 16 (FP8 tensor cores need it; torchtitan's `module_filter_fn` skips them).
 
-Not priced: the weight cast with FP8 all-gather runs on the 1/dp shard before the gather, not on the gathered
-weight (priced on the gathered weight: an upper bound); the amax all-reduce of the precomputed weight scales (one
-small all-reduce per step); torchtitan's FP8 tensor-parallel all-gathers of activations (tp collectives are
-priced in BF16).
+Not priced: the amax all-reduce of the precomputed weight scales (one small all-reduce per step); torchtitan's
+FP8 tensor-parallel all-gathers of activations (tp collectives are priced in BF16); torch.compile's fusion of the
+casts with neighbouring kernels (the casts are priced unfused, per linear, as torchao's roofline does by default).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from costmodel.float8 import Float8Recipe, fp8_weight_share
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
-from costmodel.operators import GEMM_KINDS, node_time, retype_ratio
+from costmodel.operators import GEMM_KINDS, fp8_weight_cast_times, node_time, retype_ratio
 from costmodel.profile_db import OpProfile, OpTiming, segment_signature
 from costmodel.training_loss import loss_inputs, with_training_loss
 from ir.graph import Node, OpKind
@@ -172,5 +172,17 @@ def price_segment(chain: LayerChain, segment: Segment, device: DeviceSpec, *, mi
         saved_bytes_op=round(saved_op * act),
         recompute_op_s=sum(t[0] for n, t in zip(nodes, times, strict=True) if n.name not in kept),
     ), loss_bytes, device, dtype)
-    return dataclasses.replace(cost, weight_grad_share=weight_grad_share(nodes),
-                               fp8_weight_share=fp8_weight_share(nodes) if fp8 is not None else 0.0)
+    return dataclasses.replace(cost, weight_grad_share=weight_grad_share(nodes), **fp8_fields(nodes, device, fp8,
+                                                                                           param_scale=1.0,
+                                                                                           dtype=dtype))
+
+
+def fp8_fields(nodes: Sequence[Node], device: DeviceSpec, fp8: Float8Recipe | None, *, param_scale: float,
+               dtype: str) -> dict[str, float]:
+    """The `LayerCost` fields FP8 training sets (the converted weight share and the weight casts' seconds, at
+    `param_scale` of each weight); empty without FP8."""
+    if fp8 is None:
+        return {}
+    cast_fwd, cast_bwd = fp8_weight_cast_times(nodes, device, fp8, param_scale=param_scale, dtype=dtype)
+    return {"fp8_weight_share": fp8_weight_share(nodes), "fp8_weight_cast_fwd_s": cast_fwd,
+            "fp8_weight_cast_bwd_s": cast_bwd}

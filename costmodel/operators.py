@@ -57,7 +57,7 @@ A profile entry for the node's signature at these scales (`costmodel.profile_db`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from costmodel.float8 import CAST_TRAFFIC, Float8Recipe, Operand, converted_node
 from costmodel.hardware.catalog import FP8_DTYPE, fp8_matmul_efficiency
@@ -183,19 +183,28 @@ def node_bytes(node: Node, *, bytes_scale: float = 1.0, param_scale: float = 1.0
 
 
 def fp8_cast_times(node: Node, device: DeviceSpec, recipe: Float8Recipe, *, bytes_scale: float, param_scale: float,
-                   dtype: str) -> tuple[float, float]:
-    """(forward, backward) seconds of casting a converted linear's operands to FP8 (`costmodel.float8`): each
+                   dtype: str, operands: tuple[Operand, ...] = tuple(Operand)) -> tuple[float, float]:
+    """(forward, backward) seconds of casting a converted linear's `operands` to FP8 (`costmodel.float8`): each
     operand's casts in a pass are one memory-bound term of `CAST_TRAFFIC` bytes per element."""
     elements = {Operand.INPUT: node.input_specs[0].numel * bytes_scale if node.input_specs else 0.0,
                 Operand.WEIGHT: node.param_specs[0].numel * param_scale,
                 Operand.GRAD_OUTPUT: node.output_specs[0].numel * bytes_scale if node.output_specs else 0.0}
     width = dtype_bytes(dtype)
     fwd = bwd = 0.0
-    for operand, n in elements.items():
+    for operand in operands:
         traffic_fwd, traffic_bwd = CAST_TRAFFIC[recipe, operand]
-        fwd += roofline_time(0.0, n * traffic_fwd.bytes_per_element(width), 0.0, device)
-        bwd += roofline_time(0.0, n * traffic_bwd.bytes_per_element(width), 0.0, device)
+        fwd += roofline_time(0.0, elements[operand] * traffic_fwd.bytes_per_element(width), 0.0, device)
+        bwd += roofline_time(0.0, elements[operand] * traffic_bwd.bytes_per_element(width), 0.0, device)
     return fwd, bwd
+
+
+def fp8_weight_cast_times(nodes: Sequence[Node], device: DeviceSpec, recipe: Float8Recipe, *, param_scale: float,
+                          dtype: str) -> tuple[float, float]:
+    """(forward, backward) seconds of the weight casts of the converted linears among `nodes` (part of their
+    `node_time`): what FSDP's FP8 all-gather moves onto the 1/dp shard (`LayerCost.fp8_weight_cast_fwd_s`)."""
+    times = [fp8_cast_times(n, device, recipe, bytes_scale=0.0, param_scale=param_scale, dtype=dtype,
+                            operands=(Operand.WEIGHT,)) for n in nodes if converted_node(n)]
+    return sum(t[0] for t in times), sum(t[1] for t in times)
 
 
 def node_time(node: Node, device: DeviceSpec, *, flops_scale: float = 1.0, bytes_scale: float = 1.0,

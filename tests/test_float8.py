@@ -132,6 +132,26 @@ def test_zero3_gathers_converted_weights_in_fp8_with_tensorwise_scaling_only(cha
     assert tensorwise < bf16
 
 
+def test_fp8_all_gather_moves_the_weight_casts_onto_the_shard(chain):
+    cluster = Cluster.parse("2x8xh100-sxm")
+    block = chain.segments[1]
+    cost = price_segment(chain, block, H100, microbatch_size=1, fp8=TENSORWISE)
+    h, f = SHAPE.hidden, 4 * SHAPE.hidden
+    shapes = [(h, h)] * 4 + [(h, f), (f, h)]  # q, k, v, o, up, down weights: (in, out)
+    # tensorwise weight traffic per element: amax + cast (2*2 + 1) forward, the other layout (2 + 1) backward
+    assert cost.fp8_weight_cast_fwd_s == pytest.approx(sum(_hbm_s(5 * i * o) for i, o in shapes))
+    assert cost.fp8_weight_cast_bwd_s == pytest.approx(sum(_hbm_s(3 * i * o) for i, o in shapes))
+
+    def compute(zero, dp=16):
+        s = Strategy(dp=dp, zero_stage=zero, microbatch_size=1, num_microbatches=1,
+                     runtime=RuntimeOptions(fp8=TENSORWISE))
+        return estimate(chain, cluster, s, global_batch=dp).breakdown.compute_s
+
+    blocks = SHAPE.layers
+    saved = (cost.fp8_weight_cast_fwd_s + cost.fp8_weight_cast_bwd_s) * (1 - 1 / 16) * blocks
+    assert compute(1) - compute(3) == pytest.approx(saved, rel=1e-6)
+
+
 def test_fp8_needs_fp8_tensor_cores(chain):
     assert fp8_devices()[:4] == ("h100-sxm", "h200", "h800", "b200")
     assert fp8_problem([H100]) is None

@@ -14,11 +14,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from costmodel.float8 import Float8Recipe, fp8_weight_share
+from costmodel.float8 import Float8Recipe
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
-from costmodel.layer_pricing import owned_param_tensors, price_segment, segment_glue, weight_grad_share
+from costmodel.layer_pricing import (
+    fp8_fields,
+    owned_param_tensors,
+    price_segment,
+    segment_glue,
+    weight_grad_share,
+)
 from costmodel.rank_layout import type_group
 from ir.graph import Node
 from ir.layer_chain import LayerChain
@@ -190,7 +196,8 @@ class LayerCostTable:
                 fwd_compute_s=cost.fwd_compute_s + glue.forward_s, bwd_compute_s=cost.bwd_compute_s + glue.backward_s,
                 recompute_full_s=cost.recompute_full_s + glue.forward_s,
                 weight_grad_share=weight_grad_share(self.chain.nodes_of(segment)),
-                fp8_weight_share=fp8_weight_share(self.chain.nodes_of(segment)) if self.fp8 is not None else 0.0)
+                # a tensor-parallel rank holds 1/tp of each weight, column- or row-sharded alike
+                **fp8_fields(self.chain.nodes_of(segment), device, self.fp8, param_scale=1 / tp, dtype=self.dtype))
             sharding[cid] = tuple(solved.module_styles())
         return ClassPrices(costs, sharding)
 
