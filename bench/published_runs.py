@@ -222,7 +222,7 @@ def _resumed_rows(out: Path, args: argparse.Namespace) -> list[dict]:
     return previous["rows"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="rows whose name contains this text")
     ap.add_argument("--no-free", action="store_true", help="skip the free planner's reference plans")
@@ -234,7 +234,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep the rows of an earlier run that was cut short and price only the rest")
     ap.add_argument("--fp8-rows", action="store_true",
                     help="only the rows priced in FP8, each also without FP8; writes their JSON and docs block")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments(argv)
     if args.fp8_rows:
         fp8_rows([r for r in all_runs() if args.only.lower() in r.name.lower()])
         return 0

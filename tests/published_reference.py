@@ -175,10 +175,7 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
         stage_layers = (edge,) + (inner,) * (pp - 2) + (edge,)
     inter = OMNI_PATH_PER_GPU_GBPS if "Omni-Path" in r["device_notes"] else None
     hbm = re.search(r"(\d+) GB HBM\w* \(([\d.]+) TB/s\)", r["device_notes"])
-    fp8 = _fp8_of(r["precision"])
-    if fp8 is Float8Recipe.TENSORWISE and zero == 3:
-        inferred.append("FSDP float8 all-gather (torchtitan's FP8 launch command in docs/float8.md and its 405B "
-                        "config at the benchmark's commit set enable_fsdp_float8_all_gather)")
+    fp8 = _fp8_of(r["precision"], zero, inferred)
     runtime = RuntimeOptions(dp_overlap="Megatron-DeepSpeed" not in framework,
                              tp_overlap="TP/PP communication enabled" in framework or "AsyncTP" in framework,
                              fp8=fp8)
@@ -193,12 +190,17 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
         unstated=tuple(unstated), inferred=tuple(inferred), precision="fp8" if fp8 is not None else "bf16")
 
 
-def _fp8_of(precision: str) -> Float8Recipe | None:
-    """The FP8 recipe a row's precision column names ("float8 linear layers (torchao dynamic tensorwise ...)")."""
+def _fp8_of(precision: str, zero: int | None, inferred: list[str]) -> Float8Recipe | None:
+    """The FP8 recipe a row's precision column names ("float8 linear layers (torchao dynamic tensorwise ...)"),
+    noting in `inferred` what the row leaves unstated about it."""
     low = precision.lower()
     if "float8" not in low:
         return None
-    return Float8Recipe.ROWWISE if "rowwise" in low else Float8Recipe.TENSORWISE
+    recipe = Float8Recipe.ROWWISE if "rowwise" in low else Float8Recipe.TENSORWISE
+    if recipe.fp8_all_gather and zero == 3:
+        inferred.append("FSDP float8 all-gather (torchtitan's FP8 launch command in docs/float8.md and its 405B "
+                        "config at the benchmark's commit set enable_fsdp_float8_all_gather)")
+    return recipe
 
 
 def load_published_runs(path: Path = PUBLISHED_CSV) -> list[PublishedRun]:
