@@ -27,20 +27,19 @@ import ir
 from costmodel.breakdown import Estimate
 from costmodel.estimate import estimate as costmodel_estimate
 from costmodel.estimate import recomputes
-from costmodel.float8 import fp8_problem
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collective_fit import calibrated_cluster
 from costmodel.pipeline import schedule_problem, split_backward_problem
 from costmodel.profile_db import OpProfile
 from costmodel.rank_layout import even_stages
-from costmodel.strategy import RuntimeOptions, Strategy
+from costmodel.strategy import Strategy
 from costmodel.validation import error_band
 from ir.graph import Graph
 from ir.layer_chain import LayerChain
 from planner.errors import UserError
 from planner.plan import ModelInfo, ModuleSharding, Plan, SearchInfo, TrainingConfig
 from planner.progress import Phase, PlanProgress, ProgressCallback
-from planner.search.branch_and_bound import SearchOptions, SearchResult, search
+from planner.search.branch_and_bound import SearchOptions, SearchResult, check_fp8, search
 from planner.search.candidates import Candidate
 from planner.search.device_groups import mixed_type_problem, with_device_groups
 from planner.search.layer_costs import LayerCostTable
@@ -144,11 +143,6 @@ def estimate(chain: LayerChain, cluster: Cluster | str, strategy: Strategy, *, g
     check_fp8(cluster, strategy.runtime)
     return _estimate_with_sharding(chain, cluster, strategy, global_batch, dtype, profile)[0]
 
-
-def check_fp8(cluster: Cluster, runtime: RuntimeOptions) -> None:
-    """Raise UserError when `runtime` trains in FP8 on a cluster with a device without FP8 tensor cores."""
-    if runtime.fp8 is not None and (why := fp8_problem(g.device for g in cluster.groups)):
-        raise UserError(f"--fp8 {runtime.fp8.value}: {why}")
 
 
 def estimate_plan(chain: LayerChain, cluster: Cluster | str, strategy: Strategy, *, global_batch: int,

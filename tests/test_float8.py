@@ -226,3 +226,14 @@ def test_torchtitan_float8_config_reads_and_writes_back():
     assert out["quantize.linear.float8"] == {"recipe_name": "tensorwise", "filter_fqns": ["output"],
                                              "enable_fsdp_float8_all_gather": True,
                                              "precompute_float8_dynamic_scale_for_fsdp": True}
+
+
+def test_replan_keeps_fp8_and_refuses_a_cluster_without_it(chain):
+    from planner.scenarios.replan import replan
+
+    old = estimate_plan(chain, Cluster.parse("2x8xh100-sxm"), Strategy(dp=16, zero_stage=3,
+                        runtime=RuntimeOptions(fp8=TENSORWISE)), global_batch=16)
+    new = replan(old, chain, Cluster.parse("1x8xh100-sxm"), scope="full")
+    assert new.plan.strategy.runtime.fp8 is TENSORWISE
+    with pytest.raises(UserError, match="the plan trains linear layers in FP8, tensorwise: .* a100-80gb has none"):
+        replan(old, chain, Cluster.parse("2x8xa100-80gb"))
