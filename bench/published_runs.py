@@ -12,15 +12,20 @@ efficiency minimizing the mean absolute error is found on a 0.005 grid, over all
 row out in turn (the leave-one-out error is the row's error at the efficiency fitted without it). Writes
 bench/results/training_efficiency_fit.json.
 
-Rows published in another precision than the bf16 the cost model prices (DeepSeek-V3 trained in FP8) are priced
-and shown, but left out of the mean error and of `--fit`.
+Rows run in FP8 are priced and shown, but left out of the mean error and of `--fit`: the torchtitan FP8 rows
+(bench/data/published_fp8_runs.csv) are priced with FP8 linear layers (`costmodel.float8`); DeepSeek-V3, whose
+FP8 recipe (block-wise scaling, FP8 experts and dispatch) the cost model does not have, in bf16.
 
-Usage: python bench/published_runs.py [--only SUBSTRING] [--no-free] [--json] [--fit] [--resume]
+`--fp8-rows` prices only the rows priced in FP8, each also without FP8 (what the FP8 pricing moves), writes
+bench/results/published_fp8_runs.json and the FP8 block of docs/fidelity.md.
+
+Usage: python bench/published_runs.py [--only SUBSTRING] [--no-free] [--json] [--fit] [--resume] [--fp8-rows]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -85,20 +90,70 @@ def markdown_table(result: dict) -> str:
                  f"published in bf16; peak memory mean |error| {(s['mean_abs_memory_error'] or 0):.1%}.")
     other = [r for r in result["rows"] if r.get("precision", "bf16") != "bf16"]
     if other:
-        lines.append("Rows run in another precision (priced in bf16, not in the mean or the fit): "
-                     + "; ".join(f"{r['run']} {r['error']:+.1%}" for r in other) + ".")
+        lines.append("Rows run in FP8 (not in the mean or the fit): "
+                     + "; ".join(f"{r['run']} {r['error']:+.1%} (priced in {r.get('priced_in', 'bf16')})"
+                                 for r in other) + ".")
     return "\n".join(lines)
+
+
+FP8_BEGIN, FP8_END = "<!-- published-fp8-runs:begin -->", "<!-- published-fp8-runs:end -->"
+
+
+def fp8_rows(runs: list[PublishedRun]) -> dict:
+    """Price the rows run with FP8 linear layers in FP8 and, for comparison, without; print, write the JSON and
+    the FP8 block of docs/fidelity.md."""
+    chains: dict = {}
+    rows = []
+    for run in (r for r in runs if r.runtime.fp8 is not None):
+        pred = predict(run, chains)
+        bf16 = predict(dataclasses.replace(run, runtime=dataclasses.replace(run.runtime, fp8=None)), chains)
+        rows.append({"run": run.name, "gpus": run.num_gpus, "recipe": run.runtime.fp8.value,
+                     "measured_step_s": run.measured_step_s, "predicted_step_s": pred.step_s,
+                     "error": pred.step_s / run.measured_step_s - 1, "predicted_without_fp8_s": bf16.step_s,
+                     "error_without_fp8": bf16.step_s / run.measured_step_s - 1,
+                     "measured_memory_gib": run.measured_memory_gib, "predicted_memory_gib": pred.memory_gib,
+                     "strategy": pred.strategy, "inferred": list(run.inferred)})
+        r = rows[-1]
+        print(f"{run.name[:64]:64s} {r['measured_step_s']:8.3f} {r['predicted_step_s']:8.3f} {r['error']:+7.1%}  "
+              f"without FP8 {r['predicted_without_fp8_s']:8.3f} {r['error_without_fp8']:+7.1%}", flush=True)
+    errs = [abs(r["error"]) for r in rows]
+    result = {"rows": rows, "summary": {"rows": len(rows), "mean_abs_error": sum(errs) / len(errs),
+                                        "max_abs_error": max(errs)}}
+    out = ROOT / "bench" / "results" / "published_fp8_runs.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    _replace_block(FP8_BEGIN, FP8_END, fp8_table(result))
+    return result
+
+
+def fp8_table(result: dict) -> str:
+    lines = ["| run | GPUs | published s/step | predicted (FP8) | error | priced without FP8 | error | memory GiB "
+             "pred / published | pinned strategy |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        mem = (f"{r['predicted_memory_gib']:.1f} / {r['measured_memory_gib']:.1f}"
+               if r["measured_memory_gib"] is not None else "-")
+        lines.append(f"| {r['run']} | {r['gpus']} | {r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | "
+                     f"{r['error']:+.1%} | {r['predicted_without_fp8_s']:.3f} | {r['error_without_fp8']:+.1%} | "
+                     f"{mem} | {r['strategy']} fp8 {r['recipe']} |")
+    s = result["summary"]
+    lines.append(f"\nFP8 rows: mean |error| {s['mean_abs_error']:.1%}, worst {s['max_abs_error']:.1%} over "
+                 f"{s['rows']} rows (not fitted: the training efficiency is the bf16 rows').")
+    return "\n".join(lines)
+
+
+def _replace_block(begin: str, end: str, body: str) -> None:
+    text = DOC.read_text()
+    block = f"{begin}\n{body}\n{end}"
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text += "\n" + block + "\n"
+    DOC.write_text(text)
 
 
 def update_doc(result: dict) -> None:
     """Replace the generated block of docs/fidelity.md between the published-runs markers."""
-    text = DOC.read_text()
-    block = f"{BEGIN}\n{markdown_table(result)}\n{END}"
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
-    else:
-        text += "\n" + block + "\n"
-    DOC.write_text(text)
+    _replace_block(BEGIN, END, markdown_table(result))
 
 
 def update_fit_doc(fitted: dict) -> None:
@@ -167,7 +222,7 @@ def _resumed_rows(out: Path, args: argparse.Namespace) -> list[dict]:
     return previous["rows"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="rows whose name contains this text")
     ap.add_argument("--no-free", action="store_true", help="skip the free planner's reference plans")
@@ -177,7 +232,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="time limit of each free-planner reference search (default 120 s; the gap is shown)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the rows of an earlier run that was cut short and price only the rest")
-    args = ap.parse_args(argv)
+    ap.add_argument("--fp8-rows", action="store_true",
+                    help="only the rows priced in FP8, each also without FP8; writes their JSON and docs block")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments(argv)
+    if args.fp8_rows:
+        fp8_rows([r for r in all_runs() if args.only.lower() in r.name.lower()])
+        return 0
     if args.fit:
         fit([r for r in all_runs() if args.only.lower() in r.name.lower() and r.precision == "bf16"])
         return 0
@@ -199,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                      "memory_error": mem_err, "predicted_mfu": pred.mfu, "strategy": pred.strategy,
                      "planner_chose": pred.chosen, "inferred": list(run.inferred), "free_step_s": free_s,
                      "free_strategy": free_label, "free_over_expert": free_s / pred.step_s if free_s else None,
-                     "precision": run.precision, "seconds": time.monotonic() - started})
+                     "precision": run.precision, "seconds": time.monotonic() - started,
+                     "priced_in": f"fp8 {run.runtime.fp8.value}" if run.runtime.fp8 is not None else "bf16"})
         r = rows[-1]
         if not args.json:
             mem = f"{r['predicted_memory_gib']:.1f}/{run.measured_memory_gib:.1f} ({mem_err:+.0%})" if mem_err is not None else "-"
@@ -208,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"mfu {pred.mfu:5.1%} free/exp {free:5s} | {pred.strategy} | free: {free_label}", flush=True)
         if not args.only:  # each row as it finishes: a run cut short keeps what it measured (--resume)
             _write(out, rows, complete=False, free_plans=not args.no_free)
-    priced = [r for r in rows if r.get("precision", "bf16") == "bf16"] or rows  # rows run in FP8 are reported, not averaged
+    priced = [r for r in rows if r.get("precision", "bf16") == "bf16"] or rows  # FP8 rows: reported, not averaged
     errs = [abs(r["error"]) for r in priced]
     mems = [abs(r["memory_error"]) for r in priced if r["memory_error"] is not None]
     summary = {"rows": len(priced), "mean_abs_error": sum(errs) / len(errs), "max_abs_error": max(errs),

@@ -23,7 +23,7 @@ the cluster has, tp > 1 without layer costs) raises ValueError.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from costmodel.breakdown import Estimate, StageEstimate, TimeBreakdown
 from costmodel.context_parallel import cp_problem
@@ -36,6 +36,7 @@ from costmodel.expert_parallel import (
     expert_layer,
     optimizer_params,
 )
+from costmodel.float8 import FP8_BYTES
 from costmodel.framework import FrameworkCosts
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import Collective, CommGroup, collective_time
@@ -184,7 +185,7 @@ class _Prices:
             rep = self.chain.representative(seg.class_id)
             mbs = self.strategy.microbatch_size
             cost = price_segment(self.chain, rep, device, microbatch_size=mbs, dtype=self.dtype,
-                                 profile=self.profile)
+                                 profile=self.profile, fp8=self.strategy.runtime.fp8)
             # Routed experts as they run with every expert on this rank (costmodel/expert_parallel.py).
             setting = ExpertSetting(ep=1, microbatch_size=mbs, traced_batch=self.chain.graph.batch_size,
                                     traced_dtype=self.chain.graph.dtype, dtype=self.dtype,
@@ -355,13 +356,15 @@ def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSet
                 ) -> tuple[StageTime, DataParallelComm]:
     """One virtual stage's `StageTime` on `rank`, with its data-parallel communication over `group`."""
     pp, dp_size, runtime = strategy.pp, strategy.dp * strategy.cp, strategy.runtime
+    segs = _fp8_shard_casts(segs, strategy)
     plain = stage_time(segs, speed=rank.speed)
     # Expert weights are reduced over dp*cp/ep ranks (costmodel/expert_parallel.py).
     params = dp_synced_params((s.cost for s in segs), dp_size=dp_size, ep=strategy.ep)
     # Every (tp, pp) coordinate runs its own data-parallel reduction at the same time. Gradients are reduced
-    # in fp32 (`memory.GRAD_BYTES`), weights gathered in the training dtype.
+    # in fp32 (`memory.GRAD_BYTES`), weights gathered in the training dtype, FP8 weights in one byte
+    # (`costmodel.float8`).
     comm = dp_comm(zero_stage=strategy.zero_stage, grad_bytes=params * GRAD_BYTES,
-                   param_bytes=params * weight_bytes, num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
+                   param_bytes=params * weight_bytes - _fp8_gather_saving(segs, strategy, weight_bytes), num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
                    bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=group, cluster=cluster,
                    concurrent=strategy.tp * pp, overlap=runtime.dp_overlap,
                    reshard_after_forward=runtime.reshard_after_forward,
@@ -382,6 +385,34 @@ def _stage_host_copy(segs: Sequence[PricedSegment], strategy: Strategy, device: 
     shard = optimizer_params(sum(s.cost.param_count for s in segs), sum(s.cost.expert_param_count for s in segs),
                              zero_stage=strategy.zero_stage, dp_size=strategy.dp * strategy.cp, ep=strategy.ep)
     return host_copy(shard, host, num_microbatches=strategy.num_microbatches)
+
+
+def _fp8_gathers_weights(strategy: Strategy) -> bool:
+    """Whether ZeRO-3 gathers converted weights in FP8 (FSDP's float8 all-gather, tensorwise scaling only)."""
+    fp8 = strategy.runtime.fp8
+    return fp8 is not None and fp8.fp8_all_gather and strategy.zero_stage == 3 and strategy.dp * strategy.cp > 1
+
+
+def _fp8_shard_casts(segs: Sequence[PricedSegment], strategy: Strategy) -> Sequence[PricedSegment]:
+    """With FP8 all-gathers each rank casts its 1/dp shard of a converted weight before the gather, and the
+    linear finds the gathered weight in FP8: the layer's weight casts shrink to that share (`costmodel.float8`)."""
+    if not _fp8_gathers_weights(strategy):
+        return segs
+    gone = 1 - 1 / (strategy.dp * strategy.cp)
+
+    def shard(c: LayerCost) -> LayerCost:
+        fwd, bwd = gone * c.fp8_weight_cast_fwd_s, gone * c.fp8_weight_cast_bwd_s
+        return replace(c, fwd_compute_s=c.fwd_compute_s - fwd, bwd_compute_s=c.bwd_compute_s - bwd,
+                       recompute_full_s=c.recompute_full_s - fwd)
+    return [replace(s, cost=shard(s.cost)) for s in segs]
+
+
+def _fp8_gather_saving(segs: Sequence[PricedSegment], strategy: Strategy, weight_bytes: int) -> float:
+    """Bytes a ZeRO-3 gather of these segments saves when tensorwise FP8 gathers converted weights in one byte."""
+    if not _fp8_gathers_weights(strategy):
+        return 0.0
+    converted = sum(s.cost.fp8_weight_share * (s.cost.param_count - s.cost.expert_param_count) for s in segs)
+    return converted * (weight_bytes - FP8_BYTES)
 
 
 def _shared_sync_time(shared_params: int, strategy: Strategy, pp_rank: int, cluster: Cluster) -> float:

@@ -57,3 +57,11 @@ class LayerCost:
     """Fraction of `bwd_compute_s` that computes weight gradients (`layer_pricing.weight_grad_share`): the work
     the zero-bubble schedules split off the backward and defer. A share, so that pricing that scales the backward
     (context and expert parallelism) keeps it."""
+    fp8_weight_share: float = 0.0
+    """Fraction of `param_count` that FP8 training converts (`costmodel.float8.fp8_weight_share`; 0 without FP8):
+    ZeRO-3 with tensorwise scaling gathers those weights in FP8."""
+    fp8_weight_cast_fwd_s: float = 0.0
+    """Of `fwd_compute_s`, the casts of converted weights to FP8 (`operators.fp8_weight_cast_times`; 0 without
+    FP8): with FSDP's FP8 all-gather each rank casts only its 1/dp shard (`costmodel.estimate`)."""
+    fp8_weight_cast_bwd_s: float = 0.0
+    """Of `bwd_compute_s`, the same for the backward's weight casts."""

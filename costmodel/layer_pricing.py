@@ -26,9 +26,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from costmodel.float8 import Float8Recipe, fp8_weight_share
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
-from costmodel.operators import GEMM_KINDS, node_time, retype_ratio
+from costmodel.operators import GEMM_KINDS, fp8_weight_cast_times, node_time, retype_ratio
 from costmodel.profile_db import OpProfile, OpTiming, segment_signature
 from costmodel.training_loss import loss_inputs, with_training_loss
 from ir.graph import Node, OpKind
@@ -127,15 +128,17 @@ def weight_grad_share(nodes: Sequence[Node]) -> float:
 
 
 def price_segment(chain: LayerChain, segment: Segment, device: DeviceSpec, *, microbatch_size: int,
-                  dtype: str = "bfloat16", profile: OpProfile | None = None) -> LayerCost:
-    """`LayerCost` of `segment` replicated on one `device` for a micro-batch of `microbatch_size` samples."""
+                  dtype: str = "bfloat16", profile: OpProfile | None = None,
+                  fp8: Float8Recipe | None = None) -> LayerCost:
+    """`LayerCost` of `segment` replicated on one `device` for a micro-batch of `microbatch_size` samples; `fp8`
+    runs its linear layers in FP8 (`costmodel.float8`)."""
     if microbatch_size < 1:
         raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
     graph = chain.graph
     scale = microbatch_size / graph.batch_size
     ratio = retype_ratio(graph.dtype, dtype)
     nodes = chain.nodes_of(segment)
-    times = [node_time(n, device, flops_scale=scale, bytes_scale=scale, dtype=dtype, profile=profile)
+    times = [node_time(n, device, flops_scale=scale, bytes_scale=scale, dtype=dtype, profile=profile, fp8=fp8)
              for n in nodes]
     glue = segment_glue(segment, device, microbatch_size=microbatch_size, dtype=dtype, profile=profile)
     fwd = sum(t[0] for t in times) + glue.forward_s
@@ -169,4 +172,17 @@ def price_segment(chain: LayerChain, segment: Segment, device: DeviceSpec, *, mi
         saved_bytes_op=round(saved_op * act),
         recompute_op_s=sum(t[0] for n, t in zip(nodes, times, strict=True) if n.name not in kept),
     ), loss_bytes, device, dtype)
-    return dataclasses.replace(cost, weight_grad_share=weight_grad_share(nodes))
+    return dataclasses.replace(cost, weight_grad_share=weight_grad_share(nodes), **fp8_fields(nodes, device, fp8,
+                                                                                           param_scale=1.0,
+                                                                                           dtype=dtype))
+
+
+def fp8_fields(nodes: Sequence[Node], device: DeviceSpec, fp8: Float8Recipe | None, *, param_scale: float,
+               dtype: str) -> dict[str, float]:
+    """The `LayerCost` fields FP8 training sets (the converted weight share and the weight casts' seconds, at
+    `param_scale` of each weight); empty without FP8."""
+    if fp8 is None:
+        return {}
+    cast_fwd, cast_bwd = fp8_weight_cast_times(nodes, device, fp8, param_scale=param_scale, dtype=dtype)
+    return {"fp8_weight_share": fp8_weight_share(nodes), "fp8_weight_cast_fwd_s": cast_fwd,
+            "fp8_weight_cast_bwd_s": cast_bwd}

@@ -57,8 +57,10 @@ A profile entry for the node's signature at these scales (`costmodel.profile_db`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
+from costmodel.float8 import CAST_TRAFFIC, Float8Recipe, Operand, converted_node
+from costmodel.hardware.catalog import FP8_DTYPE, fp8_matmul_efficiency
 from costmodel.hardware.device import DeviceSpec
 from costmodel.profile_db import OpProfile, op_signature
 from ir.graph import Node, OpKind, dtype_bytes
@@ -134,6 +136,13 @@ def compute_rate(kind: OpKind, device: DeviceSpec, dtype: str, size_flops: float
     return _vector_flops(device, dtype)
 
 
+def fp8_gemm_rate(device: DeviceSpec, size_flops: float) -> float:
+    """Achieved FLOP/s of an FP8 GEMM of `size_flops` FLOPs (`costmodel.float8`): the FP8 peak at the measured
+    FP8 level, on the same size curve."""
+    peak = device.flops(FP8_DTYPE)
+    return peak * fp8_matmul_efficiency(device) * gemm_size_factor(size_flops / peak)
+
+
 def roofline_time(flops: float, nbytes: float, rate: float, device: DeviceSpec) -> float:
     """max(compute, memory) / training efficiency, at least the kernel floor, in seconds; zero work costs nothing
     (no kernel is launched)."""
@@ -173,11 +182,41 @@ def node_bytes(node: Node, *, bytes_scale: float = 1.0, param_scale: float = 1.0
     return (activations * bytes_scale + params * param_scale) * ratio
 
 
+def fp8_cast_times(node: Node, device: DeviceSpec, recipe: Float8Recipe, *, bytes_scale: float, param_scale: float,
+                   dtype: str, operands: tuple[Operand, ...] = tuple(Operand)) -> tuple[float, float]:
+    """(forward, backward) seconds of casting a converted linear's `operands` to FP8 (`costmodel.float8`): each
+    operand's casts in a pass are one memory-bound term of `CAST_TRAFFIC` bytes per element."""
+    elements = {Operand.INPUT: node.input_specs[0].numel * bytes_scale if node.input_specs else 0.0,
+                Operand.WEIGHT: node.param_specs[0].numel * param_scale,
+                Operand.GRAD_OUTPUT: node.output_specs[0].numel * bytes_scale if node.output_specs else 0.0}
+    width = dtype_bytes(dtype)
+    fwd = bwd = 0.0
+    for operand in operands:
+        traffic_fwd, traffic_bwd = CAST_TRAFFIC[recipe, operand]
+        fwd += roofline_time(0.0, elements[operand] * traffic_fwd.bytes_per_element(width), 0.0, device)
+        bwd += roofline_time(0.0, elements[operand] * traffic_bwd.bytes_per_element(width), 0.0, device)
+    return fwd, bwd
+
+
+def fp8_weight_cast_times(nodes: Sequence[Node], device: DeviceSpec, recipe: Float8Recipe, *, param_scale: float,
+                          dtype: str) -> tuple[float, float]:
+    """(forward, backward) seconds of the weight casts of the converted linears among `nodes` (part of their
+    `node_time`): what FSDP's FP8 all-gather moves onto the 1/dp shard (`LayerCost.fp8_weight_cast_fwd_s`)."""
+    times = [fp8_cast_times(n, device, recipe, bytes_scale=0.0, param_scale=param_scale, dtype=dtype,
+                            operands=(Operand.WEIGHT,)) for n in nodes if converted_node(n)]
+    return sum(t[0] for t in times), sum(t[1] for t in times)
+
+
 def node_time(node: Node, device: DeviceSpec, *, flops_scale: float = 1.0, bytes_scale: float = 1.0,
               dtype: str = "bfloat16", profile: OpProfile | None = None, param_scale: float = 1.0,
-              gemm_groups: int = 1) -> tuple[float, float]:
+              gemm_groups: int = 1, fp8: Float8Recipe | None = None) -> tuple[float, float]:
     """(forward seconds, backward seconds) of `node` on `device` (formulas in the module docstring).
-    `gemm_groups`: the node's FLOPs are that many equal GEMMs (a grouped GEMM), each sized for `s(tau)` alone."""
+    `gemm_groups`: the node's FLOPs are that many equal GEMMs (a grouped GEMM), each sized for `s(tau)` alone.
+    `fp8`: linear layers run as FP8 training converts them (`costmodel.float8`): their GEMMs at the FP8 rate plus
+    the casts of their operands."""
+    if fp8 is not None and converted_node(node):
+        return _fp8_linear_time(node, device, fp8, flops_scale=flops_scale, bytes_scale=bytes_scale,
+                                param_scale=param_scale, dtype=dtype)
     if profile is not None:
         sig = op_signature(node, flops_scale=flops_scale, bytes_scale=bytes_scale, param_scale=param_scale)
         hit = profile.lookup(device.name, sig)
@@ -196,3 +235,18 @@ def node_time(node: Node, device: DeviceSpec, *, flops_scale: float = 1.0, bytes
         return fwd, 0.0
     bwd_bytes = fwd_bytes * BACKWARD_BYTES_FACTOR.get(node.op_kind, 1.5)
     return fwd, roofline_time(bwd_flops, bwd_bytes, rate, device)
+
+
+def _fp8_linear_time(node: Node, device: DeviceSpec, recipe: Float8Recipe, *, flops_scale: float,
+                     bytes_scale: float, param_scale: float, dtype: str) -> tuple[float, float]:
+    """A converted linear: its GEMMs at the FP8 rate (bytes as in BF16: the GEMMs are compute-bound at these
+    sizes) plus the operand casts. A measured profile of the BF16 op does not apply."""
+    fwd_flops = node.forward_flops * flops_scale
+    fwd_bytes = node_bytes(node, bytes_scale=bytes_scale, param_scale=param_scale, dtype=dtype)
+    rate = fp8_gemm_rate(device, fwd_flops)
+    cast_fwd, cast_bwd = fp8_cast_times(node, device, recipe, bytes_scale=bytes_scale, param_scale=param_scale,
+                                        dtype=dtype)
+    fwd = roofline_time(fwd_flops, fwd_bytes, rate, device)
+    bwd = roofline_time(node.backward_flops * flops_scale, fwd_bytes * BACKWARD_BYTES_FACTOR[OpKind.LINEAR], rate,
+                        device)
+    return fwd + cast_fwd, bwd + cast_bwd

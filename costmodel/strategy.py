@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from costmodel.float8 import Float8Recipe
+
 
 class Schedule(enum.StrEnum):
     """Pipeline schedule: GPipe, 1F1B and interleaved 1F1B (Narayanan et al., SC'21); the zero-bubble schedules,
@@ -138,6 +140,10 @@ class RuntimeOptions:
     Megatron-Core `--tp-comm-overlap`). `planner.parallelize` does not run it: plans with it are for export."""
     offload: Offload = Offload.NONE
     """Model state kept in host memory (`Offload`); the search chooses it when the device memory binds."""
+    fp8: Float8Recipe | None = None
+    """Linear layers trained in FP8 with this scaling recipe (torchao float8 training, as torchtitan converts
+    them; `costmodel.float8` says what is priced); None trains every op in the training dtype. Needs FP8 tensor
+    cores (a device with an FP8 peak in the catalog)."""
 
     p2p_scatter_gather: bool = False
     """Pipeline sends without sequence parallelism: each tensor-parallel rank sends its 1/tp slice of the
@@ -157,13 +163,17 @@ class RuntimeOptions:
             object.__setattr__(self, "offload", Offload(self.offload))
         except ValueError:
             raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {self.offload!r}") from None
+        if self.fp8 is not None:
+            object.__setattr__(self, "fp8", Float8Recipe(self.fp8))
 
     def to_dict(self) -> dict[str, Any]:
-        # Options added later are written only when set: plans written before them stay byte-identical.
+        # Options added later are written only when set: plans written before them read back unchanged.
         out: dict[str, Any] = {name: getattr(self, name) for name in RUNTIME_FLAGS
                                if name not in _LATER_FLAGS or getattr(self, name)}
         if self.offload is not Offload.NONE:
             out["offload"] = self.offload.value
+        if self.fp8 is not None:
+            out["fp8"] = self.fp8.value
         return out
 
     @classmethod
@@ -171,14 +181,16 @@ class RuntimeOptions:
         unknown = set(d) - set(RUNTIME_OPTION_NAMES)
         if unknown:
             raise ValueError(f"unknown runtime options {sorted(unknown)}; valid: {', '.join(RUNTIME_OPTION_NAMES)}")
-        flags = {k: bool(v) for k, v in d.items() if k != "offload"}
-        return cls(**flags, offload=Offload(d.get("offload", "none")))
+        flags = {k: bool(v) for k, v in d.items() if k in RUNTIME_FLAGS}
+        fp8 = d.get("fp8")
+        return cls(**flags, offload=Offload(d.get("offload", "none")),
+                   fp8=Float8Recipe(fp8) if fp8 is not None else None)
 
 
 RUNTIME_FLAGS = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking")
 """The true/false fields of `RuntimeOptions`, in the order plans write them."""
 _LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking"})
-RUNTIME_OPTION_NAMES = (*RUNTIME_FLAGS, "offload")
+RUNTIME_OPTION_NAMES = (*RUNTIME_FLAGS, "offload", "fp8")
 """Every field of `RuntimeOptions` (the keys of its JSON)."""
 
 

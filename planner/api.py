@@ -39,7 +39,7 @@ from ir.layer_chain import LayerChain
 from planner.errors import UserError
 from planner.plan import ModelInfo, ModuleSharding, Plan, SearchInfo, TrainingConfig
 from planner.progress import Phase, PlanProgress, ProgressCallback
-from planner.search.branch_and_bound import SearchOptions, SearchResult, search
+from planner.search.branch_and_bound import SearchOptions, SearchResult, check_fp8, search
 from planner.search.candidates import Candidate
 from planner.search.device_groups import mixed_type_problem, with_device_groups
 from planner.search.layer_costs import LayerCostTable
@@ -122,8 +122,9 @@ def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any
              progress: ProgressCallback | None = None, profile: OpProfile | None = None) -> tuple[Plan, ...]:
     """The `top_k` best distinct strategies as plans, best first (each carries the same search information)."""
     name = model_name or getattr(model_or_chain, "model_name", None) or type(model_or_chain).__name__
-    chain = as_chain(model_or_chain, inputs_or_spec, model_name=name, dtype=dtype, progress=progress)
     cluster = as_cluster(cluster, profile)
+    check_fp8(cluster, (space or SearchSpace()).runtime)
+    chain = as_chain(model_or_chain, inputs_or_spec, model_name=name, dtype=dtype, progress=progress)
     options = SearchOptions(objective=Objective(objective), top_k=top_k, time_limit_s=time_limit_s,
                             progress=progress, tie_band=error_band(g.device for g in cluster.groups))
     result = search(chain, cluster, global_batch=global_batch, space=space, options=options, dtype=dtype,
@@ -138,7 +139,10 @@ def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any
 def estimate(chain: LayerChain, cluster: Cluster | str, strategy: Strategy, *, global_batch: int | None = None,
              dtype: str = "bfloat16", profile: OpProfile | None = None) -> Estimate:
     """`costmodel.estimate` of `strategy`, with the layer classes' sharding solved for its tp (as the search does)."""
-    return _estimate_with_sharding(chain, as_cluster(cluster, profile), strategy, global_batch, dtype, profile)[0]
+    cluster = as_cluster(cluster, profile)
+    check_fp8(cluster, strategy.runtime)
+    return _estimate_with_sharding(chain, cluster, strategy, global_batch, dtype, profile)[0]
+
 
 
 def estimate_plan(chain: LayerChain, cluster: Cluster | str, strategy: Strategy, *, global_batch: int,
@@ -151,6 +155,7 @@ def estimate_plan(chain: LayerChain, cluster: Cluster | str, strategy: Strategy,
     memory is still priced and its `predicted.problems` say by how much."""
     started = time.monotonic()
     cluster = as_cluster(cluster, profile)
+    check_fp8(cluster, strategy.runtime)
     strategy = validate_strategy(chain, cluster, strategy, global_batch)
     est, sharding = _estimate_with_sharding(chain, cluster, strategy, global_batch, dtype, profile)
     info = _model_info(chain, model_name or chain.graph.model_name, settings)
@@ -192,7 +197,7 @@ def validate_strategy(chain: LayerChain, cluster: Cluster, strategy: Strategy, g
 
 def _estimate_with_sharding(chain: LayerChain, cluster: Cluster, strategy: Strategy, global_batch: int | None,
                             dtype: str, profile: Any) -> tuple[Estimate, tuple[ModuleSharding, ...]]:
-    table = LayerCostTable(chain, cluster, dtype=dtype, profile=profile)
+    table = LayerCostTable(chain, cluster, dtype=dtype, profile=profile, fp8=strategy.runtime.fp8)
     builder = StageProblemBuilder(chain, cluster, table, dtype)
     cand = Candidate.of(strategy)
     placements = builder.placements(cand)

@@ -26,10 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from costmodel.float8 import Float8Recipe
 from costmodel.strategy import Recompute, RuntimeOptions, Schedule
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 PUBLISHED_CSV = DATA_DIR / "published_runs.csv"
+FP8_CSV = Path(__file__).resolve().parents[1] / "bench" / "data" / "published_fp8_runs.csv"
+"""Published runs with FP8 linear layers, in the columns of `PUBLISHED_CSV` (each row cites its source)."""
 KORTHIKANTI_CSV = DATA_DIR / "korthikanti2022_selective_recompute.csv"
 FSDP_CSV = Path(__file__).resolve().parents[1] / "bench" / "data" / "published_fsdp_runs.csv"
 """Published eager FSDP runs (MosaicML llm-foundry's benchmark tables), in the columns of `PUBLISHED_CSV`; each
@@ -76,7 +79,8 @@ class PublishedRun:
     inferred: tuple[str, ...] = field(default=())
     ep: int = 1
     precision: str = "bf16"
-    """What the run computed in; rows in another precision than the priced bf16 are reported, not fitted."""
+    """What the run computed in ("bf16", "fp8"); FP8 rows are reported, not fitted. Rows whose `runtime.fp8` is
+    set are priced in FP8 too; the others in bf16."""
 
     @property
     def cluster_spec(self) -> str:
@@ -183,9 +187,10 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
     inter = OMNI_PATH_PER_GPU_GBPS if "Omni-Path" in r["device_notes"] else None
     hbm = re.search(r"(\d+) GB HBM\w* \(([\d.]+) TB/s\)", r["device_notes"])
     deepspeed_pipeline = "Megatron-DeepSpeed" in framework and int(r["pp"]) > 1
+    fp8 = _fp8_of(r["precision"], zero, inferred)
     runtime = RuntimeOptions(dp_overlap="Megatron-DeepSpeed" not in framework,
-                             tp_overlap="TP/PP communication enabled" in framework,
-                             p2p_scatter_gather=deepspeed_pipeline, p2p_blocking=deepspeed_pipeline)
+                             tp_overlap="TP/PP communication enabled" in framework or "AsyncTP" in framework,
+                             p2p_scatter_gather=deepspeed_pipeline, p2p_blocking=deepspeed_pipeline, fp8=fp8)
     return PublishedRun(
         name=r["run"], family=family, sets=tuple(sets), seq=seq, device=r["device"], num_gpus=gpus,
         gpus_per_node=int(r["gpus_per_node"]), tp=int(r["tp"]), pp=int(r["pp"]), cp=int(r["cp"] or 1),
@@ -193,7 +198,21 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
         zero_stage=zero, recompute=recompute, sequence_parallel=sp, measured_step_s=step,
         measured_memory_gib=_float(r["peak_memory_gib"]), counts=counts, framework=framework,
         inter_node_gbps=inter, memory_gb=float(hbm.group(1)) if hbm else None,
-        memory_bandwidth_tbps=float(hbm.group(2)) if hbm else None, stage_layers=stage_layers, runtime=runtime, unstated=tuple(unstated), inferred=tuple(inferred))
+        memory_bandwidth_tbps=float(hbm.group(2)) if hbm else None, stage_layers=stage_layers, runtime=runtime,
+        unstated=tuple(unstated), inferred=tuple(inferred), precision="fp8" if fp8 is not None else "bf16")
+
+
+def _fp8_of(precision: str, zero: int | None, inferred: list[str]) -> Float8Recipe | None:
+    """The FP8 recipe a row's precision column names ("float8 linear layers (torchao dynamic tensorwise ...)"),
+    noting in `inferred` what the row leaves unstated about it."""
+    low = precision.lower()
+    if "float8" not in low:
+        return None
+    recipe = Float8Recipe.ROWWISE if "rowwise" in low else Float8Recipe.TENSORWISE
+    if recipe.fp8_all_gather and zero == 3:
+        inferred.append("FSDP float8 all-gather (torchtitan's FP8 launch command in docs/float8.md and its 405B "
+                        "config at the benchmark's commit set enable_fsdp_float8_all_gather)")
+    return recipe
 
 
 def load_published_runs(path: Path = PUBLISHED_CSV) -> list[PublishedRun]:
@@ -270,7 +289,8 @@ def extra_runs() -> list[PublishedRun]:
 
 
 def all_runs() -> list[PublishedRun]:
-    return load_published_runs() + load_korthikanti_runs() + extra_runs() + load_published_runs(FSDP_CSV)
+    return (load_published_runs() + load_korthikanti_runs() + extra_runs() + load_published_runs(FSDP_CSV)
+            + load_published_runs(FP8_CSV))
 
 
 def schedule_of(run: PublishedRun) -> tuple[Schedule | None, int | None]:

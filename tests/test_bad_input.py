@@ -260,6 +260,16 @@ BAD_INPUTS: tuple[BadInput, ...] = (
     _case("no-command", "no sub-command at all", "", "the following arguments are required: COMMAND"),
     _case("profile-bad-tp", "malformed list of tensor-parallel degrees", "profile --tp 2,x",
           "--tp", "expected comma-separated positive integers, got '2,x'"),
+    # ---- FP8 --------------------------------------------------------------------------------------------------
+    _case("fp8-no-tensor-cores", "--fp8 on a device without FP8 tensor cores",
+          f"plan {TINY} --cluster 1x8xa100-80gb --batch 8 --fp8",
+          "--fp8 tensorwise", "a100-80gb has none", "devices with them: h100-sxm, h200"),
+    _case("fp8-bad-recipe", "--fix fp8= with an unknown scaling recipe",
+          f"plan {TINY} --cluster 1x8xh100-sxm --batch 8 --fix fp8=delayed",
+          "--fix fp8=delayed", "valid: tensorwise, rowwise, off"),
+    _case("fp8-run-on-cpu", "plan with FP8 linear layers run on a machine without CUDA",
+          f"run {TINY} --plan fp8.json --nproc 2", "trains linear layers in FP8", "this rank runs on cpu",
+          "plan without --fp8"),
 )
 
 # Cases also run through the installed `stratagem` script, to check the forked driver is faithful.
@@ -289,6 +299,8 @@ def scratch_files(plan_json: str) -> dict[str, bytes]:
     bad_value["strategy"]["dp"] = "two"
     stage_gap = json.loads(plan_json)
     stage_gap["strategy"]["stages"][0]["start"] = 1
+    fp8 = json.loads(plan_json)
+    fp8["strategy"]["runtime"]["fp8"] = "tensorwise"
     texts = {
         "plan.json": plan_json,
         "corrupt.json": "this is not a plan\n",
@@ -298,6 +310,7 @@ def scratch_files(plan_json: str) -> dict[str, bytes]:
         "unknown-key.json": json.dumps(unknown, indent=2),
         "bad-value.json": json.dumps(bad_value, indent=2),
         "stage-gap.json": json.dumps(stage_gap, indent=2),
+        "fp8.json": json.dumps(fp8, indent=2),
         "cluster.yaml": _VALID_CLUSTER,
         "syntax.yaml": "name: broken\ngroups: [ {device: cpu,\n",
         "empty.yaml": "",

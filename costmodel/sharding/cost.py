@@ -26,6 +26,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from costmodel.float8 import Float8Recipe
 from costmodel.framework import NO_FRAMEWORK_COSTS, FrameworkCosts
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import Collective, CommGroup, collective_time
@@ -390,8 +391,10 @@ def structural_key(nodes: Sequence[Node]) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 def make_pricer(cluster: Cluster, device: DeviceSpec, tp_group: CommGroup, *, dtype: str = "bfloat16",
-                profile: OpProfile | None = None, framework: FrameworkCosts | None = None) -> Pricer:
-    """Price nodes with `node_time` on `device` and moves with `collective_time` over `tp_group` of `cluster`.
+                profile: OpProfile | None = None, framework: FrameworkCosts | None = None,
+                fp8: Float8Recipe | None = None) -> Pricer:
+    """Price nodes with `node_time` on `device` (linear layers in FP8 with `fp8`) and moves with `collective_time`
+    over `tp_group` of `cluster`.
 
     Collective byte conventions (`collective_time`'s): all-reduce the buffer, all-gather the gathered output,
     reduce-scatter the input, all-to-all what one device sends in total -- its whole shard, bytes/t, of which
@@ -405,7 +408,7 @@ def make_pricer(cluster: Cluster, device: DeviceSpec, tp_group: CommGroup, *, dt
 
     def node_cost(node: Node, flops_scale: float, bytes_scale: float, param_scale: float) -> tuple[float, float]:
         return node_time(node, device, flops_scale=flops_scale, bytes_scale=bytes_scale, param_scale=param_scale,
-                         dtype=dtype, profile=profile)
+                         dtype=dtype, profile=profile, fp8=fp8)
 
     def move_cost(move: Move, nbytes: float) -> float:
         if nbytes <= 0 or tp == 1:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from costmodel.float8 import Float8Recipe, fp8_devices
 from costmodel.hardware.cluster import Cluster
 from planner.errors import UserError
 from planner.trace_cache import TraceCache
@@ -113,6 +114,15 @@ def add_dtype_argument(parser: argparse.ArgumentParser, default: str | None = "b
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=default,
                         help="training compute dtype: prices FLOPs at its peak and activations at its size "
                              "(default bfloat16; use float32 for CPU runs)")
+
+
+def add_fp8_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fp8", nargs="?", const=Float8Recipe.TENSORWISE.value, default=None,
+                        choices=[r.value for r in Float8Recipe], metavar="RECIPE",
+                        help="train linear layers in FP8 (torchao float8 training, as torchtitan converts them: "
+                             "the output layer and MoE routers stay in the training dtype) with dynamic "
+                             f"{' or '.join(r.value for r in Float8Recipe)} scaling (default tensorwise); needs "
+                             f"FP8 tensor cores ({', '.join(fp8_devices())})")
 
 
 def add_cluster_argument(parser: argparse.ArgumentParser) -> None:

@@ -25,6 +25,7 @@ file's unless --seq / --dtype say otherwise.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any
 
@@ -41,6 +42,7 @@ from planner.api import estimate_plan, load_profile
 from planner.cli.common import (
     add_cluster_argument,
     add_dtype_argument,
+    add_fp8_argument,
     add_model_arguments,
     add_output_arguments,
     add_profile_argument,
@@ -74,6 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_arguments(p)
     add_cluster_argument(p)
     add_dtype_argument(p, default=None)
+    add_fp8_argument(p)
     add_profile_argument(p)
     p.add_argument("--from", dest="from_", default=None, metavar="TRAINER:FILE",
                    help="price a trainer's configuration instead of the flags below: megatron:ARGS, "
@@ -147,7 +150,8 @@ def _estimate_flags(args: argparse.Namespace, cluster: Any, profile: Any) -> Any
                                                    tp_overlap=args.tp_overlap,
                                                    p2p_scatter_gather=args.p2p_scatter_gather,
                                                    p2p_blocking=args.p2p_blocking,
-                                                   offload=Offload(args.offload or Offload.NONE.value)))
+                                                   offload=Offload(args.offload or Offload.NONE.value),
+                                                   fp8=args.fp8))
     except ValueError as e:
         raise UserError(f"invalid strategy: {e}") from None
     dtype = args.dtype or "bfloat16"
@@ -167,7 +171,10 @@ def _estimate_imported(args: argparse.Namespace, cluster: Any, profile: Any) -> 
     imported = imported_strategy(args.from_, cfg, BlockLayout.of(traced.chain), cluster.num_available)
     for note in cfg.notes:
         print(f"stratagem: warning: {note}", file=sys.stderr)
-    return estimate_plan(traced.chain, cluster, imported.strategy, profile=profile,
+    strategy = imported.strategy
+    if args.fp8:  # on top of the file's configuration, as for --dtype
+        strategy = dataclasses.replace(strategy, runtime=dataclasses.replace(strategy.runtime, fp8=args.fp8))
+    return estimate_plan(traced.chain, cluster, strategy, profile=profile,
                          global_batch=imported.global_batch, dtype=dtype, model_name=traced.name,
                          settings=traced.settings)
 

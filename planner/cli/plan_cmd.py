@@ -20,6 +20,7 @@ from planner.api import load_profile, plan_top
 from planner.cli.common import (
     add_cluster_argument,
     add_dtype_argument,
+    add_fp8_argument,
     add_model_arguments,
     add_output_arguments,
     add_profile_argument,
@@ -49,6 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_arguments(p)
     add_cluster_argument(p)
     add_dtype_argument(p)
+    add_fp8_argument(p)
     add_profile_argument(p)
     p.add_argument("--batch", type=positive_int, required=True, metavar="B", help="global batch (samples per step)")
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
@@ -86,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
 
         baseline_cfg = read_trainer_config(args.baseline, flag="--baseline")  # a bad file fails before the search
     try:
-        space = SearchSpace.from_fixes(args.fix, max_microbatch_size=args.max_mbs,
+        fixes = [*args.fix, f"fp8={args.fp8}"] if args.fp8 else args.fix
+        space = SearchSpace.from_fixes(fixes, max_microbatch_size=args.max_mbs,
                                        tp_across_nodes=args.tp_across_nodes)
     except ValueError as e:
         raise UserError(str(e)) from None

@@ -83,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
 
     plan = Plan.load(args.plan)
     world = plan.strategy.num_devices
+    if plan.strategy.runtime.fp8 is not None:  # once, before any rank starts
+        _check_fp8_here()
     if args.nproc is not None and args.nproc != world:
         from planner.strategy_label import Detail, strategy_label
 
@@ -101,6 +103,16 @@ def run(args: argparse.Namespace) -> int:
     if world > 1:
         raise UserError(f"the plan needs {world} processes; pass --nproc {world} or launch under torchrun")
     return _run_rank(args, plan)
+
+
+def _check_fp8_here() -> None:
+    import torch
+
+    from planner.runtime.apply_fp8 import fp8_runtime_problem
+
+    cuda = torch.cuda.is_available()
+    if why := fp8_runtime_problem("cuda" if cuda else "cpu", torch.cuda.get_device_capability() if cuda else None):
+        raise UserError(why)
 
 
 def _preflight(args: argparse.Namespace, plan: Any) -> None:

@@ -123,6 +123,9 @@ def runtime_line(s: Strategy) -> str:
         parts.append(f"pipeline sends {' and '.join(how)}")
     if r.offload is not Offload.NONE:
         parts.append(f"offload {r.offload.value}")
+    if r.fp8 is not None:
+        gather = ", gathered in FP8 by ZeRO-3" if r.fp8.fp8_all_gather and s.zero_stage == 3 else ""
+        parts.append(f"FP8 linear layers ({r.fp8.value} scaling, output layer and routers not converted{gather})")
     return "runtime: " + ", ".join(parts)
 
 

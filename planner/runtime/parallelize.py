@@ -34,6 +34,7 @@ from planner.runtime.apply_cp import (
     install_split_hook,
 )
 from planner.runtime.apply_ep import EpGroup, apply_expert_parallel
+from planner.runtime.apply_fp8 import apply_fp8, fp8_runtime_problem
 from planner.runtime.apply_fsdp import apply_data_parallel
 from planner.runtime.apply_pipeline import (
     build_schedule,
@@ -304,12 +305,12 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: Any = None,
 
     strategy = plan.strategy
     layout = mesh_layout(strategy)
-    unsupported = runtime_unsupported(strategy)
+    device = next(model.parameters()).device
+    unsupported = runtime_unsupported(strategy) or _fp8_problem(strategy, device)
     if unsupported:
         raise UserError(unsupported)
     if not dist.is_initialized():
         raise UserError("torch.distributed is not initialized; run under torchrun (or `stratagem run --nproc K`)")
-    device = next(model.parameters()).device
     if mesh is None:
         mesh = build_mesh(strategy, device.type)
     else:
@@ -356,6 +357,8 @@ def _model_parallel(model: nn.Module, plan: Plan, meshes: PlanMeshes, stages: Se
                     chain: LayerChain | None) -> _Sharded:
     """Tensor, expert and context parallelism and recomputation, applied in place, in torchtitan's order."""
     strategy = plan.strategy
+    if strategy.runtime.fp8 is not None:  # before any wrapping, as torchtitan converts the model it then shards
+        apply_fp8(model, strategy.runtime.fp8, fsdp_float8_all_gather=strategy.zero_stage == 3)
     if strategy.tp > 1:
         apply_tensor_parallel(model, plan.sharding, meshes.tp, sequence_parallel=strategy.sequence_parallel)
     expert_params: tuple[str, ...] = ()
@@ -378,6 +381,13 @@ def _model_parallel(model: nn.Module, plan: Plan, meshes: PlanMeshes, stages: Se
     if cp is not None:
         install_gather_hook(model, cp)
     return _Sharded(meshes=meshes, experts=experts, expert_params=frozenset(expert_params))
+
+
+def _fp8_problem(strategy: Strategy, device: torch.device) -> str:
+    if strategy.runtime.fp8 is None:
+        return ""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return fp8_runtime_problem(device.type, capability)
 
 
 def runtime_unsupported(strategy: Strategy) -> str:

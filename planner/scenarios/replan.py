@@ -36,15 +36,16 @@ from typing import Any
 
 from costmodel.breakdown import Estimate
 from costmodel.estimate import estimate as costmodel_estimate
+from costmodel.float8 import Float8Recipe
 from costmodel.hardware.cluster import Cluster
 from costmodel.layer_cost import LayerCost
 from costmodel.pipeline import stage_rank
-from costmodel.strategy import Recompute, Strategy
+from costmodel.strategy import Recompute, RuntimeOptions, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import PlanLoadError, UserError
 from planner.plan import Alternative, ModuleSharding, Plan, SearchInfo
 from planner.progress import ProgressCallback
-from planner.search.branch_and_bound import SearchOptions, SearchResult, search
+from planner.search.branch_and_bound import SearchOptions, SearchResult, check_fp8, search
 from planner.search.candidates import Candidate
 from planner.search.device_groups import with_device_groups
 from planner.search.layer_costs import LayerCostTable
@@ -94,6 +95,8 @@ class PlanningSession:
     chain: LayerChain
     dtype: str = "bfloat16"
     profile: Any = None
+    fp8: Float8Recipe | None = None
+    """FP8 linear layers of the plans (`RuntimeOptions.fp8`): the tables' prices hold for one setting."""
     tables: dict[str, LayerCostTable] = field(default_factory=dict)
     reused: int = 0
     """How many times a table was found for a cluster (a warm start)."""
@@ -102,7 +105,8 @@ class PlanningSession:
         key = pricing_signature(cluster)
         table = self.tables.get(key)
         if table is None:
-            table = self.tables[key] = LayerCostTable(self.chain, cluster, dtype=self.dtype, profile=self.profile)
+            table = self.tables[key] = LayerCostTable(self.chain, cluster, dtype=self.dtype, profile=self.profile,
+                                                      fp8=self.fp8)
         else:
             self.reused += 1
         return table
@@ -250,8 +254,11 @@ def replan(old: Plan, chain: LayerChain, cluster: Cluster, *, session: PlanningS
     started = time.monotonic()
     scope = ReplanScope(scope)
     _check_inputs(old, chain, stickiness)
+    check_fp8(cluster, old.strategy.runtime, what="the plan trains linear layers in FP8,")
     dtype = old.training.dtype
-    session = session or PlanningSession(chain, dtype=dtype)
+    session = session or PlanningSession(chain, dtype=dtype, fp8=old.strategy.runtime.fp8)
+    # FP8 changes the numerics: the new plan keeps the old one's setting unless the caller's space says otherwise.
+    space = space or SearchSpace(runtime=RuntimeOptions(fp8=old.strategy.runtime.fp8))
     warm = pricing_signature(cluster) in session.tables
     builder = StageProblemBuilder(chain, cluster, session.table_for(cluster), dtype)
     old_strategy = _without_device_groups(old.strategy)

@@ -61,11 +61,12 @@ from costmodel.expert_parallel import (
     optimizer_params,
 )
 from costmodel.expert_parallel import model_state_bytes as expert_state_bytes
+from costmodel.float8 import fp8_problem
 from costmodel.hardware.cluster import Cluster
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import framework_overhead_bytes
 from costmodel.step_time import optimizer_step_time
-from costmodel.strategy import MeshAxis, Offload, Recompute, Strategy
+from costmodel.strategy import MeshAxis, Offload, Recompute, RuntimeOptions, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import InfeasibleError, TimeLimitError, UserError
 from planner.plan import Alternative, ModuleSharding
@@ -488,6 +489,13 @@ class SearchState:
         return False, heap[0][0] if heap else math.inf
 
 
+def check_fp8(cluster: Cluster, runtime: RuntimeOptions, what: str = "--fp8") -> None:
+    """Raise UserError when `runtime` trains in FP8 on a cluster with a device without FP8 tensor cores; `what`
+    names where the FP8 setting came from."""
+    if runtime.fp8 is not None and (why := fp8_problem(g.device for g in cluster.groups)):
+        raise UserError(f"{what} {runtime.fp8.value}: {why}")
+
+
 def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: SearchSpace | None = None,
            options: SearchOptions | None = None, dtype: str = "bfloat16", profile=None,
            table: LayerCostTable | None = None) -> SearchResult:
@@ -502,10 +510,12 @@ def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: Sea
         import planner.search.intra_op  # noqa: F401
     started = time.monotonic()
     space = space or SearchSpace()
+    check_fp8(cluster, space.runtime)
     options = options or SearchOptions()
     if global_batch < 1:
         raise UserError(f"--batch must be a positive integer, got {global_batch}")
-    table = table or LayerCostTable(chain, cluster, dtype=dtype, profile=profile)
+    if table is None or table.fp8 != space.runtime.fp8:  # a table's prices hold for one FP8 setting only
+        table = LayerCostTable(chain, cluster, dtype=dtype, profile=profile, fp8=space.runtime.fp8)
     builder = StageProblemBuilder(chain, cluster, table, dtype)
     state = SearchState(chain, cluster, global_batch, space, options, dtype, builder, started)
     counts = device_counts(cluster, space, options.objective)

@@ -50,6 +50,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
+from costmodel.float8 import Float8Recipe
 from costmodel.framework import FrameworkCosts
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import CommGroup
@@ -418,7 +419,8 @@ def solve_layer_sharding(nodes: Sequence[Node], cluster: Cluster, device: Device
                          memory_weight: float = DEFAULT_MEMORY_WEIGHT, dtype: str = "bfloat16",
                          outputs: Sequence[str] | None = None, num_microbatches: int = 1,
                          cache: ShardingCache | None = None, time_limit: float = DEFAULT_TIME_LIMIT,
-                         profile: OpProfile | None = None, traced_dtype: str | None = None) -> LayerSharding:
+                         profile: OpProfile | None = None, traced_dtype: str | None = None,
+                         fp8: Float8Recipe | None = None) -> LayerSharding:
     """Choose the tensor-parallel strategy of every node of one segment (a layer) and price it.
 
     `nodes` are the segment's nodes in graph order; values they read from outside and the values they hand on
@@ -427,8 +429,8 @@ def solve_layer_sharding(nodes: Sequence[Node], cluster: Cluster, device: Device
     True shards the boundary activations on the sequence dim and offers sequence-sharded strategies (Korthikanti
     et al. 2022); False offers none; None solves both and keeps the cheaper. Gradient syncs of replicated
     parameters are spread over `num_microbatches`. `traced_dtype` is the graph's dtype (`Graph.dtype`; inferred
-    from the parameters when None): tensors in it are priced in `dtype`. Results are reused from `cache` for
-    structurally identical segments.
+    from the parameters when None): tensors in it are priced in `dtype`; `fp8` runs the linear layers in FP8
+    (`costmodel.float8`). Results are reused from `cache` for structurally identical segments.
     """
     if tp_group.size != tp:
         raise ValueError(f"tp_group has {tp_group.size} ranks but tp={tp}")
@@ -445,13 +447,13 @@ def solve_layer_sharding(nodes: Sequence[Node], cluster: Cluster, device: Device
     settings = (False,) if tp == 1 else ((False, True) if sequence_parallel is None else (sequence_parallel,))
     key = (structural_key(nodes), tuple(index[o] for o in outs), tp, tp_group, settings,
            microbatch_size, traced_batch, device.name, dtype, memory_weight, num_microbatches, time_limit,
-           traced_dtype, _cluster_key(cluster), id(profile) if profile is not None else None)
+           traced_dtype, _cluster_key(cluster), id(profile) if profile is not None else None, fp8)
     started = time.perf_counter()
     solved = cache.get(key) if cache is not None else None
     if solved is not None:
         return _materialize(nodes, tp, solved, 0.0)
     pricer = make_pricer(cluster, device, tp_group, dtype=dtype, profile=profile,
-                         framework=FrameworkCosts.from_profile(profile, device.name))
+                         framework=FrameworkCosts.from_profile(profile, device.name), fp8=fp8)
     build = dict(tp=tp, traced_batch=traced_batch, microbatch_size=microbatch_size, pricer=pricer,
                  memory_weight=memory_weight, num_microbatches=num_microbatches, dtype=dtype,
                  traced_dtype=traced_dtype)

@@ -14,10 +14,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from costmodel.float8 import Float8Recipe
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
-from costmodel.layer_pricing import owned_param_tensors, price_segment, segment_glue, weight_grad_share
+from costmodel.layer_pricing import (
+    fp8_fields,
+    owned_param_tensors,
+    price_segment,
+    segment_glue,
+    weight_grad_share,
+)
 from costmodel.rank_layout import type_group
 from ir.graph import Node
 from ir.layer_chain import LayerChain
@@ -54,6 +61,8 @@ class LayerCostTable:
     cluster: Cluster
     dtype: str = "bfloat16"
     profile: Any = None
+    fp8: Float8Recipe | None = None
+    """Linear layers in FP8 with this recipe (`costmodel.float8`), as `RuntimeOptions.fp8` of every candidate."""
     solves: int = 0
     """Class-level pricings actually computed (cache misses), for the search statistics."""
     _cache: dict[tuple[str, int, int, bool, int], ClassPrices] = field(default_factory=dict)
@@ -166,7 +175,7 @@ class LayerCostTable:
             self.solves += 1
             if tp == 1:
                 costs[cid] = price_segment(self.chain, segment, device, microbatch_size=mbs, dtype=self.dtype,
-                                           profile=self.profile)
+                                           profile=self.profile, fp8=self.fp8)
                 sharding[cid] = ()
                 continue
             from planner.search.intra_op import ShardingCache, solve_layer_sharding
@@ -177,7 +186,7 @@ class LayerCostTable:
                 self.chain.nodes_of(segment), self.cluster, device, tp=tp,
                 tp_group=type_group(self.cluster, device.name, tp, tp_stride),
                 microbatch_size=mbs, traced_batch=self.chain.graph.batch_size, sequence_parallel=sp,
-                dtype=self.dtype, cache=self._sharding_cache, profile=self.profile)
+                dtype=self.dtype, cache=self._sharding_cache, profile=self.profile, fp8=self.fp8)
             owned = owned_param_tensors(self.chain, segment)
             cost = _without_earlier_params(solved.cost, segment.param_count, self.chain.nodes_of(segment))
             # The layer's glue between its ops (module calls, Python) is paid whole on every tp rank.
@@ -186,7 +195,9 @@ class LayerCostTable:
                 cost, param_tensors=owned, dtensor_param_tensors=min(cost.dtensor_param_tensors, owned),
                 fwd_compute_s=cost.fwd_compute_s + glue.forward_s, bwd_compute_s=cost.bwd_compute_s + glue.backward_s,
                 recompute_full_s=cost.recompute_full_s + glue.forward_s,
-                weight_grad_share=weight_grad_share(self.chain.nodes_of(segment)))
+                weight_grad_share=weight_grad_share(self.chain.nodes_of(segment)),
+                # a tensor-parallel rank holds 1/tp of each weight, column- or row-sharded alike
+                **fp8_fields(self.chain.nodes_of(segment), device, self.fp8, param_scale=1 / tp, dtype=self.dtype))
             sharding[cid] = tuple(solved.module_styles())
         return ClassPrices(costs, sharding)
 

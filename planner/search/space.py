@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from costmodel.float8 import FP8_RECIPES, parse_recipe
 from costmodel.strategy import (
     OFFLOAD_CHOICES,
     RUNTIME_FLAGS,
@@ -21,7 +22,7 @@ from costmodel.strategy import (
     parse_schedule,
 )
 
-RUNTIME_FIELDS = frozenset(RUNTIME_FLAGS)
+RUNTIME_FIELDS = frozenset({*RUNTIME_FLAGS, "fp8"})
 """`--fix` keys that set a `RuntimeOptions` field (how the trainer runs the strategy) rather than a dimension."""
 
 
@@ -41,7 +42,7 @@ FIX_KEYS: Mapping[str, str] = {
     "zero": "zero_stage", "zero_stage": "zero_stage",
     "sp": "sequence_parallel", "sequence_parallel": "sequence_parallel",
     "recompute": "recompute", "offload": "offload",
-    **{name: name for name in RUNTIME_FLAGS},
+    **{name: name for name in RUNTIME_FLAGS}, "fp8": "fp8",
 }
 """`--fix` key (and its aliases) -> SearchSpace field."""
 
@@ -133,7 +134,7 @@ class SearchSpace:
     def from_fixes(cls, fixes: Sequence[str], **ranges: Any) -> SearchSpace:
         """Parse `key=value` pins (the CLI's --fix); `ranges` sets the non-pinned fields (max_microbatch_size...)."""
         pinned: dict[str, Any] = {}
-        runtime: dict[str, bool] = {}
+        runtime: dict[str, Any] = {}
         for item in fixes:
             key, sep, value = item.partition("=")
             key, value = key.strip().lower(), value.strip()
@@ -143,7 +144,7 @@ class SearchSpace:
                 raise ValueError(f"--fix {item!r}: unknown key {key!r}; valid: {', '.join(FIX_KEYS)}")
             field = FIX_KEYS[key]
             if field in RUNTIME_FIELDS:
-                runtime[field] = _boolean(key, value)
+                runtime[field] = _fp8(key, value) if field == "fp8" else _boolean(key, value)
                 continue
             for name, parsed in _parse_fix(field, key, value).items():
                 if name in pinned and pinned[name] != parsed:
@@ -191,6 +192,16 @@ def _parse_fix(field: str, key: str, value: str) -> dict[str, Any]:
             raise ValueError(f"--fix {key}={value}: valid: 0, 1, 2, 3")
         return {field: int(low)}
     return {field: _positive(key, value)}
+
+
+def _fp8(key: str, value: str) -> Any:
+    """A recipe name, or off / false / none for no FP8."""
+    if value.lower() in _FALSE | {"none"}:
+        return None
+    try:
+        return parse_recipe(value)
+    except ValueError:
+        raise ValueError(f"--fix {key}={value}: valid: {FP8_RECIPES}, off") from None
 
 
 def _boolean(key: str, value: str) -> bool:

@@ -146,6 +146,10 @@ def _offload_arguments(cfg: TrainerConfig, notes: Notes) -> list[str]:
 
 def _overlap_arguments(cfg: TrainerConfig, notes: Notes) -> list[str]:
     args = []
+    if cfg.runtime.fp8 is not None:
+        notes.add("the plan priced torchao's FP8 linear layers; Megatron-LM runs FP8 through Transformer Engine "
+                  "(--fp8-format, its own scaling and kernels), not exported: set it yourself or expect the BF16 "
+                  "step time")
     if cfg.runtime.dp_overlap:
         args.append("--overlap-grad-reduce")
         if cfg.zero_stage >= 1:

@@ -20,6 +20,10 @@ command-line overrides. What maps to what:
     recompute             activation_checkpoint.mode = "none" / "full" / "selective" with selective_ac_option
                           "op" (per-op); Megatron's attention-core recomputation exports as per-op with a warning
     tp_overlap            enable_async_tensor_parallel (needs compile.enable)
+    fp8                   model.converters = ["float8"] with [quantize.linear.float8] recipe_name, filter_fqns =
+                          ["output"] and, for tensorwise scaling under FSDP, enable_fsdp_float8_all_gather and
+                          precompute_float8_dynamic_scale_for_fsdp (torchtitan's llama3_405b.toml); compile is
+                          enabled with it, as torchtitan's float8 docs require for speed
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from costmodel.float8 import Float8Recipe, parse_recipe
 from costmodel.rank_layout import even_shares
 from costmodel.strategy import Offload, Recompute, RuntimeOptions, Schedule
 from planner.errors import UserError
@@ -81,8 +86,20 @@ def sections(cfg: TrainerConfig, shape: ModelShape, notes: Notes) -> dict[str, d
         notes.add("torchtitan trains in bfloat16 or float32, not float16; exported as bfloat16")
     out["parallelism"] = _parallelism(cfg, shape, notes)
     out["activation_checkpoint"] = _activation_checkpoint(cfg.recompute, notes)
-    if cfg.runtime.tp_overlap and cfg.tp > 1:
+    if (cfg.runtime.tp_overlap and cfg.tp > 1) or cfg.runtime.fp8 is not None:
         out["compile"] = {"enable": True, "components": ["model", "loss"]}
+    if cfg.runtime.fp8 is not None:
+        out.setdefault("model", {})["converters"] = ["float8"]
+        out["quantize.linear.float8"] = _float8(cfg)
+    return out
+
+
+def _float8(cfg: TrainerConfig) -> dict[str, Any]:
+    fp8 = cfg.runtime.fp8
+    out: dict[str, Any] = {"recipe_name": fp8.value, "filter_fqns": ["output"]}
+    if fp8.fp8_all_gather and cfg.zero_stage == 3 and (cfg.dp or 1) > 1:
+        out["enable_fsdp_float8_all_gather"] = True
+        out["precompute_float8_dynamic_scale_for_fsdp"] = True
     return out
 
 
@@ -165,9 +182,25 @@ def read(text: str, *, source: str) -> TrainerConfig:
         runtime=RuntimeOptions(reshard_after_forward=reshard,
                                tp_overlap=bool(par.get("enable_async_tensor_parallel", False)),
                                offload=Offload.PARAMS if train.get("enable_cpu_offload") and zero == 3
-                               else Offload.NONE),
+                               else Offload.NONE,
+                               fp8=_read_float8(doc, source, notes)),
         seq_len=int(train["seq_len"]) if "seq_len" in train else None,
         dtype=str(train.get("mixed_precision_param", "bfloat16")), notes=tuple(notes.items))
+
+
+def _read_float8(doc: Mapping[str, Any], source: str, notes: Notes) -> Float8Recipe | None:
+    """The FP8 recipe of a config whose model converters include "float8" (torchao's default is tensorwise)."""
+    if "float8" not in _section(doc, "model", source).get("converters", []):
+        return None
+    float8 = _section(_section(_section(doc, "quantize", source), "linear", source), "float8", source)
+    name = float8.get("recipe_name") or Float8Recipe.TENSORWISE.value
+    if name == "rowwise_with_gw_hp":
+        notes.add("float8 recipe rowwise_with_gw_hp (weight gradients in bf16) priced as rowwise")
+        name = Float8Recipe.ROWWISE.value
+    try:
+        return parse_recipe(str(name))
+    except ValueError as e:
+        raise UserError(f"{source}: [quantize.linear.float8] {e}") from None
 
 
 def _section(doc: Mapping[str, Any], name: str, source: str) -> Mapping[str, Any]:
