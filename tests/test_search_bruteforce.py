@@ -446,9 +446,10 @@ def test_search_is_deterministic() -> None:
 
 def test_nothing_fits_says_the_memory_that_would(tmp_path: Path) -> None:
     chain = chain_of("gpt", GPT_MEMORY)
-    with pytest.raises(InfeasibleError, match=r"nothing fits in 0\.93 GiB per device: the least memory any "
+    # 1.0GB fits by offloading (the parameters, or the optimizer with tp and dp): 0.9GB does not
+    with pytest.raises(InfeasibleError, match=r"nothing fits in 0\.84 GiB per device: the least memory any "
                                               r"strategy needs is \d+\.\d\d GiB per device \(dp=") as err:
-        search(chain, small_memory(tmp_path, "1.0GB"), global_batch=8)
+        search(chain, small_memory(tmp_path, "0.9GB"), global_batch=8)
     assert "what would help: more devices to spread layers" in str(err.value)
     # ...and with that much memory (rounded up to the printed 0.01 GiB) it does fit, with a little less it does not.
     need = float(str(err.value).split("needs is ")[1].split(" GiB")[0])

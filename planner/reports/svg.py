@@ -22,7 +22,8 @@ TERM_COLOURS = {
 MEMORY_COLOURS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#59a14f", "activations": "#e15759",
                   "temporary": "#edc948", "overhead": "#bab0ac"}
 EVENT_COLOURS = {"forward": "#4e79a7", "backward": "#59a14f", "recompute": "#a0cbe8", "tp_comm": "#f28e2b",
-                 "pp_comm": "#edc948", "dp_comm": "#e15759", "optimizer": "#b07aa1", "idle": "#eeeeee"}
+                 "pp_comm": "#edc948", "dp_comm": "#e15759", "optimizer": "#b07aa1", "idle": "#eeeeee",
+                 "weight_grad": "#8cd17d"}
 
 
 def stage_colour(stage: int) -> str:

@@ -197,10 +197,12 @@ def nothing_fits_message(state: SearchState, space: SearchSpace) -> str:
     helps = []
     if pins:
         helps.append(f"remove or relax --fix {', '.join(sorted(pins))}")
-    if sharded + framework_overhead_bytes(state.cluster.device_of(0).name) > capacity:
+    overhead = framework_overhead_bytes(state.cluster.device_of(0).name)
+    if sharded + overhead > capacity:
         spread = "on the one device" if n == 1 else f"fully sharded over all {n} devices"
+        besides = f" besides the framework's {overhead / GIB:.2f} GiB" if sharded < capacity else ""
         helps.append(f"more devices or devices with more memory (the parameter state alone, {spread}, needs "
-                     f"{sharded / GIB:.2f} GiB per device)")
+                     f"{sharded / GIB:.2f} GiB per device{besides})")
     else:
         helps.append("more devices to spread layers and activations over (a larger tp or pp), a shorter sequence "
                      "(--seq), or devices with more memory")
