@@ -88,6 +88,10 @@ def markdown_table(result: dict) -> str:
     s = result["summary"]
     lines.append(f"\nMean |error| {s['mean_abs_error']:.1%}, worst {s['max_abs_error']:.1%} over {s['rows']} rows "
                  f"published in bf16; peak memory mean |error| {(s['mean_abs_memory_error'] or 0):.1%}.")
+    if s.get("out_of_sample_rows"):
+        lines.append(f"Out of sample (added after the fit, not in it): mean |error| "
+                     f"{s['out_of_sample_mean_abs_error']:.1%}, worst {s['out_of_sample_max_abs_error']:.1%} over "
+                     f"{s['out_of_sample_rows']} rows.")
     other = [r for r in result["rows"] if r.get("precision", "bf16") != "bf16"]
     if other:
         lines.append("Rows run in FP8 (not in the mean or the fit): "
@@ -243,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         fp8_rows([r for r in all_runs() if args.only.lower() in r.name.lower()])
         return 0
     if args.fit:
-        fit([r for r in all_runs() if args.only.lower() in r.name.lower() and r.precision == "bf16"])
+        fit([r for r in all_runs() if args.only.lower() in r.name.lower() and r.precision == "bf16"
+             and not r.out_of_sample])
         return 0
     out = ROOT / "bench" / "results" / "published_runs.json"
     rows, chains = _resumed_rows(out, args), {}
@@ -263,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                      "memory_error": mem_err, "predicted_mfu": pred.mfu, "strategy": pred.strategy,
                      "planner_chose": pred.chosen, "inferred": list(run.inferred), "free_step_s": free_s,
                      "free_strategy": free_label, "free_over_expert": free_s / pred.step_s if free_s else None,
-                     "precision": run.precision, "seconds": time.monotonic() - started,
+                     "precision": run.precision, "out_of_sample": run.out_of_sample,
+                     "seconds": time.monotonic() - started,
                      "priced_in": f"fp8 {run.runtime.fp8.value}" if run.runtime.fp8 is not None else "bf16"})
         r = rows[-1]
         if not args.json:
@@ -273,11 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"mfu {pred.mfu:5.1%} free/exp {free:5s} | {pred.strategy} | free: {free_label}", flush=True)
         if not args.only:  # each row as it finishes: a run cut short keeps what it measured (--resume)
             _write(out, rows, complete=False, free_plans=not args.no_free)
-    priced = [r for r in rows if r.get("precision", "bf16") == "bf16"] or rows  # FP8 rows: reported, not averaged
-    errs = [abs(r["error"]) for r in priced]
-    mems = [abs(r["memory_error"]) for r in priced if r["memory_error"] is not None]
-    summary = {"rows": len(priced), "mean_abs_error": sum(errs) / len(errs), "max_abs_error": max(errs),
-               "mean_abs_memory_error": sum(mems) / len(mems) if mems else None}
+    summary = _summary(rows)
     result = {"summary": summary, "rows": rows, "complete": True, "free_plans": not args.no_free}
     if not args.only:
         _write(out, rows, complete=True, free_plans=not args.no_free, summary=summary)
@@ -287,8 +289,27 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=1))
     else:
         print(f"\nmean |error| {summary['mean_abs_error']:.1%}, worst {summary['max_abs_error']:.1%}; "
-              f"memory mean |error| {summary['mean_abs_memory_error'] or 0:.1%} over {len(mems)} rows")
+              f"memory mean |error| {summary['mean_abs_memory_error'] or 0:.1%}")
+        if summary.get("out_of_sample_rows"):
+            print(f"out of sample: mean |error| {summary['out_of_sample_mean_abs_error']:.1%}, worst "
+                  f"{summary['out_of_sample_max_abs_error']:.1%} over {summary['out_of_sample_rows']} rows")
     return 0
+
+
+def _summary(rows: list[dict]) -> dict:
+    """Mean and worst error of the calibration rows (bf16, fitted) and, apart, of the out-of-sample rows; FP8 rows
+    are reported, not averaged."""
+    bf16 = [r for r in rows if r.get("precision", "bf16") == "bf16"] or rows
+    priced = [r for r in bf16 if not r.get("out_of_sample")] or bf16
+    errs = [abs(r["error"]) for r in priced]
+    mems = [abs(r["memory_error"]) for r in priced if r["memory_error"] is not None]
+    summary = {"rows": len(priced), "mean_abs_error": sum(errs) / len(errs), "max_abs_error": max(errs),
+               "mean_abs_memory_error": sum(mems) / len(mems) if mems else None}
+    held = [abs(r["error"]) for r in bf16 if r.get("out_of_sample")]
+    if held and len(held) < len(bf16):
+        summary.update(out_of_sample_rows=len(held), out_of_sample_mean_abs_error=sum(held) / len(held),
+                       out_of_sample_max_abs_error=max(held))
+    return summary
 
 
 if __name__ == "__main__":
