@@ -99,10 +99,12 @@ def interleaved_problem(layout: InterleavedLayout, options: Sequence[Recompute],
                         price: Callable[[int, RankChoice, Recompute], ChoiceTerms], sends: Sequence[float],
                         capacity: Sequence[float], num_microbatches: int, *,
                         only: Sequence[tuple[int, bool]] | None = None,
-                        preferred: tuple[StageChoice, ...] | None = None) -> PartitionProblem:
-    """The `PartitionProblem` of the module docstring; `price(rank, choice, recompute)` gives a choice's terms,
-    `sends` one time per chunk boundary. `only`: per rank the one (extra, lead_large) it may take (the even
-    split); `preferred`: the partition that wins ties."""
+                        preferred: tuple[StageChoice, ...] | None = None,
+                        choices: Callable[[int], Sequence[RankChoice]] | None = None) -> PartitionProblem:
+    """The `PartitionProblem` of the module docstring; `price(rank, choice, recompute)` gives a choice's terms
+    (None: the choice cannot beat the caller's bound, and never fits), `sends` one time per chunk boundary.
+    `only`: per rank the one (extra, lead_large) it may take (the even split); `preferred`: the partition that
+    wins ties; `choices`: `layout.choices`, or a cache of it."""
     p, extra = layout.pp, layout.extra
     n, profiles = p + extra, min(p, extra + 1)
     names = option_names(layout, options)
@@ -113,7 +115,7 @@ def interleaved_problem(layout: InterleavedLayout, options: Sequence[Recompute],
     tail, tail_const, drain = np.zeros(shape), np.zeros(shape), np.zeros(shape)
     for k in range(p):
         q = k % profiles
-        for choice in layout.choices(k):
+        for choice in (choices or layout.choices)(k):
             if only is not None and (choice.extra, choice.lead_large) != tuple(only[k]):
                 continue
             tokens = choice.extra + 1
@@ -121,6 +123,8 @@ def interleaved_problem(layout: InterleavedLayout, options: Sequence[Recompute],
             for r, rc in enumerate(options):
                 o = r * len(layout.lead_options) + layout.lead_options.index(choice.lead_large)
                 t = price(k, choice, rc)
+                if t is None:
+                    continue
                 add, steady, paired = rank_terms(layout, k, t, sends, num_microbatches)
                 additive[q, o, a, a + tokens, 0] = add
                 bottleneck[q, o, a, a + tokens] = (steady, t.post, t.optimizer, paired)[:bottleneck.shape[-1]]

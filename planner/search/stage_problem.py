@@ -37,14 +37,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from costmodel.estimate import RankSetting, p2p_time, rank_step_terms
+from costmodel.estimate import RankSetting, p2p_time, rank_chunk_times, rank_tail
 from costmodel.framework import FrameworkCosts
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import CommGroup, spans
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment, rank_memory, saved_bytes
-from costmodel.pipeline import in_flight_per_chunk, stage_rank, zero_bubble_fill
+from costmodel.pipeline import chunk_stages, in_flight_per_chunk, stage_rank, zero_bubble_fill
 from costmodel.rank_layout import (
     busy_fraction,
     device_map,
@@ -53,7 +53,7 @@ from costmodel.rank_layout import (
     shared_weight_group,
     tp_group,
 )
-from costmodel.step_time import DataParallelComm, data_parallel_comm, tp_exposed
+from costmodel.step_time import DataParallelComm, StageTime, data_parallel_comm, tp_exposed
 from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
 from ir.layer_chain import LayerChain
 from planner.search.candidates import Candidate
@@ -148,7 +148,12 @@ class StageProblemBuilder:
     _layouts: dict[tuple[int, int, Schedule], InterleavedLayout | None] = field(default_factory=dict, repr=False)
     _units: ChainUnits | None = field(default=None, repr=False)
     _chunk_cache: dict[tuple, dict] = field(default_factory=dict, repr=False)
-    """`costmodel.estimate.rank_step_terms`' chunk terms per rank signature (a rank's chunks repeat)."""
+    """`costmodel.estimate.rank_chunk_times`' chunk terms per rank signature (a rank's chunks repeat; they do not
+    depend on the micro-batch count or the schedule)."""
+    _times: dict[tuple, tuple[list[StageTime], list[DataParallelComm]]] = field(default_factory=dict, repr=False)
+    """A rank's chunk times by (signature, recomputation, chunk classes), priced before its memory and tail."""
+    _memory: dict[tuple, tuple[float, tuple[float, ...]]] = field(default_factory=dict, repr=False)
+    _choices: dict[tuple, tuple[RankChoice, ...]] = field(default_factory=dict, repr=False)
     _dp_comm_cache: dict[tuple, DataParallelComm] = field(default_factory=dict, repr=False)
     """`step_time.data_parallel_comm` results by what they depend on (the group through `collectives.spans`)."""
 
@@ -227,32 +232,40 @@ class StageProblemBuilder:
             hit = self._dp_comm_cache[key] = data_parallel_comm(**kw)
         return hit
 
-    def _rank_terms(self, cand: Candidate, ctx: _RankContext, chunks: Sequence[Sequence[PricedSegment]],
-                    shared: int, in_flight: Sequence[int] | None) -> _Terms:
-        """Terms of one pipeline rank holding `chunks`: `costmodel.estimate.rank_step_terms`, the composition
-        `estimate` uses, plus the memory terms."""
-        m = cand.mesh
+    def _chunk_times(self, cand: Candidate, ctx: _RankContext, chunks: Sequence[Sequence[PricedSegment]]
+                     ) -> tuple[list[StageTime], list[DataParallelComm]]:
+        """Per chunk its `StageTime` and data-parallel communication (`costmodel.estimate.rank_chunk_times`)."""
         setting = RankSetting(ctx.index, ctx.device, ctx.speed, self.framework(ctx.device))
-        times, tail = rank_step_terms(chunks, shared, self.strategy_of(cand), setting, self.cluster, self.dtype,
-                                      dp_comm=self._dp_comm,
-                                      chunk_cache=self._chunk_cache.setdefault((ctx.signature, cand.num_microbatches,
-                                                                                cand.schedule), {}))
-        exposed = tail.exposed_end_reduce()
-        dp = m.dp * m.cp
+        return rank_chunk_times(chunks, self.strategy_of(cand), setting, self.cluster, self.dtype,
+                                dp_comm=self._dp_comm, chunk_cache=self._chunk_cache.setdefault(ctx.signature, {}))
 
-        def memory(counts: Sequence[int]) -> float:
-            return rank_memory(chunks, counts, zero_stage=cand.zero_stage, dp=dp, dtype=self.dtype,
-                               device_name=ctx.device.name, extra_params=shared, ep=m.ep,
-                               reshard_after_forward=cand.runtime.reshard_after_forward).total
+    def _memory_terms(self, cand: Candidate, ctx: _RankContext, chunks: Sequence[Sequence[PricedSegment]],
+                      shared: int) -> tuple[float, tuple[float, ...]]:
+        """(peak bytes with no micro-batch in flight, per chunk the bytes one micro-batch saves there):
+        `memory.rank_memory` is affine in the in-flight counts."""
+        mem0 = self._rank_memory(cand, ctx, chunks, shared, [0] * len(chunks))
+        return mem0, tuple(float(sum(saved_bytes(s.cost, s.recompute) for s in chunk)) for chunk in chunks)
 
-        if in_flight is None:   # affine in the in-flight counts of the chunks
-            mem0 = memory([0] * len(chunks))
-            mem1 = memory([1]) if len(chunks) == 1 else mem0  # the contiguous problem's slope
-        else:
-            mem0 = mem1 = memory(in_flight)
-        act = tuple(float(sum(saved_bytes(s.cost, s.recompute) for s in chunk)) for chunk in chunks)
-        return _Terms(tuple(t.fwd_s for t in times), tuple(t.bwd_s for t in times), tuple(t.wgrad_s for t in times),
-                      exposed + tail.tp_grad_sync_s,
+    def _rank_memory(self, cand: Candidate, ctx: _RankContext, chunks: Sequence[Sequence[PricedSegment]],
+                     shared: int, counts: Sequence[int]) -> float:
+        m = cand.mesh
+        return rank_memory(chunks, counts, zero_stage=cand.zero_stage, dp=m.dp * m.cp, dtype=self.dtype,
+                           device_name=ctx.device.name, extra_params=shared, ep=m.ep,
+                           reshard_after_forward=cand.runtime.reshard_after_forward).total
+
+    def _rank_terms(self, cand: Candidate, ctx: _RankContext, chunks: Sequence[Sequence[PricedSegment]],
+                    shared: int, times: tuple[list[StageTime], list[DataParallelComm]] | None = None,
+                    memory: tuple[float, tuple[float, ...]] | None = None) -> _Terms:
+        """Terms of one pipeline rank holding `chunks`: `costmodel.estimate.rank_step_terms`, the composition
+        `estimate` uses (its halves, when the caller priced them already), plus the memory terms."""
+        chunk_times, comms = times or self._chunk_times(cand, ctx, chunks)
+        mem0, act = memory or self._memory_terms(cand, ctx, chunks, shared)
+        setting = RankSetting(ctx.index, ctx.device, ctx.speed, self.framework(ctx.device))
+        tail = rank_tail(chunks, chunk_times, comms, shared, self.strategy_of(cand), setting, self.cluster)
+        # The contiguous problem's slope: one micro-batch in flight.
+        mem1 = self._rank_memory(cand, ctx, chunks, shared, [1]) if len(chunks) == 1 else mem0
+        return _Terms(tuple(t.fwd_s for t in chunk_times), tuple(t.bwd_s for t in chunk_times),
+                      tuple(t.wgrad_s for t in chunk_times), tail.exposed_end_reduce() + tail.tp_grad_sync_s,
                       tail.shared_sync_s, tail.optimizer_s, tail.post_step_s, mem0, mem1, act)
 
     def _p2p(self, cand: Candidate, boundary: int, nbytes: float) -> float:
@@ -304,7 +317,7 @@ class StageProblemBuilder:
         if cand.schedule.zero_bubble:  # no recomputation with a split backward (`pipeline.recompute_problem`)
             options = tuple(o for o in options if o is Recompute.NONE) or (Recompute.NONE,)
         if cand.schedule.chunked and (cand.virtual_stages > 1 or cand.schedule is Schedule.INTERLEAVED):
-            return self._build_interleaved(cand, options, placements)
+            return self._build_interleaved(cand, options, placements, upper_bound)
         return self._build_contiguous(cand, options, placements, upper_bound)
 
     def _build_contiguous(self, cand: Candidate, options: Sequence[Recompute],
@@ -409,44 +422,100 @@ class StageProblemBuilder:
         if t is None:
             segs = [PricedSegment(costs[j], rc) for j in range(a0, b0)]
             shared = -(-self.structure.shared_params(a0, b0) // cand.mesh.tp)
-            t = self._terms[cache_key] = self._rank_terms(cand, ctx, [segs], shared, None)
+            t = self._terms[cache_key] = self._rank_terms(cand, ctx, [segs], shared)
         return t
 
     def _build_interleaved(self, cand: Candidate, options: Sequence[Recompute],
-                           placements: tuple[RankPlacement, ...]) -> StageProblem | None:
-        p, m = cand.mesh.pp, cand.num_microbatches
+                           placements: tuple[RankPlacement, ...], upper_bound: float) -> StageProblem | None:
+        m = cand.num_microbatches
         layout = self.layout(cand)
         if layout is None:
             return None
-        # Tied weights sit on the embedding's and the head's ranks whatever the layout (interleaved_layout).
-        copies = self.structure.shared_copies(layout.example_stages(), p, cand.schedule)
-        shared = [-(-x // cand.mesh.tp) for x in copies]
-        contexts = [self._context(cand, k, pl) for k, pl in enumerate(placements)]
-        costs_of = {pl.device.name: self.segment_costs(cand, pl.device) for pl in placements}
-        counts = [in_flight_per_chunk(cand.schedule, p, k, m, cand.virtual_stages) for k in range(p)]
-
-        def price(k: int, choice: RankChoice, rc: Recompute) -> ChoiceTerms:
-            ctx, costs = contexts[k], costs_of[placements[k].device.name]
-            layout_key = tuple(tuple(self.chain.segments[i].class_id for i in chunk) for chunk in choice.chunks)
-            # Ranks with the same signature and chunks share their terms; only memory depends on the in-flight
-            # counts, and affinely.
-            cache_key = (ctx.signature, rc, layout_key, shared[k])
-            t = self._terms.get(cache_key)
-            if t is None:
-                segs = [[PricedSegment(costs[i], rc) for i in chunk] for chunk in choice.chunks]
-                t = self._terms[cache_key] = self._rank_terms(cand, ctx, segs, shared[k], None)
-            memory = t.memory0 + sum(n * a for n, a in zip(counts[k], t.chunk_act, strict=True))
-            return ChoiceTerms(t.fwd, t.bwd, t.wgrad, t.tail, t.tail_const, t.optimizer, t.post, memory)
-
         sends = self.interleaved_sends(cand, layout, placements)
+        chooser = _ChoicePricer(self, cand, layout, placements, sends, upper_bound)
         capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
         # Ties go to the even split (what an estimate without stages prices): its best recomputation first.
         even, preferred = layout.even_picks(), None
         if even is not None:
-            best = solve_partition(interleaved_problem(layout, options, price, sends, capacity, m, only=even))
+            best = solve_partition(interleaved_problem(layout, options, chooser.price, sends, capacity, m, only=even,
+                                                       choices=chooser.choices))
             preferred = best.stages if best is not None else None
-        problem = interleaved_problem(layout, options, price, sends, capacity, m, preferred=preferred)
-        return StageProblem(cand, problem, placements, layout=layout)
+        problem = interleaved_problem(layout, options, chooser.price, sends, capacity, m, preferred=preferred,
+                                      choices=chooser.choices)
+        return StageProblem(cand, problem, placements, layout=layout, pruned=chooser.pruned)
+
+    def rank_choices(self, layout: InterleavedLayout, rank: int) -> tuple[RankChoice, ...]:
+        """`layout.choices(rank)`, cached (the same layouts come back for every candidate of a p and v)."""
+        key = (layout.pp, layout.virtual_stages, layout.schedule, rank)
+        hit = self._choices.get(key)
+        if hit is None:
+            hit = self._choices[key] = layout.choices(rank)
+        return hit
+
+
+@dataclass
+class _ChoicePricer:
+    """Prices one interleaved candidate's rank choices for `interleaved_problem`, cheapest checks first.
+
+    A choice's per-micro-batch work D_r (its chunks' forward and backward, sends included) comes from the cached
+    chunk times; the step is at least m D_r for every schedule (`interleaved_problem.step_objective`: S / v >= D_r
+    / v beside (m - 1/v) max D for interleaved 1F1B; E_r / v beside m D_r - E_r / v for the zero-bubble ones; every
+    other term >= 0), so a choice with m D_r at or above the caller's bound is left out unpriced (`pruned`). Then
+    its memory: a choice that does not fit gets its memory alone (the DP never takes it). Only the rest pays for
+    the end-of-step tail (gradient syncs, optimizer)."""
+
+    builder: StageProblemBuilder
+    cand: Candidate
+    layout: InterleavedLayout
+    placements: tuple[RankPlacement, ...]
+    sends: Sequence[float]
+    upper_bound: float
+    pruned: bool = False
+
+    def __post_init__(self) -> None:
+        b, cand, p = self.builder, self.cand, self.cand.mesh.pp
+        # Tied weights sit on the embedding's and the head's ranks whatever the layout (interleaved_layout).
+        copies = b.structure.shared_copies(self.layout.example_stages(), p, cand.schedule)
+        self.shared = [-(-x // cand.mesh.tp) for x in copies]
+        self.contexts = [b._context(cand, k, pl) for k, pl in enumerate(self.placements)]
+        self.costs_of = {pl.device.name: b.segment_costs(cand, pl.device) for pl in self.placements}
+        self.counts = [in_flight_per_chunk(cand.schedule, p, k, cand.num_microbatches, cand.virtual_stages)
+                       for k in range(p)]
+        last = len(self.sends)
+        self.rank_sends = [sum((self.sends[j - 1] if j > 0 else 0.0) + (self.sends[j] if j < last else 0.0)
+                               for j in chunk_stages(cand.schedule, p, cand.virtual_stages, k)) for k in range(p)]
+
+    def choices(self, rank: int) -> tuple[RankChoice, ...]:
+        return self.builder.rank_choices(self.layout, rank)
+
+    def price(self, k: int, choice: RankChoice, rc: Recompute) -> ChoiceTerms | None:
+        b, cand = self.builder, self.cand
+        ctx = self.contexts[k]
+        # Ranks with the same signature and chunks share their terms; only memory depends on the in-flight
+        # counts, and affinely.
+        cache_key = (ctx.signature, rc, tuple(tuple(b.chain.segments[i].class_id for i in chunk)
+                                              for chunk in choice.chunks), self.shared[k])
+        t = b._terms.get(cache_key)
+        if t is None:
+            costs = self.costs_of[self.placements[k].device.name]
+            segs = [[PricedSegment(costs[i], rc) for i in chunk] for chunk in choice.chunks]
+            times = b._times.get(cache_key) or b._times.setdefault(cache_key, b._chunk_times(cand, ctx, segs))
+            work = sum(x.fwd_s + x.bwd_s for x in times[0]) + self.rank_sends[k]
+            if cand.num_microbatches * work > self.upper_bound * (1 + 1e-9):
+                self.pruned = True
+                return None
+            memory = b._memory.get(cache_key) or b._memory.setdefault(
+                cache_key, b._memory_terms(cand, ctx, segs, self.shared[k]))
+            peak = memory[0] + sum(n * a for n, a in zip(self.counts[k], memory[1], strict=True))
+            if peak > self.placements[k].device.memory_bytes:
+                zeros = (0.0,) * len(segs)
+                return ChoiceTerms(zeros, zeros, zeros, 0.0, 0.0, 0.0, 0.0, peak)
+            t = b._terms[cache_key] = b._rank_terms(cand, ctx, segs, self.shared[k], times, memory)
+        if cand.num_microbatches * (sum(t.fwd) + sum(t.bwd) + self.rank_sends[k]) > self.upper_bound * (1 + 1e-9):
+            self.pruned = True
+            return None
+        peak = t.memory0 + sum(n * a for n, a in zip(self.counts[k], t.chunk_act, strict=True))
+        return ChoiceTerms(t.fwd, t.bwd, t.wgrad, t.tail, t.tail_const, t.optimizer, t.post, peak)
 
 
 def _pipeline_terms(schedule: Schedule, m: int, fwd: np.ndarray, bwd: np.ndarray, t: _Terms
