@@ -99,8 +99,8 @@ class _RankContext:
     index: int
     device: DeviceSpec
     speed: float
-    signature: tuple
-    """Everything that changes the rank's prices: device, speed, degrees, and its communication groups (data,
+    signature: int
+    """Numbers everything that changes the rank's prices: device, speed, degrees, and its communication groups (data,
     tensor parallel, shared-weight sync) replaced by what their collectives depend on."""
 
 
@@ -150,10 +150,11 @@ class StageProblemBuilder:
     _chunk_cache: dict[tuple, dict] = field(default_factory=dict, repr=False)
     """`costmodel.estimate.rank_chunk_times`' chunk terms per rank signature (a rank's chunks repeat; they do not
     depend on the micro-batch count or the schedule)."""
-    _times: dict[tuple, tuple[list[StageTime], list[DataParallelComm]]] = field(default_factory=dict, repr=False)
-    """A rank's chunk times by (signature, recomputation, chunk classes), priced before its memory and tail."""
     _memory: dict[tuple, tuple[float, tuple[float, ...]]] = field(default_factory=dict, repr=False)
-    _choices: dict[tuple, tuple[RankChoice, ...]] = field(default_factory=dict, repr=False)
+    _signatures: dict[tuple, int] = field(default_factory=dict, repr=False)
+    _segment_costs: dict[tuple, tuple[LayerCost, ...]] = field(default_factory=dict, repr=False)
+    _choices: dict[tuple, dict[RankChoice, tuple[tuple[int, ...], ...]]] = field(default_factory=dict, repr=False)
+    _chunk_class_times: dict[tuple, tuple[StageTime, DataParallelComm]] = field(default_factory=dict, repr=False)
     _dp_comm_cache: dict[tuple, DataParallelComm] = field(default_factory=dict, repr=False)
     """`step_time.data_parallel_comm` results by what they depend on (the group through `collectives.spans`)."""
 
@@ -189,12 +190,17 @@ class StageProblemBuilder:
 
     def segment_costs(self, cand: Candidate, device: DeviceSpec) -> tuple[LayerCost, ...]:
         m = cand.mesh
-        # Context / expert parallelism priced on top of the tp prices (planner.search.layer_costs.AxisSplit).
-        split = AxisSplit(cp=m.cp, cp_stride=m.stride(MeshAxis.CP), ep=m.ep, ep_stride=m.stride(MeshAxis.EP),
-                          num_devices=m.num_devices)
-        return self.table.segment_costs(device, tp=m.tp, tp_stride=m.stride(MeshAxis.TP),
-                                        sequence_parallel=cand.sequence_parallel,
-                                        microbatch_size=cand.microbatch_size, split=split)
+        key = (device.name, m.tp, m.stride(MeshAxis.TP), cand.sequence_parallel, cand.microbatch_size, m.cp,
+               m.stride(MeshAxis.CP), m.ep, m.stride(MeshAxis.EP), m.num_devices)
+        hit = self._segment_costs.get(key)
+        if hit is None:
+            # Context / expert parallelism priced on top of the tp prices (planner.search.layer_costs.AxisSplit).
+            split = AxisSplit(cp=m.cp, cp_stride=m.stride(MeshAxis.CP), ep=m.ep, ep_stride=m.stride(MeshAxis.EP),
+                              num_devices=m.num_devices)
+            hit = self._segment_costs[key] = self.table.segment_costs(
+                device, tp=m.tp, tp_stride=m.stride(MeshAxis.TP), sequence_parallel=cand.sequence_parallel,
+                microbatch_size=cand.microbatch_size, split=split)
+        return hit
 
     # -- ranks -------------------------------------------------------------------------------------------------
     def _sig(self, group: CommGroup | None) -> tuple:
@@ -213,7 +219,9 @@ class StageProblemBuilder:
         signature = (placement.device.name, placement.speed, m.tp, m.pp, m.dp, m.cp, m.ep, cand.sequence_parallel,
                      cand.microbatch_size, cand.zero_stage, self._sig(dpg), self._sig(tpg), self._sig(shared),
                      cand.runtime)
-        return _RankContext(k, placement.device, placement.speed, signature)
+        # A small number stands for the signature in the cache keys (a long tuple is slow to hash).
+        return _RankContext(k, placement.device, placement.speed,
+                            self._signatures.setdefault(signature, len(self._signatures)))
 
     def framework(self, device: DeviceSpec) -> FrameworkCosts:
         """The measured framework overheads of `device`'s type in the table's profile (cached)."""
@@ -444,12 +452,25 @@ class StageProblemBuilder:
                                       choices=chooser.choices)
         return StageProblem(cand, problem, placements, layout=layout, pruned=chooser.pruned)
 
-    def rank_choices(self, layout: InterleavedLayout, rank: int) -> tuple[RankChoice, ...]:
-        """`layout.choices(rank)`, cached (the same layouts come back for every candidate of a p and v)."""
+    def rank_choices(self, layout: InterleavedLayout, rank: int) -> dict[RankChoice, tuple[tuple[int, ...], ...]]:
+        """`layout.choices(rank)`, each with the layer classes of its chunks, cached (the same layouts come back
+        for every candidate of a p and v)."""
         key = (layout.pp, layout.virtual_stages, layout.schedule, rank)
         hit = self._choices.get(key)
         if hit is None:
-            hit = self._choices[key] = layout.choices(rank)
+            classes = [s.class_id for s in self.chain.segments]
+            hit = self._choices[key] = {c: tuple(tuple(classes[i] for i in chunk) for chunk in c.chunks)
+                                        for c in layout.choices(rank)}
+        return hit
+
+    def chunk_times(self, cand: Candidate, ctx: _RankContext, rc: Recompute, classes: tuple[int, ...],
+                    segments: Sequence[int], costs: Sequence[LayerCost]) -> tuple[StageTime, DataParallelComm]:
+        """One chunk's time and data-parallel communication, by rank signature and layer classes (cached)."""
+        key = (ctx.signature, rc, classes)
+        hit = self._chunk_class_times.get(key)
+        if hit is None:
+            times, comms = self._chunk_times(cand, ctx, [[PricedSegment(costs[i], rc) for i in segments]])
+            hit = self._chunk_class_times[key] = (times[0], comms[0])
         return hit
 
 
@@ -485,25 +506,27 @@ class _ChoicePricer:
         self.rank_sends = [sum((self.sends[j - 1] if j > 0 else 0.0) + (self.sends[j] if j < last else 0.0)
                                for j in chunk_stages(cand.schedule, p, cand.virtual_stages, k)) for k in range(p)]
 
-    def choices(self, rank: int) -> tuple[RankChoice, ...]:
-        return self.builder.rank_choices(self.layout, rank)
+    def choices(self, rank: int) -> Sequence[RankChoice]:
+        return tuple(self.builder.rank_choices(self.layout, rank))
 
     def price(self, k: int, choice: RankChoice, rc: Recompute) -> ChoiceTerms | None:
         b, cand = self.builder, self.cand
         ctx = self.contexts[k]
         # Ranks with the same signature and chunks share their terms; only memory depends on the in-flight
         # counts, and affinely.
-        cache_key = (ctx.signature, rc, tuple(tuple(b.chain.segments[i].class_id for i in chunk)
-                                              for chunk in choice.chunks), self.shared[k])
+        classes = b.rank_choices(self.layout, k)[choice]
+        cache_key = (ctx.signature, rc, classes, self.shared[k])
         t = b._terms.get(cache_key)
         if t is None:
             costs = self.costs_of[self.placements[k].device.name]
-            segs = [[PricedSegment(costs[i], rc) for i in chunk] for chunk in choice.chunks]
-            times = b._times.get(cache_key) or b._times.setdefault(cache_key, b._chunk_times(cand, ctx, segs))
+            pairs = [b.chunk_times(cand, ctx, rc, c, chunk, costs) for c, chunk in zip(classes, choice.chunks,
+                                                                                        strict=True)]
+            times = ([x for x, _ in pairs], [y for _, y in pairs])
             work = sum(x.fwd_s + x.bwd_s for x in times[0]) + self.rank_sends[k]
             if cand.num_microbatches * work > self.upper_bound * (1 + 1e-9):
                 self.pruned = True
                 return None
+            segs = [[PricedSegment(costs[i], rc) for i in chunk] for chunk in choice.chunks]
             memory = b._memory.get(cache_key) or b._memory.setdefault(
                 cache_key, b._memory_terms(cand, ctx, segs, self.shared[k]))
             peak = memory[0] + sum(n * a for n, a in zip(self.counts[k], memory[1], strict=True))
