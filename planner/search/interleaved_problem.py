@@ -144,6 +144,20 @@ def interleaved_problem(layout: InterleavedLayout, options: Sequence[Recompute],
                             tail_const=tuple(tail_const), drain=tuple(drain), preferred=preferred)
 
 
+def least_step_time(schedule: Schedule, num_microbatches: int, virtual_stages: int,
+                    least_work: Sequence[float]) -> float:
+    """A lower bound on the step from each rank's least work per micro-batch D_r over the choices that fit.
+
+    Interleaved 1F1B: T = S / v + (m - 1/v) max_r D_r + (post, optimizer, tail: all >= 0), S = sum_r D_r, and
+    every D_r is at least its least, so T >= sum_r least_r / v + (m - 1/v) max_r least_r (Phi is monotone).
+    Zero-bubble: T = sum_r E_r / v + max_r (m D_r - E_r / v) + (>= 0 terms) >= E_r / v + m D_r - E_r / v = m D_r
+    for every r (E_r >= 0), so T >= m max_r least_r."""
+    m, v = num_microbatches, virtual_stages
+    if Schedule(schedule).zero_bubble:
+        return m * max(least_work)
+    return sum(least_work) / v + (m - 1 / v) * max(least_work)
+
+
 def step_objective(schedule: Schedule, num_microbatches: int, virtual_stages: int):
     """Phi(S, U) of the step (`pipeline._steady_formula` plus the step's tails): S / v + (m - 1/v) U_pipe + U_post
     + U_opt + tail for 1F1B and interleaved; S / v + U_pipe + U_post + U_opt [+ U_extra] + tail for the

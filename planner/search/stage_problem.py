@@ -59,7 +59,13 @@ from ir.layer_chain import LayerChain
 from planner.search.candidates import Candidate
 from planner.search.chain_structure import ChainStructure
 from planner.search.interleaved_layout import ChainUnits, InterleavedLayout, RankChoice
-from planner.search.interleaved_problem import ChoiceTerms, decode, interleaved_problem, step_objective
+from planner.search.interleaved_problem import (
+    ChoiceTerms,
+    decode,
+    interleaved_problem,
+    least_step_time,
+    step_objective,
+)
 from planner.search.layer_costs import AxisSplit, LayerCostTable
 from planner.search.meshes import MeshCandidate
 from planner.search.stage_partition import Partition, PartitionProblem, StageKind, solve_partition, stage_kind
@@ -442,6 +448,14 @@ class StageProblemBuilder:
         sends = self.interleaved_sends(cand, layout, placements)
         chooser = _ChoicePricer(self, cand, layout, placements, sends, upper_bound)
         capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
+        least = [chooser.least_work(k, options) for k in range(cand.mesh.pp)]
+        if not all(math.isfinite(x) for x in least):  # some rank fits with no choice: the memory alone says why
+            problem = interleaved_problem(layout, options, chooser.memory_only, sends, capacity, m,
+                                          choices=chooser.choices)
+            return StageProblem(cand, problem, placements, layout=layout)
+        if least_step_time(cand.schedule, m, cand.virtual_stages, least) > upper_bound * (1 + 1e-9):
+            problem = interleaved_problem(layout, options, _nothing, sends, capacity, m, choices=chooser.choices)
+            return StageProblem(cand, problem, placements, layout=layout, pruned=True)
         # Ties go to the even split (what an estimate without stages prices): its best recomputation first.
         even, preferred = layout.even_picks(), None
         if even is not None:
@@ -509,36 +523,68 @@ class _ChoicePricer:
     def choices(self, rank: int) -> Sequence[RankChoice]:
         return tuple(self.builder.rank_choices(self.layout, rank))
 
-    def price(self, k: int, choice: RankChoice, rc: Recompute) -> ChoiceTerms | None:
-        b, cand = self.builder, self.cand
-        ctx = self.contexts[k]
+    def _key(self, k: int, choice: RankChoice, rc: Recompute) -> tuple:
         # Ranks with the same signature and chunks share their terms; only memory depends on the in-flight
         # counts, and affinely.
+        return (self.contexts[k].signature, rc, self.builder.rank_choices(self.layout, k)[choice], self.shared[k])
+
+    def _times(self, k: int, choice: RankChoice, rc: Recompute) -> tuple[list[StageTime], list[DataParallelComm]]:
+        b, costs = self.builder, self.costs_of[self.placements[k].device.name]
         classes = b.rank_choices(self.layout, k)[choice]
-        cache_key = (ctx.signature, rc, classes, self.shared[k])
+        pairs = [b.chunk_times(self.cand, self.contexts[k], rc, c, chunk, costs)
+                 for c, chunk in zip(classes, choice.chunks, strict=True)]
+        return [x for x, _ in pairs], [y for _, y in pairs]
+
+    def _segments(self, k: int, choice: RankChoice, rc: Recompute) -> list[list[PricedSegment]]:
+        costs = self.costs_of[self.placements[k].device.name]
+        return [[PricedSegment(costs[i], rc) for i in chunk] for chunk in choice.chunks]
+
+    def _peak(self, k: int, choice: RankChoice, rc: Recompute) -> float:
+        """The rank's peak bytes with the schedule's in-flight micro-batches."""
+        b, key = self.builder, self._key(k, choice, rc)
+        memory = b._memory.get(key)
+        if memory is None:
+            segs = self._segments(k, choice, rc)
+            memory = b._memory[key] = b._memory_terms(self.cand, self.contexts[k], segs, self.shared[k])
+        return memory[0] + sum(n * a for n, a in zip(self.counts[k], memory[1], strict=True))
+
+    def least_work(self, k: int, options: Sequence[Recompute]) -> float:
+        """The least D_r (sends included) over the rank's choices that fit in memory; inf when none does. Memory
+        is priced cheapest work first, until one fits."""
+        works = sorted((sum(x.fwd_s + x.bwd_s for x in self._times(k, c, rc)[0]), i, c, rc)
+                       for i, (c, rc) in enumerate((c, rc) for c in self.choices(k) for rc in options))
+        capacity = self.placements[k].device.memory_bytes
+        return next((w + self.rank_sends[k] for w, _, c, rc in works if self._peak(k, c, rc) <= capacity), math.inf)
+
+    def memory_only(self, k: int, choice: RankChoice, rc: Recompute) -> ChoiceTerms:
+        """The choice's peak memory and nothing else: for a candidate that does not fit."""
+        zeros = (0.0,) * len(choice.chunks)
+        return ChoiceTerms(zeros, zeros, zeros, 0.0, 0.0, 0.0, 0.0, self._peak(k, choice, rc))
+
+    def price(self, k: int, choice: RankChoice, rc: Recompute) -> ChoiceTerms | None:
+        b, cand = self.builder, self.cand
+        cache_key = self._key(k, choice, rc)
         t = b._terms.get(cache_key)
         if t is None:
-            costs = self.costs_of[self.placements[k].device.name]
-            pairs = [b.chunk_times(cand, ctx, rc, c, chunk, costs) for c, chunk in zip(classes, choice.chunks,
-                                                                                        strict=True)]
-            times = ([x for x, _ in pairs], [y for _, y in pairs])
+            times = self._times(k, choice, rc)
             work = sum(x.fwd_s + x.bwd_s for x in times[0]) + self.rank_sends[k]
             if cand.num_microbatches * work > self.upper_bound * (1 + 1e-9):
                 self.pruned = True
                 return None
-            segs = [[PricedSegment(costs[i], rc) for i in chunk] for chunk in choice.chunks]
-            memory = b._memory.get(cache_key) or b._memory.setdefault(
-                cache_key, b._memory_terms(cand, ctx, segs, self.shared[k]))
-            peak = memory[0] + sum(n * a for n, a in zip(self.counts[k], memory[1], strict=True))
-            if peak > self.placements[k].device.memory_bytes:
-                zeros = (0.0,) * len(segs)
-                return ChoiceTerms(zeros, zeros, zeros, 0.0, 0.0, 0.0, 0.0, peak)
-            t = b._terms[cache_key] = b._rank_terms(cand, ctx, segs, self.shared[k], times, memory)
+            if self._peak(k, choice, rc) > self.placements[k].device.memory_bytes:
+                return self.memory_only(k, choice, rc)
+            t = b._terms[cache_key] = b._rank_terms(cand, self.contexts[k], self._segments(k, choice, rc),
+                                                    self.shared[k], times, b._memory[cache_key])
         if cand.num_microbatches * (sum(t.fwd) + sum(t.bwd) + self.rank_sends[k]) > self.upper_bound * (1 + 1e-9):
             self.pruned = True
             return None
         peak = t.memory0 + sum(n * a for n, a in zip(self.counts[k], t.chunk_act, strict=True))
         return ChoiceTerms(t.fwd, t.bwd, t.wgrad, t.tail, t.tail_const, t.optimizer, t.post, peak)
+
+
+def _nothing(k: int, choice: RankChoice, rc: Recompute) -> None:
+    """A pricer for a candidate whose bound already reaches the caller's: no choice is taken."""
+    return None
 
 
 def _pipeline_terms(schedule: Schedule, m: int, fwd: np.ndarray, bwd: np.ndarray, t: _Terms
