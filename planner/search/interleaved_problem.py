@@ -96,13 +96,15 @@ def rank_terms(layout: InterleavedLayout, rank: int, terms: ChoiceTerms, sends: 
 
 
 def interleaved_problem(layout: InterleavedLayout, options: Sequence[Recompute],
-                        price: Callable[[int, RankChoice, Recompute], ChoiceTerms], sends: Sequence[float],
+                        price: Callable[[int, RankChoice, Recompute], ChoiceTerms | None] | None,
+                        sends: Sequence[float],
                         capacity: Sequence[float], num_microbatches: int, *,
                         only: Sequence[tuple[int, bool]] | None = None,
                         preferred: tuple[StageChoice, ...] | None = None,
                         choices: Callable[[int], Sequence[RankChoice]] | None = None) -> PartitionProblem:
     """The `PartitionProblem` of the module docstring; `price(rank, choice, recompute)` gives a choice's terms
-    (None: the choice cannot beat the caller's bound, and never fits), `sends` one time per chunk boundary.
+    (None: the choice cannot beat the caller's bound, and never fits; `price` None: no choice can), `sends` one
+    time per chunk boundary.
     `only`: per rank the one (extra, lead_large) it may take (the even split); `preferred`: the partition that
     wins ties; `choices`: `layout.choices`, or a cache of it."""
     p, extra = layout.pp, layout.extra
@@ -113,7 +115,7 @@ def interleaved_problem(layout: InterleavedLayout, options: Sequence[Recompute],
     additive, bottleneck = np.zeros(shape + (1,)), np.zeros(shape + (4 if zero_bubble else 3,))
     memory_base = np.full(shape, np.inf)  # a choice that is not a layout never fits
     tail, tail_const, drain = np.zeros(shape), np.zeros(shape), np.zeros(shape)
-    for k in range(p):
+    for k in range(p if price is not None else 0):
         q = k % profiles
         for choice in (choices or layout.choices)(k):
             if only is not None and (choice.extra, choice.lead_large) != tuple(only[k]):

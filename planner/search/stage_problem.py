@@ -157,6 +157,9 @@ class StageProblemBuilder:
     """`costmodel.estimate.rank_chunk_times`' chunk terms per rank signature (a rank's chunks repeat; they do not
     depend on the micro-batch count or the schedule)."""
     _memory: dict[tuple, tuple[float, tuple[float, ...]]] = field(default_factory=dict, repr=False)
+    _works: dict[tuple, float] = field(default_factory=dict, repr=False)
+    """A rank's chunks' forward + backward seconds by (signature, recomputation, chunk classes)."""
+    _masks: dict[tuple[StageKind, int], list[np.ndarray]] = field(default_factory=dict, repr=False)
     _signatures: dict[tuple, int] = field(default_factory=dict, repr=False)
     _segment_costs: dict[tuple, tuple[LayerCost, ...]] = field(default_factory=dict, repr=False)
     _choices: dict[tuple, dict[RankChoice, tuple[tuple[int, ...], ...]]] = field(default_factory=dict, repr=False)
@@ -398,8 +401,9 @@ class StageProblemBuilder:
         # the cheapest rank (another rank may be faster than this one).
         prefix = np.concatenate([[0.0], np.cumsum(segment_work(costs, ctx.speed, tp_overlap_chunks(cand)))])
         pruned = False
-        for comp, a0, b0, aa, bb in self.structure.compositions():
-            keep = _stage_shape_mask(kind, aa, bb, n, p)
+        for (comp, a0, b0, aa, bb), shape_mask in zip(self.structure.compositions(), self._shape_masks(kind, p),
+                                                      strict=True):
+            keep = shape_mask.copy()
             if math.isfinite(upper_bound):
                 # A stage's f + b is at least its compute and TP communication, and the bottleneck stage
                 # costs (m - 1) times that on top of the total (m times it, with a zero-bubble schedule's fill
@@ -426,6 +430,15 @@ class StageProblemBuilder:
         return {"additive": additive, "bottleneck": bottleneck, "memory_base": memory_base,
                 "memory_per_microbatch": per_microbatch, "tail": tail, "tail_const": tail_const,
                 "drain": drain}, pruned
+
+    def _shape_masks(self, kind: StageKind, p: int) -> list[np.ndarray]:
+        """`_stage_shape_mask` of every composition's ranges, per (kind, p) (cached: candidates share them)."""
+        key = (kind, p)
+        if key not in self._masks:
+            n = len(self.chain.segments)
+            self._masks[key] = [_stage_shape_mask(kind, aa, bb, n, p) for _, _, _, aa, bb in
+                                self.structure.compositions()]
+        return self._masks[key]
 
     def _composition_terms(self, cand: Candidate, ctx: _RankContext, costs: Sequence[LayerCost], rc: Recompute,
                            comp: tuple[int, ...], a0: int, b0: int) -> _Terms:
@@ -454,7 +467,7 @@ class StageProblemBuilder:
                                           choices=chooser.choices)
             return StageProblem(cand, problem, placements, layout=layout)
         if least_step_time(cand.schedule, m, cand.virtual_stages, least) > upper_bound * (1 + 1e-9):
-            problem = interleaved_problem(layout, options, _nothing, sends, capacity, m, choices=chooser.choices)
+            problem = interleaved_problem(layout, options, None, sends, capacity, m)
             return StageProblem(cand, problem, placements, layout=layout, pruned=True)
         # Ties go to the even split (what an estimate without stages prices): its best recomputation first.
         even, preferred = layout.even_picks(), None
@@ -551,8 +564,15 @@ class _ChoicePricer:
     def least_work(self, k: int, options: Sequence[Recompute]) -> float:
         """The least D_r (sends included) over the rank's choices that fit in memory; inf when none does. Memory
         is priced cheapest work first, until one fits."""
-        works = sorted((sum(x.fwd_s + x.bwd_s for x in self._times(k, c, rc)[0]), i, c, rc)
-                       for i, (c, rc) in enumerate((c, rc) for c in self.choices(k) for rc in options))
+        b, signature, works = self.builder, self.contexts[k].signature, []
+        for c, classes in b.rank_choices(self.layout, k).items():
+            for rc in options:
+                key = (signature, rc, classes)
+                work = b._works.get(key)
+                if work is None:
+                    work = b._works[key] = sum(x.fwd_s + x.bwd_s for x in self._times(k, c, rc)[0])
+                works.append((work, len(works), c, rc))
+        works.sort(key=lambda x: x[:2])
         capacity = self.placements[k].device.memory_bytes
         return next((w + self.rank_sends[k] for w, _, c, rc in works if self._peak(k, c, rc) <= capacity), math.inf)
 
@@ -580,11 +600,6 @@ class _ChoicePricer:
             return None
         peak = t.memory0 + sum(n * a for n, a in zip(self.counts[k], t.chunk_act, strict=True))
         return ChoiceTerms(t.fwd, t.bwd, t.wgrad, t.tail, t.tail_const, t.optimizer, t.post, peak)
-
-
-def _nothing(k: int, choice: RankChoice, rc: Recompute) -> None:
-    """A pricer for a candidate whose bound already reaches the caller's: no choice is taken."""
-    return None
 
 
 def _pipeline_terms(schedule: Schedule, m: int, fwd: np.ndarray, bwd: np.ndarray, t: _Terms
