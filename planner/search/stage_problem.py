@@ -44,7 +44,7 @@ from costmodel.hardware.collectives import CommGroup, spans
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment, rank_memory, saved_bytes
-from costmodel.pipeline import chunk_stages, in_flight_per_chunk, stage_rank, zero_bubble_fill
+from costmodel.pipeline import in_flight_per_chunk, stage_rank, zero_bubble_fill
 from costmodel.rank_layout import (
     busy_fraction,
     device_map,
@@ -58,9 +58,9 @@ from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strateg
 from ir.layer_chain import LayerChain
 from planner.search.candidates import Candidate
 from planner.search.chain_structure import ChainStructure
-from planner.search.interleaved_layout import ChainUnits, InterleavedLayout, RankChoice
+from planner.search.interleaved_layout import ChainUnits, InterleavedLayout
+from planner.search.interleaved_pricing import ChoicePricer, InterleavedCache
 from planner.search.interleaved_problem import (
-    ChoiceTerms,
     decode,
     interleaved_problem,
     least_step_time,
@@ -99,7 +99,7 @@ class StageProblem:
 
 
 @dataclass(frozen=True, slots=True)
-class _RankContext:
+class RankContext:
     """What prices pipeline rank k besides its segments: device, speed, and the signature of its prices."""
 
     index: int
@@ -143,7 +143,7 @@ class StageProblemBuilder:
     table: LayerCostTable
     dtype: str = "bfloat16"
     structure: ChainStructure = field(init=False, repr=False)
-    _terms: dict[tuple, _Terms] = field(default_factory=dict, repr=False)
+    terms: dict[tuple, _Terms] = field(default_factory=dict, repr=False)
     _p2p_cache: dict[tuple, float] = field(default_factory=dict, repr=False)
     _sig_cache: dict[CommGroup, tuple] = field(default_factory=dict, repr=False)
     _placements: dict[tuple[MeshCandidate, float], tuple[RankPlacement, ...] | None] = field(default_factory=dict,
@@ -156,14 +156,11 @@ class StageProblemBuilder:
     _chunk_cache: dict[tuple, dict] = field(default_factory=dict, repr=False)
     """`costmodel.estimate.rank_chunk_times`' chunk terms per rank signature (a rank's chunks repeat; they do not
     depend on the micro-batch count or the schedule)."""
-    _memory: dict[tuple, tuple[float, tuple[float, ...]]] = field(default_factory=dict, repr=False)
-    _works: dict[tuple, float] = field(default_factory=dict, repr=False)
-    """A rank's chunks' forward + backward seconds by (signature, recomputation, chunk classes)."""
+    memory_cache: dict[tuple, tuple[float, tuple[float, ...]]] = field(default_factory=dict, repr=False)
     _masks: dict[tuple[StageKind, int], list[np.ndarray]] = field(default_factory=dict, repr=False)
     _signatures: dict[tuple, int] = field(default_factory=dict, repr=False)
     _segment_costs: dict[tuple, tuple[LayerCost, ...]] = field(default_factory=dict, repr=False)
-    _choices: dict[tuple, dict[RankChoice, tuple[tuple[int, ...], ...]]] = field(default_factory=dict, repr=False)
-    _chunk_class_times: dict[tuple, tuple[StageTime, DataParallelComm]] = field(default_factory=dict, repr=False)
+    interleaved: InterleavedCache = field(default_factory=InterleavedCache, repr=False)
     _dp_comm_cache: dict[tuple, DataParallelComm] = field(default_factory=dict, repr=False)
     """`step_time.data_parallel_comm` results by what they depend on (the group through `collectives.spans`)."""
 
@@ -220,7 +217,7 @@ class StageProblemBuilder:
             self._sig_cache[group] = (group.size, spans(group, self.cluster))
         return self._sig_cache[group]
 
-    def _context(self, cand: Candidate, k: int, placement: RankPlacement) -> _RankContext:
+    def context(self, cand: Candidate, k: int, placement: RankPlacement) -> RankContext:
         strategy = self.strategy_of(cand)
         dpg, tpg = dp_group(strategy, k), tp_group(strategy, k)
         shared = shared_weight_group(strategy, k) if k > 0 else None
@@ -229,7 +226,7 @@ class StageProblemBuilder:
                      cand.microbatch_size, cand.zero_stage, self._sig(dpg), self._sig(tpg), self._sig(shared),
                      cand.runtime)
         # A small number stands for the signature in the cache keys (a long tuple is slow to hash).
-        return _RankContext(k, placement.device, placement.speed,
+        return RankContext(k, placement.device, placement.speed,
                             self._signatures.setdefault(signature, len(self._signatures)))
 
     def framework(self, device: DeviceSpec) -> FrameworkCosts:
@@ -249,34 +246,34 @@ class StageProblemBuilder:
             hit = self._dp_comm_cache[key] = data_parallel_comm(**kw)
         return hit
 
-    def _chunk_times(self, cand: Candidate, ctx: _RankContext, chunks: Sequence[Sequence[PricedSegment]]
+    def chunk_times_of(self, cand: Candidate, ctx: RankContext, chunks: Sequence[Sequence[PricedSegment]]
                      ) -> tuple[list[StageTime], list[DataParallelComm]]:
         """Per chunk its `StageTime` and data-parallel communication (`costmodel.estimate.rank_chunk_times`)."""
         setting = RankSetting(ctx.index, ctx.device, ctx.speed, self.framework(ctx.device))
         return rank_chunk_times(chunks, self.strategy_of(cand), setting, self.cluster, self.dtype,
                                 dp_comm=self._dp_comm, chunk_cache=self._chunk_cache.setdefault(ctx.signature, {}))
 
-    def _memory_terms(self, cand: Candidate, ctx: _RankContext, chunks: Sequence[Sequence[PricedSegment]],
+    def memory_terms(self, cand: Candidate, ctx: RankContext, chunks: Sequence[Sequence[PricedSegment]],
                       shared: int) -> tuple[float, tuple[float, ...]]:
         """(peak bytes with no micro-batch in flight, per chunk the bytes one micro-batch saves there):
         `memory.rank_memory` is affine in the in-flight counts."""
         mem0 = self._rank_memory(cand, ctx, chunks, shared, [0] * len(chunks))
         return mem0, tuple(float(sum(saved_bytes(s.cost, s.recompute) for s in chunk)) for chunk in chunks)
 
-    def _rank_memory(self, cand: Candidate, ctx: _RankContext, chunks: Sequence[Sequence[PricedSegment]],
+    def _rank_memory(self, cand: Candidate, ctx: RankContext, chunks: Sequence[Sequence[PricedSegment]],
                      shared: int, counts: Sequence[int]) -> float:
         m = cand.mesh
         return rank_memory(chunks, counts, zero_stage=cand.zero_stage, dp=m.dp * m.cp, dtype=self.dtype,
                            device_name=ctx.device.name, extra_params=shared, ep=m.ep,
                            reshard_after_forward=cand.runtime.reshard_after_forward).total
 
-    def _rank_terms(self, cand: Candidate, ctx: _RankContext, chunks: Sequence[Sequence[PricedSegment]],
+    def rank_terms_of(self, cand: Candidate, ctx: RankContext, chunks: Sequence[Sequence[PricedSegment]],
                     shared: int, times: tuple[list[StageTime], list[DataParallelComm]] | None = None,
                     memory: tuple[float, tuple[float, ...]] | None = None) -> _Terms:
         """Terms of one pipeline rank holding `chunks`: `costmodel.estimate.rank_step_terms`, the composition
         `estimate` uses (its halves, when the caller priced them already), plus the memory terms."""
-        chunk_times, comms = times or self._chunk_times(cand, ctx, chunks)
-        mem0, act = memory or self._memory_terms(cand, ctx, chunks, shared)
+        chunk_times, comms = times or self.chunk_times_of(cand, ctx, chunks)
+        mem0, act = memory or self.memory_terms(cand, ctx, chunks, shared)
         setting = RankSetting(ctx.index, ctx.device, ctx.speed, self.framework(ctx.device))
         tail = rank_tail(chunks, chunk_times, comms, shared, self.strategy_of(cand), setting, self.cluster)
         # The contiguous problem's slope: one micro-batch in flight.
@@ -341,7 +338,7 @@ class StageProblemBuilder:
                           placements: tuple[RankPlacement, ...], upper_bound: float) -> StageProblem:
         n, p, m = len(self.chain.segments), cand.mesh.pp, cand.num_microbatches
         gpipe = cand.schedule is Schedule.GPIPE
-        contexts = [self._context(cand, k, pl) for k, pl in enumerate(placements)]
+        contexts = [self.context(cand, k, pl) for k, pl in enumerate(placements)]
         profile, reps = self._stage_profiles(cand, contexts)
         arrays: dict[str, list[np.ndarray]] = {}
         pruned = False
@@ -361,7 +358,7 @@ class StageProblemBuilder:
                                    objective=objective, **{name: tuple(arrs) for name, arrs in arrays.items()})
         return StageProblem(cand, problem, placements, pruned=pruned)
 
-    def _stage_profiles(self, cand: Candidate, contexts: Sequence[_RankContext]) -> tuple[list[int], list[int]]:
+    def _stage_profiles(self, cand: Candidate, contexts: Sequence[RankContext]) -> tuple[list[int], list[int]]:
         """(the profile of each pipeline rank, the first rank of each profile): ranks in the same position, on
         the same device and speed, with the same sends, share their stage terms."""
         p = cand.mesh.pp
@@ -379,7 +376,7 @@ class StageProblemBuilder:
             profile.append(profile_index[key])
         return profile, reps
 
-    def _profile_arrays(self, cand: Candidate, k: int, ctx: _RankContext, options: Sequence[Recompute],
+    def _profile_arrays(self, cand: Candidate, k: int, ctx: RankContext, options: Sequence[Recompute],
                         upper_bound: float, total: float) -> tuple[dict[str, np.ndarray], bool]:
         """The `PartitionProblem` arrays of pipeline rank k's profile (every stage [a, b) it may hold, with
         every recomputation option), and whether the upper bound pruned some stages."""
@@ -440,16 +437,16 @@ class StageProblemBuilder:
                                 self.structure.compositions()]
         return self._masks[key]
 
-    def _composition_terms(self, cand: Candidate, ctx: _RankContext, costs: Sequence[LayerCost], rc: Recompute,
+    def _composition_terms(self, cand: Candidate, ctx: RankContext, costs: Sequence[LayerCost], rc: Recompute,
                            comp: tuple[int, ...], a0: int, b0: int) -> _Terms:
         """The terms of a stage holding the class composition `comp` (first seen as segments [a0, b0)) with
         recomputation `rc` on this rank, priced once per (rank signature, rc, composition)."""
         cache_key = (ctx.signature, rc, comp)
-        t = self._terms.get(cache_key)
+        t = self.terms.get(cache_key)
         if t is None:
             segs = [PricedSegment(costs[j], rc) for j in range(a0, b0)]
             shared = -(-self.structure.shared_params(a0, b0) // cand.mesh.tp)
-            t = self._terms[cache_key] = self._rank_terms(cand, ctx, [segs], shared)
+            t = self.terms[cache_key] = self.rank_terms_of(cand, ctx, [segs], shared)
         return t
 
     def _build_interleaved(self, cand: Candidate, options: Sequence[Recompute],
@@ -459,7 +456,7 @@ class StageProblemBuilder:
         if layout is None:
             return None
         sends = self.interleaved_sends(cand, layout, placements)
-        chooser = _ChoicePricer(self, cand, layout, placements, sends, upper_bound)
+        chooser = ChoicePricer(self, cand, layout, placements, sends, upper_bound)
         capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
         least = [chooser.least_work(k, options) for k in range(cand.mesh.pp)]
         if not all(math.isfinite(x) for x in least):  # some rank fits with no choice: the memory alone says why
@@ -479,127 +476,6 @@ class StageProblemBuilder:
                                       choices=chooser.choices)
         return StageProblem(cand, problem, placements, layout=layout, pruned=chooser.pruned)
 
-    def rank_choices(self, layout: InterleavedLayout, rank: int) -> dict[RankChoice, tuple[tuple[int, ...], ...]]:
-        """`layout.choices(rank)`, each with the layer classes of its chunks, cached (the same layouts come back
-        for every candidate of a p and v)."""
-        key = (layout.pp, layout.virtual_stages, layout.schedule, rank)
-        hit = self._choices.get(key)
-        if hit is None:
-            classes = [s.class_id for s in self.chain.segments]
-            hit = self._choices[key] = {c: tuple(tuple(classes[i] for i in chunk) for chunk in c.chunks)
-                                        for c in layout.choices(rank)}
-        return hit
-
-    def chunk_times(self, cand: Candidate, ctx: _RankContext, rc: Recompute, classes: tuple[int, ...],
-                    segments: Sequence[int], costs: Sequence[LayerCost]) -> tuple[StageTime, DataParallelComm]:
-        """One chunk's time and data-parallel communication, by rank signature and layer classes (cached)."""
-        key = (ctx.signature, rc, classes)
-        hit = self._chunk_class_times.get(key)
-        if hit is None:
-            times, comms = self._chunk_times(cand, ctx, [[PricedSegment(costs[i], rc) for i in segments]])
-            hit = self._chunk_class_times[key] = (times[0], comms[0])
-        return hit
-
-
-@dataclass
-class _ChoicePricer:
-    """Prices one interleaved candidate's rank choices for `interleaved_problem`, cheapest checks first.
-
-    A choice's per-micro-batch work D_r (its chunks' forward and backward, sends included) comes from the cached
-    chunk times; the step is at least m D_r for every schedule (`interleaved_problem.step_objective`: S / v >= D_r
-    / v beside (m - 1/v) max D for interleaved 1F1B; E_r / v beside m D_r - E_r / v for the zero-bubble ones; every
-    other term >= 0), so a choice with m D_r at or above the caller's bound is left out unpriced (`pruned`). Then
-    its memory: a choice that does not fit gets its memory alone (the DP never takes it). Only the rest pays for
-    the end-of-step tail (gradient syncs, optimizer)."""
-
-    builder: StageProblemBuilder
-    cand: Candidate
-    layout: InterleavedLayout
-    placements: tuple[RankPlacement, ...]
-    sends: Sequence[float]
-    upper_bound: float
-    pruned: bool = False
-
-    def __post_init__(self) -> None:
-        b, cand, p = self.builder, self.cand, self.cand.mesh.pp
-        # Tied weights sit on the embedding's and the head's ranks whatever the layout (interleaved_layout).
-        copies = b.structure.shared_copies(self.layout.example_stages(), p, cand.schedule)
-        self.shared = [-(-x // cand.mesh.tp) for x in copies]
-        self.contexts = [b._context(cand, k, pl) for k, pl in enumerate(self.placements)]
-        self.costs_of = {pl.device.name: b.segment_costs(cand, pl.device) for pl in self.placements}
-        self.counts = [in_flight_per_chunk(cand.schedule, p, k, cand.num_microbatches, cand.virtual_stages)
-                       for k in range(p)]
-        last = len(self.sends)
-        self.rank_sends = [sum((self.sends[j - 1] if j > 0 else 0.0) + (self.sends[j] if j < last else 0.0)
-                               for j in chunk_stages(cand.schedule, p, cand.virtual_stages, k)) for k in range(p)]
-
-    def choices(self, rank: int) -> Sequence[RankChoice]:
-        return tuple(self.builder.rank_choices(self.layout, rank))
-
-    def _key(self, k: int, choice: RankChoice, rc: Recompute) -> tuple:
-        # Ranks with the same signature and chunks share their terms; only memory depends on the in-flight
-        # counts, and affinely.
-        return (self.contexts[k].signature, rc, self.builder.rank_choices(self.layout, k)[choice], self.shared[k])
-
-    def _times(self, k: int, choice: RankChoice, rc: Recompute) -> tuple[list[StageTime], list[DataParallelComm]]:
-        b, costs = self.builder, self.costs_of[self.placements[k].device.name]
-        classes = b.rank_choices(self.layout, k)[choice]
-        pairs = [b.chunk_times(self.cand, self.contexts[k], rc, c, chunk, costs)
-                 for c, chunk in zip(classes, choice.chunks, strict=True)]
-        return [x for x, _ in pairs], [y for _, y in pairs]
-
-    def _segments(self, k: int, choice: RankChoice, rc: Recompute) -> list[list[PricedSegment]]:
-        costs = self.costs_of[self.placements[k].device.name]
-        return [[PricedSegment(costs[i], rc) for i in chunk] for chunk in choice.chunks]
-
-    def _peak(self, k: int, choice: RankChoice, rc: Recompute) -> float:
-        """The rank's peak bytes with the schedule's in-flight micro-batches."""
-        b, key = self.builder, self._key(k, choice, rc)
-        memory = b._memory.get(key)
-        if memory is None:
-            segs = self._segments(k, choice, rc)
-            memory = b._memory[key] = b._memory_terms(self.cand, self.contexts[k], segs, self.shared[k])
-        return memory[0] + sum(n * a for n, a in zip(self.counts[k], memory[1], strict=True))
-
-    def least_work(self, k: int, options: Sequence[Recompute]) -> float:
-        """The least D_r (sends included) over the rank's choices that fit in memory; inf when none does. Memory
-        is priced cheapest work first, until one fits."""
-        b, signature, works = self.builder, self.contexts[k].signature, []
-        for c, classes in b.rank_choices(self.layout, k).items():
-            for rc in options:
-                key = (signature, rc, classes)
-                work = b._works.get(key)
-                if work is None:
-                    work = b._works[key] = sum(x.fwd_s + x.bwd_s for x in self._times(k, c, rc)[0])
-                works.append((work, len(works), c, rc))
-        works.sort(key=lambda x: x[:2])
-        capacity = self.placements[k].device.memory_bytes
-        return next((w + self.rank_sends[k] for w, _, c, rc in works if self._peak(k, c, rc) <= capacity), math.inf)
-
-    def memory_only(self, k: int, choice: RankChoice, rc: Recompute) -> ChoiceTerms:
-        """The choice's peak memory and nothing else: for a candidate that does not fit."""
-        zeros = (0.0,) * len(choice.chunks)
-        return ChoiceTerms(zeros, zeros, zeros, 0.0, 0.0, 0.0, 0.0, self._peak(k, choice, rc))
-
-    def price(self, k: int, choice: RankChoice, rc: Recompute) -> ChoiceTerms | None:
-        b, cand = self.builder, self.cand
-        cache_key = self._key(k, choice, rc)
-        t = b._terms.get(cache_key)
-        if t is None:
-            times = self._times(k, choice, rc)
-            work = sum(x.fwd_s + x.bwd_s for x in times[0]) + self.rank_sends[k]
-            if cand.num_microbatches * work > self.upper_bound * (1 + 1e-9):
-                self.pruned = True
-                return None
-            if self._peak(k, choice, rc) > self.placements[k].device.memory_bytes:
-                return self.memory_only(k, choice, rc)
-            t = b._terms[cache_key] = b._rank_terms(cand, self.contexts[k], self._segments(k, choice, rc),
-                                                    self.shared[k], times, b._memory[cache_key])
-        if cand.num_microbatches * (sum(t.fwd) + sum(t.bwd) + self.rank_sends[k]) > self.upper_bound * (1 + 1e-9):
-            self.pruned = True
-            return None
-        peak = t.memory0 + sum(n * a for n, a in zip(self.counts[k], t.chunk_act, strict=True))
-        return ChoiceTerms(t.fwd, t.bwd, t.wgrad, t.tail, t.tail_const, t.optimizer, t.post, peak)
 
 
 def _pipeline_terms(schedule: Schedule, m: int, fwd: np.ndarray, bwd: np.ndarray, t: _Terms
