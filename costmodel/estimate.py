@@ -300,11 +300,20 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
     This is the one per-rank composition of the model: `estimate` calls it for every rank and the planner's
     partition problem (`planner.search.stage_problem`) for every candidate stage, so the search's objective is the
     estimate. `dp_comm` is `step_time.data_parallel_comm` or a cache of it; `chunk_cache`, when given, keeps each
-    chunk's terms by its segments (the caller keeps one per rank setting: a rank's chunks often repeat)."""
+    chunk's terms by its segments (the caller keeps one per rank setting: a rank's chunks often repeat). The two
+    halves, `rank_chunk_times` and `rank_tail`, let a caller price the per-micro-batch times alone first."""
+    times, comms = rank_chunk_times(chunks, strategy, rank, cluster, dtype, dp_comm=dp_comm,
+                                    chunk_cache=chunk_cache)
+    return times, rank_tail(chunks, times, comms, shared_params, strategy, rank, cluster, dtype)
+
+
+def rank_chunk_times(chunks: Sequence[Sequence[PricedSegment]], strategy: Strategy, rank: RankSetting,
+                     cluster: Cluster, dtype: str, *, dp_comm: Callable[..., DataParallelComm] = data_parallel_comm,
+                     chunk_cache: dict | None = None) -> tuple[list[StageTime], list[DataParallelComm]]:
+    """Per chunk of the rank its `StageTime` and its data-parallel communication (`rank_step_terms`' first half)."""
     group = dp_group(strategy, rank.index)
     times: list[StageTime] = []
-    post = end_reduce = 0.0
-    end_chunks = 0
+    comms: list[DataParallelComm] = []
     for segs in chunks:
         key = tuple((s.cost, s.recompute) for s in segs) if chunk_cache is not None else None
         hit = chunk_cache.get(key) if chunk_cache is not None else None
@@ -312,11 +321,16 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
             hit = _chunk_time(segs, strategy, rank, cluster, dtype_bytes(dtype), group, dp_comm)
             if chunk_cache is not None:
                 chunk_cache[key] = hit
-        chunk, comm = hit
-        times.append(chunk)
-        post += comm.post_step_s
-        end_reduce += comm.end_reduce_s
-        end_chunks += comm.end_reduce_chunks
+        times.append(hit[0])
+        comms.append(hit[1])
+    return times, comms
+
+
+def rank_tail(chunks: Sequence[Sequence[PricedSegment]], times: Sequence[StageTime],
+              comms: Sequence[DataParallelComm], shared_params: int, strategy: Strategy, rank: RankSetting,
+              cluster: Cluster, dtype: str) -> RankTail:
+    """What the rank does after its last backward, from its chunks' times and communication (`rank_step_terms`'
+    second half)."""
     costs = [s.cost for c in chunks for s in c]
     experts = sum(c.expert_param_count for c in costs)  # ZeRO shards expert state over dp*cp/ep
     local_params = optimizer_params(sum(c.param_count for c in costs) + shared_params, experts,
@@ -326,8 +340,9 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
     optimizer_s, copy_s = optimizer_terms(
         local_params, rank.device, strategy.runtime.offload, dtype=dtype, speed=rank.speed,
         host_s=rank.framework.optimizer_host_s(*param_tensor_kinds(strategy, costs)))
-    return times, RankTail(
-        end_reduce_s=end_reduce, end_reduce_chunks=max(end_chunks, 1),
+    return RankTail(
+        end_reduce_s=sum(c.end_reduce_s for c in comms),
+        end_reduce_chunks=max(sum(c.end_reduce_chunks for c in comms), 1),
         last_bwd_window_s=sum(t.compute_bwd_s + t.recompute_s + t.tp_bwd_s for t in times),
         tp_grad_sync_s=tp_grad_sync_time(
             sum(c.grad_sync_bytes for c in costs), sum(c.grad_sync_tensors for c in costs), tp_group(strategy, r),
@@ -335,7 +350,7 @@ def rank_step_terms(chunks: Sequence[Sequence[PricedSegment]], shared_params: in
             per_tensor_s=rank.framework.grad_sync_per_tensor(strategy.tp)),
         shared_sync_s=_shared_sync_time(shared_params, strategy, r, cluster),
         optimizer_s=optimizer_s, offload_copy_s=copy_s,
-        post_step_s=post, overlap=strategy.runtime.dp_overlap)
+        post_step_s=sum(c.post_step_s for c in comms), overlap=strategy.runtime.dp_overlap)
 
 
 def optimizer_terms(local_params: int, device: DeviceSpec, offload: Offload, *, dtype: str, speed: float = 1.0,

@@ -122,7 +122,8 @@ def model_state_bytes(param_count: int, *, zero_stage: int = 0, dp: int = 1, dty
 
 def saved_bytes(cost: LayerCost, recompute: Recompute) -> int:
     """Activation bytes a segment keeps per micro-batch under `recompute`."""
-    recompute = Recompute(recompute)
+    if recompute.__class__ is not Recompute:  # the conversion costs more than the lookup, in the search's loops
+        recompute = Recompute(recompute)
     if recompute is Recompute.FULL:
         return cost.saved_bytes_full
     if recompute is Recompute.SELECTIVE:

@@ -137,7 +137,9 @@ class StageTime:
 
 
 def recompute_time(segment: PricedSegment) -> float:
-    c, r = segment.cost, Recompute(segment.recompute)
+    c, r = segment.cost, segment.recompute
+    if r.__class__ is not Recompute:  # the conversion costs more than the lookup, in the search's loops
+        r = Recompute(r)
     if r is Recompute.FULL:
         return c.recompute_full_s
     if r is Recompute.SELECTIVE:

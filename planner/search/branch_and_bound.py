@@ -34,7 +34,10 @@ Branch and bound, best first over a heap of lower bounds, each level valid for e
   alone cannot fit;
 - level 2, a candidate with its layer classes priced (the sharding ILP): compute + TP communication, the
   bottleneck of the best contiguous split (`bounds.tight_lower_bound`);
-- then the exact partition DP, which itself prunes with the same incumbent.
+- then the exact partition DP, which itself prunes with the same incumbent; for an interleaved or zero-bubble
+  candidate it first takes each rank's least work per micro-batch over the chunk layouts that fit in memory
+  (ZeRO traffic, recomputation and sends included: `planner.search.interleaved_pricing`), and a candidate whose
+  bound from them reaches the incumbent is never built.
 
 An entry is expanded (0), refined (1) or solved (2) only while its bound is below the K-th best objective found;
 when the heap's smallest bound reaches it, the K best are proven optimal for this space. A time limit stops the

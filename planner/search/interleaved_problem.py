@@ -96,13 +96,17 @@ def rank_terms(layout: InterleavedLayout, rank: int, terms: ChoiceTerms, sends: 
 
 
 def interleaved_problem(layout: InterleavedLayout, options: Sequence[Recompute],
-                        price: Callable[[int, RankChoice, Recompute], ChoiceTerms], sends: Sequence[float],
+                        price: Callable[[int, RankChoice, Recompute], ChoiceTerms | None] | None,
+                        sends: Sequence[float],
                         capacity: Sequence[float], num_microbatches: int, *,
                         only: Sequence[tuple[int, bool]] | None = None,
-                        preferred: tuple[StageChoice, ...] | None = None) -> PartitionProblem:
-    """The `PartitionProblem` of the module docstring; `price(rank, choice, recompute)` gives a choice's terms,
-    `sends` one time per chunk boundary. `only`: per rank the one (extra, lead_large) it may take (the even
-    split); `preferred`: the partition that wins ties."""
+                        preferred: tuple[StageChoice, ...] | None = None,
+                        choices: Callable[[int], Sequence[RankChoice]] | None = None) -> PartitionProblem:
+    """The `PartitionProblem` of the module docstring; `price(rank, choice, recompute)` gives a choice's terms
+    (None: the choice cannot beat the caller's bound, and never fits; `price` None: no choice can), `sends` one
+    time per chunk boundary.
+    `only`: per rank the one (extra, lead_large) it may take (the even split); `preferred`: the partition that
+    wins ties; `choices`: `layout.choices`, or a cache of it."""
     p, extra = layout.pp, layout.extra
     n, profiles = p + extra, min(p, extra + 1)
     names = option_names(layout, options)
@@ -111,9 +115,9 @@ def interleaved_problem(layout: InterleavedLayout, options: Sequence[Recompute],
     additive, bottleneck = np.zeros(shape + (1,)), np.zeros(shape + (4 if zero_bubble else 3,))
     memory_base = np.full(shape, np.inf)  # a choice that is not a layout never fits
     tail, tail_const, drain = np.zeros(shape), np.zeros(shape), np.zeros(shape)
-    for k in range(p):
+    for k in range(p if price is not None else 0):
         q = k % profiles
-        for choice in layout.choices(k):
+        for choice in (choices or layout.choices)(k):
             if only is not None and (choice.extra, choice.lead_large) != tuple(only[k]):
                 continue
             tokens = choice.extra + 1
@@ -121,6 +125,8 @@ def interleaved_problem(layout: InterleavedLayout, options: Sequence[Recompute],
             for r, rc in enumerate(options):
                 o = r * len(layout.lead_options) + layout.lead_options.index(choice.lead_large)
                 t = price(k, choice, rc)
+                if t is None:
+                    continue
                 add, steady, paired = rank_terms(layout, k, t, sends, num_microbatches)
                 additive[q, o, a, a + tokens, 0] = add
                 bottleneck[q, o, a, a + tokens] = (steady, t.post, t.optimizer, paired)[:bottleneck.shape[-1]]
@@ -138,6 +144,20 @@ def interleaved_problem(layout: InterleavedLayout, options: Sequence[Recompute],
                             bottleneck=tuple(bottleneck), memory_base=tuple(memory_base),
                             memory_per_microbatch=tuple(np.zeros(shape)), tail=tuple(tail),
                             tail_const=tuple(tail_const), drain=tuple(drain), preferred=preferred)
+
+
+def least_step_time(schedule: Schedule, num_microbatches: int, virtual_stages: int,
+                    least_work: Sequence[float]) -> float:
+    """A lower bound on the step from each rank's least work per micro-batch D_r over the choices that fit.
+
+    Interleaved 1F1B: T = S / v + (m - 1/v) max_r D_r + (post, optimizer, tail: all >= 0), S = sum_r D_r, and
+    every D_r is at least its least, so T >= sum_r least_r / v + (m - 1/v) max_r least_r (Phi is monotone).
+    Zero-bubble: T = sum_r E_r / v + max_r (m D_r - E_r / v) + (>= 0 terms) >= E_r / v + m D_r - E_r / v = m D_r
+    for every r (E_r >= 0), so T >= m max_r least_r."""
+    m, v = num_microbatches, virtual_stages
+    if Schedule(schedule).zero_bubble:
+        return m * max(least_work)
+    return sum(least_work) / v + (m - 1 / v) * max(least_work)
 
 
 def step_objective(schedule: Schedule, num_microbatches: int, virtual_stages: int):

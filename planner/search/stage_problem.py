@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from costmodel.estimate import RankSetting, p2p_time, rank_step_terms
+from costmodel.estimate import RankSetting, p2p_time, rank_chunk_times, rank_tail
 from costmodel.framework import FrameworkCosts
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import CommGroup, spans
@@ -54,13 +54,19 @@ from costmodel.rank_layout import (
     shared_weight_group,
     tp_group,
 )
-from costmodel.step_time import DataParallelComm, data_parallel_comm, tp_exposed
+from costmodel.step_time import DataParallelComm, StageTime, data_parallel_comm, tp_exposed
 from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
 from ir.layer_chain import LayerChain
 from planner.search.candidates import Candidate
 from planner.search.chain_structure import ChainStructure
-from planner.search.interleaved_layout import ChainUnits, InterleavedLayout, RankChoice
-from planner.search.interleaved_problem import ChoiceTerms, decode, interleaved_problem, step_objective
+from planner.search.interleaved_layout import ChainUnits, InterleavedLayout
+from planner.search.interleaved_pricing import ChoicePricer, InterleavedCache
+from planner.search.interleaved_problem import (
+    decode,
+    interleaved_problem,
+    least_step_time,
+    step_objective,
+)
 from planner.search.layer_costs import AxisSplit, LayerCostTable
 from planner.search.meshes import MeshCandidate
 from planner.search.stage_partition import Partition, PartitionProblem, StageKind, solve_partition, stage_kind
@@ -94,14 +100,14 @@ class StageProblem:
 
 
 @dataclass(frozen=True, slots=True)
-class _RankContext:
+class RankContext:
     """What prices pipeline rank k besides its segments: device, speed, and the signature of its prices."""
 
     index: int
     device: DeviceSpec
     speed: float
-    signature: tuple
-    """Everything that changes the rank's prices: device, speed, degrees, and its communication groups (data,
+    signature: int
+    """Numbers everything that changes the rank's prices: device, speed, degrees, and its communication groups (data,
     tensor parallel, shared-weight sync) replaced by what their collectives depend on."""
 
 
@@ -138,7 +144,7 @@ class StageProblemBuilder:
     table: LayerCostTable
     dtype: str = "bfloat16"
     structure: ChainStructure = field(init=False, repr=False)
-    _terms: dict[tuple, _Terms] = field(default_factory=dict, repr=False)
+    terms: dict[tuple, _Terms] = field(default_factory=dict, repr=False)
     _p2p_cache: dict[tuple, float] = field(default_factory=dict, repr=False)
     _sig_cache: dict[CommGroup, tuple] = field(default_factory=dict, repr=False)
     _placements: dict[tuple[MeshCandidate, float], tuple[RankPlacement, ...] | None] = field(default_factory=dict,
@@ -149,7 +155,13 @@ class StageProblemBuilder:
     _layouts: dict[tuple[int, int, Schedule], InterleavedLayout | None] = field(default_factory=dict, repr=False)
     _units: ChainUnits | None = field(default=None, repr=False)
     _chunk_cache: dict[tuple, dict] = field(default_factory=dict, repr=False)
-    """`costmodel.estimate.rank_step_terms`' chunk terms per rank signature (a rank's chunks repeat)."""
+    """`costmodel.estimate.rank_chunk_times`' chunk terms per rank signature (a rank's chunks repeat; they do not
+    depend on the micro-batch count or the schedule)."""
+    memory_cache: dict[tuple, tuple[float, tuple[float, ...]]] = field(default_factory=dict, repr=False)
+    _masks: dict[tuple[StageKind, int], list[np.ndarray]] = field(default_factory=dict, repr=False)
+    _signatures: dict[tuple, int] = field(default_factory=dict, repr=False)
+    _segment_costs: dict[tuple, tuple[LayerCost, ...]] = field(default_factory=dict, repr=False)
+    interleaved: InterleavedCache = field(default_factory=InterleavedCache, repr=False)
     _dp_comm_cache: dict[tuple, DataParallelComm] = field(default_factory=dict, repr=False)
     """`step_time.data_parallel_comm` results by what they depend on (the group through `collectives.spans`)."""
 
@@ -185,12 +197,17 @@ class StageProblemBuilder:
 
     def segment_costs(self, cand: Candidate, device: DeviceSpec) -> tuple[LayerCost, ...]:
         m = cand.mesh
-        # Context / expert parallelism priced on top of the tp prices (planner.search.layer_costs.AxisSplit).
-        split = AxisSplit(cp=m.cp, cp_stride=m.stride(MeshAxis.CP), ep=m.ep, ep_stride=m.stride(MeshAxis.EP),
-                          num_devices=m.num_devices)
-        return self.table.segment_costs(device, tp=m.tp, tp_stride=m.stride(MeshAxis.TP),
-                                        sequence_parallel=cand.sequence_parallel,
-                                        microbatch_size=cand.microbatch_size, split=split)
+        key = (device.name, m.tp, m.stride(MeshAxis.TP), cand.sequence_parallel, cand.microbatch_size, m.cp,
+               m.stride(MeshAxis.CP), m.ep, m.stride(MeshAxis.EP), m.num_devices)
+        hit = self._segment_costs.get(key)
+        if hit is None:
+            # Context / expert parallelism priced on top of the tp prices (planner.search.layer_costs.AxisSplit).
+            split = AxisSplit(cp=m.cp, cp_stride=m.stride(MeshAxis.CP), ep=m.ep, ep_stride=m.stride(MeshAxis.EP),
+                              num_devices=m.num_devices)
+            hit = self._segment_costs[key] = self.table.segment_costs(
+                device, tp=m.tp, tp_stride=m.stride(MeshAxis.TP), sequence_parallel=cand.sequence_parallel,
+                microbatch_size=cand.microbatch_size, split=split)
+        return hit
 
     # -- ranks -------------------------------------------------------------------------------------------------
     def _sig(self, group: CommGroup | None) -> tuple:
@@ -201,7 +218,7 @@ class StageProblemBuilder:
             self._sig_cache[group] = (group.size, spans(group, self.cluster))
         return self._sig_cache[group]
 
-    def _context(self, cand: Candidate, k: int, placement: RankPlacement) -> _RankContext:
+    def context(self, cand: Candidate, k: int, placement: RankPlacement) -> RankContext:
         strategy = self.strategy_of(cand)
         dpg, tpg = dp_group(strategy, k), tp_group(strategy, k)
         shared = shared_weight_group(strategy, k) if k > 0 else None
@@ -209,7 +226,9 @@ class StageProblemBuilder:
         signature = (placement.device.name, placement.speed, m.tp, m.pp, m.dp, m.cp, m.ep, cand.sequence_parallel,
                      cand.microbatch_size, cand.zero_stage, self._sig(dpg), self._sig(tpg), self._sig(shared),
                      cand.runtime)
-        return _RankContext(k, placement.device, placement.speed, signature)
+        # A small number stands for the signature in the cache keys (a long tuple is slow to hash).
+        return RankContext(k, placement.device, placement.speed,
+                            self._signatures.setdefault(signature, len(self._signatures)))
 
     def framework(self, device: DeviceSpec) -> FrameworkCosts:
         """The measured framework overheads of `device`'s type in the table's profile (cached)."""
@@ -228,33 +247,42 @@ class StageProblemBuilder:
             hit = self._dp_comm_cache[key] = data_parallel_comm(**kw)
         return hit
 
-    def _rank_terms(self, cand: Candidate, ctx: _RankContext, chunks: Sequence[Sequence[PricedSegment]],
-                    shared: int, in_flight: Sequence[int] | None) -> _Terms:
-        """Terms of one pipeline rank holding `chunks`: `costmodel.estimate.rank_step_terms`, the composition
-        `estimate` uses, plus the memory terms."""
-        m = cand.mesh
+    def chunk_times_of(self, cand: Candidate, ctx: RankContext, chunks: Sequence[Sequence[PricedSegment]]
+                     ) -> tuple[list[StageTime], list[DataParallelComm]]:
+        """Per chunk its `StageTime` and data-parallel communication (`costmodel.estimate.rank_chunk_times`)."""
         setting = RankSetting(ctx.index, ctx.device, ctx.speed, self.framework(ctx.device))
-        times, tail = rank_step_terms(chunks, shared, self.strategy_of(cand), setting, self.cluster, self.dtype,
-                                      dp_comm=self._dp_comm,
-                                      chunk_cache=self._chunk_cache.setdefault((ctx.signature, cand.num_microbatches,
-                                                                                cand.schedule), {}))
-        exposed = tail.exposed_end_reduce()
-        dp = m.dp * m.cp
+        return rank_chunk_times(chunks, self.strategy_of(cand), setting, self.cluster, self.dtype,
+                                dp_comm=self._dp_comm, chunk_cache=self._chunk_cache.setdefault(ctx.signature, {}))
 
-        def memory(counts: Sequence[int]) -> float:
-            return bytes_to_fit(rank_memory(chunks, counts, zero_stage=cand.zero_stage, dp=dp, dtype=self.dtype,
-                                            device_name=ctx.device.name, extra_params=shared, ep=m.ep,
-                                            reshard_after_forward=cand.runtime.reshard_after_forward,
-                                            offload=cand.runtime.offload), cand.runtime.offload, ctx.device.name)
+    def memory_terms(self, cand: Candidate, ctx: RankContext, chunks: Sequence[Sequence[PricedSegment]],
+                      shared: int) -> tuple[float, tuple[float, ...]]:
+        """(peak bytes with no micro-batch in flight, per chunk the bytes one micro-batch saves there):
+        `memory.rank_memory` is affine in the in-flight counts."""
+        mem0 = self._rank_memory(cand, ctx, chunks, shared, [0] * len(chunks))
+        return mem0, tuple(float(sum(saved_bytes(s.cost, s.recompute) for s in chunk)) for chunk in chunks)
 
-        if in_flight is None:   # affine in the in-flight counts of the chunks
-            mem0 = memory([0] * len(chunks))
-            mem1 = memory([1]) if len(chunks) == 1 else mem0  # the contiguous problem's slope
-        else:
-            mem0 = mem1 = memory(in_flight)
-        act = tuple(float(sum(saved_bytes(s.cost, s.recompute) for s in chunk)) for chunk in chunks)
-        return _Terms(tuple(t.fwd_s for t in times), tuple(t.bwd_s for t in times), tuple(t.wgrad_s for t in times),
-                      exposed + tail.tp_grad_sync_s,
+    def _rank_memory(self, cand: Candidate, ctx: RankContext, chunks: Sequence[Sequence[PricedSegment]],
+                     shared: int, counts: Sequence[int]) -> float:
+        m, offload = cand.mesh, cand.runtime.offload
+        return bytes_to_fit(rank_memory(chunks, counts, zero_stage=cand.zero_stage, dp=m.dp * m.cp, dtype=self.dtype,
+                                        device_name=ctx.device.name, extra_params=shared, ep=m.ep,
+                                        reshard_after_forward=cand.runtime.reshard_after_forward, offload=offload),
+                            offload, ctx.device.name)
+
+    def rank_terms_of(self, cand: Candidate, ctx: RankContext, chunks: Sequence[Sequence[PricedSegment]],
+                    shared: int, times: tuple[list[StageTime], list[DataParallelComm]] | None = None,
+                    memory: tuple[float, tuple[float, ...]] | None = None) -> _Terms:
+        """Terms of one pipeline rank holding `chunks`: `costmodel.estimate.rank_step_terms`, the composition
+        `estimate` uses (its halves, when the caller priced them already), plus the memory terms."""
+        chunk_times, comms = times or self.chunk_times_of(cand, ctx, chunks)
+        mem0, act = memory or self.memory_terms(cand, ctx, chunks, shared)
+        setting = RankSetting(ctx.index, ctx.device, ctx.speed, self.framework(ctx.device))
+        tail = rank_tail(chunks, chunk_times, comms, shared, self.strategy_of(cand), setting, self.cluster,
+                         self.dtype)
+        # The contiguous problem's slope: one micro-batch in flight.
+        mem1 = self._rank_memory(cand, ctx, chunks, shared, [1]) if len(chunks) == 1 else mem0
+        return _Terms(tuple(t.fwd_s for t in chunk_times), tuple(t.bwd_s for t in chunk_times),
+                      tuple(t.wgrad_s for t in chunk_times), tail.exposed_end_reduce() + tail.tp_grad_sync_s,
                       tail.shared_sync_s, tail.optimizer_s, tail.post_step_s, mem0, mem1, act)
 
     def _p2p(self, cand: Candidate, boundary: int, nbytes: float) -> float:
@@ -310,14 +338,14 @@ class StageProblemBuilder:
         if cand.schedule.zero_bubble:  # no recomputation with a split backward (`pipeline.recompute_problem`)
             options = tuple(o for o in options if o is Recompute.NONE) or (Recompute.NONE,)
         if cand.schedule.chunked and (cand.virtual_stages > 1 or cand.schedule is Schedule.INTERLEAVED):
-            return self._build_interleaved(cand, options, placements)
+            return self._build_interleaved(cand, options, placements, upper_bound)
         return self._build_contiguous(cand, options, placements, upper_bound)
 
     def _build_contiguous(self, cand: Candidate, options: Sequence[Recompute],
                           placements: tuple[RankPlacement, ...], upper_bound: float) -> StageProblem:
         n, p, m = len(self.chain.segments), cand.mesh.pp, cand.num_microbatches
         gpipe = cand.schedule is Schedule.GPIPE
-        contexts = [self._context(cand, k, pl) for k, pl in enumerate(placements)]
+        contexts = [self.context(cand, k, pl) for k, pl in enumerate(placements)]
         profile, reps = self._stage_profiles(cand, contexts)
         arrays: dict[str, list[np.ndarray]] = {}
         pruned = False
@@ -337,7 +365,7 @@ class StageProblemBuilder:
                                    objective=objective, **{name: tuple(arrs) for name, arrs in arrays.items()})
         return StageProblem(cand, problem, placements, pruned=pruned)
 
-    def _stage_profiles(self, cand: Candidate, contexts: Sequence[_RankContext]) -> tuple[list[int], list[int]]:
+    def _stage_profiles(self, cand: Candidate, contexts: Sequence[RankContext]) -> tuple[list[int], list[int]]:
         """(the profile of each pipeline rank, the first rank of each profile): ranks in the same position, on
         the same device and speed, with the same sends, share their stage terms."""
         p = cand.mesh.pp
@@ -355,7 +383,7 @@ class StageProblemBuilder:
             profile.append(profile_index[key])
         return profile, reps
 
-    def _profile_arrays(self, cand: Candidate, k: int, ctx: _RankContext, options: Sequence[Recompute],
+    def _profile_arrays(self, cand: Candidate, k: int, ctx: RankContext, options: Sequence[Recompute],
                         upper_bound: float, total: float) -> tuple[dict[str, np.ndarray], bool]:
         """The `PartitionProblem` arrays of pipeline rank k's profile (every stage [a, b) it may hold, with
         every recomputation option), and whether the upper bound pruned some stages."""
@@ -377,8 +405,9 @@ class StageProblemBuilder:
         # the cheapest rank (another rank may be faster than this one).
         prefix = np.concatenate([[0.0], np.cumsum(segment_work(costs, ctx.speed, tp_overlap_chunks(cand)))])
         pruned = False
-        for comp, a0, b0, aa, bb in self.structure.compositions():
-            keep = _stage_shape_mask(kind, aa, bb, n, p)
+        for (comp, a0, b0, aa, bb), shape_mask in zip(self.structure.compositions(), self._shape_masks(kind, p),
+                                                      strict=True):
+            keep = shape_mask.copy()
             if math.isfinite(upper_bound):
                 # A stage's f + b is at least its compute and TP communication, and the bottleneck stage
                 # costs (m - 1) times that on top of the total (m times it, with a zero-bubble schedule's fill
@@ -406,53 +435,54 @@ class StageProblemBuilder:
                 "memory_per_microbatch": per_microbatch, "tail": tail, "tail_const": tail_const,
                 "drain": drain}, pruned
 
-    def _composition_terms(self, cand: Candidate, ctx: _RankContext, costs: Sequence[LayerCost], rc: Recompute,
+    def _shape_masks(self, kind: StageKind, p: int) -> list[np.ndarray]:
+        """`_stage_shape_mask` of every composition's ranges, per (kind, p) (cached: candidates share them)."""
+        key = (kind, p)
+        if key not in self._masks:
+            n = len(self.chain.segments)
+            self._masks[key] = [_stage_shape_mask(kind, aa, bb, n, p) for _, _, _, aa, bb in
+                                self.structure.compositions()]
+        return self._masks[key]
+
+    def _composition_terms(self, cand: Candidate, ctx: RankContext, costs: Sequence[LayerCost], rc: Recompute,
                            comp: tuple[int, ...], a0: int, b0: int) -> _Terms:
         """The terms of a stage holding the class composition `comp` (first seen as segments [a0, b0)) with
         recomputation `rc` on this rank, priced once per (rank signature, rc, composition)."""
         cache_key = (ctx.signature, rc, comp)
-        t = self._terms.get(cache_key)
+        t = self.terms.get(cache_key)
         if t is None:
             segs = [PricedSegment(costs[j], rc) for j in range(a0, b0)]
             shared = -(-self.structure.shared_params(a0, b0) // cand.mesh.tp)
-            t = self._terms[cache_key] = self._rank_terms(cand, ctx, [segs], shared, None)
+            t = self.terms[cache_key] = self.rank_terms_of(cand, ctx, [segs], shared)
         return t
 
     def _build_interleaved(self, cand: Candidate, options: Sequence[Recompute],
-                           placements: tuple[RankPlacement, ...]) -> StageProblem | None:
-        p, m = cand.mesh.pp, cand.num_microbatches
+                           placements: tuple[RankPlacement, ...], upper_bound: float) -> StageProblem | None:
+        m = cand.num_microbatches
         layout = self.layout(cand)
         if layout is None:
             return None
-        # Tied weights sit on the embedding's and the head's ranks whatever the layout (interleaved_layout).
-        copies = self.structure.shared_copies(layout.example_stages(), p, cand.schedule)
-        shared = [-(-x // cand.mesh.tp) for x in copies]
-        contexts = [self._context(cand, k, pl) for k, pl in enumerate(placements)]
-        costs_of = {pl.device.name: self.segment_costs(cand, pl.device) for pl in placements}
-        counts = [in_flight_per_chunk(cand.schedule, p, k, m, cand.virtual_stages) for k in range(p)]
-
-        def price(k: int, choice: RankChoice, rc: Recompute) -> ChoiceTerms:
-            ctx, costs = contexts[k], costs_of[placements[k].device.name]
-            layout_key = tuple(tuple(self.chain.segments[i].class_id for i in chunk) for chunk in choice.chunks)
-            # Ranks with the same signature and chunks share their terms; only memory depends on the in-flight
-            # counts, and affinely.
-            cache_key = (ctx.signature, rc, layout_key, shared[k])
-            t = self._terms.get(cache_key)
-            if t is None:
-                segs = [[PricedSegment(costs[i], rc) for i in chunk] for chunk in choice.chunks]
-                t = self._terms[cache_key] = self._rank_terms(cand, ctx, segs, shared[k], None)
-            memory = t.memory0 + sum(n * a for n, a in zip(counts[k], t.chunk_act, strict=True))
-            return ChoiceTerms(t.fwd, t.bwd, t.wgrad, t.tail, t.tail_const, t.optimizer, t.post, memory)
-
         sends = self.interleaved_sends(cand, layout, placements)
+        chooser = ChoicePricer(self, cand, layout, placements, sends, upper_bound)
         capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
+        least = [chooser.least_work(k, options) for k in range(cand.mesh.pp)]
+        if not all(math.isfinite(x) for x in least):  # some rank fits with no choice: the memory alone says why
+            problem = interleaved_problem(layout, options, chooser.memory_only, sends, capacity, m,
+                                          choices=chooser.choices)
+            return StageProblem(cand, problem, placements, layout=layout)
+        if least_step_time(cand.schedule, m, cand.virtual_stages, least) > upper_bound * (1 + 1e-9):
+            problem = interleaved_problem(layout, options, None, sends, capacity, m)
+            return StageProblem(cand, problem, placements, layout=layout, pruned=True)
         # Ties go to the even split (what an estimate without stages prices): its best recomputation first.
         even, preferred = layout.even_picks(), None
         if even is not None:
-            best = solve_partition(interleaved_problem(layout, options, price, sends, capacity, m, only=even))
+            best = solve_partition(interleaved_problem(layout, options, chooser.price, sends, capacity, m, only=even,
+                                                       choices=chooser.choices))
             preferred = best.stages if best is not None else None
-        problem = interleaved_problem(layout, options, price, sends, capacity, m, preferred=preferred)
-        return StageProblem(cand, problem, placements, layout=layout)
+        problem = interleaved_problem(layout, options, chooser.price, sends, capacity, m, preferred=preferred,
+                                      choices=chooser.choices)
+        return StageProblem(cand, problem, placements, layout=layout, pruned=chooser.pruned)
+
 
 
 def _pipeline_terms(schedule: Schedule, m: int, fwd: np.ndarray, bwd: np.ndarray, t: _Terms

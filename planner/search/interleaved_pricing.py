@@ -1,0 +1,172 @@
+"""Pricing an interleaved candidate's rank choices for `planner.search.interleaved_problem`, cheapest checks first.
+
+The problem's entries are each rank's (layout choice, recomputation) terms (`planner.search.stage_problem` prices
+them with `costmodel.estimate.rank_chunk_times` / `rank_tail` and `memory.rank_memory`). Most candidates the branch
+and bound hands over cannot beat its incumbent, and most of the price of an entry is its memory and its end-of-step
+tail, so they are priced in order of cost, each step able to end the work:
+
+1. the chunk times (cached per rank signature and chunk classes), hence the rank's work per micro-batch D_r, sends
+   included;
+2. the candidate's bound from each rank's least D_r over the choices that fit in memory
+   (`interleaved_problem.least_step_time`; memory priced cheapest work first, until one fits): a candidate whose
+   bound reaches the caller's is left out unbuilt, and one with a rank that fits with no choice builds its memory
+   alone (what `pricing.least_memory_of` reports);
+3. per entry: T >= m D_r for every schedule (`interleaved_problem.least_step_time`, with each D_r at its own
+   value), so an entry with m D_r above the bound is left out (the problem is then `pruned`); an entry that does
+   not fit in memory gets its memory alone;
+4. only the rest pays for the tail (gradient syncs, optimizer step).
+
+Every step leaves out only what cannot beat the caller's bound or cannot fit, so the partition found below the
+bound is the one the full problem has (`tests/test_search_bruteforce.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from costmodel.memory import PricedSegment
+from costmodel.pipeline import chunk_stages, in_flight_per_chunk
+from costmodel.step_time import DataParallelComm, StageTime
+from costmodel.strategy import Recompute
+from planner.search.candidates import Candidate
+from planner.search.interleaved_layout import InterleavedLayout, RankChoice
+from planner.search.interleaved_problem import ChoiceTerms
+
+if TYPE_CHECKING:
+    from costmodel.layer_cost import LayerCost
+    from planner.search.stage_problem import RankContext, RankPlacement, StageProblemBuilder
+
+
+@dataclass
+class InterleavedCache:
+    """What the interleaved candidates of one search share: each rank's layout choices with their chunks' layer
+    classes, and the times of a chunk and of a rank's chunks by rank signature, recomputation and classes."""
+
+    choices: dict[tuple, dict[RankChoice, tuple[tuple[int, ...], ...]]] = field(default_factory=dict)
+    chunk_class_times: dict[tuple, tuple[StageTime, DataParallelComm]] = field(default_factory=dict)
+    works: dict[tuple, float] = field(default_factory=dict)
+    """A rank's chunks' forward + backward seconds by (signature, recomputation, chunk classes)."""
+
+    def rank_choices(self, builder: StageProblemBuilder, layout: InterleavedLayout, rank: int
+                     ) -> dict[RankChoice, tuple[tuple[int, ...], ...]]:
+        """`layout.choices(rank)`, each with the layer classes of its chunks, cached (the same layouts come back
+        for every candidate of a p and v)."""
+        key = (layout.pp, layout.virtual_stages, layout.schedule, rank)
+        hit = self.choices.get(key)
+        if hit is None:
+            classes = [s.class_id for s in builder.chain.segments]
+            hit = self.choices[key] = {c: tuple(tuple(classes[i] for i in chunk) for chunk in c.chunks)
+                                        for c in layout.choices(rank)}
+        return hit
+
+    def chunk_times(self, builder: StageProblemBuilder, cand: Candidate, ctx: RankContext, rc: Recompute,
+                    classes: tuple[int, ...], segments: Sequence[int], costs: Sequence[LayerCost]
+                    ) -> tuple[StageTime, DataParallelComm]:
+        """One chunk's time and data-parallel communication, by rank signature and layer classes (cached)."""
+        key = (ctx.signature, rc, classes)
+        hit = self.chunk_class_times.get(key)
+        if hit is None:
+            times, comms = builder.chunk_times_of(cand, ctx, [[PricedSegment(costs[i], rc) for i in segments]])
+            hit = self.chunk_class_times[key] = (times[0], comms[0])
+        return hit
+
+
+@dataclass
+class ChoicePricer:
+    """Prices one interleaved candidate's rank choices for `interleaved_problem`, cheapest checks first (module
+    docstring); `pruned` says whether an entry was left out by the bound."""
+
+    builder: StageProblemBuilder
+    cand: Candidate
+    layout: InterleavedLayout
+    placements: tuple[RankPlacement, ...]
+    sends: Sequence[float]
+    upper_bound: float
+    pruned: bool = False
+
+    def __post_init__(self) -> None:
+        b, cand, p = self.builder, self.cand, self.cand.mesh.pp
+        # Tied weights sit on the embedding's and the head's ranks whatever the layout (interleaved_layout).
+        copies = b.structure.shared_copies(self.layout.example_stages(), p, cand.schedule)
+        self.shared = [-(-x // cand.mesh.tp) for x in copies]
+        self.contexts = [b.context(cand, k, pl) for k, pl in enumerate(self.placements)]
+        self.costs_of = {pl.device.name: b.segment_costs(cand, pl.device) for pl in self.placements}
+        self.counts = [in_flight_per_chunk(cand.schedule, p, k, cand.num_microbatches, cand.virtual_stages)
+                       for k in range(p)]
+        last = len(self.sends)
+        self.rank_sends = [sum((self.sends[j - 1] if j > 0 else 0.0) + (self.sends[j] if j < last else 0.0)
+                               for j in chunk_stages(cand.schedule, p, cand.virtual_stages, k)) for k in range(p)]
+
+    def _classes(self, rank: int) -> dict[RankChoice, tuple[tuple[int, ...], ...]]:
+        return self.builder.interleaved.rank_choices(self.builder, self.layout, rank)
+
+    def choices(self, rank: int) -> Sequence[RankChoice]:
+        return tuple(self._classes(rank))
+
+    def _key(self, k: int, choice: RankChoice, rc: Recompute) -> tuple:
+        # Ranks with the same signature and chunks share their terms; only memory depends on the in-flight
+        # counts, and affinely.
+        return (self.contexts[k].signature, rc, self._classes(k)[choice], self.shared[k])
+
+    def _times(self, k: int, choice: RankChoice, rc: Recompute) -> tuple[list[StageTime], list[DataParallelComm]]:
+        b, costs = self.builder, self.costs_of[self.placements[k].device.name]
+        classes = self._classes(k)[choice]
+        pairs = [b.interleaved.chunk_times(b, self.cand, self.contexts[k], rc, c, chunk, costs)
+                 for c, chunk in zip(classes, choice.chunks, strict=True)]
+        return [x for x, _ in pairs], [y for _, y in pairs]
+
+    def _segments(self, k: int, choice: RankChoice, rc: Recompute) -> list[list[PricedSegment]]:
+        costs = self.costs_of[self.placements[k].device.name]
+        return [[PricedSegment(costs[i], rc) for i in chunk] for chunk in choice.chunks]
+
+    def _peak(self, k: int, choice: RankChoice, rc: Recompute) -> float:
+        """The rank's peak bytes with the schedule's in-flight micro-batches."""
+        b, key = self.builder, self._key(k, choice, rc)
+        memory = b.memory_cache.get(key)
+        if memory is None:
+            segs = self._segments(k, choice, rc)
+            memory = b.memory_cache[key] = b.memory_terms(self.cand, self.contexts[k], segs, self.shared[k])
+        return memory[0] + sum(n * a for n, a in zip(self.counts[k], memory[1], strict=True))
+
+    def least_work(self, k: int, options: Sequence[Recompute]) -> float:
+        """The least D_r (sends included) over the rank's choices that fit in memory; inf when none does. Memory
+        is priced cheapest work first, until one fits."""
+        b, signature, works = self.builder, self.contexts[k].signature, []
+        for c, classes in self._classes(k).items():
+            for rc in options:
+                key = (signature, rc, classes)
+                work = b.interleaved.works.get(key)
+                if work is None:
+                    work = b.interleaved.works[key] = sum(x.fwd_s + x.bwd_s for x in self._times(k, c, rc)[0])
+                works.append((work, len(works), c, rc))
+        works.sort(key=lambda x: x[:2])
+        capacity = self.placements[k].device.memory_bytes
+        return next((w + self.rank_sends[k] for w, _, c, rc in works if self._peak(k, c, rc) <= capacity), math.inf)
+
+    def memory_only(self, k: int, choice: RankChoice, rc: Recompute) -> ChoiceTerms:
+        """The choice's peak memory and nothing else: for a candidate that does not fit."""
+        zeros = (0.0,) * len(choice.chunks)
+        return ChoiceTerms(zeros, zeros, zeros, 0.0, 0.0, 0.0, 0.0, self._peak(k, choice, rc))
+
+    def price(self, k: int, choice: RankChoice, rc: Recompute) -> ChoiceTerms | None:
+        b, cand = self.builder, self.cand
+        cache_key = self._key(k, choice, rc)
+        t = b.terms.get(cache_key)
+        if t is None:
+            times = self._times(k, choice, rc)
+            work = sum(x.fwd_s + x.bwd_s for x in times[0]) + self.rank_sends[k]
+            if cand.num_microbatches * work > self.upper_bound * (1 + 1e-9):
+                self.pruned = True
+                return None
+            if self._peak(k, choice, rc) > self.placements[k].device.memory_bytes:
+                return self.memory_only(k, choice, rc)
+            t = b.terms[cache_key] = b.rank_terms_of(cand, self.contexts[k], self._segments(k, choice, rc),
+                                                    self.shared[k], times, b.memory_cache[cache_key])
+        if cand.num_microbatches * (sum(t.fwd) + sum(t.bwd) + self.rank_sends[k]) > self.upper_bound * (1 + 1e-9):
+            self.pruned = True
+            return None
+        peak = t.memory0 + sum(n * a for n, a in zip(self.counts[k], t.chunk_act, strict=True))
+        return ChoiceTerms(t.fwd, t.bwd, t.wgrad, t.tail, t.tail_const, t.optimizer, t.post, peak)
