@@ -134,10 +134,14 @@ def print_table(title: str, rows: list[dict], key: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["choices"]:  # what each schedule family, offload and FP8 buys (bench/plan_choices.py)
+        import plan_choices
+
+        return plan_choices.main(argv[1:])
     which = argv or ["layers", "devices", "moe", "main"]
     bad = [w for w in which if w not in ("layers", "devices", "moe", "main")]
     if bad:
-        print(f"unknown sweep {bad[0]!r}; valid: layers, devices, moe, main", file=sys.stderr)
+        print(f"unknown sweep {bad[0]!r}; valid: layers, devices, moe, main, choices", file=sys.stderr)
         return 2
     out: dict = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}  # sweeps not rerun keep their rows
     out.update({"machine": platform.machine(), "python": platform.python_version(), "torch": torch.__version__})
