@@ -191,7 +191,12 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
     hbm = re.search(r"(\d+) GB HBM\w* \(([\d.]+) TB/s\)", r["device_notes"])
     deepspeed_pipeline = "Megatron-DeepSpeed" in framework and int(r["pp"]) > 1
     fp8 = _fp8_of(r["precision"], zero, inferred)
+    # torchtitan's default FSDP policy keeps a pipeline stage's weights gathered from forward to backward
+    # (`reshard_after_forward = not pp_enabled`, models/llama3/infra/parallelize.py, the "default" of
+    # fsdp_reshard_after_forward), so that each micro-batch does not gather them twice.
+    torchtitan_pipeline = "torchtitan" in framework and int(r["pp"]) > 1
     runtime = RuntimeOptions(dp_overlap="Megatron-DeepSpeed" not in framework,
+                             reshard_after_forward=not torchtitan_pipeline,
                              tp_overlap="TP/PP communication enabled" in framework or "AsyncTP" in framework,
                              p2p_scatter_gather=deepspeed_pipeline, p2p_blocking=deepspeed_pipeline, fp8=fp8)
     return PublishedRun(
