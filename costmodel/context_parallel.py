@@ -132,6 +132,7 @@ def context_parallel_cost(base: LayerCost, nodes: Sequence[Node], device: Device
         bwd_compute_s=base.bwd_compute_s / cp,
         fwd_comm_s=base.fwd_comm_s / cp + fwd_ring,
         bwd_comm_s=base.bwd_comm_s / cp + bwd_ring,
+        bwd_comm_async_s=base.bwd_comm_async_s / cp,
         saved_bytes_none=-(-base.saved_bytes_none // cp),
         saved_bytes_selective=-(-base.saved_bytes_selective // cp),
         saved_bytes_full=-(-base.saved_bytes_full // cp),

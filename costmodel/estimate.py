@@ -388,6 +388,7 @@ def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSet
     chunk = stage_time(segs, speed=rank.speed, dp_fwd_s=comm.per_microbatch_fwd_s,
                        dp_bwd_s=comm.per_microbatch_bwd_s, host=host,
                        tp_overlap_chunks=strategy.tp if runtime.tp_overlap else 0,
+                       tp_grad_overlap=runtime.tp_grad_overlap,
                        offload_fwd_s=comm.offload_fwd_s, offload_bwd_s=comm.offload_bwd_s)
     return chunk, comm
 

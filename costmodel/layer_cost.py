@@ -65,3 +65,7 @@ class LayerCost:
     FP8): with FSDP's FP8 all-gather each rank casts only its 1/dp shard (`costmodel.estimate`)."""
     fp8_weight_cast_bwd_s: float = 0.0
     """Of `bwd_compute_s`, the same for the backward's weight casts."""
+    bwd_comm_async_s: float = 0.0
+    """Of `bwd_comm_s`, what a trainer that reduces each column-parallel linear's input gradient during its
+    weight-gradient GEMM hides (`RuntimeOptions.tp_grad_overlap`): per reduced gradient, min(its collective, the
+    weight-gradient GEMMs of the linears that produce it)."""

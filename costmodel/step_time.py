@@ -36,7 +36,10 @@ device-to-host copy of the gradient shard (blocking, so exposed, when gradients 
 what this adds over the same terms without the copies is kept apart (`offload_fwd_s` / `offload_bwd_s`) for the
 breakdown. The offloaded optimizer's end-of-step copies and CPU step replace the device's optimizer step.
 Tensor-parallel collectives are exposed, unless `RuntimeOptions.tp_overlap` pipelines them with the segment's
-GEMMs in tp chunks: exposed(C_tp, compute, tp) per segment and pass.
+GEMMs in tp chunks: exposed(C_tp, compute, tp) per segment and pass. With `RuntimeOptions.tp_grad_overlap` the
+backward's input-gradient reduction of each column-parallel linear runs during that linear's weight-gradient GEMM
+(Megatron-LM): per reduced gradient max(0, C - W), W the weight-gradient GEMMs (`LayerCost.bwd_comm_async_s`
+is what hides).
 Under ZeRO >= 1 every collective is issued once per FSDP unit (one per segment, as `planner.runtime.apply_fsdp` wraps
 each layer), so each of the n pieces pays the collective's latency: n x time(S / n). Measured framework host work
 (`costmodel.framework`: FSDP2 / replicate hooks per unit and micro-batch) adds to the per-micro-batch terms.
@@ -61,6 +64,7 @@ from costmodel.framework import ZERO_PASS, FrameworkCosts, PassCost
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.hardware.device import DeviceSpec
+from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment
 from costmodel.offload import HostCopy
 from costmodel.operators import T_KERNEL_FLOOR_S
@@ -184,12 +188,24 @@ def tp_exposed(comm_s: float, compute_s: float, tp_overlap_chunks: int) -> float
     return overlapped_exposed(comm_s, compute_s, tp_overlap_chunks)
 
 
+def tp_bwd_exposed(cost: LayerCost, compute_s: float, tp_overlap_chunks: int, grad_overlap: bool) -> float:
+    """Backward tensor-parallel communication of one segment left exposed: pipelined with the GEMMs in chunks
+    (`RuntimeOptions.tp_overlap`) and/or all of it but what the weight-gradient GEMMs hide
+    (`RuntimeOptions.tp_grad_overlap`: `LayerCost.bwd_comm_async_s`), whichever leaves less."""
+    exposed = tp_exposed(cost.bwd_comm_s, compute_s, tp_overlap_chunks)
+    if grad_overlap:
+        exposed = min(exposed, cost.bwd_comm_s - cost.bwd_comm_async_s)
+    return exposed
+
+
 def stage_time(segments: Sequence[PricedSegment], *, speed: float = 1.0, dp_fwd_s: float = 0.0,
                dp_bwd_s: float = 0.0, host: PassCost = ZERO_PASS, tp_overlap_chunks: int = 0,
-               offload_fwd_s: float = 0.0, offload_bwd_s: float = 0.0) -> StageTime:
+               tp_grad_overlap: bool = False, offload_fwd_s: float = 0.0, offload_bwd_s: float = 0.0
+               ) -> StageTime:
     """`StageTime` of a virtual stage made of `segments` (LayerCosts + recompute choices); `host` is its
     framework host work (`host_time`); `tp_overlap_chunks` > 1 overlaps tensor-parallel collectives with the
-    GEMMs in that many chunks (`RuntimeOptions.tp_overlap`)."""
+    GEMMs in that many chunks (`RuntimeOptions.tp_overlap`); `tp_grad_overlap` hides input-gradient reductions
+    behind weight-gradient GEMMs (`RuntimeOptions.tp_grad_overlap`)."""
     if speed <= 0:
         raise ValueError(f"speed factor must be positive, got {speed}")
     n = tp_overlap_chunks
@@ -199,7 +215,7 @@ def stage_time(segments: Sequence[PricedSegment], *, speed: float = 1.0, dp_fwd_
         compute_bwd_s=sum(s.cost.bwd_compute_s for s in segments) / speed,
         recompute_s=sum(recompute_time(s) for s in segments) / speed,
         tp_fwd_s=sum(tp_exposed(s.cost.fwd_comm_s, s.cost.fwd_compute_s / speed, n) for s in segments),
-        tp_bwd_s=sum(tp_exposed(s.cost.bwd_comm_s, s.cost.bwd_compute_s / speed, n) for s in segments),
+        tp_bwd_s=sum(tp_bwd_exposed(s.cost, s.cost.bwd_compute_s / speed, n, tp_grad_overlap) for s in segments),
         dp_fwd_s=dp_fwd_s,
         dp_bwd_s=dp_bwd_s,
         host_fwd_s=host.forward_s,

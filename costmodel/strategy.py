@@ -138,6 +138,14 @@ class RuntimeOptions:
     tp_overlap: bool = False
     """Tensor-parallel collectives pipelined with the GEMMs beside them in tp chunks (Transformer Engine userbuffers,
     Megatron-Core `--tp-comm-overlap`). `planner.parallelize` does not run it: plans with it are for export."""
+    tp_grad_overlap: bool = False
+    """The input-gradient reduction of each column-parallel linear (all-reduce; reduce-scatter under sequence
+    parallelism) runs while the same linear computes its weight gradient, so at most the part longer than that
+    GEMM shows (`LayerCost.bwd_comm_async_s`). Megatron-LM's asynchronous tensor-model-parallel all-reduce
+    (`LinearWithGradAccumulationAndAsyncCommunication`; on unless `--no-async-tensor-model-parallel-allreduce`,
+    whose help reads "asynchronous execution of tensor-model-parallel all-reduce with weight gradient computation
+    of a column-linear layer"). `planner.parallelize` (eager DTensor) does not run it: plans with it are for
+    export."""
     offload: Offload = Offload.NONE
     """Model state kept in host memory (`Offload`); the search chooses it when the device memory binds."""
     fp8: Float8Recipe | None = None
@@ -187,9 +195,10 @@ class RuntimeOptions:
                    fp8=Float8Recipe(fp8) if fp8 is not None else None)
 
 
-RUNTIME_FLAGS = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking")
+RUNTIME_FLAGS = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking",
+                 "tp_grad_overlap")
 """The true/false fields of `RuntimeOptions`, in the order plans write them."""
-_LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking"})
+_LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking", "tp_grad_overlap"})
 RUNTIME_OPTION_NAMES = (*RUNTIME_FLAGS, "offload", "fp8")
 """Every field of `RuntimeOptions` (the keys of its JSON)."""
 

@@ -165,12 +165,13 @@ def megatron_layer_cost(chain: LayerChain, segment: Segment, device: DeviceSpec,
         return collective_time(kind, nbytes * scale * ratio, group, cluster)
 
     col_inputs = {n.inputs[0]: n.input_specs[0].nbytes for n in nodes if n.name in col}
-    for nbytes in col_inputs.values():
+    hidden = 0.0  # the input-gradient reduction runs during the column linears' weight-gradient GEMMs
+    for tensor, nbytes in col_inputs.items():
+        reduce = t(Collective.REDUCE_SCATTER if sequence_parallel else Collective.ALL_REDUCE, nbytes)
         if sequence_parallel:
             fwd_comm += t(Collective.ALL_GATHER, nbytes)
-            bwd_comm += t(Collective.REDUCE_SCATTER, nbytes)
-        else:
-            bwd_comm += t(Collective.ALL_REDUCE, nbytes)
+        bwd_comm += reduce
+        hidden += min(reduce, sum(fwd_of[n.name] for n in nodes if n.name in col and n.inputs[0] == tensor))
     for n in nodes:
         if n.name in row or n.name in vocab:
             nbytes = n.output_specs[0].nbytes
@@ -195,7 +196,7 @@ def megatron_layer_cost(chain: LayerChain, segment: Segment, device: DeviceSpec,
     replicated_params = sum(n.param_bytes for n in nodes if n.name not in split | vocab)
     largest = max((n.output_specs[0].nbytes * frac(n) for n in nodes if n.output_specs), default=0.0)
     return LayerCost(
-        fwd_compute_s=fwd, bwd_compute_s=bwd, fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm,
+        fwd_compute_s=fwd, bwd_compute_s=bwd, fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm, bwd_comm_async_s=hidden,
         param_count=round(params),
         param_bytes=round(params * dtype_bytes(dtype)),
         saved_bytes_none=round(none * act), saved_bytes_selective=round(selective * act),
@@ -222,8 +223,9 @@ def strategy_for(row: KorthikantiRow, recompute: Recompute, sequence_parallel: b
                     num_microbatches=row.global_batch // (row.dp * row.microbatch),
                     schedule=Schedule.INTERLEAVED if interleaved else Schedule.ONE_F_ONE_B,
                     virtual_stages=row.interleave, sequence_parallel=sequence_parallel, recompute=recompute,
-                    # Megatron-LM of 2022 scattered and gathered pipeline sends (Narayanan et al. 2021 Sec. 4.1).
-                    runtime=RuntimeOptions(p2p_scatter_gather=True))
+                    # Megatron-LM of 2022 scattered and gathered pipeline sends (Narayanan et al. 2021 Sec. 4.1)
+                    # and reduced a column-parallel linear's input gradient during its weight-gradient GEMM.
+                    runtime=RuntimeOptions(p2p_scatter_gather=True, tp_grad_overlap=True))
 
 
 @dataclass(frozen=True)
@@ -287,5 +289,5 @@ def layer_times_22b(chain: LayerChain, *, sharding: str = "ilp") -> dict[str, tu
         extra = {Recompute.NONE: 0.0, Recompute.SELECTIVE: cost.recompute_selective_s,
                  Recompute.FULL: cost.recompute_full_s}[recompute]
         out[name] = (1e3 * (cost.fwd_compute_s + cost.fwd_comm_s),
-                     1e3 * (cost.bwd_compute_s + cost.bwd_comm_s + extra))
+                     1e3 * (cost.bwd_compute_s + cost.bwd_comm_s - cost.bwd_comm_async_s + extra))
     return out

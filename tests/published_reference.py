@@ -195,8 +195,12 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
     # (`reshard_after_forward = not pp_enabled`, models/llama3/infra/parallelize.py, the "default" of
     # fsdp_reshard_after_forward), so that each micro-batch does not gather them twice.
     torchtitan_pipeline = "torchtitan" in framework and int(r["pp"]) > 1
+    # Megatron-Core reduces a column-parallel linear's input gradient during its weight-gradient GEMM
+    # (megatron/core/tensor_parallel/layers.py, always); the Megatron-DeepSpeed forks of 2021 behind BLOOM and
+    # MT-NLG predate it.
     runtime = RuntimeOptions(dp_overlap="Megatron-DeepSpeed" not in framework,
                              reshard_after_forward=not torchtitan_pipeline,
+                             tp_grad_overlap="Megatron-Core" in r["run"],
                              tp_overlap="TP/PP communication enabled" in framework or "AsyncTP" in framework,
                              p2p_scatter_gather=deepspeed_pipeline, p2p_blocking=deepspeed_pipeline, fp8=fp8)
     return PublishedRun(
@@ -242,7 +246,9 @@ def _korthikanti_rows(r: dict[str, str]) -> list[PublishedRun]:
                   # Sec. 6.3: "no DP grad all-reduce overlap" in these runs; Megatron-LM of 2022 scattered and
                   # gathered pipeline sends without sequence parallelism (--scatter-gather-tensors-in-pipeline,
                   # on by default; Narayanan et al. 2021 Sec. 4.1).
-                  runtime=RuntimeOptions(dp_overlap=False, p2p_scatter_gather=True))
+                  # Megatron-LM of 2022 also reduced a column-parallel linear's input gradient during its
+                  # weight-gradient GEMM (LinearWithGradAccumulationAndAsyncCommunication, on by default).
+                  runtime=RuntimeOptions(dp_overlap=False, p2p_scatter_gather=True, tp_grad_overlap=True))
     out = []
     for col, recompute, sp in (("full_recompute", Recompute.FULL, False),
                                ("present_work_seqpar_plus_selective", Recompute.SELECTIVE, True)):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from costmodel.framework import ZERO_PASS, PassCost
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import GRAD_BYTES, OPTIMIZER_BYTES_MIXED
+from costmodel.operators import GEMM_KINDS
 from costmodel.sharding.layout import REPLICATED, Layout, Move, grad_layout_of, local_fraction, redistribution
 from costmodel.sharding.problem import FIXED, NO_GRAD, ProblemFlow, ShardingProblem, to_units
 from costmodel.sharding.rules import NodeStrategy
@@ -217,6 +218,29 @@ class ShardingModel:
                 saving[r.node] = saving.get(r.node, 0.0) + whole * (1 - 1 / self.tp)
         return saving
 
+    def async_grad_hidden_s(self, assignment: Sequence[int]) -> float:
+        """Backward seconds of tensor-parallel communication that a trainer running each column-parallel
+        linear's input-gradient reduction during its weight-gradient GEMM hides (`RuntimeOptions.tp_grad_overlap`):
+        per tensor and gradient move, min(the move, the weight-gradient GEMMs of the linears whose gradient it
+        reduces). dW = X^T dY has the forward GEMM's FLOPs and shape class, so each window is the linear's forward
+        time."""
+        hidden = 0.0
+        for f in self.flows:
+            if not f.needs_grad:
+                continue
+            written = grad_layout_of(f.source_layouts[0 if f.source == FIXED else assignment[f.source]])
+            windows: dict[tuple[Layout, Layout], float] = {}
+            for r in f.readers:
+                if r.node == FIXED:
+                    continue
+                grad, node = r.grads[assignment[r.node]], self.nodes[r.node]
+                if grad is not None and node.op_kind in GEMM_KINDS and node.param_specs:
+                    pair = (grad, written)
+                    windows[pair] = windows.get(pair, 0.0) + self.options[r.node][assignment[r.node]].fwd_s
+            moves = {(x, y): c for x, y, c in f.backward_s}
+            hidden += sum(min(moves.get(pair, 0.0), window) for pair, window in sorted(windows.items()))
+        return hidden
+
     def loss_input_bytes(self, assignment: Sequence[int]) -> float:
         """Local bytes of the outputs the training loss reads (`out_bytes` counts output and gradient)."""
         return sum(self.options[n][assignment[n]].out_bytes / 2 for n in self.loss_inputs)
@@ -240,7 +264,7 @@ class ShardingModel:
         dtensors, syncs = _tensor_counts(self.nodes, chosen)
         return LayerCost(
             fwd_compute_s=fwd, bwd_compute_s=sum(o.bwd_s for o in chosen),
-            fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm,
+            fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm, bwd_comm_async_s=self.async_grad_hidden_s(assignment),
             param_count=count, param_bytes=nbytes,
             saved_bytes_none=saved,
             saved_bytes_selective=min(round(selective), saved),

@@ -5,10 +5,11 @@ prints its Plan JSON and `-o FILE` writes it. A strategy that cannot run (degree
 batch that does not divide, tp that does not divide the heads) is an error that says why (exit 2); one that runs
 out of memory is still priced and reported as not fitting, with the memory each stage needs.
 
-Five flags price the strategy as another trainer runs it (`costmodel.strategy.RuntimeOptions`): `--no-dp-overlap`
+Six flags price the strategy as another trainer runs it (`costmodel.strategy.RuntimeOptions`): `--no-dp-overlap`
 (data-parallel communication after the backward, as Megatron-LM before its overlap flags or DeepSpeed's pipeline
 engine), `--keep-gathered` (ZeRO-3 keeps gathered weights from forward to backward: FSDP2
-`reshard_after_forward=False`), `--tp-overlap` (Megatron-Core / Transformer Engine `--tp-comm-overlap`),
+`reshard_after_forward=False`), `--tp-overlap` (Megatron-Core / Transformer Engine `--tp-comm-overlap`), `--tp-grad-overlap` (each
+column-parallel linear's input-gradient all-reduce runs during its weight-gradient GEMM: Megatron-LM's default),
 `--p2p-scatter-gather` (pipeline sends of 1/tp of a replicated activation, all-gathered by the receiver:
 Megatron-LM before Megatron-Core, DeepSpeed's pipeline engine) and `--p2p-blocking` (each pipeline send and
 receive blocks both ends: DeepSpeed's pipeline engine).
@@ -98,6 +99,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="ZeRO-3 keeps gathered weights from forward to backward (no reshard after forward)")
     p.add_argument("--tp-overlap", action="store_true",
                    help="tensor-parallel collectives overlap the GEMMs (Megatron-Core --tp-comm-overlap)")
+    p.add_argument("--tp-grad-overlap", action="store_true",
+                   help="the input-gradient all-reduce of each column-parallel linear runs during its "
+                        "weight-gradient GEMM (Megatron-LM's asynchronous tensor-parallel all-reduce, its default)")
     p.add_argument("--p2p-scatter-gather", action="store_true",
                    help="pipeline sends carry 1/tp of a replicated activation, all-gathered by the receiver "
                         "(Megatron-LM before Megatron-Core, DeepSpeed's pipeline engine)")
@@ -112,7 +116,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 STRATEGY_FLAGS = ("batch", "tp", "pp", "dp", "mbs", "schedule", "recompute", "zero", "sp", "no_dp_overlap",
-                  "keep_gathered", "tp_overlap", "p2p_scatter_gather", "p2p_blocking", "offload")
+                  "keep_gathered", "tp_overlap", "tp_grad_overlap", "p2p_scatter_gather", "p2p_blocking",
+                  "offload")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,6 +153,7 @@ def _estimate_flags(args: argparse.Namespace, cluster: Any, profile: Any) -> Any
                             runtime=RuntimeOptions(dp_overlap=not args.no_dp_overlap,
                                                    reshard_after_forward=not args.keep_gathered,
                                                    tp_overlap=args.tp_overlap,
+                                                   tp_grad_overlap=args.tp_grad_overlap,
                                                    p2p_scatter_gather=args.p2p_scatter_gather,
                                                    p2p_blocking=args.p2p_blocking,
                                                    offload=Offload(args.offload or Offload.NONE.value),

@@ -118,6 +118,8 @@ def runtime_line(s: Strategy) -> str:
         parts.append("reshard after forward" if r.reshard_after_forward else "weights kept gathered to backward")
     if s.tp > 1:
         parts.append(f"tensor-parallel overlap {'on' if r.tp_overlap else 'off'}")
+        if r.tp_grad_overlap:
+            parts.append("input-gradient all-reduce during the weight-gradient GEMM")
     if s.pp > 1 and (r.p2p_scatter_gather or r.p2p_blocking):
         how = [w for w, on in (("scatter/gather", r.p2p_scatter_gather), ("blocking", r.p2p_blocking)) if on]
         parts.append(f"pipeline sends {' and '.join(how)}")

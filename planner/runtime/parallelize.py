@@ -397,6 +397,10 @@ def runtime_unsupported(strategy: Strategy) -> str:
     if r.tp_overlap and strategy.tp > 1:
         return ("the plan prices tensor-parallel communication overlapped with GEMMs (tp_overlap), which this "
                 "runtime does not run; plan with tp_overlap=false, or export the plan to a trainer that has it")
+    if r.tp_grad_overlap and strategy.tp > 1:
+        return ("the plan prices each column-parallel linear's input-gradient all-reduce hidden behind its "
+                "weight-gradient GEMM (tp_grad_overlap, Megatron-LM), which this runtime does not run; plan with "
+                "tp_grad_overlap=false, or export the plan to Megatron-LM")
     if (r.p2p_scatter_gather or r.p2p_blocking) and strategy.pp > 1:
         return ("the plan prices pipeline sends as another trainer runs them (p2p_scatter_gather / p2p_blocking); "
                 "this runtime sends whole activations, paired: plan with both false, or export the plan")

@@ -9,7 +9,7 @@ import numpy as np
 
 from costmodel.layer_cost import LayerCost
 from costmodel.pipeline import chunk_stages
-from costmodel.step_time import tp_exposed
+from costmodel.step_time import tp_bwd_exposed, tp_exposed
 from costmodel.strategy import Schedule
 from planner.search.candidates import Candidate
 from planner.search.interleaved_layout import InterleavedLayout
@@ -80,7 +80,8 @@ def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost]
     compute, I the rest of the backward, F the forward); ZB-V's E_r is at least f_r and at most 2 D_r. So
     ``T >= max(m U, (m - 1/v) U + (F + max(I - W, 0)) / v)``, resp. ``max(m U, (m - 2/v) U + F / v)``, plus
     `optimizer_s`."""
-    w = np.min([segment_work(segs, speed, tp_overlap_chunks(cand)) for segs, speed in costs], axis=0)
+    w = np.min([segment_work(segs, speed, tp_overlap_chunks(cand), cand.runtime.tp_grad_overlap)
+                for segs, speed in costs], axis=0)
     prefix = np.concatenate([[0.0], np.cumsum(w)])
     m, p = cand.num_microbatches, cand.mesh.pp
     total = float(prefix[-1])
@@ -95,7 +96,8 @@ def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost]
         n = tp_overlap_chunks(cand)
         parts = np.min([[(c.fwd_compute_s / speed + tp_exposed(c.fwd_comm_s, c.fwd_compute_s / speed, n),
                           c.bwd_compute_s * (1 - 2 * c.weight_grad_share) / speed
-                          + tp_exposed(c.bwd_comm_s, c.bwd_compute_s / speed, n)) for c in segs]
+                          + tp_bwd_exposed(c, c.bwd_compute_s / speed, n, cand.runtime.tp_grad_overlap))
+                         for c in segs]
                          for segs, speed in costs], axis=0).sum(axis=0) + sum(p2p)
         forward, input_less_weight = float(parts[0]), max(float(parts[1]), 0.0)
         if cand.schedule is Schedule.ZBV:

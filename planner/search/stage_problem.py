@@ -54,7 +54,7 @@ from costmodel.rank_layout import (
     shared_weight_group,
     tp_group,
 )
-from costmodel.step_time import DataParallelComm, StageTime, data_parallel_comm, tp_exposed
+from costmodel.step_time import DataParallelComm, StageTime, data_parallel_comm, tp_bwd_exposed, tp_exposed
 from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
 from ir.layer_chain import LayerChain
 from planner.search.candidates import Candidate
@@ -349,7 +349,8 @@ class StageProblemBuilder:
         profile, reps = self._stage_profiles(cand, contexts)
         arrays: dict[str, list[np.ndarray]] = {}
         pruned = False
-        total = float(np.min([segment_work(self.segment_costs(cand, pl.device), pl.speed, tp_overlap_chunks(cand))
+        total = float(np.min([segment_work(self.segment_costs(cand, pl.device), pl.speed, tp_overlap_chunks(cand),
+                                                cand.runtime.tp_grad_overlap)
                               for pl in placements],
                              axis=0).sum())
         for k in reps:
@@ -403,7 +404,8 @@ class StageProblemBuilder:
         memory_base = np.full(shape, np.inf)  # a stage left unpriced never fits
         # Lower bounds: this stage's compute + TP communication at its own speed, and the whole chain's at
         # the cheapest rank (another rank may be faster than this one).
-        prefix = np.concatenate([[0.0], np.cumsum(segment_work(costs, ctx.speed, tp_overlap_chunks(cand)))])
+        prefix = np.concatenate([[0.0], np.cumsum(segment_work(costs, ctx.speed, tp_overlap_chunks(cand),
+                                                                  cand.runtime.tp_grad_overlap))])
         pruned = False
         for (comp, a0, b0, aa, bb), shape_mask in zip(self.structure.compositions(), self._shape_masks(kind, p),
                                                       strict=True):
@@ -500,12 +502,13 @@ def _pipeline_terms(schedule: Schedule, m: int, fwd: np.ndarray, bwd: np.ndarray
     return (fwd + bwd)[:, None], np.stack([fwd + bwd, post, opt], axis=-1)
 
 
-def segment_work(costs: Sequence[LayerCost], speed: float, tp_overlap_chunks: int = 0) -> np.ndarray:
+def segment_work(costs: Sequence[LayerCost], speed: float, tp_overlap_chunks: int = 0,
+                 tp_grad_overlap: bool = False) -> np.ndarray:
     """Per segment: (forward + backward compute) / speed + the forward and backward TP communication left exposed
-    (`step_time.tp_exposed`: all of it unless the runtime overlaps it), seconds."""
+    (`step_time.tp_exposed` / `tp_bwd_exposed`: all of it unless the runtime overlaps it), seconds."""
     n = tp_overlap_chunks
     return np.array([(c.fwd_compute_s + c.bwd_compute_s) / speed + tp_exposed(c.fwd_comm_s, c.fwd_compute_s / speed, n)
-                     + tp_exposed(c.bwd_comm_s, c.bwd_compute_s / speed, n) for c in costs])
+                     + tp_bwd_exposed(c, c.bwd_compute_s / speed, n, tp_grad_overlap) for c in costs])
 
 
 def tp_overlap_chunks(cand: Candidate) -> int:

@@ -220,7 +220,9 @@ def read_arguments(text: str, *, source: str, folder: Path) -> TrainerConfig:
     zero = int(ns.zero_stage)
     pp = 1 if ns.no_pipeline_parallel else ns.pipeline_model_parallel_size
     ds_path = folder / ns.deepspeed_config if ns.deepspeed_config else None
-    pipe = RuntimeOptions(dp_overlap=pp == 1, **pipeline_runtime({}, pp))
+    grad_overlap = bool(ns.async_tensor_model_parallel_allreduce) and ns.tensor_model_parallel_size > 1
+    pipe = RuntimeOptions(dp_overlap=pp == 1, tp_grad_overlap=grad_overlap,
+                          **pipeline_runtime({}, pp))
     if ds_path is not None and ds_path.is_file():
         ds = read_json(ds_path.read_text(encoding="utf-8"), source=str(ds_path))
         zero = ds.zero_stage

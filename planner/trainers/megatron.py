@@ -15,6 +15,9 @@ are in planner/trainers/data/megatron_lm_arguments.json). What maps to what:
     pp inside dp         --use-tp-pp-dp-mapping (rank order tp-cp-ep-pp-dp)
     dp_overlap           --overlap-grad-reduce (+ --overlap-param-gather with a sharded optimizer)
     tp_overlap           --tp-comm-overlap (needs sequence parallelism)
+    tp_grad_overlap      on unless --no-async-tensor-model-parallel-allreduce (Megatron-LM always reduces a
+                         column-parallel linear's input gradient during its weight-gradient GEMM by default; a plan
+                         priced without it exports with a note, not with the flag that would slow Megatron down)
     dtype                --bf16 / --fp16
 
 Megatron-LM has no GPipe schedule, no zero-bubble schedule and no per-op recomputation; those export as 1F1B,
@@ -154,6 +157,10 @@ def _overlap_arguments(cfg: TrainerConfig, notes: Notes) -> list[str]:
         args.append("--overlap-grad-reduce")
         if cfg.zero_stage >= 1:
             args.append("--overlap-param-gather")
+    if cfg.tp > 1 and not cfg.runtime.tp_grad_overlap and not cfg.runtime.tp_overlap:
+        notes.add("Megatron-LM runs each column-parallel linear's input-gradient all-reduce during its "
+                  "weight-gradient GEMM; the plan priced it exposed, so Megatron-LM should step a little faster "
+                  "(plan with --fix tp_grad_overlap=true to price it as Megatron-LM runs it)")
     if cfg.runtime.tp_overlap:
         if cfg.sequence_parallel:
             args.append("--tp-comm-overlap")
@@ -188,6 +195,8 @@ def read(text: str, *, source: str) -> TrainerConfig:
         stage_blocks=blocks, zero_stage=_read_zero(ns), sequence_parallel=ns.sequence_parallel,
         recompute=_read_recompute(ns, notes),
         runtime=RuntimeOptions(dp_overlap=ns.overlap_grad_reduce, tp_overlap=ns.tp_comm_overlap,
+                               tp_grad_overlap=ns.async_tensor_model_parallel_allreduce
+                               and ns.tensor_model_parallel_size > 1,
                                offload=_read_offload(ns, notes)),
         mesh_order=PP_INSIDE_DP if ns.use_tp_pp_dp_mapping else DEFAULT_MESH_ORDER,
         seq_len=ns.seq_length, dtype="bfloat16" if ns.bf16 else "float16" if ns.fp16 else "float32",
