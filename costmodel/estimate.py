@@ -383,7 +383,7 @@ def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSet
                    bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=group, cluster=cluster,
                    concurrent=strategy.tp * pp, overlap=runtime.dp_overlap,
                    reshard_after_forward=runtime.reshard_after_forward,
-                   host_copy=_stage_host_copy(segs, strategy, rank.device))
+                   host_copy=_stage_host_copy(segs, strategy, rank.device), pipelined=pp > 1)
     host = host_time(segs, rank.framework, zero_stage=strategy.zero_stage, dp_size=dp_size, pipeline_size=pp)
     chunk = stage_time(segs, speed=rank.speed, dp_fwd_s=comm.per_microbatch_fwd_s,
                        dp_bwd_s=comm.per_microbatch_bwd_s, host=host,
@@ -476,7 +476,7 @@ def _stage_estimates(priced: Sequence[Sequence[PricedSegment]], stage_times: Seq
                              zero_stage=strategy.zero_stage, dp=strategy.dp * strategy.cp,
                              dtype=dtype, device_name=rank.device.name, extra_params=shared[r], ep=strategy.ep,
                              reshard_after_forward=strategy.runtime.reshard_after_forward,
-                             offload=strategy.runtime.offload)
+                             offload=strategy.runtime.offload, pipelined=pp > 1)
         capacity = rank.device.memory_bytes
         if memory.total > capacity:
             problems.append(f"stage {r} needs {memory.total / GIB:.1f} GiB > {capacity / GIB:.1f} GiB "

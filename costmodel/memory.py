@@ -38,6 +38,11 @@ and the one prefetched) -- or, without `reshard_after_forward`, the gathered wei
 under ZeRO-2/3 also the whole gradient of the largest unit while it is reduce-scattered (16-bit and its fp32
 copy: FSDP2's `reduce_dtype=float32`).
 
+Under pipeline parallelism (`pipelined`: torch.distributed.pipelining runs FSDP's backward without gradient sync
+and without resharding for every micro-batch but the last, `step_time.pipelined_zero_comm`) ZeRO-2/3 keep the
+rank's whole gradient (4 bytes per parameter, ZeRO-1's) and, under ZeRO-3, the gathered weights of every segment
+from a backward to the next forward.
+
 Framework overhead: the CUDA context, cuBLAS/NCCL workspaces: about 0.75 GiB per GPU process (PyTorch forums,
 "What is the reason for pytorch's GPU memory floor?" measures 723 MiB, "High gpu memory overhead" ~800 MB, both
 the CUDA context). On `cpu`, 230 MiB: the peak RSS of a Python process that imports torch 2.13.0 and runs one
@@ -93,20 +98,19 @@ def _validate_zero(zero_stage: int, dp: int) -> None:
 
 
 def model_state_bytes(param_count: int, *, zero_stage: int = 0, dp: int = 1, dtype: str = "bfloat16",
-                      offload: Offload = Offload.NONE) -> ModelState:
+                      offload: Offload = Offload.NONE, pipelined: bool = False) -> ModelState:
     """Weights, gradients and Adam state of `param_count` parameters on one rank, and what `offload` moves to
-    the host (see module docstring)."""
+    the host (see module docstring); `pipelined` keeps ZeRO-2/3 gradients whole (pipelining's no-sync backward)."""
     _validate_zero(zero_stage, dp)
     w = dtype_bytes(dtype)
     shard = math.ceil(param_count / dp)
+    grads = (shard if zero_stage >= 2 and not pipelined else param_count) * GRAD_BYTES
     if w >= MASTER_BYTES or zero_stage >= 3:
         # The sharded (or only) fp32 weight is the master copy: no separate 12-byte master + moments.
-        state = ModelState(params=(shard if zero_stage >= 3 else param_count) * MASTER_BYTES,
-                           grads=(shard if zero_stage >= 2 else param_count) * GRAD_BYTES,
+        state = ModelState(params=(shard if zero_stage >= 3 else param_count) * MASTER_BYTES, grads=grads,
                            optimizer=(shard if zero_stage >= 1 else param_count) * OPTIMIZER_BYTES_FP32)
     else:
-        state = ModelState(params=param_count * w,
-                           grads=(shard if zero_stage >= 2 else param_count) * GRAD_BYTES,
+        state = ModelState(params=param_count * w, grads=grads,
                            optimizer=(shard if zero_stage >= 1 else param_count) * OPTIMIZER_BYTES_MIXED)
     offload = Offload(offload)
     if offload is Offload.PARAMS:
@@ -147,8 +151,8 @@ class PricedSegment:
 
 def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[int], *, zero_stage: int = 0,
                 dp: int = 1, dtype: str = "bfloat16", device_name: str = "gpu", extra_params: int = 0,
-                ep: int = 1, reshard_after_forward: bool = True, offload: Offload = Offload.NONE
-                ) -> MemoryBreakdown:
+                ep: int = 1, reshard_after_forward: bool = True, offload: Offload = Offload.NONE,
+                pipelined: bool = False) -> MemoryBreakdown:
     """Peak bytes on one device holding `chunks` (one per virtual stage) with `in_flight[c]` micro-batches each.
 
     `extra_params`: parameters the device holds besides its segments' own (a copy of a weight shared with another
@@ -159,11 +163,13 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
     segments = [s for chunk in chunks for s in chunk]
     # Expert parallelism (costmodel/expert_parallel.py): expert state is sharded over dp / ep ranks.
     experts = sum(s.cost.expert_param_count for s in segments)
+    # Parameter offload keeps FSDP2's per-micro-batch reduction (`step_time.data_parallel_comm`).
+    pipelined = pipelined and Offload(offload) is Offload.NONE
     state = model_state_bytes(sum(s.cost.param_count for s in segments) + extra_params - experts,
-                              zero_stage=zero_stage, dp=dp, dtype=dtype, offload=offload)
+                              zero_stage=zero_stage, dp=dp, dtype=dtype, offload=offload, pipelined=pipelined)
     if experts:
         state += model_state_bytes(experts, zero_stage=zero_stage, dp=max(dp // ep, 1), dtype=dtype,
-                                   offload=offload)
+                                   offload=offload, pipelined=pipelined)
     activations = sum(n * sum(saved_bytes(s.cost, s.recompute) for s in chunk)
                       for chunk, n in zip(chunks, in_flight, strict=True))
     rematerialized = max((s.cost.saved_bytes_none - saved_bytes(s.cost, s.recompute) for s in segments), default=0)
@@ -176,7 +182,8 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
         temporary += unit_grad * max((s.cost.param_count for s in segments), default=0)
     if zero_stage >= 3:
         gathered = [s.cost.param_count * w for s in segments]
-        temporary += 2 * max(gathered, default=0) if reshard_after_forward else sum(gathered)
+        kept = pipelined or not reshard_after_forward
+        temporary += sum(gathered) if kept else 2 * max(gathered, default=0)
     if Offload(offload) is Offload.PARAMS:
         # The fp32 shard of the unit being gathered, copied host-to-device ahead of its all-gather.
         temporary += MASTER_BYTES * math.ceil(max((s.cost.param_count for s in segments), default=0) / dp)

@@ -127,6 +127,11 @@ def test_rank_memory_terms():
     # Resharding after forward: the largest unit twice (running, prefetched); without: every unit held.
     assert kept.temporary - z3.temporary == 2 * (100 + 100 + 300) - 2 * 2 * 300
     assert z3.overhead == CPU_FRAMEWORK_OVERHEAD_BYTES
+    # Under pipelining the whole fp32 gradient stays (no-sync backward) and every gathered unit is held.
+    piped = rank_memory([three], [4], zero_stage=3, dp=2, device_name="cpu", pipelined=True)
+    assert piped.grads == 4 * 500 and z3.grads == 4 * 250
+    assert piped.temporary == kept.temporary and piped.params == z3.params
+    assert rank_memory([segs], [4], zero_stage=2, dp=2, device_name="cpu", pipelined=True).grads == 4 * 200
     with pytest.raises(ValueError, match="in-flight"):
         rank_memory([segs], [1, 2])
 

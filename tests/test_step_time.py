@@ -122,3 +122,25 @@ def test_zero_stages_communication_patterns():
     none = data_parallel_comm(zero_stage=0, grad_bytes=gb, param_bytes=gb, num_segments=1, fwd_window_s=0,
                               bwd_window_s=0, group=CommGroup(1), cluster=cluster)
     assert none.end_reduce_s == 0 and none.post_step_s == 0
+
+
+def test_zero_under_pipelining_reduces_once_and_keeps_weights_gathered():
+    """torch.distributed.pipelining runs every backward but the last without gradient sync and without
+    resharding: ZeRO-2/3 reduce-scatter once after the last backward (as ZeRO-1 does), the step's first forward
+    gathers the weights, and with resharding after forward each backward gathers them again."""
+    cluster, g, gb = Cluster.parse("2x8xa100-80gb"), CommGroup(16, stride=1), 4e9
+
+    def comm(z: int, **kw):
+        return data_parallel_comm(zero_stage=z, grad_bytes=gb, param_bytes=gb, num_segments=10, fwd_window_s=1.0,
+                                  bwd_window_s=2.0, group=g, cluster=cluster, pipelined=True, **kw)
+
+    rs = 10 * collective_time(Collective.REDUCE_SCATTER, gb / 10, g, cluster)
+    ag = 10 * collective_time(Collective.ALL_GATHER, gb / 10, g, cluster)
+    z1, z2, z3, kept = comm(1), comm(2), comm(3), comm(3, reshard_after_forward=False)
+    assert z1 == data_parallel_comm(zero_stage=1, grad_bytes=gb, param_bytes=gb, num_segments=10,
+                                    fwd_window_s=1.0, bwd_window_s=2.0, group=g, cluster=cluster)
+    for c in (z2, z3, kept):
+        assert c.end_reduce_s == pytest.approx(rs) and c.end_reduce_chunks == 153
+        assert c.post_step_s == pytest.approx(overlapped_exposed(ag, 1.0, 10)) and c.per_microbatch_fwd_s == 0
+    assert z2.per_microbatch_bwd_s == 0 and kept.per_microbatch_bwd_s == 0
+    assert z3.per_microbatch_bwd_s == pytest.approx(overlapped_exposed(ag, 2.0, 10))

@@ -62,8 +62,11 @@ def _accumulated(pm: ParallelModel, batch: tuple[torch.Tensor, ...]) -> torch.Te
     total = torch.zeros((), device=pm.device)
     for i in range(m):
         micro = tuple(c[i] for c in chunks)
-        if isinstance(model, FSDPModule):  # reduce gradients once, after the last micro-batch
-            model.set_requires_gradient_sync(i == m - 1)
+        if isinstance(model, FSDPModule):
+            # ZeRO-0/1 reduce once, after the last micro-batch (their whole gradient is kept anyway); ZeRO-2/3
+            # reduce-scatter every micro-batch so that no rank holds an unsharded gradient, as the cost model
+            # prices them (`costmodel.step_time` module docstring).
+            model.set_requires_gradient_sync(i == m - 1 or pm.strategy.zero_stage >= 2)
         loss = pm.loss_fn(model(*micro), micro)
         (loss / m).backward()
         total += loss.detach().float()

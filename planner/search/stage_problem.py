@@ -241,7 +241,7 @@ class StageProblemBuilder:
         """`step_time.data_parallel_comm`, cached by what it depends on (the group through `collectives.spans`)."""
         key = (kw["zero_stage"], kw["grad_bytes"], kw["param_bytes"], kw["num_segments"], kw["fwd_window_s"],
                kw["bwd_window_s"], self._sig(kw["group"]), kw["concurrent"], kw["overlap"],
-               kw["reshard_after_forward"], kw.get("host_copy"))
+               kw["reshard_after_forward"], kw.get("host_copy"), kw.get("pipelined", False))
         hit = self._dp_comm_cache.get(key)
         if hit is None:
             hit = self._dp_comm_cache[key] = data_parallel_comm(**kw)
@@ -266,7 +266,8 @@ class StageProblemBuilder:
         m, offload = cand.mesh, cand.runtime.offload
         return bytes_to_fit(rank_memory(chunks, counts, zero_stage=cand.zero_stage, dp=m.dp * m.cp, dtype=self.dtype,
                                         device_name=ctx.device.name, extra_params=shared, ep=m.ep,
-                                        reshard_after_forward=cand.runtime.reshard_after_forward, offload=offload),
+                                        reshard_after_forward=cand.runtime.reshard_after_forward, offload=offload,
+                                        pipelined=m.pp > 1),
                             offload, ctx.device.name)
 
     def rank_terms_of(self, cand: Candidate, ctx: RankContext, chunks: Sequence[Sequence[PricedSegment]],
