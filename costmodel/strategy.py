@@ -157,6 +157,12 @@ class RuntimeOptions:
     separate instructions of its `TrainSchedule`). False: a step's send is paired with its receive and waited
     later (Megatron-LM's `send_forward_recv_backward`, torch.distributed.pipelining's batched p2p), so only the
     receiver waits."""
+    ep_dedup: bool = False
+    """Expert-parallel dispatch and combine send a token once per destination node across nodes and forward it to
+    its experts' GPUs over NVLink (DeepSeek-V3's node-limited dispatch, arXiv 2412.19437 Sec. 3.2.2; DeepEP's
+    internode kernels); `costmodel.expert_parallel` prices the volumes, bounded by the model's group-limited
+    routing where it has one. False: a plain all-to-all of every token choice (torch `all_to_all_single`,
+    Megatron-Core's alltoall dispatcher). `planner.parallelize` does not run it: plans with it are for export."""
 
     def __post_init__(self) -> None:
         try:
@@ -187,9 +193,10 @@ class RuntimeOptions:
                    fp8=Float8Recipe(fp8) if fp8 is not None else None)
 
 
-RUNTIME_FLAGS = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking")
+RUNTIME_FLAGS = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking",
+                 "ep_dedup")
 """The true/false fields of `RuntimeOptions`, in the order plans write them."""
-_LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking"})
+_LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking", "ep_dedup"})
 RUNTIME_OPTION_NAMES = (*RUNTIME_FLAGS, "offload", "fp8")
 """Every field of `RuntimeOptions` (the keys of its JSON)."""
 

@@ -197,7 +197,8 @@ def validate_strategy(chain: LayerChain, cluster: Cluster, strategy: Strategy, g
 
 def _estimate_with_sharding(chain: LayerChain, cluster: Cluster, strategy: Strategy, global_batch: int | None,
                             dtype: str, profile: Any) -> tuple[Estimate, tuple[ModuleSharding, ...]]:
-    table = LayerCostTable(chain, cluster, dtype=dtype, profile=profile, fp8=strategy.runtime.fp8)
+    table = LayerCostTable(chain, cluster, dtype=dtype, profile=profile, fp8=strategy.runtime.fp8,
+                           ep_dedup=strategy.runtime.ep_dedup)
     builder = StageProblemBuilder(chain, cluster, table, dtype)
     cand = Candidate.of(strategy)
     placements = builder.placements(cand)
