@@ -1,7 +1,8 @@
 """DeepSeek-V3's published configuration (`tests/published_reference.py`, `deepseek_v3_run`) priced term by term as
 the cost model's options are switched on one at a time, and under DualPipeV, the schedule the run used (its
 V-shaped form), which the pinned row cannot use: torch's DualPipeV splits the backward, so no stage may recompute,
-and this prints what the configuration then needs per GPU.
+and this prints what the configuration then needs per GPU -- with the pairs run one after the other, as torch
+does, and overlapped, as DeepSeek's DualPipe does (`RuntimeOptions.ep_overlap`).
 
 Each line: the pinned row's strategy (the planner's micro-batch, recomputation and stage split at 1F1B), or
 DualPipeV without recomputation on a balanced V split (`dualpipev_stages`); the step time, its breakdown and the
@@ -64,26 +65,29 @@ def dualpipev_stages(num_segments: int, pp: int) -> tuple:
     return tuple(StageSpec(a, b, Recompute.NONE) for a, b in itertools.pairwise(bounds))
 
 
-def dualpipev_row() -> str:
+def dualpipev_row(overlap: bool) -> str:
     """The row's runtime under DualPipeV, 120 micro-batches of 1, no recomputation (what torch's DualPipeV
-    allows), stages from `dualpipev_stages`: priced although it does not fit, with the memory it needs."""
+    allows), stages from `dualpipev_stages`: priced although it does not fit, with the memory it needs.
+    `overlap`: the pairs hide the all-to-alls (`RuntimeOptions.ep_overlap`, DeepSeek's DualPipe)."""
     from costmodel.strategy import Schedule, Strategy
     from planner.api import estimate_plan
 
     run = deepseek_v3_run()
+    runtime = dataclasses.replace(run.runtime, ep_overlap=overlap)
     chain = build_chain(run, 1)
     strategy = Strategy(dp=run.dp, pp=run.pp, ep=run.ep, microbatch_size=1, num_microbatches=run.global_batch // run.dp,
                         schedule=Schedule.DUALPIPEV, virtual_stages=2, zero_stage=1,
-                        stages=dualpipev_stages(len(chain.segments), run.pp), runtime=run.runtime)
+                        stages=dualpipev_stages(len(chain.segments), run.pp), runtime=runtime)
     est = estimate_plan(chain, cluster_of(run), strategy, global_batch=run.global_batch).predicted
-    return _line("DualPipeV, no recompute (does not fit)", est.step_time_s, est.breakdown.to_dict(),
+    label = "DualPipeV + paired overlap (ep_overlap)" if overlap else "DualPipeV, no recompute (does not fit)"
+    return _line(label, est.step_time_s, est.breakdown.to_dict(),
                  max(est.peak_memory_bytes) / GIB, run.measured_step_s)
 
 
 def main() -> int:
     run = deepseek_v3_run()
     print(f"{run.name}: published {run.measured_step_s:.2f} s per step")
-    for line in (*pinned_rows(), dualpipev_row()):
+    for line in (*pinned_rows(), dualpipev_row(False), dualpipev_row(True)):
         print(line, flush=True)
     return 0
 

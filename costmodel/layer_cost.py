@@ -65,3 +65,6 @@ class LayerCost:
     FP8): with FSDP's FP8 all-gather each rank casts only its 1/dp shard (`costmodel.estimate`)."""
     fp8_weight_cast_bwd_s: float = 0.0
     """Of `bwd_compute_s`, the same for the backward's weight casts."""
+    ep_comm_s: float = 0.0
+    """Of `fwd_comm_s`, and likewise of `bwd_comm_s`, the expert-parallel all-to-alls (dispatch and combine,
+    `costmodel.expert_parallel`): what DualPipe's paired chunks can hide (`RuntimeOptions.ep_overlap`)."""

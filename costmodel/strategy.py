@@ -163,6 +163,13 @@ class RuntimeOptions:
     internode kernels); `costmodel.expert_parallel` prices the volumes, bounded by the model's group-limited
     routing where it has one. False: a plain all-to-all of every token choice (torch `all_to_all_single`,
     Megatron-Core's alltoall dispatcher). `planner.parallelize` does not run it: plans with it are for export."""
+    ep_overlap: bool = False
+    """DualPipe's overlapped forward and backward chunks (DeepSeek-V3, arXiv 2412.19437 Sec. 3.2.1 and Figure 4):
+    in each F&B pair of the DualPipeV schedule, the forward's expert-parallel all-to-alls run while the backward
+    computes and the backward's while the forward computes (`costmodel.pipeline`, "Paired all-to-all overlap").
+    False: the pair's chunks run one after the other (torch's `ScheduleDualPipeV` without a custom OVERLAP_F_B
+    function). Needs the dualpipev schedule; `planner.parallelize` does not run it: plans with it are for
+    export."""
 
     def __post_init__(self) -> None:
         try:
@@ -194,9 +201,9 @@ class RuntimeOptions:
 
 
 RUNTIME_FLAGS = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking",
-                 "ep_dedup")
+                 "ep_dedup", "ep_overlap")
 """The true/false fields of `RuntimeOptions`, in the order plans write them."""
-_LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking", "ep_dedup"})
+_LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking", "ep_dedup", "ep_overlap"})
 RUNTIME_OPTION_NAMES = (*RUNTIME_FLAGS, "offload", "fp8")
 """Every field of `RuntimeOptions` (the keys of its JSON)."""
 
