@@ -18,8 +18,8 @@ from planner.runtime.parallelize import runtime_unsupported
 from planner.search.space import SearchSpace
 
 
-def _torch_pairs(pp: int, m: int) -> list[Counter]:
-    """Per rank, (forward stage, backward stage) of every OVERLAP_F_B action torch's ScheduleDualPipeV emits."""
+def _dualpipev(pp: int, m: int):
+    """torch's ScheduleDualPipeV over stand-in stages: it computes every rank's action list when built."""
     from unittest import mock
 
     from torch.distributed.pipelining import schedules as ts
@@ -27,7 +27,14 @@ def _torch_pairs(pp: int, m: int) -> list[Counter]:
 
     stand_in = mock.create_autospec(PipelineStage, instance=True)
     stand_in.group_rank, stand_in.group_size, stand_in.submod, stand_in.num_stages = 0, pp, None, 2 * pp
-    built = ts.ScheduleDualPipeV([stand_in] * 2, m)
+    return ts.ScheduleDualPipeV([stand_in] * 2, m)
+
+
+def _torch_pairs(pp: int, m: int) -> list[Counter]:
+    """Per rank, (forward stage, backward stage) of every OVERLAP_F_B action torch's ScheduleDualPipeV emits."""
+    from torch.distributed.pipelining import schedules as ts
+
+    built = _dualpipev(pp, m)
     out = []
     for rank in range(pp):
         pairs = Counter()
@@ -66,6 +73,61 @@ def test_hidden_seconds_and_step_time_in_closed_form():
     assert paired.bubble_s == pytest.approx(plain.bubble_s)
     with pytest.raises(ValueError, match="rank_hidden is the paired overlap of dualpipev"):
         pipeline_times(fwd[:pp], bwd[:pp], Schedule.ONE_F_ONE_B, m, 1, rank_hidden=hidden)
+
+
+def _simulated_step(pp: int, m: int, f: float, i: float, w: float, hidden: float) -> float:
+    """Event simulation of torch's DualPipeV action lists with equal chunks (F, I, W seconds; a whole backward
+    I + W): every rank runs its actions in order, each once its rank is free and its inputs are there; an
+    OVERLAP_F_B pair waits for both chunks' inputs and takes F + B - `hidden`."""
+    from torch.distributed.pipelining import schedules as ts
+
+    kind = ts._ComputationType
+    orders = [[a for a in rank if a is not None] for rank in _dualpipev(pp, m).pipeline_order.values()]
+    seconds = {kind.FORWARD: f, kind.BACKWARD_INPUT: i, kind.BACKWARD_WEIGHT: w, kind.FULL_BACKWARD: i + w}
+
+    def needs(a) -> list[tuple[str, int, int]]:
+        s, j = a.stage_index, a.microbatch_index
+        if a.computation_type == kind.FORWARD:
+            return [("F", s - 1, j)] if s > 0 else []
+        if a.computation_type == kind.BACKWARD_WEIGHT:
+            return [("G", s, j)]
+        return [("F", s, j)] + ([("G", s + 1, j)] if s < 2 * pp - 1 else [])
+
+    def makes(a) -> list[tuple[str, int, int]]:
+        if a.computation_type == kind.BACKWARD_WEIGHT:
+            return []
+        return [("F" if a.computation_type == kind.FORWARD else "G", a.stage_index, a.microbatch_index)]
+
+    done: dict[tuple[str, int, int], float] = {}
+    free, pos, moved = [0.0] * pp, [0] * pp, True
+    while moved:
+        moved = False
+        for r, order in enumerate(orders):
+            while pos[r] < len(order):
+                subs = order[pos[r]].sub_actions or (order[pos[r]],)
+                inputs = [d for a in subs for d in needs(a)]
+                if any(d not in done for d in inputs):
+                    break
+                end = max([free[r]] + [done[d] for d in inputs]) + sum(seconds[a.computation_type] for a in subs)
+                end -= hidden if len(subs) == 2 else 0.0
+                done.update({k: end for a in subs for k in makes(a)})
+                free[r], pos[r], moved = end, pos[r] + 1, True
+    assert pos == [len(o) for o in orders], "the simulated schedule deadlocked"
+    return max(free)
+
+
+@pytest.mark.parametrize(("pp", "m"), [(4, 12), (8, 32)])
+@pytest.mark.parametrize(("i", "w", "a2a"), [(1.2, 0.8, 0.3), (1.2, 0.8, 0.6), (1.5, 1.0, 0.4), (2.0, 1.0, 0.5)])
+def test_the_closed_form_is_at_most_five_percent_above_a_simulation(pp, m, i, w, a2a):
+    f = 1.0
+    chunks = [ChunkWork(f - a2a, i + w - a2a, a2a, a2a)] * (2 * pp)
+    hidden = paired_overlap(chunks, pp, m)
+    pair = min(a2a, i + w - a2a) + min(a2a, f - a2a)
+    assert hidden[0] == pytest.approx(sum(dualpipev_pairs(pp, m, 0)) * pair)
+    formula = pipeline_times([f] * 2 * pp, [i + w] * 2 * pp, Schedule.DUALPIPEV, m, 2, stage_wgrad=[w] * 2 * pp,
+                             rank_hidden=hidden).total_s
+    simulated = _simulated_step(pp, m, f, i, w, pair)
+    assert simulated <= formula <= 1.05 * simulated
 
 
 def test_a_moe_plan_under_dualpipev_hides_its_all_to_alls():
