@@ -82,9 +82,8 @@ and rank r's steady state shrinks by H_r = N01_r h(0, 1) + N10_r h(1, 0): T = ma
 (sum_r E_r + X) / v, the fill and drain (E_r, X) unchanged because their chunks run alone. Checked against an
 event simulation of torch's action lists in which a pair starts once both its chunks' inputs are there and takes
 F + B - h (tests/test_ep_overlap.py): for equal stages the formula is 0-4% above the simulated step, never below
-(rank 0, with the fewest pairs, stands for the critical path). Not modelled: the communication stream carries
-one pair's all-to-alls at a time (h counts each pass's all-to-all against the other pass's compute alone). The
-sends are blocking as above.
+(rank 0, with the fewest pairs, stands for the critical path). One communication stream carries both passes'
+all-to-alls in turn; h fits it: when both are hidden, A_F + A_B <= C_B + C_F. The sends are blocking as above.
 
 In flight (F started, W not finished), from the same simulation: interleaved-zb holds p micro-batches on every
 chunk of every rank (min(p, m)); zbv holds 2p - 1 - r on rank r's first chunk and r + 1 on its second (2p per
