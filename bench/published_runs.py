@@ -13,8 +13,8 @@ row out in turn (the leave-one-out error is the row's error at the efficiency fi
 bench/results/training_efficiency_fit.json.
 
 Rows run in FP8 are priced and shown, but left out of the mean error and of `--fit`: the torchtitan FP8 rows
-(bench/data/published_fp8_runs.csv) are priced with FP8 linear layers (`costmodel.float8`); DeepSeek-V3, whose
-FP8 recipe (block-wise scaling, FP8 experts and dispatch) the cost model does not have, in bf16.
+(bench/data/published_fp8_runs.csv) are priced with FP8 linear layers (`costmodel.float8`); DeepSeek-V3 with FP8
+dense linear layers too (rowwise), its FP8 experts and dispatch, which the cost model does not have, in bf16.
 
 `--fp8-rows` prices only the rows priced in FP8, each also without FP8 (what the FP8 pricing moves), writes
 bench/results/published_fp8_runs.json and the FP8 block of docs/fidelity.md.

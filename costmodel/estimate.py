@@ -212,12 +212,21 @@ def _validity_problems(chain: LayerChain, strategy: Strategy, global_batch: int 
     problems += [p for p in (cp_problem(chain, strategy.cp), ep_problem(chain, strategy.ep)) if p]
     if strategy.dp % strategy.ep:
         problems.append(f"ep={strategy.ep} must divide dp={strategy.dp} (expert groups are data-parallel ranks)")
+    if strategy.runtime.ep_overlap and strategy.schedule is not Schedule.DUALPIPEV:
+        problems.append(f"ep_overlap overlaps the all-to-alls of DualPipeV's paired forward and backward chunks; "
+                        f"the {strategy.schedule.value} schedule runs each chunk alone: use schedule dualpipev or "
+                        f"ep_overlap=false")
     for why in (schedule_problem(strategy.schedule, strategy.pp, strategy.num_microbatches),
                 split_backward_problem(strategy.schedule, recomputed=recomputes(strategy),
                                        resharded=strategy.zero_stage == 3 and strategy.runtime.reshard_after_forward)):
         if why:
             problems.append(why)
     return problems
+
+
+def pairs_overlap(strategy: Strategy) -> bool:
+    """Whether DualPipeV's F&B pairs hide the expert-parallel all-to-alls (`RuntimeOptions.ep_overlap`)."""
+    return strategy.runtime.ep_overlap and strategy.schedule is Schedule.DUALPIPEV
 
 
 def recomputes(strategy: Strategy) -> bool:
@@ -272,7 +281,7 @@ def estimate(chain: LayerChain | Graph, cluster: Cluster, strategy: Strategy, *,
     p2p = [p2p_time(strategy, j, priced[j][-1].cost.boundary_bytes, cluster) for j in range(len(priced) - 1)]
     breakdown = step_breakdown(stage_times, tails, schedule=strategy.schedule,
                                num_microbatches=strategy.num_microbatches, virtual_stages=strategy.virtual_stages,
-                               p2p_time=p2p)
+                               p2p_time=p2p, ep_overlap=pairs_overlap(strategy))
     stage_estimates = _stage_estimates(priced, stage_times, stages, ranks, shared, strategy, dtype, problems)
     return _with_throughput(chain, strategy, stages, priced, ranks, breakdown, tuple(stage_estimates),
                             tuple(problems), dtype)

@@ -37,9 +37,32 @@ Expert parallelism (ep > 1) adds, per MoE segment and micro-batch:
     parameters               P_dense + P_expert / ep      (`LayerCost.expert_param_count` = P_expert / ep)
 
 The all-to-all is priced over the tiers the ep group spans (`costmodel.hardware.collectives`: NVLink inside a
-node, the NIC across nodes, (D_t - 1) P_t / n of the buffer through tier t). Trainers that deduplicate inter-node
-traffic (DeepSeek-V3's node-limited routing sends a token once per node, at most 4 nodes) move less over the NIC
-than this plain all-to-all.
+node, the NIC across nodes, (D_t - 1) P_t / n of the buffer through tier t).
+
+Deduplicated dispatch (`RuntimeOptions.ep_dedup`; DeepSeek-V3, arXiv 2412.19437 Sec. 3.2.2: "each token will be
+dispatched to at most 4 nodes ... once we determine the IB target node, the token is forwarded over NVLink to the
+GPUs that host its target experts", DeepEP's internode kernels). An ep group of n ranks over N nodes, P = n / N
+per node, E experts placed in contiguous blocks (node j holds experts j E/N .. (j+1) E/N - 1), k choices per
+token. A plain all-to-all sends each choice that leaves the node: k (N - 1) / N copies of a token over the NIC.
+Deduplicated, the token crosses once per other node it reaches, (N - 1) q copies, with q the chance that a given
+node holds one of its experts, under uniform routing (every expert, or group, equally likely):
+
+    q = 1 - C(E - E/N, k) / C(E, k)          choices spread over all experts
+    q = 1 - C(G - G/N, M) / C(G, M)          group-limited routing whose groups align with nodes (G % N == 0):
+                                             the k experts come from M = min(top_groups, k) of G groups, so a
+                                             token reaches at most M nodes (transformers' `n_group`, `topk_group`)
+
+and inside the node every copy that lands on another GPU than the one that received it is forwarded over NVLink
+(the same for the node's own choices): (P - 1) / P of the buffer. Relative to the plain all-to-all's volumes the
+tiers carry
+
+    node tier (NVLink)    x N              (P - 1) / P  S  over  (P - 1) / n  S
+    tiers across nodes    x rho = N q / k  (N - 1) q / k  S  over  (N - 1) / N  S
+
+The second counts a chosen group as reached even if none of the k experts lands in it (the report's "at most"),
+and the first forwards each choice on its own (DeepEP also merges a token's choices per GPU): both are upper
+bounds. DeepSeek-V3 (E 256, k 8, G 8, M 4) on 8 nodes: q = 1/2, rho = 1/2, half the plain all-to-all's NIC bytes;
+without the group limit q = 0.66. Combine reduces on the node before sending back: the same volumes.
 
 The router (its h x E linear, softmax / sigmoid, top-k) and the token gathers of dispatch and combine are ordinary
 traced ops: a small GEMM and memory-bound passes over the tokens, priced by the roofline like any other.
@@ -60,11 +83,12 @@ price at every ep.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from costmodel.hardware.cluster import Cluster
-from costmodel.hardware.collectives import Collective, CommGroup, collective_time
+from costmodel.hardware.collectives import Collective, CommGroup, collective_time, spans
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import op_policy_kept
@@ -164,6 +188,8 @@ class ExpertSetting:
     group: CommGroup = CommGroup(1)
     concurrent: int = 1
     imbalance: float = EXPERT_IMBALANCE
+    dedup: bool = False
+    """Dispatch and combine send a token once per node (`RuntimeOptions.ep_dedup`, module docstring)."""
 
     @property
     def token_scale(self) -> float:
@@ -268,18 +294,45 @@ def expert_cost(base: LayerCost, layer: ExpertLayer | None, device: DeviceSpec, 
     local = round(found.param_numel * base.param_count / segment_params) if segment_params else found.param_numel
     kept = -(-local // ep)
     payload = layer.dispatch_bytes * setting.token_scale * retype_ratio(setting.traced_dtype, setting.dtype) * load
-    a2a = collective_time(Collective.ALL_TO_ALL, payload, setting.group, cluster, concurrent=setting.concurrent)
+    scale = dedup_tier_scale(found, setting.group, cluster) if setting.dedup else ()
+    a2a = collective_time(Collective.ALL_TO_ALL, payload, setting.group, cluster, concurrent=setting.concurrent,
+                          tier_scale=scale)
     bytes_per_param = base.param_bytes / base.param_count if base.param_count else 0.0
     return dataclasses.replace(
         cost,
         fwd_comm_s=cost.fwd_comm_s + 2 * a2a,
         bwd_comm_s=cost.bwd_comm_s + 2 * a2a,
         recompute_full_s=cost.recompute_full_s + 2 * a2a,
+        ep_comm_s=cost.ep_comm_s + 2 * a2a,
         param_count=base.param_count - local + kept,
         param_bytes=round(base.param_bytes - (local - kept) * bytes_per_param),
         expert_param_count=kept,
         peak_temp_bytes=max(cost.peak_temp_bytes, round(2 * payload)),
     )
+
+
+def node_reach(found: RoutedExperts, nodes: int) -> float:
+    """q: the chance that one of `nodes` nodes (holding E / N experts each) receives a token, under uniform
+    routing, group-limited when the groups align with the nodes (module docstring)."""
+    groups, top = found.num_groups, min(found.top_groups, found.top_k)
+    if groups > 1 and groups % nodes == 0:
+        return 1 - math.comb(groups - groups // nodes, top) / math.comb(groups, top)
+    experts = found.num_experts
+    return 1 - math.comb(experts - experts // nodes, found.top_k) / math.comb(experts, found.top_k)
+
+
+def dedup_tier_scale(found: RoutedExperts, group: CommGroup, cluster: Cluster) -> tuple[float, ...]:
+    """Per tier, the deduplicated dispatch's bytes over the plain all-to-all's (module docstring): N on the node
+    tier, N q / k on the tiers across nodes; () when the group is inside one node (nothing to deduplicate) or its
+    nodes do not each hold whole experts."""
+    across = [s for s in spans(group, cluster) if s.index >= 1]
+    if not across:
+        return ()
+    nodes = round(group.size / across[0].ranks_per_domain)
+    if found.num_experts % nodes:
+        return ()
+    rho = nodes * node_reach(found, nodes) / found.top_k
+    return (float(nodes), *(rho,) * max(s.index for s in across))
 
 
 # ---- what the data-parallel side does with expert parameters ----------------------------------------------------

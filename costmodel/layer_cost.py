@@ -69,3 +69,6 @@ class LayerCost:
     """Of `bwd_comm_s`, what a trainer that reduces each column-parallel linear's input gradient during its
     weight-gradient GEMM hides (`RuntimeOptions.tp_grad_overlap`): per reduced gradient, min(its collective, the
     weight-gradient GEMMs of the linears that produce it)."""
+    ep_comm_s: float = 0.0
+    """Of `fwd_comm_s`, and likewise of `bwd_comm_s`, the expert-parallel all-to-alls (dispatch and combine,
+    `costmodel.expert_parallel`): what DualPipe's paired chunks can hide (`RuntimeOptions.ep_overlap`)."""

@@ -68,6 +68,23 @@ holds exactly virtual stages r and 2p - 1 - r (so the first and the last stage, 
 rank 0, and stages p - 1 and p meet on rank p - 1 without a send), m >= 2p (DualPipeV refuses fewer; ZB-V pads
 to 2p - 1 and idles).
 
+Paired all-to-all overlap (`RuntimeOptions.ep_overlap`, dualpipev only). DualPipe runs each F&B pair of chunks
+as one overlapped unit: the forward's expert-parallel all-to-alls while the backward computes and the backward's
+while the forward computes (DeepSeek-V3, arXiv 2412.19437 Sec. 3.2.1, Figure 4). torch's `ScheduleDualPipeV`
+emits rank r's pairs as OVERLAP_F_B actions: in its main step m - 2p + r + 1 pairs of (F of chunk 0, B of chunk
+1) -- one fewer on rank p - 1, whose first one is left unpaired -- and as many of (F of chunk 1, B of chunk 0),
+plus p - r - 1 more of the latter in its step 5: N01_r = m - 2p + r + 1 - [r = p - 1], N10_r = m - p. A pair of
+F on chunk a (compute C_Fa, all-to-all A_Fa per micro-batch) and B on chunk b hides
+
+    h(a, b) = min(A_Fa, C_Bb) + min(A_Bb, C_Fa)       (exposed: max(0, A_Fa - C_Bb) + max(0, A_Bb - C_Fa))
+
+and rank r's steady state shrinks by H_r = N01_r h(0, 1) + N10_r h(1, 0): T = max_r (m D_r - H_r - E_r / v) +
+(sum_r E_r + X) / v, the fill and drain (E_r, X) unchanged because their chunks run alone. Checked against an
+event simulation of torch's action lists in which a pair starts once both its chunks' inputs are there and takes
+F + B - h (tests/test_ep_overlap.py): for equal stages the formula is 0-4% above the simulated step, never below
+(rank 0, with the fewest pairs, stands for the critical path). One communication stream carries both passes'
+all-to-alls in turn; h fits it: when both are hidden, A_F + A_B <= C_B + C_F. The sends are blocking as above.
+
 In flight (F started, W not finished), from the same simulation: interleaved-zb holds p micro-batches on every
 chunk of every rank (min(p, m)); zbv holds 2p - 1 - r on rank r's first chunk and r + 1 on its second (2p per
 rank, 1F1B's first-rank peak on every rank); dualpipev 2p - r and r + 1 (2p + 1, DeepSeek-V3's "PP + 1").
@@ -201,7 +218,7 @@ def _rank_sums(x: Sequence[float], schedule: Schedule, pp: int, v: int) -> list[
 
 
 def _steady_formula(f: Sequence[float], b: Sequence[float], schedule: Schedule, m: int, pp: int, v: int,
-                    w: Sequence[float] | None = None) -> float:
+                    w: Sequence[float] | None = None, hidden: Sequence[float] | None = None) -> float:
     if schedule is Schedule.GPIPE:
         fr = [sum(f[r::pp]) for r in range(pp)]
         br = [sum(b[r::pp]) for r in range(pp)]
@@ -209,7 +226,8 @@ def _steady_formula(f: Sequence[float], b: Sequence[float], schedule: Schedule, 
     d = _rank_sums([x + y for x, y in zip(f, b, strict=True)], schedule, pp, v)
     if schedule.zero_bubble:
         e, x = _zero_bubble_fill(f, b, w if w is not None else [0.0] * len(f), schedule, pp, v)
-        return max(m * dr - er / v for dr, er in zip(d, e, strict=True)) + (sum(e) + x) / v
+        h = hidden if hidden is not None else [0.0] * pp
+        return max(m * dr - hr - er / v for dr, hr, er in zip(d, h, e, strict=True)) + (sum(e) + x) / v
     return m * max(d) + (sum(f) + sum(b) - max(d)) / v
 
 
@@ -239,6 +257,42 @@ def zero_bubble_extra(schedule: Schedule, pp: int, fwd_s: float, input_grad_s: f
     return max((pp - 1) * (input_grad_s - fwd_s) - fwd_s, 0.0)
 
 
+def dualpipev_pairs(pp: int, num_microbatches: int, rank: int) -> tuple[int, int]:
+    """(N01, N10): rank `rank`'s overlapped F&B pairs in torch's ScheduleDualPipeV, forward of chunk 0 with
+    backward of chunk 1 and the reverse (module docstring)."""
+    main = num_microbatches - 2 * pp + rank + 1
+    return main - (1 if rank == pp - 1 else 0), num_microbatches - pp
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkWork:
+    """One virtual stage's seconds per micro-batch that the paired overlap sees: compute (recomputation
+    included) and expert-parallel all-to-alls, per pass."""
+
+    compute_fwd_s: float
+    compute_bwd_s: float
+    a2a_fwd_s: float = 0.0
+    a2a_bwd_s: float = 0.0
+
+
+def paired_overlap(chunks: Sequence[ChunkWork], pp: int, num_microbatches: int) -> list[float]:
+    """H_r: per DualPipeV rank, the all-to-all seconds its F&B pairs hide in one step (module docstring);
+    `chunks` are the 2p virtual stages in pipeline order."""
+    if len(chunks) != 2 * pp:
+        raise ValueError(f"the paired overlap needs the 2 * pp = {2 * pp} virtual stages of DualPipeV, got "
+                         f"{len(chunks)}")
+
+    def hidden(f: ChunkWork, b: ChunkWork) -> float:
+        return min(f.a2a_fwd_s, b.compute_bwd_s) + min(b.a2a_bwd_s, f.compute_fwd_s)
+
+    out = []
+    for r in range(pp):
+        first, second = (chunks[j] for j in chunk_stages(Schedule.DUALPIPEV, pp, 2, r))
+        n01, n10 = dualpipev_pairs(pp, num_microbatches, r)
+        out.append(n01 * hidden(first, second) + n10 * hidden(second, first))
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class PipelineTime:
     """The pipeline part of a step, split as the critical path sees it (terms add up to `total_s`)."""
@@ -249,14 +303,18 @@ class PipelineTime:
     bubble_s: float
     p2p_s: float
     bottleneck_rank: int
+    hidden_s: float = 0.0
+    """Of the bottleneck rank's busy time, the all-to-all seconds the paired overlap hides (`busy_s` is net)."""
 
 
 def pipeline_times(stage_fwd: Sequence[float], stage_bwd: Sequence[float], schedule: Schedule,
                    num_microbatches: int, virtual_stages: int = 1,
                    p2p_time: float | Sequence[float] = 0.0,
-                   stage_wgrad: Sequence[float] | None = None) -> PipelineTime:
+                   stage_wgrad: Sequence[float] | None = None,
+                   rank_hidden: Sequence[float] | None = None) -> PipelineTime:
     """Step time of the pipeline and its busy / bubble / p2p split (formulas in the module docstring).
-    `stage_wgrad[j]`: of `stage_bwd[j]`, the weight-gradient seconds (W) the zero-bubble schedules defer."""
+    `stage_wgrad[j]`: of `stage_bwd[j]`, the weight-gradient seconds (W) the zero-bubble schedules defer.
+    `rank_hidden[r]`: H_r of DualPipeV's paired all-to-all overlap (`paired_overlap`), dualpipev only."""
     n = len(stage_fwd)
     if n == 0 or len(stage_bwd) != n or (stage_wgrad is not None and len(stage_wgrad) != n):
         raise ValueError(f"need equally many forward, backward (and weight-gradient) stage times, got {n} and "
@@ -266,15 +324,19 @@ def pipeline_times(stage_fwd: Sequence[float], stage_bwd: Sequence[float], sched
     pp = n // virtual_stages
     schedule = _check(schedule, pp, num_microbatches, virtual_stages)
     m, v = num_microbatches, virtual_stages
+    if rank_hidden is not None and (schedule is not Schedule.DUALPIPEV or len(rank_hidden) != pp):
+        raise ValueError(f"rank_hidden is the paired overlap of dualpipev, one value per rank ({pp}); got "
+                         f"{schedule.value} with {len(rank_hidden)}")
+    h = list(rank_hidden) if rank_hidden is not None else [0.0] * pp
     p2p = _p2p_list(p2p_time, n)
-    plain = _steady_formula(stage_fwd, stage_bwd, schedule, m, pp, v, stage_wgrad)
+    plain = _steady_formula(stage_fwd, stage_bwd, schedule, m, pp, v, stage_wgrad, h)
     f, b = _with_p2p(stage_fwd, stage_bwd, p2p)
-    total = _steady_formula(f, b, schedule, m, pp, v, stage_wgrad)
+    total = _steady_formula(f, b, schedule, m, pp, v, stage_wgrad, h)
     d = _rank_sums([x + y for x, y in zip(stage_fwd, stage_bwd, strict=True)], schedule, pp, v)
-    rank = max(range(pp), key=lambda r: (d[r], -r))
-    busy = m * d[rank]
+    rank = max(range(pp), key=lambda r: (m * d[r] - h[r], -r))
+    busy = m * d[rank] - h[rank]
     return PipelineTime(total_s=total, busy_s=busy, bubble_s=plain - busy, p2p_s=total - plain,
-                        bottleneck_rank=rank)
+                        bottleneck_rank=rank, hidden_s=h[rank])
 
 
 def pipeline_step_time(stage_fwd: Sequence[float], stage_bwd: Sequence[float], schedule: Schedule,

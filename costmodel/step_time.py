@@ -73,7 +73,7 @@ from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment
 from costmodel.offload import HostCopy
 from costmodel.operators import T_KERNEL_FLOOR_S
-from costmodel.pipeline import chunk_stages, drain_slack, pipeline_times
+from costmodel.pipeline import ChunkWork, chunk_stages, drain_slack, paired_overlap, pipeline_times
 from costmodel.strategy import Recompute, Schedule
 
 ADAM_BYTES_PER_PARAM = 28
@@ -134,6 +134,9 @@ class StageTime:
     offload_fwd_s: float = 0.0
     """Exposed host-to-device copies of offloaded parameters in the forward (`costmodel.offload`)."""
     offload_bwd_s: float = 0.0
+    ep_fwd_s: float = 0.0
+    """Of `tp_fwd_s`, the expert-parallel all-to-alls (`LayerCost.ep_comm_s`): what DualPipe's pairs can hide."""
+    ep_bwd_s: float = 0.0
 
     @property
     def fwd_s(self) -> float:
@@ -214,13 +217,18 @@ def stage_time(segments: Sequence[PricedSegment], *, speed: float = 1.0, dp_fwd_
     if speed <= 0:
         raise ValueError(f"speed factor must be positive, got {speed}")
     n = tp_overlap_chunks
+    tp_fwd = sum(tp_exposed(s.cost.fwd_comm_s, s.cost.fwd_compute_s / speed, n) for s in segments)
+    tp_bwd = sum(tp_bwd_exposed(s.cost, s.cost.bwd_compute_s / speed, n, tp_grad_overlap) for s in segments)
+    ep = sum(s.cost.ep_comm_s for s in segments)
     # Full recomputation reruns the forward communication too; it is part of recompute_full_s (LayerCost).
     return StageTime(
         compute_fwd_s=sum(s.cost.fwd_compute_s for s in segments) / speed,
         compute_bwd_s=sum(s.cost.bwd_compute_s for s in segments) / speed,
         recompute_s=sum(recompute_time(s) for s in segments) / speed,
-        tp_fwd_s=sum(tp_exposed(s.cost.fwd_comm_s, s.cost.fwd_compute_s / speed, n) for s in segments),
-        tp_bwd_s=sum(tp_bwd_exposed(s.cost, s.cost.bwd_compute_s / speed, n, tp_grad_overlap) for s in segments),
+        tp_fwd_s=tp_fwd,
+        tp_bwd_s=tp_bwd,
+        ep_fwd_s=min(ep, tp_fwd),  # tp_overlap's chunks may already hide part of it
+        ep_bwd_s=min(ep, tp_bwd),
         dp_fwd_s=dp_fwd_s,
         dp_bwd_s=dp_bwd_s,
         host_fwd_s=host.forward_s,
@@ -375,24 +383,30 @@ class RankTail:
 
 def step_breakdown(stages: Sequence[StageTime], tails: Sequence[RankTail], *, schedule: Schedule,
                    num_microbatches: int, virtual_stages: int = 1,
-                   p2p_time: float | Sequence[float] = 0.0) -> TimeBreakdown:
+                   p2p_time: float | Sequence[float] = 0.0, ep_overlap: bool = False) -> TimeBreakdown:
     """The step's critical path split by kind; `total_s` is the step time.
 
-    `stages`: one per virtual stage in pipeline order (p*v); `tails`: one per pipeline rank (p).
+    `stages`: one per virtual stage in pipeline order (p*v); `tails`: one per pipeline rank (p). `ep_overlap`:
+    DualPipeV's pairs hide expert-parallel all-to-alls (`pipeline.paired_overlap`; what they hide leaves the
+    communication term).
     """
     pp = len(stages) // virtual_stages
     if len(tails) != pp:
         raise ValueError(f"need one RankTail per pipeline rank ({pp}), got {len(tails)}")
     fwd = [s.fwd_s for s in stages]
     bwd = [s.bwd_s for s in stages]
+    hidden = None
+    if ep_overlap:
+        work = [ChunkWork(s.compute_fwd_s, s.compute_bwd_s + s.recompute_s, s.ep_fwd_s, s.ep_bwd_s) for s in stages]
+        hidden = paired_overlap(work, pp, num_microbatches)
     pipe = pipeline_times(fwd, bwd, schedule, num_microbatches, virtual_stages, p2p_time,
-                          [s.wgrad_s for s in stages])
+                          [s.wgrad_s for s in stages], hidden)
     # Busy time of the bottleneck rank, split by kind.
     mine = [stages[j] for j in chunk_stages(schedule, pp, virtual_stages, pipe.bottleneck_rank)]
     m = num_microbatches
     compute = m * sum(s.compute_fwd_s + s.compute_bwd_s for s in mine)
     recompute = m * sum(s.recompute_s for s in mine)
-    tp = m * sum(s.tp_fwd_s + s.tp_bwd_s for s in mine)
+    tp = m * sum(s.tp_fwd_s + s.tp_bwd_s for s in mine) - pipe.hidden_s
     dp = m * sum(s.dp_fwd_s + s.dp_bwd_s for s in mine)
     host = m * sum(s.host_fwd_s + s.host_bwd_s for s in mine)
     offload = m * sum(s.offload_fwd_s + s.offload_bwd_s for s in mine)

@@ -165,6 +165,19 @@ class RuntimeOptions:
     separate instructions of its `TrainSchedule`). False: a step's send is paired with its receive and waited
     later (Megatron-LM's `send_forward_recv_backward`, torch.distributed.pipelining's batched p2p), so only the
     receiver waits."""
+    ep_dedup: bool = False
+    """Expert-parallel dispatch and combine send a token once per destination node across nodes and forward it to
+    its experts' GPUs over NVLink (DeepSeek-V3's node-limited dispatch, arXiv 2412.19437 Sec. 3.2.2; DeepEP's
+    internode kernels); `costmodel.expert_parallel` prices the volumes, bounded by the model's group-limited
+    routing where it has one. False: a plain all-to-all of every token choice (torch `all_to_all_single`,
+    Megatron-Core's alltoall dispatcher). `planner.parallelize` does not run it: plans with it are for export."""
+    ep_overlap: bool = False
+    """DualPipe's overlapped forward and backward chunks (DeepSeek-V3, arXiv 2412.19437 Sec. 3.2.1 and Figure 4):
+    in each F&B pair of the DualPipeV schedule, the forward's expert-parallel all-to-alls run while the backward
+    computes and the backward's while the forward computes (`costmodel.pipeline`, "Paired all-to-all overlap").
+    False: the pair's chunks run one after the other (torch's `ScheduleDualPipeV` without a custom OVERLAP_F_B
+    function). Needs the dualpipev schedule; `planner.parallelize` does not run it: plans with it are for
+    export."""
 
     def __post_init__(self) -> None:
         try:
@@ -196,9 +209,9 @@ class RuntimeOptions:
 
 
 RUNTIME_FLAGS = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking",
-                 "tp_grad_overlap")
+                 "tp_grad_overlap", "ep_dedup", "ep_overlap")
 """The true/false fields of `RuntimeOptions`, in the order plans write them."""
-_LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking", "tp_grad_overlap"})
+_LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking", "tp_grad_overlap", "ep_dedup", "ep_overlap"})
 RUNTIME_OPTION_NAMES = (*RUNTIME_FLAGS, "offload", "fp8")
 """Every field of `RuntimeOptions` (the keys of its JSON)."""
 

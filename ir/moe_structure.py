@@ -11,7 +11,10 @@ A mixture-of-experts layer is recognized by two things every layout transformers
 
 A router may run several top-k's: DeepSeek-V3's group-limited routing first picks `topk_group` of `n_group`
 groups (a top-k over n_group, and one over the experts of each group) and then `num_experts_per_tok` of all E.
-Only a top-k whose width has expert weights of that count is the routing top-k, so E and k come from it.
+Only a top-k whose width has expert weights of that count is the routing top-k, so E and k come from it. The
+group top-k is the router's other top-k over a (tokens, G) score with 1 < G < E and G dividing E (transformers'
+`DeepseekV3TopkRouter`: `n_group` = G, `topk_group` = its k); the per-group top-2 before it runs over a
+(tokens, G, E / G) tensor, one dimension more than the routing top-k's (tokens, E), and is not it.
 Everything else in the layer -- shared experts (DeepSeek, Qwen2-MoE, Llama 4), the router's own linear -- is dense:
 replicated or tensor-parallel like any feed-forward, never split over expert-parallel ranks.
 """
@@ -49,6 +52,10 @@ class RoutedExperts:
     """Token choices the router makes in the traced batch (tokens x k, summed over the layers among the nodes)."""
     forward_flops: int = 0
     """Traced forward FLOPs of the expert linears."""
+    num_groups: int = 1
+    """G: routing groups of E / G consecutive experts (DeepSeek-V3's `n_group`); 1 without group-limited routing."""
+    top_groups: int = 1
+    """Of the G groups, how many a token's k experts are picked from (`topk_group`); 1 when G is 1."""
 
     @property
     def capacity_factor(self) -> float:
@@ -71,10 +78,22 @@ def routed_experts(nodes: Sequence[Node]) -> RoutedExperts | None:
                        if n.op_kind is OpKind.ROUTING and n.attr("num_experts") == experts and n.attr("k")]
             top_k = max(int(n.attr("k")) for n in routers)
             choices = sum(n.output_specs[0].numel for n in routers if n.output_specs)
+            groups, top_groups = _routing_groups(nodes, routers, experts)
             return RoutedExperts(experts, top_k, layout, tuple(n.name for n in linears),
                                  tuple(sorted(params)), sum(params.values()), choices,
-                                 sum(n.forward_flops for n in linears))
+                                 sum(n.forward_flops for n in linears), groups, top_groups)
     return None
+
+
+def _routing_groups(nodes: Sequence[Node], routers: Sequence[Node], experts: int) -> tuple[int, int]:
+    """(G, top groups) of group-limited routing (module docstring), (1, 1) without it: a top-k in a routing
+    top-k's module over a score of the same rank whose last dimension G divides E."""
+    shapes = {(n.module_path, len(n.input_specs[0].shape)) for n in routers if n.input_specs}
+    found = [(int(n.attr("num_experts")), int(n.attr("k"))) for n in nodes
+             if n.op_kind is OpKind.ROUTING and n.attr("k") and n.input_specs
+             and (n.module_path, len(n.input_specs[0].shape)) in shapes
+             and 1 < int(n.attr("num_experts")) < experts and experts % int(n.attr("num_experts")) == 0]
+    return max(found) if found else (1, 1)
 
 
 def expert_region(nodes: Sequence[Node], found: RoutedExperts) -> frozenset[str]:

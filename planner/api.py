@@ -124,6 +124,10 @@ def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any
     name = model_name or getattr(model_or_chain, "model_name", None) or type(model_or_chain).__name__
     cluster = as_cluster(cluster, profile)
     check_fp8(cluster, (space or SearchSpace()).runtime)
+    if (space or SearchSpace()).runtime.ep_overlap:
+        raise UserError("ep_overlap (DualPipe's paired all-to-all overlap) is priced for a given strategy only "
+                        "(stratagem estimate, planner.api.estimate): the search's DualPipeV partition does not "
+                        "price it; search without it, then estimate the plan's strategy with it")
     chain = as_chain(model_or_chain, inputs_or_spec, model_name=name, dtype=dtype, progress=progress)
     options = SearchOptions(objective=Objective(objective), top_k=top_k, time_limit_s=time_limit_s,
                             progress=progress, tie_band=error_band(g.device for g in cluster.groups))
@@ -197,7 +201,8 @@ def validate_strategy(chain: LayerChain, cluster: Cluster, strategy: Strategy, g
 
 def _estimate_with_sharding(chain: LayerChain, cluster: Cluster, strategy: Strategy, global_batch: int | None,
                             dtype: str, profile: Any) -> tuple[Estimate, tuple[ModuleSharding, ...]]:
-    table = LayerCostTable(chain, cluster, dtype=dtype, profile=profile, fp8=strategy.runtime.fp8)
+    table = LayerCostTable(chain, cluster, dtype=dtype, profile=profile, fp8=strategy.runtime.fp8,
+                           ep_dedup=strategy.runtime.ep_dedup)
     builder = StageProblemBuilder(chain, cluster, table, dtype)
     cand = Candidate.of(strategy)
     placements = builder.placements(cand)

@@ -275,24 +275,28 @@ def deepseek_v3_run() -> PublishedRun:
     """DeepSeek-V3 pre-training as its report states it (arXiv 2412.19437): 2,048 H800 in nodes of 8 (Sec. 3.1),
     16-way pipeline (DualPipe), 64-way expert parallelism over 8 nodes and ZeRO-1 data parallelism, no tensor
     parallelism (Sec. 3.2), sequence 4,096 and a batch of 15,360 sequences after the ramp-up (Sec. 4.2), no token
-    dropping (Sec. 2.1.2), FP8 mixed precision (Sec. 3.3); speed from the GPU hours per trillion tokens."""
+    dropping (Sec. 2.1.2), FP8 mixed precision (Sec. 3.3); speed from the GPU hours per trillion tokens. Priced
+    with what the cost model has of how it runs: the dispatch deduplicated per node (Sec. 3.2.2, `ep_dedup`;
+    the node limit itself, 4 of 8 groups, comes from the traced router) and FP8 linear layers (Sec. 3.3.2's
+    fine-grained per-tile scaling is closest to torchao's rowwise recipe, which keeps communication in bf16)."""
     tokens_per_s_per_gpu = 1e12 / (H800_GPU_HOURS_PER_TRILLION_TOKENS * 3600)
     gpus, batch, seq = 2048, 15360, 4096
     return PublishedRun(
-        name="DeepSeek-V3 671B on 2048 H800 (bf16 priced, FP8 run)", family="hf:deepseek_v3", sets=(), seq=seq,
-        device="h800", num_gpus=gpus, gpus_per_node=8, tp=1, pp=16, cp=1, dp=gpus // 16, ep=64,
+        name="DeepSeek-V3 671B on 2048 H800 (FP8 run, FP8 dense linears priced)", family="hf:deepseek_v3", sets=(),
+        seq=seq, device="h800", num_gpus=gpus, gpus_per_node=8, tp=1, pp=16, cp=1, dp=gpus // 16, ep=64,
         global_batch=batch, microbatch_size=None, virtual_stages=1, zero_stage=1, recompute=None,
         sequence_parallel=None, measured_step_s=batch * seq / (tokens_per_s_per_gpu * gpus),
         measured_memory_gib=None, counts="tokens/s per GPU (180K H800 GPU hours per trillion tokens)",
         framework="DeepSeek HAI-LLM: DualPipe, node-limited routing with deduplicated IB all-to-all, FP8",
+        runtime=RuntimeOptions(ep_dedup=True, fp8=Float8Recipe.ROWWISE),
         precision="fp8", unstated=("micro-batch", "recompute (the run recomputes RMSNorm and the MLA "
                                                   "up-projections, not a choice the planner has)"),
-        inferred=("1F1B for DualPipe (the closest schedule priced: one model chunk per direction, a larger bubble "
-                  "than DualPipe's, and all-to-alls exposed where DualPipe overlaps them with compute)",
-                  "bf16 for FP8 (GEMMs and the dispatch all-to-all at 16 bits: FP8 would run the GEMMs up to 2x "
-                  "faster and halve the dispatch bytes)",
-                  "plain all-to-all over the 8 nodes of the ep group (the run sends a token once per node, at most "
-                  "4 nodes)",
+        inferred=("1F1B for DualPipe: DualPipeV is priced, but as torch runs it (a split backward that no "
+                  "recomputation may rerun), and without recomputation this configuration needs 224 GiB per GPU; "
+                  "1F1B has a larger bubble and no forward/backward pairing to hide the all-to-alls behind",
+                  "torchao rowwise FP8 for the report's per-tile FP8 recipe: dense linear layers in FP8; the "
+                  "routed experts' grouped GEMMs, which the run also computes in FP8, and its FP8 dispatch "
+                  "(dispatch bytes halved, combine in bf16) stay bf16",
                   "no multi-token-prediction module (transformers' DeepseekV3 has none; the run adds one block)",
                   "routing at the default capacity 1.25 x mean for the busiest rank (the run drops no token)"))
 

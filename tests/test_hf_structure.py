@@ -84,6 +84,7 @@ def test_deepseek_dense_first_layers_and_group_routing(tmp_path_factory):
     layer = routed_experts(chain.nodes_of(moe))
     h, f, e = 128, 64, 8
     assert (layer.num_experts, layer.top_k) == (8, 2) and layer.param_numel == e * 3 * h * f
+    assert (layer.num_groups, layer.top_groups) == (2, 1)  # n_group, topk_group: the router's group top-k
     assert expert_param_numel(graph.nodes, 8) == 3 * layer.param_numel
     # MLA: queries and keys carry nope + rope dims, values their own.
     attention = [n for n in chain.nodes_of(moe) if n.op_kind.value == "attention"]

@@ -172,6 +172,16 @@ def test_what_a_trainer_cannot_express_is_a_warning_or_with_strict_an_error(gold
     assert any("recomputes per stage" in w for w in result.warnings)
 
 
+def test_deepseeks_expert_runtime_choices_are_warnings_in_every_trainer(golden) -> None:
+    plan, layout, shape = golden["moe-tiny-1x8xh100"]
+    s = plan.strategy
+    deduplicated = replace(plan, strategy=replace(s, ep=2, runtime=replace(s.runtime, ep_dedup=True,
+                                                                               ep_overlap=True)))
+    for trainer in Trainer:
+        warnings = export_plan(deduplicated, trainer, layout, shape).warnings
+        assert any("ep_dedup" in w for w in warnings) and any("ep_overlap" in w for w in warnings), trainer
+
+
 def test_launch_scripts_and_bash_arrays_are_read() -> None:
     cfg = read_trainer_config(f"megatron:{EXAMPLES / 'megatron_gpt3_1.3b.sh'}")
     assert (cfg.tp, cfg.pp, cfg.microbatch_size, cfg.global_batch) == (2, 2, 2, 64)

@@ -225,9 +225,13 @@ def _candidates(kind: Collective, nbytes: float, tiers: Sequence[TierSpan], n: i
 
 
 def collective_cost(kind: Collective | str, nbytes: float, group: CommGroup, cluster: Cluster, *,
-                    concurrent: int = 1, algorithms: Collection[Algorithm] | None = None) -> CollectiveCost:
+                    concurrent: int = 1, algorithms: Collection[Algorithm] | None = None,
+                    tier_scale: Sequence[float] = ()) -> CollectiveCost:
     """The fastest algorithm's time for `kind` over `group`, with its latency / bandwidth split (module docstring).
-    `algorithms` restricts the choice (e.g. {RING} to compare with a measurement taken with NVLS disabled)."""
+    `algorithms` restricts the choice (e.g. {RING} to compare with a measurement taken with NVLS disabled).
+    `tier_scale[t]` multiplies the bytes through tier t (a tier past its end keeps its bytes): a dispatch that
+    moves other volumes than the collective's textbook ones (`costmodel.expert_parallel`, deduplicated
+    all-to-all)."""
     try:
         kind = Collective(kind)
     except ValueError:
@@ -250,6 +254,9 @@ def collective_cost(kind: Collective | str, nbytes: float, group: CommGroup, clu
         raise ValueError(f"none of the algorithms {sorted(a.value for a in algorithms or ())} applies to {kind.value} "
                          f"over tiers {[t.name for t in tiers]}")
     for algorithm, parts in candidates:
+        if tier_scale:
+            parts = [(span, volume * (tier_scale[span.index] if span.index < len(tier_scale) else 1.0), bw, lat)
+                     for span, volume, bw, lat in parts]
         latency, bw_time, bottleneck = _price(parts, share)
         cost = CollectiveCost(kind, algorithm, latency + bw_time, latency, bw_time, bottleneck, tiers[-1].name)
         if best is None or cost.time_s < best.time_s:
@@ -259,9 +266,10 @@ def collective_cost(kind: Collective | str, nbytes: float, group: CommGroup, clu
 
 
 def collective_time(kind: Collective | str, nbytes: float, group: CommGroup, cluster: Cluster, *,
-                    concurrent: int = 1) -> float:
-    """Seconds for one `kind` collective of `nbytes` (full logical buffer per device) over `group`."""
-    return collective_cost(kind, nbytes, group, cluster, concurrent=concurrent).time_s
+                    concurrent: int = 1, tier_scale: Sequence[float] = ()) -> float:
+    """Seconds for one `kind` collective of `nbytes` (full logical buffer per device) over `group`
+    (`tier_scale`: see `collective_cost`)."""
+    return collective_cost(kind, nbytes, group, cluster, concurrent=concurrent, tier_scale=tier_scale).time_s
 
 
 def bus_bandwidth(kind: Collective | str, nbytes: float, n: int, seconds: float) -> float:

@@ -404,6 +404,13 @@ def runtime_unsupported(strategy: Strategy) -> str:
     if (r.p2p_scatter_gather or r.p2p_blocking) and strategy.pp > 1:
         return ("the plan prices pipeline sends as another trainer runs them (p2p_scatter_gather / p2p_blocking); "
                 "this runtime sends whole activations, paired: plan with both false, or export the plan")
+    if r.ep_dedup and strategy.ep > 1:
+        return ("the plan prices expert-parallel dispatch deduplicated per node (ep_dedup, DeepEP's internode "
+                "kernels); this runtime sends a plain all-to-all: plan with ep_dedup=false, or export the plan")
+    if r.ep_overlap:
+        return ("the plan prices DualPipe's overlap of the paired chunks' all-to-alls (ep_overlap); this runtime runs "
+                "torch's ScheduleDualPipeV, whose pairs run one after the other: plan with ep_overlap=false, or "
+                "export the plan")
     if r.offload is Offload.OPTIMIZER:
         return ("the plan offloads the optimizer state alone (offload=optimizer, ZeRO-Offload), which FSDP2 has no "
                 "form of; export the plan to DeepSpeed or Megatron-LM, or plan with --fix offload=params or none")

@@ -517,8 +517,10 @@ def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: Sea
     options = options or SearchOptions()
     if global_batch < 1:
         raise UserError(f"--batch must be a positive integer, got {global_batch}")
-    if table is None or table.fp8 != space.runtime.fp8:  # a table's prices hold for one FP8 setting only
-        table = LayerCostTable(chain, cluster, dtype=dtype, profile=profile, fp8=space.runtime.fp8)
+    runtime = space.runtime  # a table's prices hold for one FP8 and one dispatch setting only
+    if table is None or (table.fp8, table.ep_dedup) != (runtime.fp8, runtime.ep_dedup):
+        table = LayerCostTable(chain, cluster, dtype=dtype, profile=profile, fp8=runtime.fp8,
+                               ep_dedup=runtime.ep_dedup)
     builder = StageProblemBuilder(chain, cluster, table, dtype)
     state = SearchState(chain, cluster, global_batch, space, options, dtype, builder, started)
     counts = device_counts(cluster, space, options.objective)

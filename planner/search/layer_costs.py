@@ -63,6 +63,8 @@ class LayerCostTable:
     profile: Any = None
     fp8: Float8Recipe | None = None
     """Linear layers in FP8 with this recipe (`costmodel.float8`), as `RuntimeOptions.fp8` of every candidate."""
+    ep_dedup: bool = False
+    """Expert-parallel dispatch deduplicated per node (`RuntimeOptions.ep_dedup` of every candidate)."""
     solves: int = 0
     """Class-level pricings actually computed (cache misses), for the search statistics."""
     _cache: dict[tuple[str, int, int, bool, int], ClassPrices] = field(default_factory=dict)
@@ -130,7 +132,7 @@ class LayerCostTable:
                 ep=split.ep, microbatch_size=mbs // split.cp if per_rank else mbs, traced_batch=batch,
                 traced_dtype=self.chain.graph.dtype, dtype=self.dtype, divisor=1 if per_rank else split.cp,
                 group=type_group(self.cluster, device.name, split.ep, split.ep_stride),
-                concurrent=split.num_devices // split.ep, imbalance=self.expert_imbalance)
+                concurrent=split.num_devices // split.ep, imbalance=self.expert_imbalance, dedup=self.ep_dedup)
             out[cid] = expert_cost(cost, self.expert_layer(cid), device, self.cluster, setting=setting,
                                    segment_params=segment.param_count, profile=self.profile)
         return out

@@ -55,6 +55,9 @@ def config_dict(cfg: TrainerConfig, notes: Notes) -> dict[str, Any]:
     dp = cfg.dp or 1
     zero = min(cfg.zero_stage, 1) if cfg.pp > 1 else cfg.zero_stage
     pipeline_notes(cfg, notes)
+    if cfg.ep > 1:
+        notes.add(f"DeepSpeed's JSON config has no expert-parallel degree (its MoE layers take ep_size in the model "
+                  f"code): set ep_size={cfg.ep} there")
     zero_opt: dict[str, Any] = {"stage": zero, "overlap_comm": cfg.runtime.dp_overlap and cfg.pp == 1,
                                 "contiguous_gradients": True, "reduce_scatter": True}
     if zero == 3 and not cfg.runtime.reshard_after_forward:
