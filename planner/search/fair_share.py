@@ -47,9 +47,10 @@ _ORDER = {s: i for i, s in enumerate(Schedule)}
 
 class WorkUnits:
     """Rough relative costs of the search's steps (CPU time on GPT-3 175B x 1,024 A100 and Llama 3.1 405B x 16,384
-    H100: a level-1 bound ~0.05 ms, a cached level-2 refinement ~0.25 ms, a sharding solve ~25 ms, a partition
-    solve ~10 ms per 16 segments of the chain): a deterministic stand-in for time, so that a search which ends
-    within its time limit gives the same result on any machine (module docstring)."""
+    H100: a level-1 bound ~0.05 ms, a cached level-2 refinement ~0.25 ms, a sharding solve 25-100 ms (more for
+    an MoE layer), a partition solve ~10 ms per 16 segments of the chain): a deterministic stand-in for time, so
+    that a search which ends within its time limit gives the same result on any machine (module docstring). Only
+    the switch to fair shares and the shares depend on them, never what is proven."""
 
     BOUND = 0.2
     REFINE = 1.0
