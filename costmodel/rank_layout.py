@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import CommGroup
 from costmodel.pipeline import bubble_fraction, stage_rank
@@ -97,10 +99,16 @@ def coordinates_of(strategy: Strategy, rank: int) -> dict[MeshAxis, int]:
 
 def stage_ranks(strategy: Strategy, pp_rank: int) -> list[int]:
     """Global ranks of pipeline rank `pp_rank` (all its tp x cp x dp devices), ascending."""
+    return _stage_rank_array(strategy, pp_rank).tolist()
+
+
+def _stage_rank_array(strategy: Strategy, pp_rank: int) -> np.ndarray:
+    """`stage_ranks` as a sorted int64 array (a pipeline rank of a large mesh holds thousands of devices)."""
     st = axis_strides(strategy)
-    base = pp_rank * st[MeshAxis.PP]
-    return sorted(base + t * st[MeshAxis.TP] + c * st[MeshAxis.CP] + d * st[MeshAxis.DP]
-                  for t in range(strategy.tp) for c in range(strategy.cp) for d in range(strategy.dp))
+    offsets = np.zeros(1, dtype=np.int64)
+    for axis, size in ((MeshAxis.TP, strategy.tp), (MeshAxis.CP, strategy.cp), (MeshAxis.DP, strategy.dp)):
+        offsets = (offsets[:, None] + np.arange(size, dtype=np.int64) * st[axis]).ravel()
+    return np.sort(pp_rank * st[MeshAxis.PP] + offsets)
 
 
 # ---- communication groups ---------------------------------------------------------------------------------------
@@ -250,14 +258,16 @@ def device_map(cluster: Cluster, strategy: Strategy) -> tuple[StagePlacement, ..
     if strategy.num_devices > len(physical):
         raise ValueError(f"strategy needs {strategy.num_devices} devices, cluster {cluster.name!r} has "
                          f"{len(physical)} available")
-    speeds = rank_speeds(cluster, strategy)
+    speeds = np.asarray(rank_speeds(cluster, strategy), dtype=float)
+    mapped = np.asarray(physical, dtype=np.int64)
     out = []
     for k in range(strategy.pp):
-        logical = stage_ranks(strategy, k)
-        ranks = tuple(sorted(physical[r] for r in logical))
-        group_ids = sorted({cluster.group_index_of(r) for r in ranks})
+        logical = _stage_rank_array(strategy, k)
+        # `physical` ascends, so the mapped ranks stay sorted.
+        ranks = tuple(mapped[logical].tolist())
+        group_ids = cluster.group_indices_of(ranks)
         out.append(StagePlacement(
             pp_rank=k, ranks=ranks, groups=tuple(cluster.groups[g].name for g in group_ids),
             devices=tuple(sorted({cluster.groups[g].device.name for g in group_ids})),
-            speed=min(speeds[r] for r in logical)))
+            speed=float(speeds[logical].min())))
     return tuple(out)

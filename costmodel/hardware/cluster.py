@@ -197,6 +197,20 @@ class Cluster:
         self._check_rank(rank)
         return bisect.bisect_right(self._group_starts(), rank) - 1
 
+    def group_indices_of(self, ranks: Sequence[int]) -> list[int]:
+        """Sorted indices of the device groups that hold `ranks` (one pass of bisection, no per-rank checks beyond
+        the range: a pipeline rank of a large mesh holds thousands of ranks)."""
+        if not ranks:
+            return []
+        lo, hi = min(ranks), max(ranks)
+        self._check_rank(lo)
+        self._check_rank(hi)
+        starts = self._group_start_list
+        first, last = bisect.bisect_right(starts, lo) - 1, bisect.bisect_right(starts, hi) - 1
+        if first == last:
+            return [first]
+        return sorted({bisect.bisect_right(starts, r) - 1 for r in ranks})
+
     def group_of(self, rank: int) -> DeviceGroup:
         return self.groups[self.group_index_of(rank)]
 
@@ -230,7 +244,11 @@ class Cluster:
         leaves every device at its own speed."""
         if not 0 < busy_fraction <= 1:
             raise ValueError(f"busy_fraction must be in (0, 1], got {busy_fraction!r}")
-        speeds = [self.speed_of(r) for r in ranks]
+        if ranks:  # validate the range once; the lookups below index directly
+            self._check_rank(min(ranks))
+            self._check_rank(max(ranks))
+        table = self._speed_list
+        speeds = [table[r] for r in ranks]
         if not self.shares_host_cores:
             return tuple(speeds)
         per_node = Counter(self.node_of(r) for r in ranks)

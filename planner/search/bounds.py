@@ -3,6 +3,7 @@ one before its layer classes are priced (level 1), a tight one from its own laye
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,11 +44,14 @@ def _min_max_partition(prefix: np.ndarray, p: int) -> float:
     lo, hi = total / p, total  # some part is at least the mean; one part holding everything is feasible
     if lo <= 0:
         return 0.0
+    # A list and `bisect` (the same search as np.searchsorted side="right"): the probes are scalars, where numpy's
+    # per-call overhead is most of the time.
+    sums, n = prefix.tolist(), len(prefix) - 1
 
     def feasible(x: float) -> bool:
-        pos, n = 0, len(prefix) - 1
+        pos = 0
         for _ in range(p):
-            pos = int(np.searchsorted(prefix, prefix[pos] + x, side="right")) - 1
+            pos = bisect.bisect_right(sums, sums[pos] + x) - 1
             if pos >= n:
                 return True
         return False

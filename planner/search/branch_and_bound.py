@@ -42,7 +42,10 @@ Branch and bound, best first over a heap of lower bounds, each level valid for e
 An entry is expanded (0), refined (1) or solved (2) only while its bound is below the K-th best objective found;
 when the heap's smallest bound reaches it, the K best are proven optimal for this space. A time limit stops the
 loop early: the result is then "feasible" and the optimality gap compares the best plan with the smallest bound
-not yet explored. Ties are broken by a fixed key, so the result never depends on timing unless cut short.
+not yet explored. Ties are broken by a fixed key, so the result never depends on timing unless cut short. With a
+time limit, past a fixed amount of work the schedule families take turns instead of strict bound order
+(`planner.search.fair_share`), so that a family with weak bounds cannot use up the limit before the others have
+found their plans; the clock is looked at between entries and within a device count's expansion.
 
 Objective: step time, or cost = step time x (sum of the used devices' prices per second).
 """
@@ -87,6 +90,7 @@ from planner.search.explanations import (
     nothing_fits_message,
     out_of_time_message,
 )
+from planner.search.fair_share import WorkUnits, fair_share
 from planner.search.layer_costs import LayerCostTable
 from planner.search.meshes import MeshCandidate, compute_lower_bound_s
 from planner.search.pricing import (
@@ -106,6 +110,9 @@ NO_PLAN_GRACE_S = 10.0
 """With a time limit, how long past it the search keeps looking for a first plan before it gives up with a
 `TimeLimitError` (one line: a plan or an error, never an open-ended wait)."""
 
+CLOCK_EVERY = 256
+"""How many candidates an expansion bounds between two looks at the clock (a bound takes tens of microseconds)."""
+
 FIRST_PLAN_FRACTION = 0.5
 """With a time limit, once this fraction of it has passed without any plan, `SearchState.first_plan` looks for one
 among the candidates that are cheap to solve, leaving the rest of the limit to improve on it."""
@@ -118,7 +125,7 @@ class SearchOptions:
     """How many distinct strategies (different candidates) to return, best first."""
     time_limit_s: float | None = None
     """Stop after this many seconds of search with the best found so far (status "feasible"). The limit is checked
-    between candidates; if it passes before any plan is found, the search stops at the first one, or with a
+    between heap entries and every `CLOCK_EVERY` candidates of an expansion; if it passes before any plan is found, the search stops at the first one, or with a
     `TimeLimitError` when none is found within `NO_PLAN_GRACE_S` more."""
     progress: ProgressCallback | None = None
     """Called with a `planner.progress.PlanProgress` record, at most every `reporting.INTERVAL_S` and at the end."""
@@ -223,6 +230,10 @@ class SearchState:
     solved: int = 0
     pruned: int = 0
     _expert_numel: int | None = None
+    work: float = 0.0
+    """Work done so far in `WorkUnits`: a measure of search effort that, unlike the clock, is the same on every run."""
+    _unbounded: set[int] = field(default_factory=set)
+    """Candidates pushed at their device count's bound by an expansion cut short (`expand`), not yet bounded."""
     ties: TieSet | None = None
 
     def __post_init__(self) -> None:
@@ -427,6 +438,92 @@ class SearchState:
             lb *= price_per_second(self.cluster, num_devices)
         return lb
 
+    def expand_deadline(self) -> float:
+        """When a device count's expansion stops bounding its candidates: the limit once a plan is found, before
+        that the point where `first_plan` takes over; never without a limit."""
+        limit = self.options.time_limit_s
+        if limit is None:
+            return math.inf
+        return self.started + limit * (1.0 if self.found else FIRST_PLAN_FRACTION)
+
+    def expand(self, lb: float, num_devices: int, heap: list[tuple[float, int, tuple, int]],
+               deadline: float) -> int:
+        """Push the candidates on `num_devices` devices at their level-1 bound.
+
+        Bounding them all takes seconds on a large job (tens of thousands of candidates), so the clock is checked
+        every `CLOCK_EVERY`: past `deadline` the rest go in at the device count's own bound `lb` (valid for each
+        of them) and are bounded when popped. Returns how many it bounded."""
+        first = len(self.candidates)
+        cands = candidates_for(num_devices, self.chain, self.cluster, self.global_batch, self.space, self.invalid)
+        self.candidates.extend(cands)
+        for i, cand in enumerate(cands):
+            if i % CLOCK_EVERY == 0 and time.monotonic() > deadline:
+                for j in range(i, len(cands)):
+                    heapq.heappush(heap, (lb, 1, cands[j].sort_key, first + j))
+                self._unbounded.update(range(first + i, first + len(cands)))
+                return i
+            heapq.heappush(heap, (max(lb, self.bound(cand)), 1, cand.sort_key, first + i))
+        return len(cands)
+
+    def process(self, entry: tuple[float, int, tuple, int], heap: list[tuple[float, int, tuple, int]],
+                report: SearchReporter | None) -> float:
+        """Expand (level 0), bound or refine (level 1) or solve (level 2) one popped heap entry, pushing what
+        follows onto `heap`; returns the work it took (`WorkUnits`), which is also added to `work`."""
+        lb, level, key, payload = entry
+        solves = self.builder.table.solves
+        if level == 0:
+            work = self.expand(lb, payload, heap, self.expand_deadline()) * WorkUnits.BOUND
+        elif payload in self._unbounded:  # left unbounded by an expansion the clock cut short
+            self._unbounded.discard(payload)
+            heapq.heappush(heap, (max(lb, self.bound(self.candidates[payload])), 1, key, payload))
+            work = WorkUnits.BOUND
+        elif level == 1:
+            heapq.heappush(heap, (max(lb, self.refine(self.candidates[payload])), 2, key, payload))
+            work = WorkUnits.REFINE
+        else:
+            self.visit(self.candidates[payload])
+            work = WorkUnits.VISIT_PER_16_SEGMENTS * max(1.0, len(self.chain.segments) / 16)
+        if report:
+            report(Phase.SEARCH if level == 2 else Phase.PRICE, lb)
+        work += (self.builder.table.solves - solves) * WorkUnits.LAYER_SOLVE
+        self.work += work
+        return work
+
+    def stop_for_time(self, lb: float) -> bool:
+        """Whether the limit has passed with a plan found (the caller stops); raises `TimeLimitError` when it
+        has passed with none within `NO_PLAN_GRACE_S` more. `lb`: the smallest bound still to explore."""
+        if self.out_of_time() and self.found:
+            return True
+        if not self.found and self.out_of_time(extra_s=NO_PLAN_GRACE_S):
+            raise TimeLimitError(out_of_time_message(self.options.time_limit_s, NO_PLAN_GRACE_S, self.solved,
+                                                     len(self.candidates)))
+        return False
+
+    def best_first(self, heap: list[tuple[float, int, tuple, int]], skipped: list[tuple[float, int, tuple, int]],
+                   report: SearchReporter | None) -> float | None:
+        """Pop the smallest bound until it reaches the cutoff (None) or the time limit passes (the smallest
+        bound left, when it is below the K-th best: the result is cut short). Entries that cannot matter go
+        to `skipped`."""
+        rushed = False
+        while heap:
+            if not self.found and not rushed and self.out_of_time(FIRST_PLAN_FRACTION):
+                rushed = True
+                self.first_plan(heap)
+                if not heap:
+                    break
+            lb, level, key, payload = heap[0]
+            if not math.isfinite(lb) or lb >= self.cutoff():
+                break
+            if self.stop_for_time(lb):
+                # Past the K-th best only the search for a simpler tie is cut short: the K best are proven.
+                return lb if lb < self.kth_best() else None
+            heapq.heappop(heap)
+            if not self.may_matter(lb, level, payload):
+                skipped.append((lb, level, key, payload))
+                continue
+            self.process((lb, level, key, payload), heap, report)
+        return None
+
     def run(self, device_counts: Sequence[int]) -> tuple[bool, float]:
         """Best-first branch and bound; returns (cut short, smallest unexplored bound).
 
@@ -438,47 +535,16 @@ class SearchState:
         heap: list[tuple[float, int, tuple, int]] = [(self.device_bound(n), 0, (-n,), n) for n in device_counts]
         heapq.heapify(heap)
         report = SearchReporter.of(self)
-        rushed = False
         skipped: list[tuple[float, int, tuple, int]] = []
-        while heap:
-            if not self.found and not rushed and self.out_of_time(FIRST_PLAN_FRACTION):
-                rushed = True
-                self.first_plan(heap)
-                if not heap:
-                    break
-            lb, level, key, payload = heap[0]
-            if not math.isfinite(lb) or lb >= self.cutoff():
-                break
-            if self.out_of_time() and self.found:
-                if lb < self.kth_best():
-                    if report:
-                        report.done(lb)
-                    return True, lb
-                break  # the K best are proven; only the search for a simpler tie is cut short
-            if not self.found and self.out_of_time(extra_s=NO_PLAN_GRACE_S):
-                raise TimeLimitError(out_of_time_message(self.options.time_limit_s, NO_PLAN_GRACE_S, self.solved,
-                                                         len(self.candidates)))
-            heapq.heappop(heap)
-            if not self.may_matter(lb, level, payload):
-                skipped.append((lb, level, key, payload))
-                continue
-            if level == 0:
-                for cand in candidates_for(payload, self.chain, self.cluster, self.global_batch, self.space,
-                                           self.invalid):
-                    self.candidates.append(cand)
-                    heapq.heappush(heap, (max(lb, self.bound(cand)), 1, cand.sort_key, len(self.candidates) - 1))
-                if report:
-                    report(Phase.PRICE, lb)
-                continue
-            cand = self.candidates[payload]
-            if level == 1:
-                heapq.heappush(heap, (max(lb, self.refine(cand)), 2, key, payload))
-                if report:
-                    report(Phase.PRICE, lb)
-                continue
-            self.visit(cand)
+        # Under a time limit the families take turns (`fair_share`): the plan found in time is near the best.
+        if self.options.time_limit_s is None:
+            cut = self.best_first(heap, skipped, report)
+        else:
+            cut = fair_share(self, heap, skipped, report)
+        if cut is not None:
             if report:
-                report(Phase.SEARCH, lb)
+                report.done(cut)
+            return True, cut
         heap.extend(skipped)
         heapq.heapify(heap)
         self.pruned = sum(1 for entry in heap if entry[1] > 0)

@@ -408,6 +408,7 @@ class StageProblemBuilder:
         prefix = np.concatenate([[0.0], np.cumsum(segment_work(costs, ctx.speed, tp_overlap_chunks(cand),
                                                                   cand.runtime.tp_grad_overlap))])
         pruned = False
+        kept: list[tuple[tuple[int, ...], int, int, np.ndarray, np.ndarray]] = []
         for (comp, a0, b0, aa, bb), shape_mask in zip(self.structure.compositions(), self._shape_masks(kind, p),
                                                       strict=True):
             keep = shape_mask.copy()
@@ -419,21 +420,34 @@ class StageProblemBuilder:
                 useful = (least if zero_bubble else total + least - (prefix[bb] - prefix[aa])) < upper_bound
                 pruned = pruned or bool((keep & ~useful).any())
                 keep &= useful
-            if not keep.any():
-                continue
-            aa, bb = aa[keep], bb[keep]
-            for r, rc in enumerate(options):
-                t = self._composition_terms(cand, ctx, costs, rc, comp, a0, b0)
-                fwd = t.fwd[0] + recv[aa]        # the send into this stage delays its forward
-                bwd = t.bwd[0] + send[bb]        # the gradient coming back delays its backward
-                s, u = _pipeline_terms(cand.schedule, m, fwd, bwd, t)
-                additive[r, aa, bb], bottleneck[r, aa, bb] = s, u
-                memory_base[r, aa, bb] = t.memory0
-                per_microbatch[r, aa, bb] = t.memory1 - t.memory0
-                tail[r, aa, bb] = t.tail
-                tail_const[r, aa, bb] = t.tail_const
-                # The drain behind it: its backward and the send (none: W fills it, `pipeline.drain_slack`).
-                drain[r, aa, bb] = 0.0 if zero_bubble else t.bwd[0] + send[bb]
+            if keep.any():
+                kept.append((comp, a0, b0, aa[keep], bb[keep]))
+        if not kept:
+            return {"additive": additive, "bottleneck": bottleneck, "memory_base": memory_base,
+                    "memory_per_microbatch": per_microbatch, "tail": tail, "tail_const": tail_const,
+                    "drain": drain}, pruned
+        # All the stages of every kept composition at once: each composition's terms repeated over its ranges
+        # (the ranges of different compositions never overlap).
+        lengths = [len(aa) for _, _, _, aa, _ in kept]
+        aa, bb = np.concatenate([x[3] for x in kept]), np.concatenate([x[4] for x in kept])
+        for r, rc in enumerate(options):
+            terms = [self._composition_terms(cand, ctx, costs, rc, comp, a0, b0) for comp, a0, b0, _, _ in kept]
+
+            def column(values: list[float]) -> np.ndarray:
+                return np.repeat(np.array(values, dtype=float), lengths)
+
+            fwd = column([t.fwd[0] for t in terms]) + recv[aa]   # the send into this stage delays its forward
+            bwd = column([t.bwd[0] for t in terms]) + send[bb]   # the gradient coming back delays its backward
+            s, u = _pipeline_terms(cand.schedule, m, fwd, bwd, column([t.wgrad[0] for t in terms]),
+                                   column([t.post for t in terms]), column([t.optimizer for t in terms]))
+            additive[r, aa, bb], bottleneck[r, aa, bb] = s, u
+            memory0 = column([t.memory0 for t in terms])
+            memory_base[r, aa, bb] = memory0
+            per_microbatch[r, aa, bb] = column([t.memory1 for t in terms]) - memory0
+            tail[r, aa, bb] = column([t.tail for t in terms])
+            tail_const[r, aa, bb] = column([t.tail_const for t in terms])
+            # The drain behind it: its backward and the send (none: W fills it, `pipeline.drain_slack`).
+            drain[r, aa, bb] = 0.0 if zero_bubble else bwd
         return {"additive": additive, "bottleneck": bottleneck, "memory_base": memory_base,
                 "memory_per_microbatch": per_microbatch, "tail": tail, "tail_const": tail_const,
                 "drain": drain}, pruned
@@ -488,17 +502,16 @@ class StageProblemBuilder:
 
 
 
-def _pipeline_terms(schedule: Schedule, m: int, fwd: np.ndarray, bwd: np.ndarray, t: _Terms
-                    ) -> tuple[np.ndarray, np.ndarray]:
+def _pipeline_terms(schedule: Schedule, m: int, fwd: np.ndarray, bwd: np.ndarray, wgrad: np.ndarray,
+                    post: np.ndarray, opt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(additive, bottleneck) columns of contiguous stages with these forward / backward seconds (sends
-    included): GPipe (F, B | F, B, post, opt); 1F1B (F + B | F + B, post, opt); a zero-bubble schedule with one
-    chunk (E_r | m D_r - E_r, post, opt; `pipeline.zero_bubble_fill`)."""
-    post, opt = np.full_like(fwd, t.post), np.full_like(fwd, t.optimizer)
+    included) and weight-gradient, post-step and optimizer seconds: GPipe (F, B | F, B, post, opt); 1F1B (F + B
+    | F + B, post, opt); a zero-bubble schedule with one chunk (E_r | m D_r - E_r, post, opt;
+    `pipeline.zero_bubble_fill`)."""
     if schedule is Schedule.GPIPE:
         return np.stack([fwd, bwd], axis=-1), np.stack([fwd, bwd, post, opt], axis=-1)
     if schedule.zero_bubble:
-        fill = np.array([zero_bubble_fill(schedule, x, y - t.wgrad[0], t.wgrad[0]) for x, y in zip(fwd, bwd,
-                                                                                                     strict=True)])
+        fill = np.array([zero_bubble_fill(schedule, x, y - w, w) for x, y, w in zip(fwd, bwd, wgrad, strict=True)])
         return fill[:, None], np.stack([m * (fwd + bwd) - fill, post, opt], axis=-1)
     return (fwd + bwd)[:, None], np.stack([fwd + bwd, post, opt], axis=-1)
 
