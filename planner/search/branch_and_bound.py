@@ -90,7 +90,7 @@ from planner.search.explanations import (
     nothing_fits_message,
     out_of_time_message,
 )
-from planner.search.fair_share import WorkUnits, fair_share
+from planner.search.fair_share import FIRST_PLAN_FRACTION, WorkUnits, fair_share
 from planner.search.layer_costs import LayerCostTable
 from planner.search.meshes import MeshCandidate, compute_lower_bound_s
 from planner.search.pricing import (
@@ -112,10 +112,6 @@ NO_PLAN_GRACE_S = 10.0
 
 CLOCK_EVERY = 256
 """How many candidates an expansion bounds between two looks at the clock (a bound takes tens of microseconds)."""
-
-FIRST_PLAN_FRACTION = 0.5
-"""With a time limit, once this fraction of it has passed without any plan, `SearchState.first_plan` looks for one
-among the candidates that are cheap to solve, leaving the rest of the limit to improve on it."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,6 +35,10 @@ from typing import TYPE_CHECKING
 
 from costmodel.strategy import Schedule
 
+FIRST_PLAN_FRACTION = 0.5
+"""With a time limit, once this fraction of it has passed without any plan, `SearchState.first_plan` looks for one
+among the candidates that are cheap to solve, leaving the rest of the limit to improve on it."""
+
 if TYPE_CHECKING:
     from planner.search.branch_and_bound import SearchState
     from planner.search.reporting import SearchReporter
@@ -122,8 +126,6 @@ def fair_share(state: SearchState, heap: list[Entry], skipped: list[Entry],
     """`SearchState.best_first`'s contract, with the families taking turns (module docstring): None when the
     smallest bound left reaches the cutoff, else the smallest bound when the limit cuts the search short. On
     return `heap` holds every entry left; entries that cannot matter go to `skipped`."""
-    from planner.search.branch_and_bound import FIRST_PLAN_FRACTION
-
     queues = _Queues.of(state, heap)
     rushed = False
     try:
