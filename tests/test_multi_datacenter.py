@@ -15,6 +15,7 @@ from planner import api
 from planner.search.branch_and_bound import search
 from planner.search.device_groups import axis_tiers
 from planner.search.meshes import DP_INSIDE_PP, PP_INSIDE_DP
+from planner.search.space import SearchSpace
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 # 39B parameters: 624 GB of mixed-precision Adam state does not fit in one datacenter of 8 x 80 GB, so both
@@ -62,12 +63,15 @@ def test_slow_cross_datacenter_link_carries_only_pipeline_traffic(chain, slow_be
     assert tiers["pp"] == "interconnect"                                 # the only traffic crossing the slow link
     assert tiers["tp"] in (None, "node") and tiers["cp"] in (None, "node")
     assert tiers["dp"] in (None, "node", "datacenter")
-    # The same strategy with the rank order inverted sends the gradients across the slow link instead: slower.
-    assert s.dp > 1 and s.pp > 1
-    order = PP_INSIDE_DP if s.mesh_order == DP_INSIDE_PP else DP_INSIDE_PP
-    inverted = dataclasses.replace(s, mesh_order=order)
+    # A data-parallel strategy (the best one, or the best with dp pinned to 2 when the best has none) with the
+    # rank order inverted sends the gradients across the slow link instead: much slower.
+    paired = best if s.dp > 1 else search(chain, slow, global_batch=32, space=SearchSpace(dp=2)).best
+    t = paired.strategy
+    assert t.dp > 1 and t.pp > 1 and axis_tiers(slow, t)["pp"] == "interconnect"
+    order = PP_INSIDE_DP if t.mesh_order == DP_INSIDE_PP else DP_INSIDE_PP
+    inverted = dataclasses.replace(t, mesh_order=order)
     assert axis_tiers(slow, inverted)["dp"] == "interconnect"
-    assert api.estimate(chain, slow, inverted).step_time_s > 2 * best.estimate.step_time_s
+    assert api.estimate(chain, slow, inverted).step_time_s > 2 * paired.estimate.step_time_s
 
 
 def test_a_fast_link_lets_gradients_cross(chain, slow_best) -> None:
