@@ -39,7 +39,7 @@ under ZeRO-2/3 also the whole gradient of the largest unit while it is reduce-sc
 copy: FSDP2's `reduce_dtype=float32`).
 
 Under pipeline parallelism (`pipelined`: torch.distributed.pipelining runs FSDP's backward without gradient sync
-and without resharding for every micro-batch but the last, `step_time.pipelined_zero_comm`) ZeRO-2/3 keep the
+and without resharding for every micro-batch but the last, `step_time.data_parallel_comm(pipelined=True)`) ZeRO-2/3 keep the
 rank's whole gradient (4 bytes per parameter, ZeRO-1's) and, under ZeRO-3, the gathered weights of every segment
 from a backward to the next forward.
 
@@ -164,7 +164,7 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
     # Expert parallelism (costmodel/expert_parallel.py): expert state is sharded over dp / ep ranks.
     experts = sum(s.cost.expert_param_count for s in segments)
     # Parameter offload keeps FSDP2's per-micro-batch reduction (`step_time.data_parallel_comm`).
-    pipelined = pipelined and Offload(offload) is Offload.NONE
+    pipelined = pipelined and Offload(offload) is not Offload.PARAMS
     state = model_state_bytes(sum(s.cost.param_count for s in segments) + extra_params - experts,
                               zero_stage=zero_stage, dp=dp, dtype=dtype, offload=offload, pipelined=pipelined)
     if experts:

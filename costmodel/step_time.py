@@ -30,9 +30,11 @@ Gradients are reduced in fp32 (`memory.GRAD_BYTES`), weights gathered in the tra
   chunk per segment; without `reshard_after_forward` only before the forward), gradients reduce-scattered during
   every backward.
 With pipeline parallelism (torch.distributed.pipelining) ZeRO-2/3 gradients are not reduced per micro-batch:
-they accumulate unsharded and are reduce-scattered once after the last backward, and gathered weights stay
-gathered from each backward to the next forward (`pipelined_zero_comm`; the memory of both is
-`memory.rank_memory`'s). Without pipelining `planner.runtime.train_step` reduces ZeRO-2/3 gradients every
+every backward but the last runs with `set_requires_gradient_sync(False)` and `set_reshard_after_backward(False)`
+(`PipelineStage.backward_maybe_with_nosync`), so gradients accumulate unsharded and are reduce-scattered once
+after the last backward, as ZeRO-1's, and gathered weights stay gathered from each backward to the next forward:
+the step's first forward gathers them (ZeRO-1's post-step gather) and, under ZeRO-3 with `reshard_after_forward`,
+every backward again (`data_parallel_comm(pipelined=True)`; the memory of both is `memory.rank_memory`'s). Without pipelining `planner.runtime.train_step` reduces ZeRO-2/3 gradients every
 micro-batch, as priced above.
 With `RuntimeOptions.dp_overlap` off nothing overlaps: every term above is its full collective time.
 Offloading (`costmodel.offload`): under FSDP2's parameter offload each gather is preceded by the host-to-device
@@ -270,13 +272,8 @@ def data_parallel_comm(*, zero_stage: int, grad_bytes: float, param_bytes: float
     collective's latency: n pieces of S / n bytes. ZeRO-0's gradient all-reduce is one collective over the whole
     part (`replicate` keeps one unit; gradient buckets only pace its overlap with the backward). The units' host
     work is `host_time`'s. `host_copy`: FSDP2's parameter-offload copies of the stage (ZeRO-3 only).
-    `pipelined`: the stage runs under torch.distributed.pipelining (`pipelined_zero_comm`)."""
-    if pipelined and zero_stage >= 2 and host_copy is None and group.size > 1 and grad_bytes > 0:
-        return pipelined_zero_comm(zero_stage=zero_stage, grad_bytes=grad_bytes, param_bytes=param_bytes,
-                                   num_segments=num_segments, fwd_window_s=fwd_window_s,
-                                   bwd_window_s=bwd_window_s, group=group, cluster=cluster, concurrent=concurrent,
-                                   bucket_bytes=bucket_bytes, overlap=overlap,
-                                   reshard_after_forward=reshard_after_forward)
+    `pipelined`: the stage runs under torch.distributed.pipelining, which reduces ZeRO-2/3 gradients once per
+    step (module docstring; with parameter offload FSDP2 keeps its per-micro-batch reduction)."""
     if group.size <= 1 or grad_bytes <= 0:
         return _host_copy_only(host_copy, num_segments, fwd_window_s, bwd_window_s, overlap,
                                reshard_after_forward)
@@ -293,8 +290,13 @@ def data_parallel_comm(*, zero_stage: int, grad_bytes: float, param_bytes: float
         return DataParallelComm(end_reduce_s=t(Collective.ALL_REDUCE, grad_bytes, 1),
                                 end_reduce_chunks=buckets)
     gather = t(Collective.ALL_GATHER, param_bytes, n_seg)
-    if zero_stage == 1:
-        return DataParallelComm(end_reduce_s=t(Collective.REDUCE_SCATTER, grad_bytes, n_seg),
+    if zero_stage == 1 or (pipelined and host_copy is None):
+        # ZeRO-1, and ZeRO-2/3 under pipelining (module docstring): one reduce-scatter after the last backward and
+        # the weights gathered ahead of the step's first forward -- under ZeRO-3 with resharding, again in every
+        # backward.
+        regather = exposed(gather, bwd_window_s, n_seg) if zero_stage == 3 and reshard_after_forward else 0.0
+        return DataParallelComm(per_microbatch_bwd_s=regather,
+                                end_reduce_s=t(Collective.REDUCE_SCATTER, grad_bytes, n_seg),
                                 end_reduce_chunks=max(buckets, n_seg),
                                 post_step_s=exposed(gather, fwd_window_s, n_seg))
     reduce = t(Collective.REDUCE_SCATTER, grad_bytes, n_seg)
@@ -311,31 +313,6 @@ def data_parallel_comm(*, zero_stage: int, grad_bytes: float, param_bytes: float
         per_microbatch_fwd_s=fwd, per_microbatch_bwd_s=bwd,
         offload_fwd_s=exposed(gather + h2d, fwd_window_s, n_seg) - fwd,
         offload_bwd_s=exposed(chain, bwd_window_s, n_seg) - bwd + (d2h if host_copy.blocking else 0.0))
-
-
-def pipelined_zero_comm(*, zero_stage: int, grad_bytes: float, param_bytes: float, num_segments: int,
-                        fwd_window_s: float, bwd_window_s: float, group: CommGroup, cluster: Cluster,
-                        concurrent: int, bucket_bytes: int, overlap: bool, reshard_after_forward: bool
-                        ) -> DataParallelComm:
-    """ZeRO-2/3 of a pipeline stage as torch.distributed.pipelining runs FSDP: every micro-batch's backward but
-    the last runs with `set_requires_gradient_sync(False)` and `set_reshard_after_backward(False)`
-    (`PipelineStage.backward_maybe_with_nosync`), so gradients accumulate unsharded and are reduce-scattered once,
-    after the last backward (ZeRO-1's end-of-step reduction), and gathered weights stay gathered from a backward
-    to the next forward: the step's first forward gathers them (ZeRO-1's post-step gather), and with
-    `reshard_after_forward` every backward gathers them again."""
-    def t(kind: Collective, nbytes: float, pieces: int) -> float:
-        return pieces * collective_time(kind, nbytes / pieces, group, cluster, concurrent=concurrent)
-
-    def exposed(comm_s: float, window_s: float, pieces: int) -> float:
-        return overlapped_exposed(comm_s, window_s, pieces) if overlap else comm_s
-
-    n_seg = max(num_segments, 1)
-    gather = t(Collective.ALL_GATHER, param_bytes, n_seg)
-    regather = exposed(gather, bwd_window_s, n_seg) if zero_stage == 3 and reshard_after_forward else 0.0
-    return DataParallelComm(per_microbatch_bwd_s=regather,
-                            end_reduce_s=t(Collective.REDUCE_SCATTER, grad_bytes, n_seg),
-                            end_reduce_chunks=max(math.ceil(grad_bytes / bucket_bytes), 1, n_seg),
-                            post_step_s=exposed(gather, fwd_window_s, n_seg))
 
 
 def _host_copy_only(host_copy: HostCopy | None, num_segments: int, fwd_window_s: float, bwd_window_s: float,
