@@ -39,10 +39,11 @@ from ir.layer_chain import LayerChain
 from planner.errors import UserError
 from planner.plan import ModelInfo, ModuleSharding, Plan, SearchInfo, TrainingConfig
 from planner.progress import Phase, PlanProgress, ProgressCallback
-from planner.search.branch_and_bound import SearchOptions, SearchResult, check_fp8, search
+from planner.search.branch_and_bound import check_fp8, search
 from planner.search.candidates import Candidate
 from planner.search.device_groups import mixed_type_problem, with_device_groups
 from planner.search.layer_costs import LayerCostTable
+from planner.search.outcome import SearchOptions, SearchResult
 from planner.search.pricing import layer_cost_map, sharding_of
 from planner.search.space import Objective, SearchSpace
 from planner.search.stage_problem import StageProblemBuilder

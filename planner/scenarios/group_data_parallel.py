@@ -34,8 +34,9 @@ from costmodel.pipeline import schedule_problem
 from costmodel.strategy import Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import UserError
-from planner.search.branch_and_bound import SearchOptions, search
+from planner.search.branch_and_bound import search
 from planner.search.layer_costs import LayerCostTable
+from planner.search.outcome import SearchOptions
 from planner.strategy_label import Detail, strategy_label
 
 # ---- proportional shares --------------------------------------------------------------------------------------

@@ -45,11 +45,12 @@ from ir.layer_chain import LayerChain
 from planner.errors import PlanLoadError, UserError
 from planner.plan import Alternative, ModuleSharding, Plan, SearchInfo
 from planner.progress import ProgressCallback
-from planner.search.branch_and_bound import SearchOptions, SearchResult, check_fp8, search
+from planner.search.branch_and_bound import check_fp8, search
 from planner.search.candidates import Candidate
 from planner.search.device_groups import with_device_groups
 from planner.search.layer_costs import LayerCostTable
 from planner.search.meshes import compute_lower_bound_s
+from planner.search.outcome import SearchOptions, SearchResult
 from planner.search.pricing import layer_cost_map, sharding_of, summary_recompute
 from planner.search.space import SearchSpace
 from planner.search.stage_partition import solve_partition

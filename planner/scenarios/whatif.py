@@ -29,7 +29,7 @@ from planner.errors import UserError
 from planner.scenarios.group_data_parallel import GroupDataParallelPlan, plan_group_data_parallel, searching
 from planner.scenarios.replan import PlanningSession
 from planner.scenarios.variations import Scenario
-from planner.search.branch_and_bound import SearchOptions
+from planner.search.outcome import SearchOptions
 from planner.search.space import Objective, SearchSpace
 from planner.strategy_label import strategy_label
 

@@ -55,29 +55,17 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from costmodel.breakdown import Estimate
 from costmodel.estimate import estimate as costmodel_estimate
-from costmodel.estimate import optimizer_terms
-from costmodel.expert_parallel import (
-    expert_param_numel,
-    num_experts,
-    optimizer_params,
-)
-from costmodel.expert_parallel import model_state_bytes as expert_state_bytes
 from costmodel.float8 import fp8_problem
 from costmodel.hardware.cluster import Cluster
-from costmodel.layer_cost import LayerCost
-from costmodel.memory import framework_overhead_bytes
-from costmodel.step_time import optimizer_step_time
-from costmodel.strategy import MeshAxis, Offload, Recompute, RuntimeOptions, Strategy
+from costmodel.strategy import Recompute, RuntimeOptions
 from ir.layer_chain import LayerChain
 from planner.errors import InfeasibleError, TimeLimitError, UserError
-from planner.plan import Alternative, ModuleSharding
-from planner.progress import Phase, ProgressCallback
-from planner.search.bounds import cheap_lower_bound, tight_lower_bound
+from planner.progress import Phase
+from planner.search.candidate_bounds import CandidateBounds
 from planner.search.candidates import (
     Candidate,
     candidates_for,
@@ -92,7 +80,8 @@ from planner.search.explanations import (
 )
 from planner.search.fair_share import FIRST_PLAN_FRACTION, WorkUnits, fair_share
 from planner.search.layer_costs import LayerCostTable
-from planner.search.meshes import MeshCandidate, compute_lower_bound_s
+from planner.search.meshes import compute_lower_bound_s
+from planner.search.outcome import Found, MeshRecord, RankedStrategy, SearchOptions, SearchResult
 from planner.search.pricing import (
     layer_cost_map,
     least_memory_of,
@@ -114,94 +103,6 @@ CLOCK_EVERY = 256
 """How many candidates an expansion bounds between two looks at the clock (a bound takes tens of microseconds)."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class SearchOptions:
-    objective: Objective = Objective.TIME
-    top_k: int = 1
-    """How many distinct strategies (different candidates) to return, best first."""
-    time_limit_s: float | None = None
-    """Stop after this many seconds of search with the best found so far (status "feasible"). The limit is checked
-    between heap entries and every `CLOCK_EVERY` candidates of an expansion; if it passes before any plan is found, the search stops at the first one, or with a
-    `TimeLimitError` when none is found within `NO_PLAN_GRACE_S` more."""
-    progress: ProgressCallback | None = None
-    """Called with a `planner.progress.PlanProgress` record, at most every `reporting.INTERVAL_S` and at the end."""
-    num_alternatives: int = 8
-    """How many losing meshes (distinct dp, tp, pp) to explain in `alternatives`."""
-    explain_slack: float = 0.1
-    """Losing meshes within this fraction of the best are priced exactly for `alternatives` (the others get
-    their lower bound); it never changes the chosen plans, only how much work goes into explaining them."""
-    tie_band: float | None = None
-    """Beyond the K best, also solve every candidate that could be the simplest strategy within this relative band
-    of the best (`planner.search.ranking.TieSet`) and return the simplest tied ones; None: the K best only."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "objective", Objective(self.objective))
-        if not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ValueError(f"top must be a positive integer, got {self.top_k!r}")
-        if self.time_limit_s is not None and not 0 < self.time_limit_s < math.inf:
-            raise ValueError(f"time limit must be a positive number of seconds, got {self.time_limit_s!r}")
-        if self.tie_band is not None and not 0 <= self.tie_band < math.inf:
-            raise ValueError(f"tie band must be a non-negative fraction, got {self.tie_band!r}")
-
-
-@dataclass(frozen=True)
-class RankedStrategy:
-    """One of the best strategies: what the search predicted and what `costmodel.estimate` says."""
-
-    candidate: Candidate
-    strategy: Strategy
-    objective: float
-    """Search objective (seconds, or cost per step) of this strategy."""
-    predicted_step_time_s: float
-    """The partition DP's step time (equals estimate.step_time_s up to float summation order)."""
-    estimate: Estimate
-    sharding: tuple[ModuleSharding, ...]
-    layer_costs: Mapping[tuple[int, str], LayerCost]
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    ranked: tuple[RankedStrategy, ...]
-    alternatives: tuple[Alternative, ...]
-    status: str
-    """"optimal" (the space was exhausted or pruned by bounds) or "feasible" (cut short by the time limit)."""
-    cut_short: bool
-    lower_bound: float
-    """Proven lower bound on the best objective (objective units)."""
-    optimality_gap: float
-    candidates: int
-    """Candidates whose stage partition was solved."""
-    pruned: int
-    """Candidates skipped by a lower bound (never priced)."""
-    layer_solves: int
-    """Layer-class pricings (intra-op ILP solves for tp > 1) actually computed."""
-    time_s: float
-
-    @property
-    def best(self) -> RankedStrategy:
-        return self.ranked[0]
-
-
-@dataclass(order=True)
-class Found:
-    objective: float
-    order: int
-    candidate: Candidate = field(compare=False)
-    step_time_s: float = field(compare=False)
-    strategy: Strategy = field(compare=False)
-
-
-@dataclass
-class _MeshRecord:
-    """What happened to one (dp, tp, pp): its best solved candidate, or why none was."""
-
-    best: Found | None = None
-    lower_bound: float = math.inf
-    memory_need_bytes: float = math.inf
-    beyond_slack: bool = False
-    """Its partition was solved but nothing came within `explain_slack` of the best."""
-
-
 # ---- the search --------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -215,17 +116,12 @@ class SearchState:
     builder: StageProblemBuilder
     started: float
     found: list[Found] = field(default_factory=list)
-    meshes: dict[tuple[int, int, int], _MeshRecord] = field(default_factory=dict)
+    meshes: dict[tuple[int, int, int], MeshRecord] = field(default_factory=dict)
     candidates: list[Candidate] = field(default_factory=list)
     invalid: dict[tuple, str] = field(default_factory=dict)
-    _memory_need: dict[tuple, float] = field(default_factory=dict)
-    _replicated: dict[tuple, tuple[float, float]] = field(default_factory=dict)
-    _optimizer: dict[tuple, float] = field(default_factory=dict)
     _price: dict[int, float] = field(default_factory=dict)
-    _pipeline_bound: dict[tuple, float] = field(default_factory=dict)
     solved: int = 0
     pruned: int = 0
-    _expert_numel: int | None = None
     work: float = 0.0
     """Work done so far in `WorkUnits`: a measure of search effort that, unlike the clock, is the same on every run."""
     _unbounded: set[int] = field(default_factory=set)
@@ -233,6 +129,7 @@ class SearchState:
     ties: TieSet | None = None
 
     def __post_init__(self) -> None:
+        self.bounds = CandidateBounds(self.chain, self.dtype, self.builder)
         if self.options.tie_band is not None:
             self.ties = TieSet(self.options.tie_band)
 
@@ -303,98 +200,22 @@ class SearchState:
             heapq.heappush(heap, entry)
 
     def bound(self, cand: Candidate) -> float:
-        """Level-1 lower bound on the candidate's objective from tp == 1 prices (no sharding solve); inf when its
-        parameter state alone cannot fit. Its pieces are cached: thousands of candidates share them."""
-        placements = self.builder.placements(cand)
-        if placements is None:
-            return math.inf
-        m = cand.mesh
-        key = (m.tp * m.pp, m.dp * m.cp, m.ep, cand.zero_stage, cand.runtime.offload)
-        need = self._memory_need.get(key)
-        if need is None:
-            # Experts split over ep hold 1/ep of their weights, ZeRO-sharded over dp*cp/ep ranks.
-            even, even_experts = self._even_params(m)
-            state = expert_state_bytes(even, even_experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp,
-                                       ep=m.ep, dtype=self.dtype, offload=cand.runtime.offload).total
-            need = self._memory_need[key] = state + framework_overhead_bytes(placements[0].device.name)
-        if need > max(pl.device.memory_bytes for pl in placements):
-            rec = self.meshes.setdefault((m.dp, m.tp, m.pp), _MeshRecord())
+        """Level-1 lower bound on the candidate's objective (`CandidateBounds.cheap`); inf when its parameter
+        state alone cannot fit, which the mesh's record keeps for the explanation."""
+        lb, need = self.bounds.cheap(cand)
+        if need is not None:
+            m = cand.mesh
+            rec = self.meshes.setdefault((m.dp, m.tp, m.pp), MeshRecord())
             rec.memory_need_bytes = min(rec.memory_need_bytes, need)
             return math.inf
-        total = min(self._replicated_total(pl.device, cand.microbatch_size)[0] / pl.speed for pl in placements)
-        forward = min(self._replicated_total(pl.device, cand.microbatch_size)[1] / pl.speed for pl in placements)
-        lb = cheap_lower_bound(cand, total, optimizer_s=self.optimizer_bound(cand, placements), forward_s=forward)
         return lb * self.price_factor(cand)
 
-    def _replicated_total(self, device, mbs: int) -> tuple[float, float]:
-        """(forward + backward, forward) compute of one micro-batch of the whole chain on one `device`."""
-        key = (device.name, mbs)
-        if key not in self._replicated:
-            costs = self.builder.table.segment_costs(device, tp=1, tp_stride=1, sequence_parallel=False,
-                                                     microbatch_size=mbs)
-            self._replicated[key] = (sum(c.fwd_compute_s + c.bwd_compute_s for c in costs),
-                                     sum(c.fwd_compute_s for c in costs))
-        return self._replicated[key]
-
-    def expert_numel(self) -> int:
-        """Expert weights in the model, counted once per search (a pass over every graph node)."""
-        if self._expert_numel is None:
-            nodes = self.chain.graph.nodes
-            self._expert_numel = expert_param_numel(nodes, num_experts(nodes) or 0)
-        return self._expert_numel
-
-    def _even_params(self, m: MeshCandidate) -> tuple[int, int]:
-        """(parameters, of which expert weights) on a rank holding an even 1/(tp*pp) share, experts split ep ways:
-        the fullest rank holds at least that."""
-        experts = self.expert_numel()
-        local_experts = -(-experts // m.ep) if m.ep > 1 else 0
-        total = self.chain.graph.param_count - experts + local_experts if m.ep > 1 else self.chain.graph.param_count
-        return -(-total // (m.tp * m.pp)), local_experts // (m.tp * m.pp)
-
-    def optimizer_bound(self, cand: Candidate, placements) -> float:
-        """The optimizer step of the fullest rank is at least that of an even split of the parameters."""
-        m = cand.mesh
-        fastest = max(placements, key=lambda pl: pl.speed)
-        # The speed is in the key: where devices share host cores it changes with the schedule's bubbles.
-        key = (m, cand.zero_stage, fastest.device.name, fastest.speed, cand.runtime.offload)
-        if key not in self._optimizer:
-            even, even_experts = self._even_params(m)
-            local = optimizer_params(even, even_experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp, ep=m.ep)
-            if cand.runtime.offload is Offload.NONE:
-                self._optimizer[key] = optimizer_step_time(local, fastest.device, speed=fastest.speed)
-            else:  # the host CPU's step does not scale with the device's speed: the cheapest host bounds it
-                self._optimizer[key] = min(optimizer_terms(local, pl.device, cand.runtime.offload, dtype=self.dtype,
-                                                           speed=pl.speed)[0] for pl in placements)
-        return self._optimizer[key]
-
     def refine(self, cand: Candidate) -> float:
-        """Level-2 lower bound from the candidate's own layer prices (solves its layer classes' sharding).
-
-        The bound's pipeline part depends only on (device, tp, sp, mbs, p, schedule, v) and the mesh's sends, so
-        it is cached across the ZeRO stages and the other candidates that share it."""
-        placements = self.builder.placements(cand)
-        m = cand.mesh
-        interleaved = cand.schedule.chunked and cand.virtual_stages > 1
-        key = (tuple(sorted({(pl.device.name, pl.speed) for pl in placements})), m.tp, m.stride(MeshAxis.TP), cand.sequence_parallel, cand.microbatch_size, m.pp,
-               cand.num_microbatches, cand.virtual_stages if interleaved else 1,
-               cand.schedule.zero_bubble, cand.schedule.v_shape,  # the bound's form and the chunks' placement
-               (m.dp, m.cp, m.mesh_order) if interleaved and m.pp > 1 else (),
-               # cp / ep change the segment prices (planner.search.layer_costs.AxisSplit).
-               (m.cp, m.stride(MeshAxis.CP), m.ep, m.stride(MeshAxis.EP), m.num_devices))
-        pipe = self._pipeline_bound.get(key)
-        if pipe is None:
-            # Each rank's work priced on its own device and speed; the bound takes the cheapest per segment.
-            costs = [(self.builder.segment_costs(cand, device), speed)
-                     for device, speed in {(pl.device.name, pl.speed): (pl.device, pl.speed)
-                                           for pl in placements}.values()]
-            layout = self.builder.layout(cand) if interleaved else None
-            p2p = self.builder.interleaved_sends(cand, layout, placements) if layout is not None else []
-            pipe = self._pipeline_bound[key] = tight_lower_bound(cand, costs, optimizer_s=0.0, layout=layout,
-                                                                 p2p=p2p)
-        return (pipe + self.optimizer_bound(cand, placements)) * self.price_factor(cand)
+        """Level-2 lower bound from the candidate's own layer prices (`CandidateBounds.tight`)."""
+        return self.bounds.tight(cand) * self.price_factor(cand)
 
     def visit(self, cand: Candidate) -> None:
-        rec = self.meshes.setdefault((cand.mesh.dp, cand.mesh.tp, cand.mesh.pp), _MeshRecord())
+        rec = self.meshes.setdefault((cand.mesh.dp, cand.mesh.tp, cand.mesh.pp), MeshRecord())
         factor = self.price_factor(cand)
         mesh_best = rec.best.objective if rec.best is not None else math.inf
         # Solve to beat the K-th best (a plan), or this mesh's best so far within the slack (an alternative).
@@ -547,7 +368,7 @@ class SearchState:
         for lb_left, level_left, _, payload_left in heap:  # what is known of the candidates never solved
             if level_left > 0:
                 mesh = self.candidates[payload_left].mesh
-                rec = self.meshes.setdefault((mesh.dp, mesh.tp, mesh.pp), _MeshRecord())
+                rec = self.meshes.setdefault((mesh.dp, mesh.tp, mesh.pp), MeshRecord())
                 rec.lower_bound = min(rec.lower_bound, lb_left)
         if report:
             report.done(heap[0][0] if heap else math.inf)

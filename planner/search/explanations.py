@@ -29,7 +29,8 @@ from planner.search.space import Objective, SearchSpace
 from planner.strategy_label import Detail, strategy_label
 
 if TYPE_CHECKING:
-    from planner.search.branch_and_bound import Found, RankedStrategy, SearchState
+    from planner.search.branch_and_bound import SearchState
+    from planner.search.outcome import Found, RankedStrategy
 
 
 _PHRASES = {

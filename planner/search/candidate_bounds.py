@@ -1,0 +1,126 @@
+"""The branch and bound's lower bounds on one candidate, with the caches that let thousands of candidates share
+their pieces: level 1 (`cheap`: tp == 1 prices, no sharding solve, and whether the parameter state alone fits)
+and level 2 (`tight`: the candidate's own layer prices). The formulas are `planner.search.bounds`'; this module
+gathers what they need from the stage-problem builder and the cost model, once per distinct key."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from costmodel.estimate import optimizer_terms
+from costmodel.expert_parallel import expert_param_numel, num_experts, optimizer_params
+from costmodel.expert_parallel import model_state_bytes as expert_state_bytes
+from costmodel.hardware.device import DeviceSpec
+from costmodel.memory import framework_overhead_bytes
+from costmodel.step_time import optimizer_step_time
+from costmodel.strategy import MeshAxis, Offload
+from ir.layer_chain import LayerChain
+from planner.search.bounds import cheap_lower_bound, tight_lower_bound
+from planner.search.candidates import Candidate
+from planner.search.meshes import MeshCandidate
+from planner.search.stage_problem import RankPlacement, StageProblemBuilder
+
+
+@dataclass
+class CandidateBounds:
+    chain: LayerChain
+    dtype: str
+    builder: StageProblemBuilder
+    _memory_need: dict[tuple, float] = field(default_factory=dict)
+    _replicated: dict[tuple, tuple[float, float]] = field(default_factory=dict)
+    _optimizer: dict[tuple, float] = field(default_factory=dict)
+    _pipeline_bound: dict[tuple, float] = field(default_factory=dict)
+    _expert_numel: int | None = None
+
+    def cheap(self, cand: Candidate) -> tuple[float, float | None]:
+        """(level-1 lower bound on the candidate's step time from tp == 1 prices, no sharding solve; None, or
+        the bytes its parameter state needs when that alone cannot fit -- the bound is then inf)."""
+        placements = self.builder.placements(cand)
+        if placements is None:
+            return math.inf, None
+        m = cand.mesh
+        key = (m.tp * m.pp, m.dp * m.cp, m.ep, cand.zero_stage, cand.runtime.offload)
+        need = self._memory_need.get(key)
+        if need is None:
+            # Experts split over ep hold 1/ep of their weights, ZeRO-sharded over dp*cp/ep ranks.
+            even, even_experts = self._even_params(m)
+            state = expert_state_bytes(even, even_experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp,
+                                       ep=m.ep, dtype=self.dtype, offload=cand.runtime.offload).total
+            need = self._memory_need[key] = state + framework_overhead_bytes(placements[0].device.name)
+        if need > max(pl.device.memory_bytes for pl in placements):
+            return math.inf, need
+        total = min(self._replicated_total(pl.device, cand.microbatch_size)[0] / pl.speed for pl in placements)
+        forward = min(self._replicated_total(pl.device, cand.microbatch_size)[1] / pl.speed for pl in placements)
+        return cheap_lower_bound(cand, total, optimizer_s=self.optimizer_bound(cand, placements),
+                                 forward_s=forward), None
+
+    def _replicated_total(self, device: DeviceSpec, mbs: int) -> tuple[float, float]:
+        """(forward + backward, forward) compute of one micro-batch of the whole chain on one `device`."""
+        key = (device.name, mbs)
+        if key not in self._replicated:
+            costs = self.builder.table.segment_costs(device, tp=1, tp_stride=1, sequence_parallel=False,
+                                                     microbatch_size=mbs)
+            self._replicated[key] = (sum(c.fwd_compute_s + c.bwd_compute_s for c in costs),
+                                     sum(c.fwd_compute_s for c in costs))
+        return self._replicated[key]
+
+    def expert_numel(self) -> int:
+        """Expert weights in the model, counted once per search (a pass over every graph node)."""
+        if self._expert_numel is None:
+            nodes = self.chain.graph.nodes
+            self._expert_numel = expert_param_numel(nodes, num_experts(nodes) or 0)
+        return self._expert_numel
+
+    def _even_params(self, m: MeshCandidate) -> tuple[int, int]:
+        """(parameters, of which expert weights) on a rank holding an even 1/(tp*pp) share, experts split ep ways:
+        the fullest rank holds at least that."""
+        experts = self.expert_numel()
+        local_experts = -(-experts // m.ep) if m.ep > 1 else 0
+        total = self.chain.graph.param_count - experts + local_experts if m.ep > 1 else self.chain.graph.param_count
+        return -(-total // (m.tp * m.pp)), local_experts // (m.tp * m.pp)
+
+    def optimizer_bound(self, cand: Candidate, placements: Sequence[RankPlacement]) -> float:
+        """The optimizer step of the fullest rank is at least that of an even split of the parameters."""
+        m = cand.mesh
+        fastest = max(placements, key=lambda pl: pl.speed)
+        # The speed is in the key: where devices share host cores it changes with the schedule's bubbles.
+        key = (m, cand.zero_stage, fastest.device.name, fastest.speed, cand.runtime.offload)
+        if key not in self._optimizer:
+            even, even_experts = self._even_params(m)
+            local = optimizer_params(even, even_experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp, ep=m.ep)
+            if cand.runtime.offload is Offload.NONE:
+                self._optimizer[key] = optimizer_step_time(local, fastest.device, speed=fastest.speed)
+            else:  # the host CPU's step does not scale with the device's speed: the cheapest host bounds it
+                self._optimizer[key] = min(optimizer_terms(local, pl.device, cand.runtime.offload, dtype=self.dtype,
+                                                           speed=pl.speed)[0] for pl in placements)
+        return self._optimizer[key]
+
+    def tight(self, cand: Candidate) -> float:
+        """Level-2 lower bound on the candidate's step time from its own layer prices (solves its layer classes'
+        sharding).
+
+        The bound's pipeline part depends only on (device, tp, sp, mbs, p, schedule, v) and the mesh's sends, so
+        it is cached across the ZeRO stages and the other candidates that share it."""
+        placements = self.builder.placements(cand)
+        m = cand.mesh
+        interleaved = cand.schedule.chunked and cand.virtual_stages > 1
+        key = (tuple(sorted({(pl.device.name, pl.speed) for pl in placements})), m.tp, m.stride(MeshAxis.TP),
+               cand.sequence_parallel, cand.microbatch_size, m.pp,
+               cand.num_microbatches, cand.virtual_stages if interleaved else 1,
+               cand.schedule.zero_bubble, cand.schedule.v_shape,  # the bound's form and the chunks' placement
+               (m.dp, m.cp, m.mesh_order) if interleaved and m.pp > 1 else (),
+               # cp / ep change the segment prices (planner.search.layer_costs.AxisSplit).
+               (m.cp, m.stride(MeshAxis.CP), m.ep, m.stride(MeshAxis.EP), m.num_devices))
+        pipe = self._pipeline_bound.get(key)
+        if pipe is None:
+            # Each rank's work priced on its own device and speed; the bound takes the cheapest per segment.
+            costs = [(self.builder.segment_costs(cand, device), speed)
+                     for device, speed in {(pl.device.name, pl.speed): (pl.device, pl.speed)
+                                           for pl in placements}.values()]
+            layout = self.builder.layout(cand) if interleaved else None
+            p2p = self.builder.interleaved_sends(cand, layout, placements) if layout is not None else []
+            pipe = self._pipeline_bound[key] = tight_lower_bound(cand, costs, optimizer_s=0.0, layout=layout,
+                                                                 p2p=p2p)
+        return pipe + self.optimizer_bound(cand, placements)
