@@ -211,7 +211,14 @@ class SearchState:
         return lb * self.price_factor(cand)
 
     def refine(self, cand: Candidate) -> float:
-        """Level-2 lower bound from the candidate's own layer prices (`CandidateBounds.tight`)."""
+        """Level-2 lower bound from the candidate's own layer prices (`CandidateBounds.tight`); inf when even its
+        least activation memory cannot fit (`CandidateBounds.memory_floor`), which the mesh's record keeps."""
+        need = self.bounds.memory_floor(cand, self.options_for())
+        if need > max(pl.device.memory_bytes for pl in self.builder.placements(cand)):
+            m = cand.mesh
+            rec = self.meshes.setdefault((m.dp, m.tp, m.pp), MeshRecord())
+            rec.memory_need_bytes = min(rec.memory_need_bytes, need)
+            return math.inf
         return self.bounds.tight(cand) * self.price_factor(cand)
 
     def visit(self, cand: Candidate) -> None:

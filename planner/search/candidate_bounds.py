@@ -13,9 +13,11 @@ from costmodel.estimate import optimizer_terms
 from costmodel.expert_parallel import expert_param_numel, num_experts, optimizer_params
 from costmodel.expert_parallel import model_state_bytes as expert_state_bytes
 from costmodel.hardware.device import DeviceSpec
-from costmodel.memory import framework_overhead_bytes
+from costmodel.memory import framework_overhead_bytes, model_state_bytes, saved_bytes
+from costmodel.pipeline import in_flight_per_chunk
 from costmodel.step_time import optimizer_step_time
-from costmodel.strategy import MeshAxis, Offload
+from costmodel.strategy import MeshAxis, Offload, Recompute
+from ir.graph import dtype_bytes
 from ir.layer_chain import LayerChain
 from planner.search.bounds import cheap_lower_bound, tight_lower_bound
 from planner.search.candidates import Candidate
@@ -56,6 +58,51 @@ class CandidateBounds:
         return cheap_lower_bound(cand, total, optimizer_s=self.optimizer_bound(cand, placements),
                                  forward_s=forward), None
 
+    def memory_floor(self, cand: Candidate, options: Sequence[Recompute]) -> float:
+        """A lower bound on the peak bytes of the candidate's fullest pipeline rank, over every partition and
+        every per-stage choice among `options` (none but no recomputation under a split backward); what offload
+        moves to the host is not counted.
+
+        Rank k holds `O + s_k + sum_j n_kj a_kj` (framework overhead, model state, and per chunk its in-flight
+        micro-batches times the bytes one saves; `memory.rank_memory` adds only non-negative terms to this).
+        With ``n_k`` the least in-flight count of rank k's chunks, every rank within M means
+        ``a_k <= (M - O - s_k) / n_k``; summed over the ranks, with ``sum_k a_k >= A`` (each segment at its
+        least-saving option) and ``sum_k s_k >= S`` (the state of an even split, p times), that is
+        ``M >= O + (A + S / max_k n_k) / sum_k (1 / n_k)``; and the loads sum to at least ``S + A min_k n_k``,
+        so the fullest rank holds at least ``O + (S + A min_k n_k) / p``."""
+        placements = self.builder.placements(cand)
+        if placements is None:
+            return 0.0
+        m = cand.mesh
+        v = cand.virtual_stages if cand.schedule.chunked else 1
+        counts = [min(in_flight_per_chunk(cand.schedule, m.pp, k, cand.num_microbatches, v)) for k in range(m.pp)]
+        if min(counts) < 1:
+            return 0.0
+        allowed = (Recompute.NONE,) if cand.schedule.zero_bubble else tuple(options)
+        saved = min(sum(min(saved_bytes(c, rc) for rc in allowed) for c in self.builder.segment_costs(cand, pl.device))
+                    for pl in placements)
+        total, experts = self._even_params(m, floor=True)
+        state = m.pp * self._state_per_param_share(cand, total, experts)
+        overhead = min(framework_overhead_bytes(pl.device.name) for pl in placements)
+        # Also the average rank: the loads sum to at least S + min_k n_k * A.
+        return overhead + max((saved + state / max(counts)) / sum(1 / n for n in counts),
+                              (state + min(counts) * saved) / m.pp)
+
+    def _state_per_param_share(self, cand: Candidate, params: int, experts: int) -> float:
+        """The bytes `memory.rank_memory` charges in proportion to a rank's parameters (model state, as pipelining
+        keeps it, and ZeRO-3 weights kept gathered), for `params` of which `experts` are expert weights."""
+        m, offload = cand.mesh, cand.runtime.offload
+        pipelined = m.pp > 1 and offload is not Offload.PARAMS
+        dp = m.dp * m.cp
+        state = model_state_bytes(params - experts, zero_stage=cand.zero_stage, dp=dp, dtype=self.dtype,
+                                  offload=offload, pipelined=pipelined).total
+        if experts:
+            state += model_state_bytes(experts, zero_stage=cand.zero_stage, dp=max(dp // m.ep, 1),
+                                       dtype=self.dtype, offload=offload, pipelined=pipelined).total
+        if cand.zero_stage >= 3 and (pipelined or not cand.runtime.reshard_after_forward):
+            state += params * dtype_bytes(self.dtype)
+        return state
+
     def _replicated_total(self, device: DeviceSpec, mbs: int) -> tuple[float, float]:
         """(forward + backward, forward) compute of one micro-batch of the whole chain on one `device`."""
         key = (device.name, mbs)
@@ -73,13 +120,14 @@ class CandidateBounds:
             self._expert_numel = expert_param_numel(nodes, num_experts(nodes) or 0)
         return self._expert_numel
 
-    def _even_params(self, m: MeshCandidate) -> tuple[int, int]:
+    def _even_params(self, m: MeshCandidate, *, floor: bool = False) -> tuple[int, int]:
         """(parameters, of which expert weights) on a rank holding an even 1/(tp*pp) share, experts split ep ways:
-        the fullest rank holds at least that."""
+        the fullest rank holds at least that; with `floor`, p such shares hold at most the model's."""
         experts = self.expert_numel()
         local_experts = -(-experts // m.ep) if m.ep > 1 else 0
         total = self.chain.graph.param_count - experts + local_experts if m.ep > 1 else self.chain.graph.param_count
-        return -(-total // (m.tp * m.pp)), local_experts // (m.tp * m.pp)
+        share = total // (m.tp * m.pp) if floor else -(-total // (m.tp * m.pp))
+        return share, local_experts // (m.tp * m.pp)
 
     def optimizer_bound(self, cand: Candidate, placements: Sequence[RankPlacement]) -> float:
         """The optimizer step of the fullest rank is at least that of an even split of the parameters."""
