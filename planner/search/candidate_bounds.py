@@ -34,6 +34,8 @@ class CandidateBounds:
     _replicated: dict[tuple, tuple[float, float]] = field(default_factory=dict)
     _optimizer: dict[tuple, float] = field(default_factory=dict)
     _pipeline_bound: dict[tuple, float] = field(default_factory=dict)
+    _least_saved: dict[tuple, tuple[tuple, int]] = field(default_factory=dict)
+    _in_flight: dict[tuple, tuple[int, ...]] = field(default_factory=dict)
     _expert_numel: int | None = None
 
     def cheap(self, cand: Candidate) -> tuple[float, float | None]:
@@ -74,19 +76,38 @@ class CandidateBounds:
         if placements is None:
             return 0.0
         m = cand.mesh
-        v = cand.virtual_stages if cand.schedule.chunked else 1
-        counts = [min(in_flight_per_chunk(cand.schedule, m.pp, k, cand.num_microbatches, v)) for k in range(m.pp)]
+        counts = self._least_in_flight(cand)
         if min(counts) < 1:
             return 0.0
         allowed = (Recompute.NONE,) if cand.schedule.zero_bubble else tuple(options)
-        saved = min(sum(min(saved_bytes(c, rc) for rc in allowed) for c in self.builder.segment_costs(cand, pl.device))
-                    for pl in placements)
+        saved = min(self._least_saved_bytes(self.builder.segment_costs(cand, device), allowed)
+                    for device in {pl.device.name: pl.device for pl in placements}.values())
         total, experts = self._even_params(m, floor=True)
         state = m.pp * self._state_per_param_share(cand, total, experts)
         overhead = min(framework_overhead_bytes(pl.device.name) for pl in placements)
         # Also the average rank: the loads sum to at least S + min_k n_k * A.
         return overhead + max((saved + state / max(counts)) / sum(1 / n for n in counts),
                               (state + min(counts) * saved) / m.pp)
+
+    def _least_in_flight(self, cand: Candidate) -> tuple[int, ...]:
+        """Per pipeline rank, the least in-flight micro-batch count of its chunks (cached per schedule shape)."""
+        v = cand.virtual_stages if cand.schedule.chunked else 1
+        key = (cand.schedule, cand.mesh.pp, cand.num_microbatches, v)
+        hit = self._in_flight.get(key)
+        if hit is None:
+            hit = self._in_flight[key] = tuple(min(in_flight_per_chunk(cand.schedule, cand.mesh.pp, k,
+                                                                       cand.num_microbatches, v))
+                                               for k in range(cand.mesh.pp))
+        return hit
+
+    def _least_saved_bytes(self, costs: tuple, allowed: tuple[Recompute, ...]) -> int:
+        """Activation bytes of one micro-batch of the whole chain, each segment at its least-saving option (cached
+        per segment-cost table, which the builder keeps alive and reuses)."""
+        key = (id(costs), allowed)
+        hit = self._least_saved.get(key)
+        if hit is None or hit[0] is not costs:
+            hit = self._least_saved[key] = (costs, sum(min(saved_bytes(c, rc) for rc in allowed) for c in costs))
+        return hit[1]
 
     def _state_per_param_share(self, cand: Candidate, params: int, experts: int) -> float:
         """The bytes `memory.rank_memory` charges in proportion to a rank's parameters (model state, as pipelining
