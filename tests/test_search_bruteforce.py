@@ -321,7 +321,7 @@ def test_search_matches_brute_force(tmp_path: Path) -> None:
     assert checked == 10
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_search_matches_brute_force_on_the_full_grid(tmp_path: Path) -> None:
     """Models (GPT with tied embeddings, Llama with GQA, memory-bound GPT) x clusters (one node, two nodes, small
     memory, mixed device types, a straggler) x global batches: the search's optimum is the brute-force optimum."""
