@@ -45,6 +45,7 @@ from ir.node_metrics import (
     io_bytes,
     is_pure_view,
     module_signature,
+    rms_norm_measurement,
     storage_key,
     tensor_outputs,
     value_signature,
@@ -298,6 +299,9 @@ class GraphBuilder:
                                              window=dict(classified.attrs).get("window"))
         else:
             measured = self._measure(node, name, module, args, kwargs, leaves, run)
+            if classified.op_kind is OpKind.NORM and name.base == "rms_norm" and leaf_values:
+                measured = rms_norm_measurement(measured, leaf_values[0],
+                                                int(dict(classified.attrs).get("normalized_ndim", 1)))
         read, written = io_bytes(leaf_values, outputs, pure_view)
         saved = self.ledger.charge(measured.saved, leaf_values, outputs)
         attrs = dict(classified.attrs)

@@ -17,6 +17,11 @@ How each number is measured (all on fake tensors: no real memory, no real arithm
   `stratagem::windowed_attention` (a causal sliding window, `models.windowed_attention`) gets the same formulas
   times the band's share of the causal pairs (`window_fraction`).
   The CPU flash kernel, which FlopCounterMode does not know, is given the same formulas (`flop_counter_mode()`).
+- **RMSNorm** (`nn.RMSNorm`, `F.rms_norm`) saves what it saves on a GPU: torch dispatches `rms_norm` on CUDA to
+  `aten._fused_rms_norm`, whose backward (`_fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight,
+  output_mask)`) reads the input and the fp32 per-row rstd only. The CPU and meta builds decompose it instead and
+  would save fp32 copies of the input (four times the input's bytes in bfloat16), which no GPU run keeps. A
+  hand-written RMSNorm module (as in many Hugging Face models) is measured as written: it really saves its copies.
 - **Bytes read / written.** Inputs (activations, parameters and buffers) are read, outputs written. A pure view
   (its outputs alias an input's storage and are views) moves nothing: 0 and 0.
 - **Saved bytes.** `torch.autograd.graph.saved_tensors_hooks` records every tensor autograd packs during the
@@ -275,6 +280,18 @@ def attention_measurement(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
         SavedRef(SavedSource.OUTPUT, 0, 0), SavedRef(SavedSource.INTERNAL, -1, logsumexp_bytes),
     )
     return OpMeasurement(int(forward), int(backward), saved if needs_grad else ())
+
+
+def rms_norm_measurement(measured: OpMeasurement, x: torch.Tensor, normalized_ndim: int) -> OpMeasurement:
+    """`measured` (the decomposed call's FLOPs) with the fused kernel's saved set (see the module docstring): leaf 0,
+    the input, and the fp32 rstd, one value per normalized row."""
+    if not measured.saved:
+        return measured  # nothing needs a gradient
+    rows = 1
+    for d in x.shape[:x.dim() - normalized_ndim]:
+        rows *= int(d)
+    saved = (SavedRef(SavedSource.INPUT, 0, 0), SavedRef(SavedSource.INTERNAL, -1, rows * 4))
+    return OpMeasurement(measured.forward_flops, measured.backward_flops, saved)
 
 
 def _as_4d(t: torch.Tensor) -> tuple[int, int, int, int]:

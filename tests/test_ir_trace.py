@@ -184,6 +184,45 @@ def test_saved_bytes_per_block_closed_form(dtype: str) -> None:
     assert graph.param_bytes == graph.param_count * d
 
 
+class _HandWrittenRMSNorm(torch.nn.Module):
+    """The Hugging Face way: upcast, normalize, downcast, scale -- eager ops that save what they save on any device."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * y.to(x.dtype)
+
+
+class _Norms(torch.nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(h, h)
+        self.torch_norm = torch.nn.RMSNorm(h)
+        self.hand_norm = _HandWrittenRMSNorm(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        return torch.nn.functional.rms_norm(self.torch_norm(x), (x.shape[-1],)) + self.hand_norm(x)
+
+
+def test_rms_norm_saves_what_the_fused_gpu_kernel_saves() -> None:
+    """torch's RMSNorm (module and functional) keeps its input and the fp32 rstd per row, as aten._fused_rms_norm
+    does on a GPU, not the fp32 copies of the CPU decomposition; a hand-written RMSNorm keeps what its ops keep."""
+    graph = ir.trace(_Norms(H).to(torch.bfloat16), (torch.randn(B, T, H, dtype=torch.bfloat16),), dtype="bfloat16")
+    act, rows = B * T * H * 2, B * T
+    norm = graph.node("torch_norm")
+    # proj's output is the norm's input: the norm is the first to save it.
+    assert norm.op_kind is OpKind.NORM and norm.saved_bytes == act + rows * 4
+    functional = next(n for n in graph.nodes if n.op_kind is OpKind.NORM and n.name != "torch_norm")
+    assert functional.saved_bytes == act + rows * 4
+    hand = sum(n.saved_bytes for n in graph.nodes if n.module_path.startswith("hand_norm"))
+    assert hand >= 2 * act  # at least the fp32 upcast of its input
+
+
 def test_bytes_read_and_written() -> None:
     graph = ir.trace(_gpt(), (_ids(),))
     q = graph.node("blocks_0_attn_q_proj")
