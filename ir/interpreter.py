@@ -42,6 +42,7 @@ from ir.node_metrics import (
     SavedLedger,
     alias_index,
     attention_measurement,
+    gpu_attention_layout,
     io_bytes,
     is_pure_view,
     module_signature,
@@ -230,6 +231,8 @@ class GraphBuilder:
             leaves += [_ArgLeaf(t, None) for t in state.values()]
         run = self._runner(node, module)
         result = self._propagate(name, module, args, kwargs, [lf.value for lf in leaves], run)
+        if name.base == "scaled_dot_product_attention":
+            result = gpu_attention_layout(result)
         self.env[node.name] = result
         outputs = tensor_outputs(result)
         if not outputs:

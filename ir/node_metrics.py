@@ -282,6 +282,17 @@ def attention_measurement(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
     return OpMeasurement(int(forward), int(backward), saved if needs_grad else ())
 
 
+def gpu_attention_layout(out: Any) -> Any:
+    """A fused attention's output laid out as the GPU kernels write it: (batch, seq, heads, head_dim) in memory,
+    seen as (batch, heads, seq, head_dim). FlashAttention, memory-efficient and cuDNN attention all write it so,
+    which makes the usual ``transpose(1, 2).reshape(b, s, h)`` before the output projection a view; the CPU
+    kernels and the meta device write it heads-major and would add a copy (its traffic, and a saved activation
+    of the output's size for the projection's backward) that no GPU run makes."""
+    if isinstance(out, torch.Tensor) and out.dim() == 4 and out.is_contiguous():
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+    return out
+
+
 def rms_norm_measurement(measured: OpMeasurement, x: torch.Tensor, normalized_ndim: int) -> OpMeasurement:
     """`measured` (the decomposed call's FLOPs) with the fused kernel's saved set (see the module docstring): leaf 0,
     the input, and the fp32 rstd, one value per normalized row."""

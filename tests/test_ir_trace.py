@@ -223,6 +223,22 @@ def test_rms_norm_saves_what_the_fused_gpu_kernel_saves() -> None:
     assert hand >= 2 * act  # at least the fp32 upcast of its input
 
 
+def test_attention_output_is_laid_out_as_the_gpu_kernels_write_it() -> None:
+    """Fused attention writes its output sequence-major on a GPU, so the transpose and reshape that feed the output
+    projection are views: they move nothing, and the projection keeps no copy of its own."""
+    from models.registry import build_model
+
+    built = build_model("llama-tiny", batch=2, device="meta")
+    graph = ir.trace(built.module, built.example_inputs, model_name="llama-tiny")
+    o_proj = graph.node("blocks_0_attn_o_proj")
+    assert o_proj.saved_bytes == 0
+    node = graph.node(o_proj.inputs[0])
+    while node.op_kind is not OpKind.ATTENTION:
+        assert node.bytes_read == node.bytes_written == 0, node.name
+        node = graph.node(node.inputs[0])
+    assert node.saved_bytes > 0  # q, k, v, the output and the logsumexp
+
+
 def test_bytes_read_and_written() -> None:
     graph = ir.trace(_gpt(), (_ids(),))
     q = graph.node("blocks_0_attn_q_proj")
