@@ -358,11 +358,11 @@ def optimizer_params(param_count: int, expert_param_count: int, *, zero_stage: i
 
 
 def model_state_bytes(param_count: int, expert_param_count: int, *, zero_stage: int, dp_size: int, ep: int,
-                      dtype: str, offload: Offload = Offload.NONE) -> ModelState:
+                      dtype: str, offload: Offload = Offload.NONE, pipelined: bool = False) -> ModelState:
     """`memory.model_state_bytes` with expert state sharded over n / ep ranks instead of n."""
     dense = _dense_state_bytes(param_count - expert_param_count, zero_stage=zero_stage, dp=dp_size, dtype=dtype,
-                               offload=offload)
+                               offload=offload, pipelined=pipelined)
     if not expert_param_count:
         return dense
     return dense + _dense_state_bytes(expert_param_count, zero_stage=zero_stage, dp=max(dp_size // ep, 1),
-                                      dtype=dtype, offload=offload)
+                                      dtype=dtype, offload=offload, pipelined=pipelined)

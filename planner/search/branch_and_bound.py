@@ -204,10 +204,7 @@ class SearchState:
         state alone cannot fit, which the mesh's record keeps for the explanation."""
         lb, need = self.bounds.cheap(cand)
         if need is not None:
-            m = cand.mesh
-            rec = self.meshes.setdefault((m.dp, m.tp, m.pp), MeshRecord())
-            rec.memory_need_bytes = min(rec.memory_need_bytes, need)
-            return math.inf
+            return self._does_not_fit(cand, need)
         return lb * self.price_factor(cand)
 
     def refine(self, cand: Candidate) -> float:
@@ -215,11 +212,15 @@ class SearchState:
         least activation memory cannot fit (`CandidateBounds.memory_floor`), which the mesh's record keeps."""
         need = self.bounds.memory_floor(cand, self.options_for())
         if need > max(pl.device.memory_bytes for pl in self.builder.placements(cand)):
-            m = cand.mesh
-            rec = self.meshes.setdefault((m.dp, m.tp, m.pp), MeshRecord())
-            rec.memory_need_bytes = min(rec.memory_need_bytes, need)
-            return math.inf
+            return self._does_not_fit(cand, need)
         return self.bounds.tight(cand) * self.price_factor(cand)
+
+    def _does_not_fit(self, cand: Candidate, need: float) -> float:
+        """The bound of a candidate that cannot fit: inf; its mesh's record keeps the least memory seen needed."""
+        m = cand.mesh
+        rec = self.meshes.setdefault((m.dp, m.tp, m.pp), MeshRecord())
+        rec.memory_need_bytes = min(rec.memory_need_bytes, need)
+        return math.inf
 
     def visit(self, cand: Candidate) -> None:
         rec = self.meshes.setdefault((cand.mesh.dp, cand.mesh.tp, cand.mesh.pp), MeshRecord())

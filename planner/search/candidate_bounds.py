@@ -13,7 +13,7 @@ from costmodel.estimate import optimizer_terms
 from costmodel.expert_parallel import expert_param_numel, num_experts, optimizer_params
 from costmodel.expert_parallel import model_state_bytes as expert_state_bytes
 from costmodel.hardware.device import DeviceSpec
-from costmodel.memory import framework_overhead_bytes, model_state_bytes, saved_bytes
+from costmodel.memory import framework_overhead_bytes, saved_bytes
 from costmodel.pipeline import in_flight_per_chunk
 from costmodel.step_time import optimizer_step_time
 from costmodel.strategy import MeshAxis, Offload, Recompute
@@ -114,12 +114,8 @@ class CandidateBounds:
         keeps it, and ZeRO-3 weights kept gathered), for `params` of which `experts` are expert weights."""
         m, offload = cand.mesh, cand.runtime.offload
         pipelined = m.pp > 1 and offload is not Offload.PARAMS
-        dp = m.dp * m.cp
-        state = model_state_bytes(params - experts, zero_stage=cand.zero_stage, dp=dp, dtype=self.dtype,
-                                  offload=offload, pipelined=pipelined).total
-        if experts:
-            state += model_state_bytes(experts, zero_stage=cand.zero_stage, dp=max(dp // m.ep, 1),
-                                       dtype=self.dtype, offload=offload, pipelined=pipelined).total
+        state = expert_state_bytes(params, experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp, ep=m.ep,
+                                   dtype=self.dtype, offload=offload, pipelined=pipelined).total
         if cand.zero_stage >= 3 and (pipelined or not cand.runtime.reshard_after_forward):
             state += params * dtype_bytes(self.dtype)
         return state
