@@ -231,8 +231,9 @@ def pairs_overlap(strategy: Strategy) -> bool:
 
 def recomputes(strategy: Strategy) -> bool:
     """Whether any stage of the strategy recomputes activations."""
-    modes = {s.recompute for s in strategy.stages} if strategy.stages else {strategy.recompute}
-    return modes != {Recompute.NONE}
+    modes = ({s.recompute for s in strategy.stages if s.recomputed != ()} if strategy.stages
+             else {strategy.recompute})
+    return bool(modes - {Recompute.NONE})
 
 
 def _recompute_flops(chain: LayerChain, seg_index: int, recompute: Recompute, cache: dict[int, int]) -> int:
@@ -272,7 +273,7 @@ def estimate(chain: LayerChain | Graph, cluster: Cluster, strategy: Strategy, *,
     ranks = _pipeline_ranks(cluster, strategy, stages)
     prices = _Prices(chain, strategy, layer_costs, dtype, profile, cluster)
     priced = [[PricedSegment(prices(i, ranks[stage_rank(strategy.schedule, strategy.pp, j)].device),
-                             Recompute(st.recompute if strategy.stages else strategy.recompute))
+                             st.segment_recompute(i) if strategy.stages else strategy.recompute)
                for i in range(st.start, st.stop)] for j, st in enumerate(stages)]
     # Copies of weights shared across pipeline ranks (tied embeddings), vocabulary-sharded over tp like the head.
     shared = [-(-n // strategy.tp) for n in shared_parameter_copies(chain, stages, strategy.pp, strategy.schedule)]

@@ -226,24 +226,56 @@ class StageSpec:
     recompute: Recompute = Recompute.NONE
     device_group: str | None = None
     """Name of the cluster device group that runs this stage (None: the cluster's only group)."""
+    recomputed: tuple[int, ...] | None = None
+    """Partial recomputation: the segments (chain indices in `[start, stop)`) that run `recompute`; the others
+    keep all their activations (Megatron-LM's `--recompute-num-layers`, torchtitan's every-Nth-layer
+    checkpointing). None: every segment of the stage runs `recompute`."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.stop:
             raise ValueError(f"stage segment range [{self.start}, {self.stop}) is empty or negative")
         object.__setattr__(self, "recompute", Recompute(self.recompute))
+        if self.recomputed is not None:
+            chosen = tuple(sorted({int(i) for i in self.recomputed}))
+            if any(not self.start <= i < self.stop for i in chosen):
+                raise ValueError(f"recomputed segments {list(chosen)} must lie in the stage's range "
+                                 f"[{self.start}, {self.stop})")
+            object.__setattr__(self, "recomputed", chosen)
 
     @property
     def num_segments(self) -> int:
         return self.stop - self.start
 
+    def segment_recompute(self, index: int) -> Recompute:
+        """The recomputation of chain segment `index` (in this stage)."""
+        if self.recomputed is None or index in self.recomputed:
+            return self.recompute
+        return Recompute.NONE
+
+    @property
+    def recomputed_share(self) -> float:
+        """The fraction of the stage's segments that run `recompute`."""
+        return 1.0 if self.recomputed is None else len(self.recomputed) / self.num_segments
+
+    @property
+    def recompute_label(self) -> str:
+        """The stage's recomputation as reports print it: the mode, or "mode k/n" on k of its n segments."""
+        if self.recomputed is None:
+            return self.recompute.value
+        return f"{self.recompute.value} {len(self.recomputed)}/{self.num_segments}"
+
     def to_dict(self) -> dict[str, Any]:
-        return {"start": self.start, "stop": self.stop, "recompute": self.recompute.value,
-                "device_group": self.device_group}
+        out: dict[str, Any] = {"start": self.start, "stop": self.stop, "recompute": self.recompute.value,
+                               "device_group": self.device_group}
+        if self.recomputed is not None:
+            out["recomputed"] = list(self.recomputed)
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StageSpec:
+        chosen = d.get("recomputed")
         return cls(start=int(d["start"]), stop=int(d["stop"]), recompute=Recompute(d["recompute"]),
-                   device_group=d.get("device_group"))
+                   device_group=d.get("device_group"), recomputed=None if chosen is None else tuple(chosen))
 
 
 @dataclass(frozen=True, slots=True)

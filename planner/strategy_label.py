@@ -36,6 +36,7 @@ def strategy_label(s: Strategy, detail: Detail = Detail.FULL) -> str:
     text += " sp" if s.sequence_parallel else ""
     text += f" offload={s.runtime.offload.value}" if s.runtime.offload.value != "none" else ""
     if detail is Detail.FULL:
-        modes = sorted({st.recompute.value for st in s.stages}) or [s.recompute.value]
+        modes = sorted({st.recompute.value + ("(part)" if st.recomputed is not None else "") for st in s.stages}) \
+            or [s.recompute.value]
         text += f" recompute={','.join(modes)}"
     return text

@@ -61,6 +61,7 @@ CONFIGS_2 = ("dp2", "dp2_zero1", "fsdp2", "fsdp2_offload", "tp2", "tp2_sp", "tp2
              "pp2_interleaved_m1", "pp2_interleaved_uneven", "pp2_zb", "pp2_interleaved_zb", "pp2_zbv",
              "pp2_zbv_untied", "pp2_dualpipev", "pp2_llama_uneven", "user_pp2", "user_dp2_recompute", "recompute_full_dp2",
              "recompute_selective_tp2", "recompute_op_fsdp2", "tp2_sp_selective_island", "tp2_sp_unpaired_colwise", "recompute_pp2",
+             "partial_recompute_pp2",
              "cp2", "cp2_llama_recompute", "ep2", "ep2_fsdp")
 CONFIGS_4 = ("dp4_fsdp", "tp2_dp2", "tp2_sp_fsdp2", "pp2_dp2", "pp2_fsdp2", "pp2_fsdp2_offload", "pp2_tp2", "pp2_tp2_sp_recompute",
              "pp4_1f1b", "pp2_interleaved_dp2", "pp2_interleaved_uneven_zero1", "pp2_zbv_fsdp2",
@@ -671,3 +672,30 @@ def test_run_single_process_plan_with_check(tmp_path, capsys):
     more_layers = [s for s in sets if not s.startswith("--set=layers=")] + ["--set=layers=5"]
     code, _, err = _main(capsys, "run", "gpt", *more_layers, "--plan", str(plan), "--steps", "1")
     assert code == 2 and "parameters but this model has" in err and err.count("\n") == 1
+
+
+def test_partial_recompute_checkpoints_only_the_planned_layers():
+    """A stage that recomputes part of its segments checkpoints the blocks owning them and no others: the backward
+    reruns two blocks' forwards (2 GELUs), not four; without the layer chain the runtime says what it needs."""
+    from models import gpt
+    from planner.runtime.parallelize import _apply_recompute
+
+    def gelus(stages: tuple[StageSpec, ...] | None) -> int:
+        torch.manual_seed(0)
+        model = tiny_gpt(attn_impl="sdpa")
+        chain = _chain(model)
+        if stages is None:
+            stages = (StageSpec(0, len(chain), Recompute.FULL, recomputed=tuple(
+                worker.first_segment_of_block(chain, b) for b in (1, 3))),)
+        _apply_recompute(model, stages, chain, Strategy(dp=1))
+        ids = torch.randint(0, 64, (2, 8))
+        loss = gpt.loss(model(ids), (ids,))
+        with _OpCounter() as counter:
+            loss.backward()
+        return counter.counts["gelu"]
+
+    base = gelus((StageSpec(0, 1, Recompute.NONE),))
+    assert gelus(None) - base == 2
+    model = tiny_gpt()
+    with pytest.raises(UserError, match="pass example_inputs="):
+        _apply_recompute(model, (StageSpec(0, 3, Recompute.FULL, recomputed=(1,)),), None, Strategy(dp=1))

@@ -109,7 +109,7 @@ from dataclasses import dataclass, field, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import ir  # noqa: E402
-from costmodel.estimate import estimate  # noqa: E402
+from costmodel.estimate import Estimate, estimate  # noqa: E402
 from costmodel.hardware.cluster import Cluster  # noqa: E402
 from costmodel.pipeline import stage_rank  # noqa: E402
 from costmodel.strategy import RuntimeOptions, StageSpec, Strategy  # noqa: E402
@@ -129,6 +129,8 @@ GPT_INTERLEAVE = ("layers=4", "hidden=256", "heads=8", "vocab=1000", "seq=128")
 GPT_UNEVEN = ("layers=7", "hidden=256", "heads=8", "vocab=1000", "seq=128")
 """7 blocks + the embedding + the head = 9 units: 4 chunks of 2 or 3, 6 of 1 or 2, 8 of 1 or 2 on pp=2."""
 GPT_MEMORY = ("layers=3", "hidden=1024", "heads=16", "vocab=8000", "seq=512")
+GPT_PARTIAL = ("layers=6", "hidden=1024", "heads=16", "vocab=1000", "seq=2048")
+"""Activations large against the weights: on 1.8 GB per device, pp=2 fits by recomputing part of stage 0."""
 LLAMA_TINY = ("layers=3", "hidden=256", "heads=8", "kv_heads=4", "vocab=1000", "seq=128")
 
 _CHAINS: dict[tuple, ir.LayerChain] = {}
@@ -220,6 +222,21 @@ def interleaved_chunkings(chain: ir.LayerChain, p: int, v: int) -> list[list[tup
     return out
 
 
+def partial_stage(chain: ir.LayerChain, a: int, b: int, rc: tuple[Recompute, int], costs: dict, device: str
+                  ) -> StageSpec:
+    """Stage [a, b) with `rc` = (mode, quarters): with fewer than 4 quarters, full recomputation of
+    ceil(q K / 4) of its K segments that full recomputation saves bytes in, the largest saving first, then the lower
+    class, then the earlier segment."""
+    mode, quarters = rc
+    if quarters == 4:
+        return StageSpec(a, b, mode)
+    saving = {i: costs[(chain.segments[i].class_id, device)].saved_bytes_none
+              - costs[(chain.segments[i].class_id, device)].saved_bytes_full for i in range(a, b)}
+    order = sorted((i for i in range(a, b) if saving[i] > 0),
+                   key=lambda i: (-saving[i], chain.segments[i].class_id, i))
+    return StageSpec(a, b, mode, recomputed=tuple(order[:-(-quarters * len(order) // 4)]))
+
+
 def brute_force(chain: ir.LayerChain, cluster: Cluster, batch: int, space: SearchSpace) -> BruteResult:
     """Every candidate of the space, GPipe twins of the 1F1B ones, every partition and every recomputation per
     stage (per rank for interleaved), each priced by `costmodel.estimate`: the fitting minimum."""
@@ -228,7 +245,10 @@ def brute_force(chain: ir.LayerChain, cluster: Cluster, batch: int, space: Searc
     cands, _ = enumerate_candidates(chain, cluster, batch, space)
     twins = [replace(c, schedule=Schedule.GPIPE) for c in cands
              if c.schedule is Schedule.ONE_F_ONE_B and c.mesh.pp > 1 and space.schedule is None]
-    options = (space.recompute,) if space.recompute is not None else tuple(Recompute)
+    whole = [(space.recompute, 4)] if space.recompute is not None else [(r, 4) for r in Recompute]
+    # Partial recomputation is searched only when the recomputation is free; on a rank where no recomputation fits
+    # it cannot win (it only adds recomputation), so it is enumerated on the other ranks.
+    partial = [(Recompute.FULL, q) for q in (1, 2, 3)] if space.recompute is None else []
     n = len(chain.segments)
     per: dict = {}
     strategies: dict = {}
@@ -239,23 +259,31 @@ def brute_force(chain: ir.LayerChain, cluster: Cluster, batch: int, space: Searc
             continue
         costs = layer_cost_map(builder, cand, placements)
         p = cand.mesh.pp
-        layouts = []
         if cand.virtual_stages > 1:  # interleaved, interleaved-zb:V, zbv, dualpipev: every chunking, rc per rank
-            for chunks in interleaved_chunkings(chain, p, cand.virtual_stages):
-                for rc in itertools.product(options, repeat=p):
-                    layouts.append([StageSpec(a, b, rc[stage_rank(cand.schedule, p, j)])
-                                    for j, (a, b) in enumerate(chunks)])
+            bases = interleaved_chunkings(chain, p, cand.virtual_stages)
         else:
-            for cuts in itertools.combinations(range(1, n), p - 1):
-                bounds = (0, *cuts, n)
-                for rc in itertools.product(options, repeat=p):
-                    layouts.append([StageSpec(bounds[i], bounds[i + 1], rc[i]) for i in range(p)])
-        for stages in layouts:
-            est = estimate(chain, cluster, cand.strategy(stages), layer_costs=costs, global_batch=batch)
-            count += 1
-            if est.fits and est.step_time_s < per.get(cand, math.inf):
-                per[cand] = est.step_time_s
-                strategies[cand] = cand.strategy(stages)
+            bases = [list(itertools.pairwise((0, *cuts, n))) for cuts in itertools.combinations(range(1, n), p - 1)]
+        for chunks in bases:
+            ranks = [stage_rank(cand.schedule, p, j) for j in range(len(chunks))]
+
+            def price(rc: tuple) -> tuple[Estimate, Strategy]:
+                stages = [partial_stage(chain, a, b, rc[r], costs, placements[r].device.name)  # noqa: B023
+                          for (a, b), r in zip(chunks, ranks, strict=True)]  # noqa: B023
+                return estimate(chain, cluster, cand.strategy(stages), layer_costs=costs,  # noqa: B023
+                                global_batch=batch), cand.strategy(stages)  # noqa: B023
+
+            tried = list(itertools.product(whole, repeat=p))
+            if partial:
+                plain, _ = price(((Recompute.NONE, 4),) * p)
+                tried += [rc for rc in itertools.product(*[whole + (partial if st.memory.total > st.capacity_bytes
+                                                                     else []) for st in plain.stages])
+                          if any(q < 4 for _, q in rc)]
+            for rc in tried:
+                est, strategy = price(rc)
+                count += 1
+                if est.fits and est.step_time_s < per.get(cand, math.inf):
+                    per[cand] = est.step_time_s
+                    strategies[cand] = strategy
     return BruteResult(min(per.values(), default=math.inf), per, count, strategies)
 
 
@@ -291,6 +319,22 @@ def _instances(tmp: Path) -> list[tuple[str, ir.LayerChain, Cluster, int, Search
         ("llama-gqa 2x2 a100 b8, tp grad overlap", llama, Cluster.parse("2x2xa100-80gb"), 8,
          space.with_changes(runtime=RuntimeOptions(tp_grad_overlap=True))),
     ]
+
+
+def test_partial_recompute_is_searched_and_priced_exactly(tmp_path: Path) -> None:
+    """Where recomputing every layer of a stage costs more than needed, the search recomputes part of them, and
+    its optimum is the brute force's (which picks the recomputed segments with its own code)."""
+    chain = chain_of("gpt", GPT_PARTIAL)
+    cluster = small_memory(tmp_path, "1.8GB")
+    space = SearchSpace(zero_stage=0, tp=1, pp=2, cp=1, schedule=Schedule.ONE_F_ONE_B, max_microbatch_size=1)
+    result = search(chain, cluster, global_batch=8, space=space)
+    partial = [st for st in result.best.strategy.stages if st.recomputed is not None]
+    assert partial and all(0 < len(st.recomputed) < st.num_segments for st in partial)
+    assert result.best.estimate.fits
+    assert result.best.estimate.step_time_s == pytest.approx(brute_force(chain, cluster, 8, space).best, rel=1e-9)
+    pinned = search(chain, cluster, global_batch=8, space=space.with_changes(recompute=Recompute.FULL))
+    assert all(st.recomputed is None for st in pinned.best.strategy.stages)  # a pinned mode is every layer's
+    assert result.best.estimate.step_time_s < pinned.best.estimate.step_time_s
 
 
 def _check_grid(instances) -> tuple[int, int]:

@@ -100,6 +100,29 @@ def test_uneven_and_interleaved_cuts_round_trip(golden, tmp_path: Path) -> None:
             assert back.strategy.stages == strategy.stages, (trainer, blocks)
 
 
+def test_partial_recompute_round_trips_through_megatrons_block_method(golden, tmp_path: Path) -> None:
+    """Stages that fully recompute their first N decoder layers are Megatron-LM's `--recompute-method block
+    --recompute-num-layers N` both ways; another pick of layers, and torchtitan, export full recomputation with a
+    warning (more recomputation, no more memory)."""
+    plan, layout, shape = golden["gpt3-1.3b-2x8xa100"]
+    stages = layout.stages_of((6, 6, 6, 6), Recompute.FULL, recompute_layers=2)
+    assert [len(st.recomputed) for st in stages] == [2, 2, 2, 2]
+    assert stages[0].recomputed == (layout.lead, layout.lead + 1)
+    strategy = replace(plan.strategy, dp=4, pp=4, num_microbatches=4, microbatch_size=4, recompute=Recompute.FULL,
+                       stages=stages)
+    variant = replace(plan, strategy=strategy)
+    result, back = round_trip(variant, layout, shape, Trainer.MEGATRON, tmp_path)
+    assert "--recompute-method block\n--recompute-num-layers 2\n" in result.text and result.warnings == ()
+    assert back.strategy.stages == strategy.stages
+    other = replace(strategy, stages=(replace(stages[0], recomputed=stages[0].recomputed[1:]), *stages[1:]))
+    result, back = round_trip(replace(plan, strategy=other), layout, shape, Trainer.MEGATRON, tmp_path)
+    assert "--recompute-method uniform" in result.text
+    assert any("part of some stages' layers" in w for w in result.warnings)
+    assert all(st.recomputed is None for st in back.strategy.stages)
+    result, _ = round_trip(variant, layout, shape, Trainer.TORCHTITAN, tmp_path)
+    assert any("part of some stages' layers" in w for w in result.warnings)
+
+
 def test_zero_bubble_schedules_round_trip_through_torchtitan_and_warn_in_megatron(golden, tmp_path: Path) -> None:
     plan, layout, shape = golden["gpt3-1.3b-2x8xa100"]
     names = {"interleaved-zb": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}

@@ -229,7 +229,7 @@ def _stage_pairs(old: Plan, new: Plan) -> Iterator[tuple[str, Any, Any, Unit]]:
     split when the strategy leaves the stages to the estimator."""
     def table(plan: Plan) -> list[dict[str, Any]]:
         if plan.strategy.stages:
-            return [{"segments": segment_range(s.start, s.stop), "recompute": s.recompute.value,
+            return [{"segments": segment_range(s.start, s.stop), "recompute": s.recompute_label,
                      "device_group": s.device_group} for s in plan.strategy.stages]
         return [{"segments": segment_range(s.start, s.stop), "recompute": plan.strategy.recompute.value,
                  "device_group": None} for s in plan.predicted.stages]

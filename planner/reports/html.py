@@ -115,7 +115,7 @@ def _stages(plan: Plan) -> str:
     for se in plan.predicted.stages:
         chunks = s.stages[se.index::s.pp] if s.stages else ()
         segs = ", ".join(segment_range(c.start, c.stop) for c in chunks) or segment_range(se.start, se.stop)
-        recompute = ",".join(sorted({c.recompute.value for c in chunks})) or s.recompute.value
+        recompute = ",".join(sorted({c.recompute_label for c in chunks})) or s.recompute.value
         share = se.memory.total / se.capacity_bytes if se.capacity_bytes else 0.0
         cls = ' class="n bad"' if share > 1 else ' class="n"'
         rows.append(f'<tr data-stage="{se.index}"><td><span class="swatch" style="background:'

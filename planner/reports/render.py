@@ -49,7 +49,7 @@ def stage_table(plan: Plan) -> list[str]:
         chunks = [s.stages[j] for j in chunk_stages(s.schedule, s.pp, s.virtual_stages, r)] if s.stages else ()
         segs = ", ".join(f"{c.start}-{c.stop - 1}" if c.stop - c.start > 1 else f"{c.start}" for c in chunks) \
             or f"{se.start}-{se.stop - 1}"
-        recompute = ",".join(sorted({c.recompute.value for c in chunks})) or s.recompute.value
+        recompute = ",".join(sorted({c.recompute_label for c in chunks})) or s.recompute.value
         mem = f"{_gib(se.memory.total)} / {_gib(se.capacity_bytes)} GiB"
         rows.append((str(r), segs, str(per_rank), recompute, mem, str(se.in_flight_microbatches)))
     head = ("stage", "segments", "devices", "recompute", "memory / capacity", "in flight")

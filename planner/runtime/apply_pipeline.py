@@ -51,12 +51,17 @@ def segment_stage_index(stages: Sequence[StageSpec], num_segments: int) -> tuple
 def module_stages(chain: LayerChain, stages: Sequence[StageSpec]) -> dict[str, frozenset[int]]:
     """Module path -> the stages whose IR nodes it owns (ancestors included; the root "" is left out)."""
     owner = segment_stage_index(stages, len(chain))
+    return {path: frozenset(owner[i] for i in segs) for path, segs in module_segments(chain).items()}
+
+
+def module_segments(chain: LayerChain) -> dict[str, frozenset[int]]:
+    """Module path -> the chain segments whose IR nodes it owns (ancestors included; the root "" is left out)."""
     found: dict[str, set[int]] = {}
     for seg in chain.segments:
         for node in chain.nodes_of(seg):
             path = node.module_path
             while path:
-                found.setdefault(path, set()).add(owner[seg.index])
+                found.setdefault(path, set()).add(seg.index)
                 path = path.rpartition(".")[0]
     return {p: frozenset(s) for p, s in found.items()}
 

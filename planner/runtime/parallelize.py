@@ -39,6 +39,7 @@ from planner.runtime.apply_fsdp import apply_data_parallel
 from planner.runtime.apply_pipeline import (
     build_schedule,
     build_stage_modules,
+    module_segments,
     module_stages,
     stage_indices_of_rank,
 )
@@ -234,15 +235,25 @@ def model_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _apply_recompute(model: nn.Module, stages: Sequence[StageSpec], chain: LayerChain | None,
                      strategy: Strategy) -> None:
     layers = model_layers(model)
-    if chain is None:  # no chain (pp == 1): one stage, whose recompute applies to every layer
+    partial = any(st.recomputed is not None for st in stages)
+    if strategy.pp == 1 and not partial:  # one stage, whose recompute applies to every layer
         mode = stages[0].recompute if stages else strategy.recompute
         apply_recompute([m for _, m in layers], mode)
         return
+    if chain is None:
+        raise UserError("a plan that recomputes part of a stage's layers picks them by the layer chain: pass "
+                        "example_inputs= (or chain=)")
     owners = module_stages(chain, stages)
+    segments = module_segments(chain)
     for index, stage in enumerate(stages):
         # a layer split by a pipeline cut is inlined into two stages and cannot be checkpointed as one unit
-        chosen = [m for path, m in layers if owners.get(path) == frozenset({index})]
-        apply_recompute(chosen, stage.recompute)
+        chosen = [(path, m) for path, m in layers if owners.get(path) == frozenset({index})]
+        if stage.recomputed is None:
+            apply_recompute([m for _, m in chosen], stage.recompute)
+            continue
+        # A layer holding a recomputed segment is checkpointed: the plan priced its bytes as given up.
+        picked = set(stage.recomputed)
+        apply_recompute([m for path, m in chosen if segments.get(path, frozenset()) & picked], stage.recompute)
 
 
 def _layers_in(part: nn.Module, model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -371,7 +382,7 @@ def _model_parallel(model: nn.Module, plan: Plan, meshes: PlanMeshes, stages: Se
     if strategy.cp > 1:
         cp = CpGroup(SequenceShard(strategy.cp, meshes.cp.get_local_rank()), meshes.cp.get_group())
         apply_context_parallel(model, cp)
-    _apply_recompute(model, stages, chain if strategy.pp > 1 else None, strategy)
+    _apply_recompute(model, stages, chain, strategy)
     # Sequence hooks after recomputation (see install_sequence_parallel_hooks); the first block's input is split
     # over cp before tp, its last output gathered over tp before cp.
     if cp is not None:

@@ -150,7 +150,7 @@ def _recompute_of_segments(strategy: Strategy, num_segments: int) -> list[str]:
     out = [strategy.recompute.value] * num_segments
     for st in strategy.stages:
         for i in range(st.start, min(st.stop, num_segments)):
-            out[i] = st.recompute.value
+            out[i] = st.segment_recompute(i).value
     return out
 
 
@@ -217,7 +217,7 @@ def _priced(builder: StageProblemBuilder, cluster: Cluster, strategy: Strategy, 
 def _repartitioned(builder: StageProblemBuilder, strategy: Strategy) -> Strategy | None:
     """The old candidate with its stage partition and recomputation solved again (None if nothing fits)."""
     cand = Candidate.of(strategy)
-    built = builder.build(cand, tuple(Recompute))
+    built = builder.build(cand, tuple(Recompute), partial=True)
     if built is None:
         return None
     part = solve_partition(built.problem)

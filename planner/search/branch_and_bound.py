@@ -229,7 +229,7 @@ class SearchState:
         # Solve to beat the K-th best (a plan), or this mesh's best so far within the slack (an alternative).
         kth = self.kth_best()
         bound = max(kth, min(mesh_best, kth * (1 + self.options.explain_slack)), self.cutoff()) / factor
-        built = self.builder.build(cand, self.options_for(), upper_bound=bound)
+        built = self.builder.build(cand, self.options_for(), upper_bound=bound, partial=self.space.recompute is None)
         if built is None:
             return
         self.solved += 1

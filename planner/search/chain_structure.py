@@ -4,6 +4,7 @@ ranges [a, b) (stages with the same composition have the same terms) and the wei
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -23,6 +24,11 @@ class ChainStructure:
     _groups: list[Composition] | None = field(default=None, repr=False)
     _tied: list[tuple[int, np.ndarray, int]] | None = field(default=None, repr=False)
     _shared: dict[tuple, tuple[int, ...]] = field(default_factory=dict, repr=False)
+
+    @cached_property
+    def classes(self) -> tuple[int, ...]:
+        """Each segment's layer class."""
+        return tuple(s.class_id for s in self.chain.segments)
 
     def compositions(self) -> list[Composition]:
         """(composition, representative a, b, all a's, all b's) for every distinct (multiset of classes in

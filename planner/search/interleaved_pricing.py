@@ -22,6 +22,7 @@ bound is the one the full problem has (`tests/test_search_bruteforce.py`).
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,9 @@ from costmodel.strategy import Recompute
 from planner.search.candidates import Candidate
 from planner.search.interleaved_layout import InterleavedLayout, RankChoice
 from planner.search.interleaved_problem import ChoiceTerms
+from planner.search.recompute_choice import RecomputeChoice
+
+_PLAIN = RecomputeChoice(Recompute.NONE)
 
 if TYPE_CHECKING:
     from costmodel.layer_cost import LayerCost
@@ -62,14 +66,14 @@ class InterleavedCache:
                                         for c in layout.choices(rank)}
         return hit
 
-    def chunk_times(self, builder: StageProblemBuilder, cand: Candidate, ctx: RankContext, rc: Recompute,
+    def chunk_times(self, builder: StageProblemBuilder, cand: Candidate, ctx: RankContext, rc: RecomputeChoice,
                     classes: tuple[int, ...], segments: Sequence[int], costs: Sequence[LayerCost]
                     ) -> tuple[StageTime, DataParallelComm]:
         """One chunk's time and data-parallel communication, by rank signature and layer classes (cached)."""
         key = (ctx.signature, rc, classes)
         hit = self.chunk_class_times.get(key)
         if hit is None:
-            times, comms = builder.chunk_times_of(cand, ctx, [[PricedSegment(costs[i], rc) for i in segments]])
+            times, comms = builder.chunk_times_of(cand, ctx, [rc.priced([costs[i] for i in segments], classes)])
             hit = self.chunk_class_times[key] = (times[0], comms[0])
         return hit
 
@@ -86,6 +90,7 @@ class ChoicePricer:
     sends: Sequence[float]
     upper_bound: float
     pruned: bool = False
+    plain_fits: dict[tuple[int, RankChoice], bool] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         b, cand, p = self.builder, self.cand, self.cand.mesh.pp
@@ -106,23 +111,24 @@ class ChoicePricer:
     def choices(self, rank: int) -> Sequence[RankChoice]:
         return tuple(self._classes(rank))
 
-    def _key(self, k: int, choice: RankChoice, rc: Recompute) -> tuple:
+    def _key(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> tuple:
         # Ranks with the same signature and chunks share their terms; only memory depends on the in-flight
         # counts, and affinely.
         return (self.contexts[k].signature, rc, self._classes(k)[choice], self.shared[k])
 
-    def _times(self, k: int, choice: RankChoice, rc: Recompute) -> tuple[list[StageTime], list[DataParallelComm]]:
+    def _times(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> tuple[list[StageTime], list[DataParallelComm]]:
         b, costs = self.builder, self.costs_of[self.placements[k].device.name]
         classes = self._classes(k)[choice]
         pairs = [b.interleaved.chunk_times(b, self.cand, self.contexts[k], rc, c, chunk, costs)
                  for c, chunk in zip(classes, choice.chunks, strict=True)]
         return [x for x, _ in pairs], [y for _, y in pairs]
 
-    def _segments(self, k: int, choice: RankChoice, rc: Recompute) -> list[list[PricedSegment]]:
+    def _segments(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> list[list[PricedSegment]]:
         costs = self.costs_of[self.placements[k].device.name]
-        return [[PricedSegment(costs[i], rc) for i in chunk] for chunk in choice.chunks]
+        return [rc.priced([costs[i] for i in chunk], classes)
+                for chunk, classes in zip(choice.chunks, self._classes(k)[choice], strict=True)]
 
-    def _peak(self, k: int, choice: RankChoice, rc: Recompute) -> float:
+    def _peak(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> float:
         """The rank's peak bytes with the schedule's in-flight micro-batches."""
         b, key = self.builder, self._key(k, choice, rc)
         memory = b.memory_cache.get(key)
@@ -131,28 +137,60 @@ class ChoicePricer:
             memory = b.memory_cache[key] = b.memory_terms(self.cand, self.contexts[k], segs, self.shared[k])
         return memory[0] + sum(n * a for n, a in zip(self.counts[k], memory[1], strict=True))
 
-    def least_work(self, k: int, options: Sequence[Recompute]) -> float:
+    def least_work(self, k: int, options: Sequence[RecomputeChoice]) -> float:
         """The least D_r (sends included) over the rank's choices that fit in memory; inf when none does. Memory
-        is priced cheapest work first, until one fits."""
-        b, signature, works = self.builder, self.contexts[k].signature, []
-        for c, classes in self._classes(k).items():
-            for rc in options:
-                key = (signature, rc, classes)
-                work = b.interleaved.works.get(key)
-                if work is None:
-                    work = b.interleaved.works[key] = sum(x.fwd_s + x.bwd_s for x in self._times(k, c, rc)[0])
-                works.append((work, len(works), c, rc))
-        works.sort(key=lambda x: x[:2])
+        is priced cheapest work first, until one fits. A partial recomputation enters at its choice's work with
+        no recomputation (a lower bound) and is priced only when it comes up, which is only where recomputing
+        nothing does not fit (that entry comes first)."""
+        whole = [rc for rc in options if not rc.partial]
+        partial = [rc for rc in options if rc.partial] if _PLAIN in whole else []
+        heap: list[tuple[float, int, bool, RankChoice, RecomputeChoice]] = []
+        for c in self._classes(k):
+            works = {rc: self._work(k, c, rc) for rc in whole}
+            heap += [(works[rc], len(heap) + i, True, c, rc) for i, rc in enumerate(whole)]
+            heap += [(works[_PLAIN], len(heap) + i, False, c, rc) for i, rc in enumerate(partial)]
+        heapq.heapify(heap)
         capacity = self.placements[k].device.memory_bytes
-        return next((w + self.rank_sends[k] for w, _, c, rc in works if self._peak(k, c, rc) <= capacity), math.inf)
+        while heap:
+            work, order, exact, c, rc = heapq.heappop(heap)
+            if not exact:
+                heapq.heappush(heap, (self._work(k, c, rc), order, True, c, rc))
+            elif self._peak(k, c, rc) <= capacity:
+                return work + self.rank_sends[k]
+        return math.inf
 
-    def memory_only(self, k: int, choice: RankChoice, rc: Recompute) -> ChoiceTerms:
+    def needs_partial(self, options: Sequence[RecomputeChoice]) -> bool:
+        """Whether some rank's choice is offered partial recomputation: one that does not fit recomputing
+        nothing."""
+        return (any(rc.partial for rc in options)
+                and not all(self._plain_fits(k, c) for k in range(self.cand.mesh.pp) for c in self.choices(k)))
+
+    def _plain_fits(self, k: int, choice: RankChoice) -> bool:
+        """Whether the choice fits recomputing nothing (cached per rank and choice)."""
+        fits = self.plain_fits.get((k, choice))
+        if fits is None:
+            fits = self.plain_fits[(k, choice)] = (self._peak(k, choice, _PLAIN)
+                                                   <= self.placements[k].device.memory_bytes)
+        return fits
+
+    def _work(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> float:
+        """The rank's chunks' forward + backward seconds (cached by signature, recomputation and chunk classes)."""
+        b = self.builder
+        key = (self.contexts[k].signature, rc, self._classes(k)[choice])
+        work = b.interleaved.works.get(key)
+        if work is None:
+            work = b.interleaved.works[key] = sum(x.fwd_s + x.bwd_s for x in self._times(k, choice, rc)[0])
+        return work
+
+    def memory_only(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> ChoiceTerms:
         """The choice's peak memory and nothing else: for a candidate that does not fit."""
         zeros = (0.0,) * len(choice.chunks)
         return ChoiceTerms(zeros, zeros, zeros, 0.0, 0.0, 0.0, 0.0, self._peak(k, choice, rc))
 
-    def price(self, k: int, choice: RankChoice, rc: Recompute) -> ChoiceTerms | None:
+    def price(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> ChoiceTerms | None:
         b, cand = self.builder, self.cand
+        if rc.partial and self._plain_fits(k, choice):
+            return None  # partial recomputation only where recomputing nothing does not fit (`recompute_choice`)
         cache_key = self._key(k, choice, rc)
         t = b.terms.get(cache_key)
         if t is None:

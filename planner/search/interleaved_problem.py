@@ -36,9 +36,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from costmodel.pipeline import chunk_stages, zero_bubble_extra, zero_bubble_fill
-from costmodel.strategy import Recompute, Schedule
+from costmodel.layer_cost import LayerCost
+from costmodel.pipeline import chunk_stages, stage_rank, zero_bubble_extra, zero_bubble_fill
+from costmodel.strategy import Schedule, StageSpec
 from planner.search.interleaved_layout import InterleavedLayout, RankChoice
+from planner.search.recompute_choice import RecomputeChoice
 from planner.search.stage_partition import Partition, PartitionProblem, StageChoice
 
 LEAD_SUFFIX = "+lead"
@@ -61,19 +63,23 @@ class ChoiceTerms:
     memory: float
 
 
-def option_names(layout: InterleavedLayout, options: Sequence[Recompute]) -> tuple[str, ...]:
+def option_names(layout: InterleavedLayout, options: Sequence[RecomputeChoice]) -> tuple[str, ...]:
     """The DP's options: each recomputation, with and (for unit layouts) without a larger lead chunk."""
     return tuple(rc.value + (LEAD_SUFFIX if lead else "") for rc in options for lead in layout.lead_options)
 
 
-def decode(layout: InterleavedLayout, partition: Partition):
-    """The chunks (`StageSpec`s in chain order) of a solved problem."""
-    picks, recompute = [], []
+def decode(layout: InterleavedLayout, partition: Partition, rank_costs: Sequence[Sequence[LayerCost]],
+           classes: Sequence[int]) -> tuple[StageSpec, ...]:
+    """The chunks (`StageSpec`s in chain order) of a solved problem; `rank_costs` (per pipeline rank, its
+    segments' costs) and `classes` say which segments a partial recomputation picks."""
+    picks, choices = [], []
     for st in partition.stages:
         lead = st.option.endswith(LEAD_SUFFIX)
         picks.append((st.stop - st.start - 1, lead))
-        recompute.append(Recompute(st.option.removesuffix(LEAD_SUFFIX)))
-    return layout.stages(picks, recompute)
+        choices.append(RecomputeChoice.parse(st.option.removesuffix(LEAD_SUFFIX)))
+    specs = layout.stages(picks, [c.mode for c in choices])
+    ranks = [stage_rank(layout.schedule, layout.pp, j) for j in range(len(specs))]
+    return tuple(choices[r].spec(s.start, s.stop, rank_costs[r], classes) for s, r in zip(specs, ranks, strict=True))
 
 
 def rank_terms(layout: InterleavedLayout, rank: int, terms: ChoiceTerms, sends: Sequence[float],
@@ -95,8 +101,8 @@ def rank_terms(layout: InterleavedLayout, rank: int, terms: ChoiceTerms, sends: 
     return e, num_microbatches * d - e / v, zero_bubble_extra(schedule, p, f, i) / v
 
 
-def interleaved_problem(layout: InterleavedLayout, options: Sequence[Recompute],
-                        price: Callable[[int, RankChoice, Recompute], ChoiceTerms | None] | None,
+def interleaved_problem(layout: InterleavedLayout, options: Sequence[RecomputeChoice],
+                        price: Callable[[int, RankChoice, RecomputeChoice], ChoiceTerms | None] | None,
                         sends: Sequence[float],
                         capacity: Sequence[float], num_microbatches: int, *,
                         only: Sequence[tuple[int, bool]] | None = None,

@@ -51,11 +51,11 @@ class Solved(Protocol):
     objective: float
 
 
-def simplicity_key(strategy: Strategy) -> tuple[int, ...]:
+def simplicity_key(strategy: Strategy) -> tuple[float, ...]:
     """Smaller is simpler (module docstring, rules 1-5)."""
     s = strategy
     dims = sum(1 for d in (s.tp, s.pp, s.cp, s.ep) if d > 1)
-    recompute = (sum(_RECOMPUTE_WEIGHT[st.recompute] for st in s.stages) if s.stages
+    recompute = (sum(_RECOMPUTE_WEIGHT[st.recompute] * st.recomputed_share for st in s.stages) if s.stages
                  else _RECOMPUTE_WEIGHT[s.recompute])
     return (_OFFLOAD_WEIGHT[s.runtime.offload], dims, s.zero_stage, s.num_microbatches, recompute, s.virtual_stages, int(s.schedule.zero_bubble),
             int(s.sequence_parallel))

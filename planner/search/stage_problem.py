@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -69,6 +69,7 @@ from planner.search.interleaved_problem import (
 )
 from planner.search.layer_costs import AxisSplit, LayerCostTable
 from planner.search.meshes import MeshCandidate
+from planner.search.recompute_choice import RecomputeChoice, search_choices
 from planner.search.stage_partition import Partition, PartitionProblem, StageKind, solve_partition, stage_kind
 
 
@@ -92,11 +93,16 @@ class StageProblem:
     """Interleaved only: the chunk layouts the DP picks from (one per rank, with its recomputation)."""
     pruned: bool = False
     """Whether stages were left out by the upper bound (then "nothing fits" does not mean out of memory)."""
+    rank_costs: tuple[tuple[LayerCost, ...], ...] = ()
+    """Per pipeline rank, its segments' costs: which segments partial recomputation picks."""
+    classes: tuple[int, ...] = ()
+    """Each segment's layer class."""
 
     def stages(self, partition: Partition) -> tuple[StageSpec, ...]:
         if self.layout is None:
-            return tuple(StageSpec(s.start, s.stop, Recompute(s.option)) for s in partition.stages)
-        return decode(self.layout, partition)
+            return tuple(RecomputeChoice.parse(s.option).spec(s.start, s.stop, self.rank_costs[k], self.classes)
+                         for k, s in enumerate(partition.stages))
+        return decode(self.layout, partition, self.rank_costs, self.classes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,9 +333,10 @@ class StageProblemBuilder:
                           .boundary_bytes) for j in range(n - 1)]
 
     # -- problems --------------------------------------------------------------------------------------------
-    def build(self, cand: Candidate, options: Sequence[Recompute], upper_bound: float = math.inf
-              ) -> StageProblem | None:
-        """The candidate's partition problem, or None when the mesh does not fit the available devices.
+    def build(self, cand: Candidate, options: Sequence[Recompute], upper_bound: float = math.inf,
+              partial: bool = False) -> StageProblem | None:
+        """The candidate's partition problem, or None when the mesh does not fit the available devices. With
+        `partial`, stages may also recompute part of their layers (`planner.search.recompute_choice`).
 
         With a finite `upper_bound` (seconds), stages that cannot be part of any partition beating it are left
         out unpriced (marked as not fitting): their compute and TP communication alone reach the bound."""
@@ -338,11 +345,17 @@ class StageProblemBuilder:
             return None
         if cand.schedule.zero_bubble:  # no recomputation with a split backward (`pipeline.recompute_problem`)
             options = tuple(o for o in options if o is Recompute.NONE) or (Recompute.NONE,)
+        choices = search_choices(options, partial)
         if cand.schedule.chunked and (cand.virtual_stages > 1 or cand.schedule is Schedule.INTERLEAVED):
-            return self._build_interleaved(cand, options, placements, upper_bound)
-        return self._build_contiguous(cand, options, placements, upper_bound)
+            built = self._build_interleaved(cand, choices, placements, upper_bound)
+        else:
+            built = self._build_contiguous(cand, choices, placements, upper_bound)
+        if built is None:
+            return None
+        costs = tuple(self.segment_costs(cand, pl.device) for pl in placements)
+        return replace(built, rank_costs=costs, classes=self.structure.classes)
 
-    def _build_contiguous(self, cand: Candidate, options: Sequence[Recompute],
+    def _build_contiguous(self, cand: Candidate, options: Sequence[RecomputeChoice],
                           placements: tuple[RankPlacement, ...], upper_bound: float) -> StageProblem:
         n, p, m = len(self.chain.segments), cand.mesh.pp, cand.num_microbatches
         gpipe = cand.schedule is Schedule.GPIPE
@@ -354,13 +367,16 @@ class StageProblemBuilder:
                                                 cand.runtime.tp_grad_overlap)
                               for pl in placements],
                              axis=0).sum())
-        for k in reps:
-            terms, cut = self._profile_arrays(cand, k, contexts[k], options, upper_bound, total)
+        in_flight = tuple(in_flight_per_chunk(cand.schedule, p, k, m, 1)[0] for k in range(p))
+        capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
+        for q, k in enumerate(reps):
+            # Partial recomputation where recomputing nothing does not fit on the profile's fullest rank.
+            fullest = max((in_flight[j], -capacity[j]) for j in range(p) if profile[j] == q)
+            terms, cut = self._profile_arrays(cand, k, contexts[k], options, upper_bound, total,
+                                              (fullest[0], -fullest[1]))
             pruned = pruned or cut
             for name, arr in terms.items():
                 arrays.setdefault(name, []).append(arr)
-        in_flight = tuple(in_flight_per_chunk(cand.schedule, p, k, m, 1)[0] for k in range(p))
-        capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
         objective = _gpipe_objective(m) if gpipe else step_objective(cand.schedule, m, 1)
         problem = PartitionProblem(num_segments=n, num_stages=p, options=tuple(o.value for o in options),
                                    stage_profile=tuple(profile), in_flight=in_flight, capacity=capacity,
@@ -385,10 +401,14 @@ class StageProblemBuilder:
             profile.append(profile_index[key])
         return profile, reps
 
-    def _profile_arrays(self, cand: Candidate, k: int, ctx: RankContext, options: Sequence[Recompute],
-                        upper_bound: float, total: float) -> tuple[dict[str, np.ndarray], bool]:
+    def _profile_arrays(self, cand: Candidate, k: int, ctx: RankContext, options: Sequence[RecomputeChoice],
+                        upper_bound: float, total: float, fullest: tuple[int, float]
+                        ) -> tuple[dict[str, np.ndarray], bool]:
         """The `PartitionProblem` arrays of pipeline rank k's profile (every stage [a, b) it may hold, with
-        every recomputation option), and whether the upper bound pruned some stages."""
+        every recomputation option), and whether the upper bound pruned some stages. A partial recomputation is
+        priced only on the stages that do not fit recomputing nothing with `fullest` = (in-flight micro-batches,
+        capacity) of the profile's fullest rank: elsewhere recomputing nothing fits and takes less time, and
+        with contiguous stages the step never gets longer when a stage gets shorter (`recompute_choice`)."""
         n, p, m = len(self.chain.segments), cand.mesh.pp, cand.num_microbatches
         gpipe, zero_bubble = cand.schedule is Schedule.GPIPE, cand.schedule.zero_bubble
         ns, nu = (2, 4) if gpipe else (1, 3)
@@ -428,12 +448,21 @@ class StageProblemBuilder:
                     "drain": drain}, pruned
         # All the stages of every kept composition at once: each composition's terms repeated over its ranges
         # (the ranges of different compositions never overlap).
-        lengths = [len(aa) for _, _, _, aa, _ in kept]
-        aa, bb = np.concatenate([x[3] for x in kept]), np.concatenate([x[4] for x in kept])
+        everywhere = kept
+        plain = next((r for r, rc in enumerate(options) if rc == RecomputeChoice(Recompute.NONE)), None)
         for r, rc in enumerate(options):
+            kept = everywhere
+            if rc.partial and plain is not None:
+                need = memory_base[plain] + fullest[0] * per_microbatch[plain]
+                kept = [(comp, a0, b0, aa[over], bb[over]) for comp, a0, b0, aa, bb in everywhere
+                        for over in [need[aa, bb] > fullest[1]] if over.any()]
+            if not kept:
+                continue
+            lengths = [len(aa) for _, _, _, aa, _ in kept]
+            aa, bb = np.concatenate([x[3] for x in kept]), np.concatenate([x[4] for x in kept])
             terms = [self._composition_terms(cand, ctx, costs, rc, comp, a0, b0) for comp, a0, b0, _, _ in kept]
 
-            def column(values: list[float]) -> np.ndarray:
+            def column(values: list[float], lengths: list[int] = lengths) -> np.ndarray:
                 return np.repeat(np.array(values, dtype=float), lengths)
 
             fwd = column([t.fwd[0] for t in terms]) + recv[aa]   # the send into this stage delays its forward
@@ -461,19 +490,19 @@ class StageProblemBuilder:
                                 self.structure.compositions()]
         return self._masks[key]
 
-    def _composition_terms(self, cand: Candidate, ctx: RankContext, costs: Sequence[LayerCost], rc: Recompute,
-                           comp: tuple[int, ...], a0: int, b0: int) -> _Terms:
+    def _composition_terms(self, cand: Candidate, ctx: RankContext, costs: Sequence[LayerCost],
+                           rc: RecomputeChoice, comp: tuple[int, ...], a0: int, b0: int) -> _Terms:
         """The terms of a stage holding the class composition `comp` (first seen as segments [a0, b0)) with
         recomputation `rc` on this rank, priced once per (rank signature, rc, composition)."""
         cache_key = (ctx.signature, rc, comp)
         t = self.terms.get(cache_key)
         if t is None:
-            segs = [PricedSegment(costs[j], rc) for j in range(a0, b0)]
+            segs = rc.priced(costs[a0:b0], self.structure.classes[a0:b0])
             shared = -(-self.structure.shared_params(a0, b0) // cand.mesh.tp)
             t = self.terms[cache_key] = self.rank_terms_of(cand, ctx, [segs], shared)
         return t
 
-    def _build_interleaved(self, cand: Candidate, options: Sequence[Recompute],
+    def _build_interleaved(self, cand: Candidate, options: Sequence[RecomputeChoice],
                            placements: tuple[RankPlacement, ...], upper_bound: float) -> StageProblem | None:
         m = cand.num_microbatches
         layout = self.layout(cand)
@@ -490,6 +519,8 @@ class StageProblemBuilder:
         if least_step_time(cand.schedule, m, cand.virtual_stages, least) > upper_bound * (1 + 1e-9):
             problem = interleaved_problem(layout, options, None, sends, capacity, m)
             return StageProblem(cand, problem, placements, layout=layout, pruned=True)
+        if not chooser.needs_partial(options):  # every choice fits recomputing nothing: partial is never priced
+            options = tuple(o for o in options if not o.partial)
         # Ties go to the even split (what an estimate without stages prices): its best recomputation first.
         even, preferred = layout.even_picks(), None
         if even is not None:

@@ -58,6 +58,9 @@ class TrainerConfig:
     zero_stage: int = 0
     sequence_parallel: bool = False
     recompute: Recompute = Recompute.NONE
+    recompute_layers: int | None = None
+    """Full recomputation of only the first N decoder layers of each (virtual) stage (Megatron-LM's
+    `--recompute-method block --recompute-num-layers N`); None: `recompute` on every layer."""
     runtime: RuntimeOptions = RuntimeOptions()
     mesh_order: tuple[MeshAxis, ...] = DEFAULT_MESH_ORDER
     """Rank order, innermost first (Megatron-LM's `--use-tp-pp-dp-mapping` puts pp inside dp)."""

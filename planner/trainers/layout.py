@@ -49,6 +49,24 @@ class BlockLayout:
     def trail_start(self) -> int:
         return self.lead + self.num_blocks
 
+    def first_blocks_recomputed(self, stages: Sequence[StageSpec]) -> int | None:
+        """N when every stage fully recomputes exactly its first min(N, blocks) blocks and some stage fewer than
+        all of them (Megatron-LM's block method; `stages_of` with `recompute_layers`), else None."""
+        counts, whole = set(), []
+        for st in stages:
+            blocks = list(range(max(st.start, self.lead), min(st.stop, self.trail_start)))
+            chosen = [i for i in (range(st.start, st.stop) if st.recomputed is None else st.recomputed)
+                      if i in blocks] if st.recompute is Recompute.FULL else []
+            if chosen != blocks[:len(chosen)] or (st.recompute is not Recompute.FULL and st.recomputed is not None):
+                return None
+            if len(chosen) < len(blocks):
+                counts.add(len(chosen))
+            else:
+                whole.append(len(blocks))
+        if len(counts) != 1 or any(n > min(counts) for n in whole):
+            return None
+        return counts.pop()
+
     def blocks_per_stage(self, stages: Sequence[StageSpec], trainer: str) -> tuple[int, ...]:
         """Blocks of each (virtual) stage; UserError when a cut falls inside the leading/trailing segments."""
         out = []
@@ -60,8 +78,10 @@ class BlockLayout:
             out.append(max(0, min(st.stop, self.trail_start) - max(st.start, self.lead)))
         return tuple(out)
 
-    def stages_of(self, blocks: Sequence[int], recompute: Recompute = Recompute.NONE) -> tuple[StageSpec, ...]:
-        """Stages holding `blocks[i]` blocks each; the embedding joins the first, the head the last stage."""
+    def stages_of(self, blocks: Sequence[int], recompute: Recompute = Recompute.NONE,
+                  recompute_layers: int | None = None) -> tuple[StageSpec, ...]:
+        """Stages holding `blocks[i]` blocks each; the embedding joins the first, the head the last stage. With
+        `recompute_layers` N, each stage recomputes only its first N blocks."""
         if sum(blocks) != self.num_blocks or any(b < 0 for b in blocks):
             raise UserError(f"the pipeline split {list(blocks)} does not add up to the model's {self.num_blocks} "
                             f"layers")
@@ -73,7 +93,10 @@ class BlockLayout:
         for i in range(len(blocks)):
             if bounds[i + 1] <= bounds[i]:
                 raise UserError(f"pipeline stage {i} of {list(blocks)} would hold nothing")
-            stages.append(StageSpec(start=bounds[i], stop=bounds[i + 1], recompute=recompute))
+            first = max(bounds[i], self.lead)
+            picked = (None if recompute_layers is None
+                      else tuple(range(first, min(first + recompute_layers, bounds[i + 1], self.trail_start))))
+            stages.append(StageSpec(start=bounds[i], stop=bounds[i + 1], recompute=recompute, recomputed=picked))
         return tuple(stages)
 
 

@@ -37,13 +37,15 @@ def config_of_plan(plan: Plan, layout: BlockLayout, trainer: Trainer, notes: Not
                   f"{trainer.value} lays ranks out tp/cp/dp/pp, so its ranks sit on other links than priced")
     stages = s.stages
     blocks = layout.blocks_per_stage(stages, trainer.value) if stages else None
+    layers = layout.first_blocks_recomputed(stages) if trainer is Trainer.MEGATRON else None
     if blocks is not None and blocks == even_shares(layout.num_blocks, len(blocks)):
         blocks = None  # the trainer's default split is the plan's
     return TrainerConfig(
         trainer=trainer, tp=s.tp, pp=s.pp, cp=s.cp, ep=s.ep, dp=s.dp, microbatch_size=s.microbatch_size,
         global_batch=plan.training.global_batch, schedule=s.schedule, virtual_stages=s.virtual_stages,
         stage_blocks=blocks, zero_stage=s.zero_stage, sequence_parallel=s.sequence_parallel,
-        recompute=_one_recompute(s, trainer, notes), runtime=s.runtime, mesh_order=s.mesh_order,
+        recompute=_one_recompute(s, trainer, notes, layers), recompute_layers=layers, runtime=s.runtime,
+        mesh_order=s.mesh_order,
         seq_len=plan.training.seq_len,
         dtype=plan.training.dtype, num_layers=layout.num_blocks)
 
@@ -57,9 +59,13 @@ def _check_one_device_type(plan: Plan, trainer: Trainer) -> None:
                         f"job and has no per-stage placement")
 
 
-def _one_recompute(s: Strategy, trainer: Trainer, notes: Notes) -> Recompute:
+def _one_recompute(s: Strategy, trainer: Trainer, notes: Notes, layers: int | None) -> Recompute:
     modes = {st.recompute for st in s.stages} or {s.recompute}
     strongest = max(modes, key=_STRENGTH.__getitem__)
+    partial = sorted({st.recompute_label for st in s.stages if st.recomputed is not None})
+    if partial and layers is None:
+        notes.add(f"the plan recomputes part of some stages' layers ({', '.join(partial)}); exported as "
+                  f"{strongest.value} recomputation of every layer (more recomputation, no more memory than planned)")
     if len(modes) > 1:
         notes.add(f"the plan recomputes per stage ({', '.join(sorted(m.value for m in modes))}); {trainer.value} "
                   f"applies one mode to every layer, exported as {strongest.value} (more recomputation, no "
@@ -96,7 +102,8 @@ def strategy_of_config(cfg: TrainerConfig, layout: BlockLayout, num_devices: int
             dp=dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, microbatch_size=cfg.microbatch_size,
             num_microbatches=global_batch // per_step, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages,
             zero_stage=cfg.zero_stage, sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
-            stages=layout.stages_of(blocks, cfg.recompute), runtime=cfg.runtime, mesh_order=cfg.mesh_order)
+            stages=layout.stages_of(blocks, cfg.recompute, cfg.recompute_layers), runtime=cfg.runtime,
+            mesh_order=cfg.mesh_order)
     except ValueError as e:
         raise UserError(f"{where}: {e}") from None
     return strategy, global_batch

@@ -9,6 +9,7 @@ are in planner/trainers/data/megatron_lm_arguments.json). What maps to what:
     mbs, global batch    --micro-batch-size, --global-batch-size
     sp                   --sequence-parallel
     recompute            full: --recompute-granularity full --recompute-method uniform --recompute-num-layers 1;
+                         full on the first N layers of every stage: --recompute-method block --recompute-num-layers N;
                          selective: --recompute-granularity selective (the attention core)
     ZeRO 1 / 2 / 3       --use-distributed-optimizer / Megatron-FSDP --data-parallel-sharding-strategy
                          optim_grads / optim_grads_params
@@ -74,7 +75,7 @@ def parallel_arguments(cfg: TrainerConfig, num_layers: int, notes: Notes) -> lis
     args += ["--sequence-parallel"] if cfg.sequence_parallel else []
     args += _pipeline_arguments(cfg, num_layers, notes)
     args += [f"--micro-batch-size {cfg.microbatch_size}", f"--global-batch-size {cfg.global_batch}"]
-    args += _recompute_arguments(cfg.recompute, notes)
+    args += _recompute_arguments(cfg.recompute, notes, cfg.recompute_layers)
     args += _sharding_arguments(cfg, notes)
     args += _offload_arguments(cfg, notes)
     args += _overlap_arguments(cfg, notes)
@@ -107,7 +108,9 @@ def _pipeline_arguments(cfg: TrainerConfig, num_layers: int, notes: Notes) -> li
     return [f"--pipeline-model-parallel-layout {format_megatron_layout(blocks)}"]
 
 
-def _recompute_arguments(recompute: Recompute, notes: Notes) -> list[str]:
+def _recompute_arguments(recompute: Recompute, notes: Notes, layers: int | None = None) -> list[str]:
+    if recompute is Recompute.FULL and layers is not None:
+        return ["--recompute-granularity full", "--recompute-method block", f"--recompute-num-layers {layers}"]
     if recompute is Recompute.FULL:
         return ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
     if recompute is Recompute.OP:
@@ -193,7 +196,7 @@ def read(text: str, *, source: str) -> TrainerConfig:
         ep=ns.expert_model_parallel_size, microbatch_size=ns.micro_batch_size, global_batch=ns.global_batch_size,
         schedule=Schedule.INTERLEAVED if virtual > 1 else Schedule.ONE_F_ONE_B, virtual_stages=virtual,
         stage_blocks=blocks, zero_stage=_read_zero(ns), sequence_parallel=ns.sequence_parallel,
-        recompute=_read_recompute(ns, notes),
+        recompute=_read_recompute(ns), recompute_layers=_read_recompute_layers(ns),
         runtime=RuntimeOptions(dp_overlap=ns.overlap_grad_reduce, tp_overlap=ns.tp_comm_overlap,
                                tp_grad_overlap=ns.async_tensor_model_parallel_allreduce
                                and ns.tensor_model_parallel_size > 1,
@@ -247,13 +250,15 @@ def _read_zero(ns: argparse.Namespace) -> int:
     return 1 if ns.use_distributed_optimizer else 0
 
 
-def _read_recompute(ns: argparse.Namespace, notes: Notes) -> Recompute:
+def _read_recompute(ns: argparse.Namespace) -> Recompute:
     granularity = ns.recompute_granularity or ("selective" if ns.recompute_activations else None)
     if granularity == "selective":
         return Recompute.SELECTIVE
-    if granularity != "full":
-        return Recompute.NONE
-    if ns.recompute_method == "block" and ns.recompute_num_layers is not None and ns.num_layers:
-        notes.add(f"--recompute-method block recomputes {ns.recompute_num_layers} layers of each stage; priced as "
-                  f"full recomputation of every layer (an upper bound on its time)")
-    return Recompute.FULL
+    return Recompute.FULL if granularity == "full" else Recompute.NONE
+
+
+def _read_recompute_layers(ns: argparse.Namespace) -> int | None:
+    """`--recompute-method block --recompute-num-layers N`: only the first N layers of each stage recompute."""
+    if _read_recompute(ns) is Recompute.FULL and ns.recompute_method == "block":
+        return ns.recompute_num_layers if ns.recompute_num_layers is not None else 0
+    return None

@@ -64,6 +64,8 @@ class Config:
     """Block index each pipeline stage after the first starts at (empty: the even split of the chain)."""
     stage_recompute: tuple[Recompute, ...] = ()
     """Recompute per stage (empty: the strategy's `recompute` everywhere)."""
+    recomputed_blocks: tuple[int, ...] | None = None
+    """Partial recomputation: the blocks whose segments run their stage's recompute (None: all of them)."""
 
 
 TINY = {
@@ -172,6 +174,8 @@ CONFIGS: dict[str, Config] = {
     "tp2_sp_unpaired_colwise": Config("gpt", dict(tp=2, microbatch_size=4, num_microbatches=1,
                                                   sequence_parallel=True, recompute="selective"),
                                       TP_ATTENTION + (("blocks.*.mlp.up_proj", C),) + TP_EMBED_HEAD),
+    "partial_recompute_pp2": Config("gpt", dict(pp=2, microbatch_size=2, num_microbatches=4), first_blocks=(2,),
+                                    stage_recompute=(Recompute.FULL, Recompute.FULL), recomputed_blocks=(0, 3)),
     "recompute_pp2": Config("gpt", dict(pp=2, microbatch_size=2, num_microbatches=4), first_blocks=(2,),
                             stage_recompute=(Recompute.FULL, Recompute.SELECTIVE)),
     # 4 processes
@@ -246,7 +250,12 @@ def plan_stages(cfg: Config, chain: Any) -> tuple[StageSpec, ...]:
         return ()
     bounds = [0] + [first_segment_of_block(chain, b) for b in cfg.first_blocks] + [len(chain)]
     modes = cfg.stage_recompute or (Recompute(cfg.strategy.get("recompute", "none")),) * (len(bounds) - 1)
-    return tuple(StageSpec(bounds[i], bounds[i + 1], modes[i]) for i in range(len(bounds) - 1))
+    picked = (None if cfg.recomputed_blocks is None
+              else {first_segment_of_block(chain, b) for b in cfg.recomputed_blocks})
+    return tuple(StageSpec(bounds[i], bounds[i + 1], modes[i],
+                           recomputed=None if picked is None else tuple(sorted(
+                               j for j in picked if bounds[i] <= j < bounds[i + 1])))
+                 for i in range(len(bounds) - 1))
 
 
 def make_plan(model: nn.Module, cfg: Config, chain: Any) -> Plan:
