@@ -39,6 +39,7 @@ from tests.published_reference import (  # noqa: E402
     all_runs,
     build_chain,
     cluster_of,
+    describe,
     fit_efficiency,
     leave_one_out,
     predict,
@@ -56,10 +57,7 @@ def free_plan(run: PublishedRun, chains: dict, pinned: dict[str, float], time_li
     p = plan(chain, None, cluster_of(run), global_batch=run.global_batch,
              space=SearchSpace(runtime=run.runtime), time_limit_s=time_limit_s)
     s = p.strategy
-    label = (f"dp{s.dp} tp{s.tp} pp{s.pp} cp{s.cp}{f' ep{s.ep}' if s.ep > 1 else ''} "
-             f"mbs{s.microbatch_size}x{s.num_microbatches} "
-             f"{s.schedule.value}{':' + str(s.virtual_stages) if s.virtual_stages > 1 else ''} zero{s.zero_stage} "
-             f"{s.recompute.value}{' sp' if s.sequence_parallel else ''}")
+    label = describe(s)
     mine = p.predicted.breakdown.to_dict()
     term, saved = max(((k, pinned.get(k, 0.0) - v) for k, v in mine.items()), key=lambda kv: kv[1])
     if saved > 0:

@@ -388,12 +388,14 @@ def search_space(run: PublishedRun, zero_stage: int | None):
                        sequence_parallel=run.sequence_parallel, runtime=run.runtime)
 
 
-def _describe(strategy) -> str:
+def describe(strategy) -> str:
+    """A strategy in the tables' short form."""
     s = strategy
     sched = s.schedule.value + (f":{s.virtual_stages}" if s.virtual_stages > 1 else "")
     return (f"dp{s.dp} tp{s.tp} pp{s.pp} cp{s.cp}{f' ep{s.ep}' if s.ep > 1 else ''} "
             f"mbs{s.microbatch_size}x{s.num_microbatches} {sched} "
-            f"zero{s.zero_stage} {s.recompute.value}{' sp' if s.sequence_parallel else ''}")
+            f"zero{s.zero_stage} {s.recompute.value}{'(part)' if any(st.recomputed for st in s.stages) else ''}"
+            f"{' sp' if s.sequence_parallel else ''}")
 
 
 def predict(run: PublishedRun, chains: dict | None = None, training_efficiency: float | None = None
@@ -424,7 +426,7 @@ def predict(run: PublishedRun, chains: dict | None = None, training_efficiency: 
     est = best.predicted
     b = est.breakdown
     return Prediction(step_s=est.step_time_s, memory_gib=max(est.peak_memory_bytes) / GIB, mfu=est.mfu,
-                      strategy=_describe(best.strategy), chosen=", ".join(run.unstated) or "-",
+                      strategy=describe(best.strategy), chosen=", ".join(run.unstated) or "-",
                       device_bound_s=b.compute_s + b.recompute_s + b.bubble_s + b.optimizer_s,
                       breakdown=b.to_dict(), error_band=est.error_band)
 

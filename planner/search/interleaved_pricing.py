@@ -159,12 +159,6 @@ class ChoicePricer:
                 return work + self.rank_sends[k]
         return math.inf
 
-    def needs_partial(self, options: Sequence[RecomputeChoice]) -> bool:
-        """Whether some rank's choice is offered partial recomputation: one that does not fit recomputing
-        nothing."""
-        return (any(rc.partial for rc in options)
-                and not all(self._plain_fits(k, c) for k in range(self.cand.mesh.pp) for c in self.choices(k)))
-
     def _plain_fits(self, k: int, choice: RankChoice) -> bool:
         """Whether the choice fits recomputing nothing (cached per rank and choice)."""
         fits = self.plain_fits.get((k, choice))
@@ -189,8 +183,14 @@ class ChoicePricer:
 
     def price(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> ChoiceTerms | None:
         b, cand = self.builder, self.cand
-        if rc.partial and self._plain_fits(k, choice):
-            return None  # partial recomputation only where recomputing nothing does not fit (`recompute_choice`)
+        if rc.partial:
+            # It works at least as long as recomputing nothing, and is offered only where that does not fit.
+            if cand.num_microbatches * (self._work(k, choice, _PLAIN) + self.rank_sends[k]) > self.upper_bound * (
+                    1 + 1e-9):
+                self.pruned = True
+                return None
+            if self._plain_fits(k, choice):
+                return None
         cache_key = self._key(k, choice, rc)
         t = b.terms.get(cache_key)
         if t is None:

@@ -519,8 +519,6 @@ class StageProblemBuilder:
         if least_step_time(cand.schedule, m, cand.virtual_stages, least) > upper_bound * (1 + 1e-9):
             problem = interleaved_problem(layout, options, None, sends, capacity, m)
             return StageProblem(cand, problem, placements, layout=layout, pruned=True)
-        if not chooser.needs_partial(options):  # every choice fits recomputing nothing: partial is never priced
-            options = tuple(o for o in options if not o.partial)
         # Ties go to the even split (what an estimate without stages prices): its best recomputation first.
         even, preferred = layout.even_picks(), None
         if even is not None:
