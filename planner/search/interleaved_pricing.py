@@ -31,13 +31,10 @@ from typing import TYPE_CHECKING
 from costmodel.memory import PricedSegment
 from costmodel.pipeline import chunk_stages, in_flight_per_chunk
 from costmodel.step_time import DataParallelComm, StageTime
-from costmodel.strategy import Recompute
 from planner.search.candidates import Candidate
 from planner.search.interleaved_layout import InterleavedLayout, RankChoice
 from planner.search.interleaved_problem import ChoiceTerms
-from planner.search.recompute_choice import RecomputeChoice
-
-_PLAIN = RecomputeChoice(Recompute.NONE)
+from planner.search.recompute_choice import NO_RECOMPUTE, RecomputeChoice
 
 if TYPE_CHECKING:
     from costmodel.layer_cost import LayerCost
@@ -143,12 +140,12 @@ class ChoicePricer:
         no recomputation (a lower bound) and is priced only when it comes up, which is only where recomputing
         nothing does not fit (that entry comes first)."""
         whole = [rc for rc in options if not rc.partial]
-        partial = [rc for rc in options if rc.partial] if _PLAIN in whole else []
+        partial = [rc for rc in options if rc.partial] if NO_RECOMPUTE in whole else []
         heap: list[tuple[float, int, bool, RankChoice, RecomputeChoice]] = []
         for c in self._classes(k):
             works = {rc: self._work(k, c, rc) for rc in whole}
             heap += [(works[rc], len(heap) + i, True, c, rc) for i, rc in enumerate(whole)]
-            heap += [(works[_PLAIN], len(heap) + i, False, c, rc) for i, rc in enumerate(partial)]
+            heap += [(works[NO_RECOMPUTE], len(heap) + i, False, c, rc) for i, rc in enumerate(partial)]
         heapq.heapify(heap)
         capacity = self.placements[k].device.memory_bytes
         while heap:
@@ -163,7 +160,7 @@ class ChoicePricer:
         """Whether the choice fits recomputing nothing (cached per rank and choice)."""
         fits = self.plain_fits.get((k, choice))
         if fits is None:
-            fits = self.plain_fits[(k, choice)] = (self._peak(k, choice, _PLAIN)
+            fits = self.plain_fits[(k, choice)] = (self._peak(k, choice, NO_RECOMPUTE)
                                                    <= self.placements[k].device.memory_bytes)
         return fits
 
@@ -185,7 +182,7 @@ class ChoicePricer:
         b, cand = self.builder, self.cand
         if rc.partial:
             # It works at least as long as recomputing nothing, and is offered only where that does not fit.
-            if cand.num_microbatches * (self._work(k, choice, _PLAIN) + self.rank_sends[k]) > self.upper_bound * (
+            if cand.num_microbatches * (self._work(k, choice, NO_RECOMPUTE) + self.rank_sends[k]) > self.upper_bound * (
                     1 + 1e-9):
                 self.pruned = True
                 return None

@@ -74,13 +74,16 @@ class RecomputeChoice:
         chosen = self.picked(costs, classes)
         return [PricedSegment(c, self.mode if pos in chosen else Recompute.NONE) for pos, c in enumerate(costs)]
 
-    def spec(self, start: int, stop: int, costs: Sequence[LayerCost], classes: Sequence[int],
-             device_group: str | None = None) -> StageSpec:
+    def spec(self, start: int, stop: int, costs: Sequence[LayerCost], classes: Sequence[int]) -> StageSpec:
         """The `StageSpec` of chain segments [start, stop) (`costs` and `classes` indexed by chain segment)."""
         if not self.partial:
-            return StageSpec(start, stop, self.mode, device_group)
+            return StageSpec(start, stop, self.mode)
         chosen = self.picked(costs[start:stop], classes[start:stop])
-        return StageSpec(start, stop, self.mode, device_group, recomputed=tuple(start + pos for pos in sorted(chosen)))
+        return StageSpec(start, stop, self.mode, recomputed=tuple(start + pos for pos in sorted(chosen)))
+
+
+NO_RECOMPUTE = RecomputeChoice(Recompute.NONE)
+"""Recomputing nothing: partial recomputation is offered only where this does not fit."""
 
 
 def search_choices(options: Sequence[Recompute], partial: bool) -> tuple[RecomputeChoice, ...]:

@@ -69,7 +69,7 @@ from planner.search.interleaved_problem import (
 )
 from planner.search.layer_costs import AxisSplit, LayerCostTable
 from planner.search.meshes import MeshCandidate
-from planner.search.recompute_choice import RecomputeChoice, search_choices
+from planner.search.recompute_choice import NO_RECOMPUTE, RecomputeChoice, search_choices
 from planner.search.stage_partition import Partition, PartitionProblem, StageKind, solve_partition, stage_kind
 
 
@@ -449,7 +449,7 @@ class StageProblemBuilder:
         # All the stages of every kept composition at once: each composition's terms repeated over its ranges
         # (the ranges of different compositions never overlap).
         everywhere = kept
-        plain = next((r for r, rc in enumerate(options) if rc == RecomputeChoice(Recompute.NONE)), None)
+        plain = options.index(NO_RECOMPUTE) if NO_RECOMPUTE in options else None
         for r, rc in enumerate(options):
             kept = everywhere
             if rc.partial and plain is not None:

@@ -52,6 +52,8 @@ class BlockLayout:
     def first_blocks_recomputed(self, stages: Sequence[StageSpec]) -> int | None:
         """N when every stage fully recomputes exactly its first min(N, blocks) blocks and some stage fewer than
         all of them (Megatron-LM's block method; `stages_of` with `recompute_layers`), else None."""
+        if all(st.recomputed is None for st in stages):
+            return None
         counts, whole = set(), []
         for st in stages:
             blocks = list(range(max(st.start, self.lead), min(st.stop, self.trail_start)))
