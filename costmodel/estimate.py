@@ -265,6 +265,7 @@ def estimate(chain: LayerChain | Graph, cluster: Cluster, strategy: Strategy, *,
     See the module docstring for the model."""
     if isinstance(chain, Graph):
         chain = build_layer_chain(chain)
+    chain = strategy.runtime.priced_chain(chain)
     if strategy.num_devices > cluster.num_available:
         raise ValueError(f"strategy needs dp*tp*pp*cp = {strategy.num_devices} devices, the cluster has "
                          f"{cluster.num_available} available")

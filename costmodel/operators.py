@@ -63,6 +63,7 @@ from costmodel.float8 import CAST_TRAFFIC, Float8Recipe, Operand, converted_node
 from costmodel.hardware.catalog import FP8_DTYPE, fp8_matmul_efficiency
 from costmodel.hardware.device import DeviceSpec
 from costmodel.profile_db import OpProfile, op_signature
+from ir.fusion import FUSED_MEMBER_ATTR
 from ir.graph import Node, OpKind, dtype_bytes
 
 GEMM_SIZE_ALPHA = 0.763
@@ -70,9 +71,9 @@ GEMM_SIZE_ALPHA = 0.763
 GEMM_HALF_TIME_S = 6.85e-6
 """Time-at-peak at which a GEMM reaches half of the device's best GEMM throughput (same fit)."""
 T_KERNEL_FLOOR_S = 4e-6
+"""Smallest time of one launched kernel (launch overhead, see module docstring)."""
 CAUSAL_SPEEDUP = 1.75
 """Causal over unmasked fused attention time (module docstring)."""
-"""Smallest time of one launched kernel (launch overhead, see module docstring)."""
 
 GEMM_KINDS = frozenset({OpKind.LINEAR, OpKind.MATMUL, OpKind.CONV})
 NO_WORK_KINDS = frozenset({OpKind.PLACEHOLDER, OpKind.OUTPUT})
@@ -143,14 +144,15 @@ def fp8_gemm_rate(device: DeviceSpec, size_flops: float) -> float:
     return peak * fp8_matmul_efficiency(device) * gemm_size_factor(size_flops / peak)
 
 
-def roofline_time(flops: float, nbytes: float, rate: float, device: DeviceSpec) -> float:
-    """max(compute, memory) / training efficiency, at least the kernel floor, in seconds; zero work costs nothing
-    (no kernel is launched)."""
+def roofline_time(flops: float, nbytes: float, rate: float, device: DeviceSpec, *,
+                  floor_s: float = T_KERNEL_FLOOR_S) -> float:
+    """max(compute, memory) / training efficiency, at least `floor_s` (one kernel launch), in seconds; zero work
+    costs nothing (no kernel is launched)."""
     if flops <= 0 and nbytes <= 0:
         return 0.0
     compute = flops / rate if flops > 0 and rate > 0 else 0.0
     memory = nbytes / (device.memory_bandwidth * device.memory_efficiency)
-    return max(max(compute, memory) / device.training_efficiency, T_KERNEL_FLOOR_S)
+    return max(max(compute, memory) / device.training_efficiency, floor_s)
 
 
 def retype_ratio(traced_dtype: str, dtype: str) -> float:
@@ -230,11 +232,13 @@ def node_time(node: Node, device: DeviceSpec, *, flops_scale: float = 1.0, bytes
     rate = compute_rate(node.op_kind, device, dtype, (fwd_flops if fwd_flops > 0 else bwd_flops / 2) / gemm_groups)
     if node.op_kind is OpKind.ATTENTION and node.attr("is_causal", False):
         rate *= CAUSAL_SPEEDUP
-    fwd = roofline_time(fwd_flops, fwd_bytes, rate, device)
+    # A node inside a fused kernel (`ir.fusion`) launches nothing of its own.
+    floor = 0.0 if node.attr(FUSED_MEMBER_ATTR, False) else T_KERNEL_FLOOR_S
+    fwd = roofline_time(fwd_flops, fwd_bytes, rate, device, floor_s=floor)
     if not has_backward(node):
         return fwd, 0.0
     bwd_bytes = fwd_bytes * BACKWARD_BYTES_FACTOR.get(node.op_kind, 1.5)
-    return fwd, roofline_time(bwd_flops, bwd_bytes, rate, device)
+    return fwd, roofline_time(bwd_flops, bwd_bytes, rate, device, floor_s=floor)
 
 
 def _fp8_linear_time(node: Node, device: DeviceSpec, recipe: Float8Recipe, *, flops_scale: float,

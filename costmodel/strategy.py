@@ -9,9 +9,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from costmodel.float8 import Float8Recipe
+
+if TYPE_CHECKING:
+    from ir.layer_chain import LayerChain
 
 
 class Schedule(enum.StrEnum):
@@ -153,6 +156,13 @@ class RuntimeOptions:
     them; `costmodel.float8` says what is priced); None trains every op in the training dtype. Needs FP8 tensor
     cores (a device with an FP8 peak in the catalog)."""
 
+    fused_kernels: bool = False
+    """The memory-bound ops between GEMMs and attention run as fused kernels (`ir.fusion`: one HBM pass per
+    connected run of norms, activations, residual adds and rotary embeddings, whose intermediates backward
+    recomputes instead of keeping): torch.compile (torchtitan `compile.enable`), Megatron-Core with Transformer
+    Engine. False: one eager kernel per op, as `planner.parallelize` runs the model. `planner.parallelize` does not
+    compile the model: plans with it are for export or for a runtime that compiles."""
+
     p2p_scatter_gather: bool = False
     """Pipeline sends without sequence parallelism: each tensor-parallel rank sends its 1/tp slice of the
     replicated boundary activation and the receiving stage all-gathers it over its tp group (Narayanan et al.,
@@ -187,6 +197,12 @@ class RuntimeOptions:
         if self.fp8 is not None:
             object.__setattr__(self, "fp8", Float8Recipe(self.fp8))
 
+    def priced_chain(self, chain: LayerChain) -> LayerChain:
+        """`chain` with its kernels as this runtime runs them: fused (`LayerChain.fused_kernels`) or as traced."""
+        if chain.fused and not self.fused_kernels:
+            raise ValueError("this chain is priced with fused kernels; pass the traced chain to price eager ops")
+        return chain.fused_kernels if self.fused_kernels else chain
+
     def to_dict(self) -> dict[str, Any]:
         # Options added later are written only when set: plans written before them read back unchanged.
         out: dict[str, Any] = {name: getattr(self, name) for name in RUNTIME_FLAGS
@@ -209,9 +225,10 @@ class RuntimeOptions:
 
 
 RUNTIME_FLAGS = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking",
-                 "tp_grad_overlap", "ep_dedup", "ep_overlap")
+                 "tp_grad_overlap", "ep_dedup", "ep_overlap", "fused_kernels")
 """The true/false fields of `RuntimeOptions`, in the order plans write them."""
-_LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking", "tp_grad_overlap", "ep_dedup", "ep_overlap"})
+_LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking", "tp_grad_overlap", "ep_dedup", "ep_overlap",
+                          "fused_kernels"})
 RUNTIME_OPTION_NAMES = (*RUNTIME_FLAGS, "offload", "fp8")
 """Every field of `RuntimeOptions` (the keys of its JSON)."""
 
@@ -262,6 +279,8 @@ class StageSpec:
         """The stage's recomputation as reports print it: the mode, or "mode k/n" on k of its n segments."""
         if self.recomputed is None:
             return self.recompute.value
+        if not self.recomputed:
+            return Recompute.NONE.value
         return f"{self.recompute.value} {len(self.recomputed)}/{self.num_segments}"
 
     def to_dict(self) -> dict[str, Any]:

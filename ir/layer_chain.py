@@ -10,11 +10,14 @@ Class ids are assigned in order of first appearance, so they are deterministic f
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ir.fusion import fuse_nodes, readers_of
 from ir.graph import Graph, Node
 
 
@@ -65,6 +68,8 @@ class LayerChain:
 
     graph: Graph
     segments: tuple[Segment, ...]
+    fused: bool = False
+    """Whether the nodes carry the bytes and saved bytes of fused kernels (`fused_kernels`), not of eager ops."""
 
     def __post_init__(self) -> None:
         pos = 0
@@ -93,12 +98,29 @@ class LayerChain:
                 return s
         raise KeyError(f"no segment has class {class_id}")
 
+    @functools.cached_property
+    def fused_kernels(self) -> LayerChain:
+        """This chain as a fusing runtime runs it (`ir.fusion`): same nodes, segments and classes, with each
+        segment's memory-bound ops priced as fused kernels. Computed once per chain."""
+        if self.fused:
+            return self
+        readers = readers_of(self.graph.nodes)
+        nodes = [n for seg in self.segments for n in fuse_nodes(self.nodes_of(seg), readers)]
+        graph = dataclasses.replace(self.graph, nodes=tuple(nodes))
+        segments = tuple(dataclasses.replace(seg, saved_bytes=sum(n.saved_bytes for n in nodes[seg.start:seg.stop]))
+                         for seg in self.segments)
+        return LayerChain(graph=graph, segments=segments, fused=True)
+
     def to_dict(self) -> dict[str, Any]:
-        return {"graph": self.graph.to_dict(), "segments": [s.to_dict() for s in self.segments]}
+        out: dict[str, Any] = {"graph": self.graph.to_dict(), "segments": [s.to_dict() for s in self.segments]}
+        if self.fused:
+            out["fused"] = True
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LayerChain:
-        return cls(graph=Graph.from_dict(d["graph"]), segments=tuple(Segment.from_dict(s) for s in d["segments"]))
+        return cls(graph=Graph.from_dict(d["graph"]), segments=tuple(Segment.from_dict(s) for s in d["segments"]),
+                   fused=bool(d.get("fused", False)))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)

@@ -202,6 +202,7 @@ def validate_strategy(chain: LayerChain, cluster: Cluster, strategy: Strategy, g
 
 def _estimate_with_sharding(chain: LayerChain, cluster: Cluster, strategy: Strategy, global_batch: int | None,
                             dtype: str, profile: Any) -> tuple[Estimate, tuple[ModuleSharding, ...]]:
+    chain = strategy.runtime.priced_chain(chain)
     table = LayerCostTable(chain, cluster, dtype=dtype, profile=profile, fp8=strategy.runtime.fp8,
                            ep_dedup=strategy.runtime.ep_dedup)
     builder = StageProblemBuilder(chain, cluster, table, dtype)

@@ -198,7 +198,12 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
     # Megatron-Core reduces a column-parallel linear's input gradient during its weight-gradient GEMM
     # (megatron/core/tensor_parallel/layers.py, always); the Megatron-DeepSpeed forks of 2021 behind BLOOM and
     # MT-NLG predate it.
-    runtime = RuntimeOptions(dp_overlap="Megatron-DeepSpeed" not in framework,
+    # Fused memory-bound kernels (`ir.fusion`): torch.compile rows, and Megatron-Core, which runs Transformer
+    # Engine's fused norms, bias-activation, bias-dropout-add and rotary kernels. The 2021-22 Megatron-DeepSpeed
+    # forks fused bias-GeLU and bias-dropout-add but ran attention dropout and the layer norms as their own kernels:
+    # priced eager, with the fused scale-mask-softmax their attention had (attn_impl=fused_softmax).
+    fused = "torch.compile" in framework or "Megatron-Core" in r["run"]
+    runtime = RuntimeOptions(dp_overlap="Megatron-DeepSpeed" not in framework, fused_kernels=fused,
                              reshard_after_forward=not torchtitan_pipeline,
                              tp_grad_overlap="Megatron-Core" in r["run"],
                              tp_overlap="TP/PP communication enabled" in framework or "AsyncTP" in framework,

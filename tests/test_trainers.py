@@ -41,7 +41,18 @@ def golden() -> dict[str, tuple[Plan, BlockLayout, ModelShape]]:
     return out
 
 
+def planned_for(plan: Plan, trainer: Trainer) -> Plan:
+    """The plan as a user of `trainer` makes it: for Megatron-LM, priced with the fused kernels it runs
+    (`--fix fused_kernels=true`), which its files carry as the default --transformer-impl."""
+    if trainer is not Trainer.MEGATRON:
+        return plan
+    runtime = replace(plan.strategy.runtime, fused_kernels=True)
+    return replace(plan, strategy=replace(plan.strategy, runtime=runtime))
+
+
 def round_trip(plan: Plan, layout: BlockLayout, shape: ModelShape, trainer: Trainer, folder: Path):
+    """Export the plan as a user of `trainer` makes it (`planned_for`) and read the file back."""
+    plan = planned_for(plan, trainer)
     result = export_plan(plan, trainer, layout, shape)
     path = folder / result.filename
     path.write_text(result.text)
@@ -54,7 +65,8 @@ def round_trip(plan: Plan, layout: BlockLayout, shape: ModelShape, trainer: Trai
 @pytest.mark.parametrize("trainer", list(Trainer), ids=str)
 def test_export_then_import_gives_the_plans_strategy(golden, trainer: Trainer, tmp_path: Path) -> None:
     exact = 0
-    for name, (plan, layout, shape) in golden.items():
+    for name, (eager_plan, layout, shape) in golden.items():
+        plan = planned_for(eager_plan, trainer)
         folder = tmp_path / name
         folder.mkdir()
         result, back = round_trip(plan, layout, shape, trainer, folder)
@@ -252,9 +264,10 @@ def test_cli_estimate_from_equals_estimate_flags(tmp_path: Path, capsys) -> None
     base = ["estimate", "gpt-tiny", "--cluster", "1x8xa100-80gb", "--json"]
     assert main([*base, "--from", f"megatron:{args_file}"]) == 0
     imported = json.loads(capsys.readouterr().out)
-    # Megatron-LM reduces input gradients during the weight-gradient GEMMs unless told not to
+    # Megatron-LM reduces input gradients during the weight-gradient GEMMs unless told not to, and runs
+    # Transformer Engine's fused kernels by default
     assert main([*base, "--tp", "2", "--pp", "2", "--dp", "2", "--mbs", "2", "--batch", "16", "--sp",
-                 "--tp-grad-overlap"]) == 0
+                 "--tp-grad-overlap", "--fused-kernels"]) == 0
     flags = json.loads(capsys.readouterr().out)
     assert imported["strategy"] == flags["strategy"]
     assert imported["predicted"]["step_time_s"] == flags["predicted"]["step_time_s"]

@@ -107,6 +107,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(Megatron-LM before Megatron-Core, DeepSpeed's pipeline engine)")
     p.add_argument("--p2p-blocking", action="store_true",
                    help="each pipeline send and receive blocks both ends (DeepSpeed's pipeline engine)")
+    p.add_argument("--fused-kernels", action="store_true",
+                   help="the memory-bound ops run as fused kernels (torch.compile, Megatron-Core with Transformer "
+                        "Engine) instead of one eager kernel each")
     p.add_argument("--offload", choices=[o.value for o in Offload], default=None,
                    help="model state in host memory: optimizer (ZeRO-Offload) or params (FSDP2 CPUOffloadPolicy, "
                         "needs --zero 3); default none")
@@ -117,7 +120,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 STRATEGY_FLAGS = ("batch", "tp", "pp", "dp", "mbs", "schedule", "recompute", "zero", "sp", "no_dp_overlap",
                   "keep_gathered", "tp_overlap", "tp_grad_overlap", "p2p_scatter_gather", "p2p_blocking",
-                  "offload")
+                  "fused_kernels", "offload")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -156,6 +159,7 @@ def _estimate_flags(args: argparse.Namespace, cluster: Any, profile: Any) -> Any
                                                    tp_grad_overlap=args.tp_grad_overlap,
                                                    p2p_scatter_gather=args.p2p_scatter_gather,
                                                    p2p_blocking=args.p2p_blocking,
+                                                   fused_kernels=args.fused_kernels,
                                                    offload=Offload(args.offload or Offload.NONE.value),
                                                    fp8=args.fp8))
     except ValueError as e:

@@ -123,6 +123,8 @@ def runtime_line(s: Strategy) -> str:
     if s.pp > 1 and (r.p2p_scatter_gather or r.p2p_blocking):
         how = [w for w, on in (("scatter/gather", r.p2p_scatter_gather), ("blocking", r.p2p_blocking)) if on]
         parts.append(f"pipeline sends {' and '.join(how)}")
+    if r.fused_kernels:
+        parts.append("fused kernels")
     if r.offload is not Offload.NONE:
         parts.append(f"offload {r.offload.value}")
     if r.fp8 is not None:

@@ -418,6 +418,10 @@ def runtime_unsupported(strategy: Strategy) -> str:
     if r.ep_dedup and strategy.ep > 1:
         return ("the plan prices expert-parallel dispatch deduplicated per node (ep_dedup, DeepEP's internode "
                 "kernels); this runtime sends a plain all-to-all: plan with ep_dedup=false, or export the plan")
+    if r.fused_kernels:
+        return ("the plan prices the memory-bound ops as fused kernels (fused_kernels: torch.compile, Megatron-Core "
+                "with Transformer Engine); this runtime runs them eagerly: plan with fused_kernels=false, or export "
+                "the plan")
     if r.ep_overlap:
         return ("the plan prices DualPipe's overlap of the paired chunks' all-to-alls (ep_overlap); this runtime runs "
                 "torch's ScheduleDualPipeV, whose pairs run one after the other: plan with ep_overlap=false, or "

@@ -408,8 +408,9 @@ def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: Sea
     options = options or SearchOptions()
     if global_batch < 1:
         raise UserError(f"--batch must be a positive integer, got {global_batch}")
-    runtime = space.runtime  # a table's prices hold for one FP8 and one dispatch setting only
-    if table is None or (table.fp8, table.ep_dedup) != (runtime.fp8, runtime.ep_dedup):
+    runtime = space.runtime  # a table's prices hold for one chain, one FP8 and one dispatch setting only
+    chain = runtime.priced_chain(chain)
+    if table is None or table.chain is not chain or (table.fp8, table.ep_dedup) != (runtime.fp8, runtime.ep_dedup):
         table = LayerCostTable(chain, cluster, dtype=dtype, profile=profile, fp8=runtime.fp8,
                                ep_dedup=runtime.ep_dedup)
     builder = StageProblemBuilder(chain, cluster, table, dtype)

@@ -19,6 +19,8 @@ are in planner/trainers/data/megatron_lm_arguments.json). What maps to what:
     tp_grad_overlap      on unless --no-async-tensor-model-parallel-allreduce (Megatron-LM always reduces a
                          column-parallel linear's input gradient during its weight-gradient GEMM by default; a plan
                          priced without it exports with a note, not with the flag that would slow Megatron down)
+    fused_kernels        --transformer-impl transformer_engine (Megatron-LM's default: Transformer Engine's fused
+                         norms, bias-activation, bias-dropout-add and rotary kernels); local reads as eager ops
     dtype                --bf16 / --fp16
 
 Megatron-LM has no GPipe schedule, no zero-bubble schedule and no per-op recomputation; those export as 1F1B,
@@ -164,6 +166,10 @@ def _overlap_arguments(cfg: TrainerConfig, notes: Notes) -> list[str]:
         notes.add("Megatron-LM runs each column-parallel linear's input-gradient all-reduce during its "
                   "weight-gradient GEMM; the plan priced it exposed, so Megatron-LM should step a little faster "
                   "(plan with --fix tp_grad_overlap=true to price it as Megatron-LM runs it)")
+    if not cfg.runtime.fused_kernels:
+        notes.add("Megatron-LM runs Transformer Engine's fused kernels; the plan priced one eager kernel per "
+                  "memory-bound op, so Megatron-LM should step a little faster (plan with --fix fused_kernels=true "
+                  "to price it as Megatron-LM runs it)")
     if cfg.runtime.tp_overlap:
         if cfg.sequence_parallel:
             args.append("--tp-comm-overlap")
@@ -200,6 +206,7 @@ def read(text: str, *, source: str) -> TrainerConfig:
         runtime=RuntimeOptions(dp_overlap=ns.overlap_grad_reduce, tp_overlap=ns.tp_comm_overlap,
                                tp_grad_overlap=ns.async_tensor_model_parallel_allreduce
                                and ns.tensor_model_parallel_size > 1,
+                               fused_kernels=ns.transformer_impl == "transformer_engine",
                                offload=_read_offload(ns, notes)),
         mesh_order=PP_INSIDE_DP if ns.use_tp_pp_dp_mapping else DEFAULT_MESH_ORDER,
         seq_len=ns.seq_length, dtype="bfloat16" if ns.bf16 else "float16" if ns.fp16 else "float32",

@@ -20,6 +20,8 @@ command-line overrides. What maps to what:
     recompute             activation_checkpoint.mode = "none" / "full" / "selective" with selective_ac_option
                           "op" (per-op); Megatron's attention-core recomputation exports as per-op with a warning
     tp_overlap            enable_async_tensor_parallel (needs compile.enable)
+    fused_kernels         compile.enable with the model among compile.components (torch.compile fuses the
+                          memory-bound ops; enabled too for async TP and FP8, which need it)
     fp8                   model.converters = ["float8"] with [quantize.linear.float8] recipe_name, filter_fqns =
                           ["output"] and, for tensorwise scaling under FSDP, enable_fsdp_float8_all_gather and
                           precompute_float8_dynamic_scale_for_fsdp (torchtitan's llama3_405b.toml); compile is
@@ -86,8 +88,12 @@ def sections(cfg: TrainerConfig, shape: ModelShape, notes: Notes) -> dict[str, d
         notes.add("torchtitan trains in bfloat16 or float32, not float16; exported as bfloat16")
     out["parallelism"] = _parallelism(cfg, shape, notes)
     out["activation_checkpoint"] = _activation_checkpoint(cfg.recompute, notes)
-    if (cfg.runtime.tp_overlap and cfg.tp > 1) or cfg.runtime.fp8 is not None:
+    if cfg.runtime.fused_kernels or (cfg.runtime.tp_overlap and cfg.tp > 1) or cfg.runtime.fp8 is not None:
         out["compile"] = {"enable": True, "components": ["model", "loss"]}
+        if not cfg.runtime.fused_kernels:
+            notes.add("torchtitan compiles the model for async tensor parallelism and FP8, which fuses its "
+                      "memory-bound ops; the plan priced them eager, so torchtitan should step a little faster "
+                      "(plan with --fix fused_kernels=true)")
     if cfg.runtime.fp8 is not None:
         out.setdefault("model", {})["converters"] = ["float8"]
         out["quantize.linear.float8"] = _float8(cfg)
@@ -181,11 +187,19 @@ def read(text: str, *, source: str) -> TrainerConfig:
         recompute=_read_recompute(_section(doc, "activation_checkpoint", source), notes),
         runtime=RuntimeOptions(reshard_after_forward=reshard,
                                tp_overlap=bool(par.get("enable_async_tensor_parallel", False)),
+                               fused_kernels=_compiles_model(doc, source),
                                offload=Offload.PARAMS if train.get("enable_cpu_offload") and zero == 3
                                else Offload.NONE,
                                fp8=_read_float8(doc, source, notes)),
         seq_len=int(train["seq_len"]) if "seq_len" in train else None,
         dtype=str(train.get("mixed_precision_param", "bfloat16")), notes=tuple(notes.items))
+
+
+def _compiles_model(doc: Mapping[str, Any], source: str) -> bool:
+    """Whether the config compiles the model (`compile.enable`; torchtitan 0.2's components default to model and
+    loss)."""
+    compile_ = _section(doc, "compile", source)
+    return bool(compile_.get("enable", False)) and "model" in compile_.get("components", ["model", "loss"])
 
 
 def _read_float8(doc: Mapping[str, Any], source: str, notes: Notes) -> Float8Recipe | None:
