@@ -13,6 +13,12 @@ counts it:
   gated MLP, h_kv = kv heads * head dim) -- the same closed form the tracer's FLOPs reproduce;
 - tokens per second per GPU: step = global batch * seq / (tokens/s * GPUs).
 
+How a row's trainer runs the step (`RuntimeOptions`) is read from its name and framework notes: a compiled model or
+Megatron-Core / NeMo runs fused kernels; Megatron-LM itself (not a Megatron-DeepSpeed fork) reduces input
+gradients during the weight-gradient GEMMs; Megatron-LM before Megatron-Core also reduced data-parallel gradients
+after the backward (unless the notes say it overlapped them) and scattered pipeline sends over the tp ranks; the
+Megatron-DeepSpeed forks ran DeepSpeed's pipeline engine.
+
 This module is reference code for `bench/published_runs.py` and the tests; nothing in the cost model reads it, and
 the published figures are compared with, never fed into, the predictions.
 """
@@ -202,12 +208,20 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
     # Engine's fused norms, bias-activation, bias-dropout-add and rotary kernels. The 2021-22 Megatron-DeepSpeed
     # forks fused bias-GeLU and bias-dropout-add but ran attention dropout and the layer norms as their own kernels:
     # priced eager, with the fused scale-mask-softmax their attention had (attn_impl=fused_softmax).
-    fused = "torch.compile" in framework or "Megatron-Core" in r["run"]
-    runtime = RuntimeOptions(dp_overlap="Megatron-DeepSpeed" not in framework, fused_kernels=fused,
-                             reshard_after_forward=not torchtitan_pipeline,
-                             tp_grad_overlap="Megatron-Core" in r["run"],
+    # Megatron-LM before Megatron-Core (Korthikanti et al. 2022 Sec. 6.3, Narayanan et al. 2021) reduced data-parallel
+    # gradients after the backward and scattered/gathered pipeline sends over the tp ranks by default
+    # (--scatter-gather-tensors-in-pipeline), as the Korthikanti rows are priced; a row that says it overlapped
+    # the reduction keeps the overlap.
+    text = f"{r['run']}; {framework}"
+    legacy = _megatron_lm(text) and not any(w in text.lower() for w in ("core", "nemo"))
+    fused = _runs_fused_kernels(text)
+    runtime = RuntimeOptions(dp_overlap="Megatron-DeepSpeed" not in framework
+                             and not (legacy and "overlap" not in framework.lower()),
+                             fused_kernels=fused, reshard_after_forward=not torchtitan_pipeline,
+                             tp_grad_overlap=_megatron_lm(text),
                              tp_overlap="TP/PP communication enabled" in framework or "AsyncTP" in framework,
-                             p2p_scatter_gather=deepspeed_pipeline, p2p_blocking=deepspeed_pipeline, fp8=fp8)
+                             p2p_scatter_gather=deepspeed_pipeline or (legacy and int(r["pp"]) > 1),
+                             p2p_blocking=deepspeed_pipeline, fp8=fp8)
     return PublishedRun(
         name=r["run"], family=family, sets=tuple(sets), seq=seq, device=r["device"], num_gpus=gpus,
         gpus_per_node=int(r["gpus_per_node"]), tp=int(r["tp"]), pp=int(r["pp"]), cp=int(r["cp"] or 1),
@@ -217,6 +231,23 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
         inter_node_gbps=inter, memory_gb=float(hbm.group(1)) if hbm else None,
         memory_bandwidth_tbps=float(hbm.group(2)) if hbm else None, stage_layers=stage_layers, runtime=runtime,
         unstated=tuple(unstated), inferred=tuple(inferred), precision="fp8" if fp8 is not None else "bf16")
+
+
+FUSING_RUNTIMES = ("torch.compile", "Megatron-Core", "NeMo", "Transformer Engine")
+"""Trainers whose rows run fused memory-bound kernels (`RuntimeOptions.fused_kernels`): a compiled model, or
+Megatron-Core / NeMo, whose layers are Transformer Engine's fused modules."""
+
+
+def _megatron_lm(text: str) -> bool:
+    """Whether a row ran Megatron-LM itself (Megatron-Core, NeMo, Megatron-LM), not a Megatron-DeepSpeed fork."""
+    low = text.lower()
+    return ("megatron" in low or "nemo" in low) and "deepspeed" not in low
+
+
+def _runs_fused_kernels(text: str) -> bool:
+    """Whether a row's name and framework notes name a fusing runtime and not eager execution."""
+    low = text.lower()
+    return any(name.lower() in low for name in FUSING_RUNTIMES) and "eager" not in low
 
 
 def _fp8_of(precision: str, zero: int | None, inferred: list[str]) -> Float8Recipe | None:
