@@ -457,30 +457,38 @@ def predict(run: PublishedRun, chains: dict | None = None, training_efficiency: 
             continue
         if best is None or p.predicted.step_time_s < best.predicted.step_time_s:
             best = p
+    chosen = ", ".join(run.unstated) or "-"
     if best is None:
-        best = _priced_out_of_memory(run, chain, cluster)
+        best, assumed = _priced_out_of_memory(run, chain, cluster)
+        chosen = f"nothing fits: priced as is{f' with {assumed}' if assumed else ''}"
     est = best.predicted
     b = est.breakdown
     return Prediction(step_s=est.step_time_s, memory_gib=max(est.peak_memory_bytes) / GIB, mfu=est.mfu,
-                      strategy=describe(best.strategy), chosen=", ".join(run.unstated) or "-",
+                      strategy=describe(best.strategy), chosen=chosen,
                       device_bound_s=b.compute_s + b.recompute_s + b.bubble_s + b.optimizer_s,
                       breakdown=b.to_dict(), error_band=est.error_band)
 
 
 def _priced_out_of_memory(run: PublishedRun, chain, cluster):
-    """The published configuration priced as is when the model says it does not fit (the run did: a memory error
-    of the model, shown as such), if the source states every choice; else an error."""
+    """The published configuration priced as is when the model says nothing fits (the run did: a memory error of
+    the model, shown as such), with what the source leaves unstated set to its least-memory value (micro-batch 1,
+    ZeRO-1, full recomputation, sequence parallelism, 1F1B); returns the plan and what was so assumed."""
     from costmodel.strategy import Strategy
     from planner.api import estimate_plan
 
-    stated = None not in (run.microbatch_size, run.zero_stage, run.recompute) and run.pp == 1
-    if not stated:
-        raise RuntimeError(f"{run.name}: no plan fits with the published configuration")
-    mbs = run.microbatch_size
-    strategy = Strategy(dp=run.dp, tp=run.tp, pp=1, cp=run.cp, ep=run.ep, microbatch_size=mbs,
-                        num_microbatches=run.global_batch // (run.dp * mbs), zero_stage=run.zero_stage,
-                        recompute=run.recompute, sequence_parallel=bool(run.sequence_parallel), runtime=run.runtime)
-    return estimate_plan(chain, cluster, strategy, global_batch=run.global_batch)
+    schedule, v = schedule_of(run)
+    defaults = {"micro-batch 1": run.microbatch_size is None, "ZeRO-1": run.zero_stage is None,
+                "full recomputation": run.recompute is None,
+                "sequence parallelism": run.sequence_parallel is None and run.tp > 1, "1F1B": schedule is None}
+    mbs = run.microbatch_size or 1
+    strategy = Strategy(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep, microbatch_size=mbs,
+                        num_microbatches=run.global_batch // (run.dp * mbs), schedule=schedule or Schedule.ONE_F_ONE_B,
+                        virtual_stages=v or 1, zero_stage=1 if run.zero_stage is None else run.zero_stage,
+                        recompute=run.recompute or Recompute.FULL,
+                        sequence_parallel=run.tp > 1 if run.sequence_parallel is None else run.sequence_parallel,
+                        runtime=run.runtime)
+    plan = estimate_plan(chain, cluster, strategy, global_batch=run.global_batch)
+    return plan, ", ".join(k for k, on in defaults.items() if on)
 
 
 FIT_GRID = tuple(round(0.5 + 0.005 * i, 3) for i in range(101))
