@@ -93,7 +93,7 @@ from planner.search.ranking import TIE_LEADS, TieSet, prefer_simplest, simplicit
 from planner.search.reporting import SearchReporter
 from planner.search.space import Objective, SearchSpace
 from planner.search.stage_partition import partition_lower_bound, solve_partition
-from planner.search.stage_problem import StageProblemBuilder
+from planner.search.stage_problem import StageProblemBuilder, Unfit
 
 NO_PLAN_GRACE_S = 10.0
 """With a time limit, how long past it the search keeps looking for a first plan before it gives up with a
@@ -229,10 +229,14 @@ class SearchState:
         # Solve to beat the K-th best (a plan), or this mesh's best so far within the slack (an alternative).
         kth = self.kth_best()
         bound = max(kth, min(mesh_best, kth * (1 + self.options.explain_slack)), self.cutoff()) / factor
-        built = self.builder.build(cand, self.options_for(), upper_bound=bound, partial=self.space.recompute is None)
+        built = self.builder.build(cand, self.options_for(), upper_bound=bound, partial=self.space.recompute is None,
+                                   quick_unfit=True)
         if built is None:
             return
         self.solved += 1
+        if isinstance(built, Unfit):
+            rec.memory_need_bytes = min(rec.memory_need_bytes, built.need_bytes)
+            return
         part = solve_partition(built.problem, upper_bound=bound)
         if part is None:
             if not built.pruned and not math.isfinite(partition_lower_bound(built.problem)):

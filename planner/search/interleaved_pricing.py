@@ -88,6 +88,8 @@ class ChoicePricer:
     upper_bound: float
     pruned: bool = False
     plain_fits: dict[tuple[int, RankChoice], bool] = field(default_factory=dict)
+    least_peaks: dict[int, float] = field(default_factory=dict)
+    """Per rank that fits with no choice (`least_work` is inf): its least peak bytes over its choices."""
 
     def __post_init__(self) -> None:
         b, cand, p = self.builder, self.cand, self.cand.mesh.pp
@@ -135,8 +137,8 @@ class ChoicePricer:
         return memory[0] + sum(n * a for n, a in zip(self.counts[k], memory[1], strict=True))
 
     def least_work(self, k: int, options: Sequence[RecomputeChoice]) -> float:
-        """The least D_r (sends included) over the rank's choices that fit in memory; inf when none does. Memory
-        is priced cheapest work first, until one fits. A partial recomputation enters at its choice's work with
+        """The least D_r (sends included) over the rank's choices that fit in memory; inf when none does (then
+        `least_peaks[k]` holds the least peak of them all). Memory is priced cheapest work first, until one fits. A partial recomputation enters at its choice's work with
         no recomputation (a lower bound) and is priced only when it comes up, which is only where recomputing
         nothing does not fit (that entry comes first)."""
         whole = [rc for rc in options if not rc.partial]
@@ -148,12 +150,17 @@ class ChoicePricer:
             heap += [(works[NO_RECOMPUTE], len(heap) + i, False, c, rc) for i, rc in enumerate(partial)]
         heapq.heapify(heap)
         capacity = self.placements[k].device.memory_bytes
+        least = math.inf
         while heap:
             work, order, exact, c, rc = heapq.heappop(heap)
             if not exact:
                 heapq.heappush(heap, (self._work(k, c, rc), order, True, c, rc))
-            elif self._peak(k, c, rc) <= capacity:
+                continue
+            peak = self._peak(k, c, rc)
+            if peak <= capacity:
                 return work + self.rank_sends[k]
+            least = min(least, peak)
+        self.least_peaks[k] = least
         return math.inf
 
     def _plain_fits(self, k: int, choice: RankChoice) -> bool:

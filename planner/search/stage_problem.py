@@ -106,6 +106,15 @@ class StageProblem:
 
 
 @dataclass(frozen=True, slots=True)
+class Unfit:
+    """A candidate a pipeline rank of which fits in memory with no layout and recomputation (`build` with
+    `quick_unfit`): its problem is not built."""
+
+    need_bytes: float
+    """A lower bound on the per-device memory the candidate needs: that rank's least peak over its choices."""
+
+
+@dataclass(frozen=True, slots=True)
 class RankContext:
     """What prices pipeline rank k besides its segments: device, speed, and the signature of its prices."""
 
@@ -334,12 +343,15 @@ class StageProblemBuilder:
 
     # -- problems --------------------------------------------------------------------------------------------
     def build(self, cand: Candidate, options: Sequence[Recompute], upper_bound: float = math.inf,
-              partial: bool = False) -> StageProblem | None:
+              partial: bool = False, quick_unfit: bool = False) -> StageProblem | Unfit | None:
         """The candidate's partition problem, or None when the mesh does not fit the available devices. With
         `partial`, stages may also recompute part of their layers (`planner.search.recompute_choice`).
 
         With a finite `upper_bound` (seconds), stages that cannot be part of any partition beating it are left
-        out unpriced (marked as not fitting): their compute and TP communication alone reach the bound."""
+        out unpriced (marked as not fitting): their compute and TP communication alone reach the bound. With
+        `quick_unfit`, an interleaved candidate with a rank that fits with no choice is `Unfit`, with a bound on
+        the memory it needs, instead of a problem whose partitions all say how much (what `least_memory_of`
+        needs for the exact figure)."""
         placements = self.placements(cand)
         if placements is None:
             return None
@@ -347,11 +359,11 @@ class StageProblemBuilder:
             options = tuple(o for o in options if o is Recompute.NONE) or (Recompute.NONE,)
         choices = search_choices(options, partial)
         if cand.schedule.chunked and (cand.virtual_stages > 1 or cand.schedule is Schedule.INTERLEAVED):
-            built = self._build_interleaved(cand, choices, placements, upper_bound)
+            built = self._build_interleaved(cand, choices, placements, upper_bound, quick_unfit)
         else:
             built = self._build_contiguous(cand, choices, placements, upper_bound)
-        if built is None:
-            return None
+        if built is None or isinstance(built, Unfit):
+            return built
         costs = tuple(self.segment_costs(cand, pl.device) for pl in placements)
         return replace(built, rank_costs=costs, classes=self.structure.classes)
 
@@ -503,7 +515,8 @@ class StageProblemBuilder:
         return t
 
     def _build_interleaved(self, cand: Candidate, options: Sequence[RecomputeChoice],
-                           placements: tuple[RankPlacement, ...], upper_bound: float) -> StageProblem | None:
+                           placements: tuple[RankPlacement, ...], upper_bound: float, quick_unfit: bool = False
+                           ) -> StageProblem | Unfit | None:
         m = cand.num_microbatches
         layout = self.layout(cand)
         if layout is None:
@@ -511,7 +524,11 @@ class StageProblemBuilder:
         sends = self.interleaved_sends(cand, layout, placements)
         chooser = ChoicePricer(self, cand, layout, placements, sends, upper_bound)
         capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
-        least = [chooser.least_work(k, options) for k in range(cand.mesh.pp)]
+        least = []
+        for k in range(cand.mesh.pp):
+            least.append(chooser.least_work(k, options))
+            if quick_unfit and not math.isfinite(least[-1]):
+                return Unfit(chooser.least_peaks[k])
         if not all(math.isfinite(x) for x in least):  # some rank fits with no choice: the memory alone says why
             problem = interleaved_problem(layout, options, chooser.memory_only, sends, capacity, m,
                                           choices=chooser.choices)
