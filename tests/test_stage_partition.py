@@ -147,3 +147,20 @@ def test_slow_device_gets_fewer_layers() -> None:
     assert got is not None
     assert [(s.start, s.stop) for s in got.stages] == [(0, 4), (4, 6)]
     assert got.objective == pytest.approx(4 + 4 + (m - 1) * 4)
+
+
+def test_a_deadline_stops_the_dp_with_its_best_so_far() -> None:
+    """Under a time limit a partition solve that has not finished returns its incumbent, marked not proven; with
+    time to spare it is the exact optimum."""
+    from planner.search.stage_partition import solve_partition_until
+
+    rng = np.random.default_rng(7)
+    problem = _random_problem(rng, n=40, p=8, num_options=3, ns=2, nu=2, m=8, integer=False, with_tail=True)
+    exact = solve_partition(problem)
+    assert exact is not None and exact.labels_created > 1024
+    cut, proven = solve_partition_until(problem, deadline=0.0)  # long past
+    assert not proven
+    assert cut is not None and cut.objective >= exact.objective - 1e-9
+    assert cut.objective == pytest.approx(evaluate(problem, cut.stages)[0])
+    done, proven = solve_partition_until(problem, deadline=math.inf)
+    assert proven and done is not None and done.objective == exact.objective

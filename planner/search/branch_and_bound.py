@@ -92,7 +92,7 @@ from planner.search.pricing import (
 from planner.search.ranking import TIE_LEADS, TieSet, prefer_simplest, simplicity_floor
 from planner.search.reporting import SearchReporter
 from planner.search.space import Objective, SearchSpace
-from planner.search.stage_partition import partition_lower_bound, solve_partition
+from planner.search.stage_partition import partition_lower_bound, solve_partition_until
 from planner.search.stage_problem import StageProblemBuilder, Unfit
 
 NO_PLAN_GRACE_S = 10.0
@@ -127,6 +127,8 @@ class SearchState:
     _unbounded: set[int] = field(default_factory=set)
     """Candidates pushed at their device count's bound by an expansion cut short (`expand`), not yet bounded."""
     ties: TieSet | None = None
+    unproven_bound: float = math.inf
+    """The least lower bound of the candidates whose partition solve the time limit cut (inf: none was)."""
 
     def __post_init__(self) -> None:
         self.bounds = CandidateBounds(self.chain, self.dtype, self.builder)
@@ -237,7 +239,9 @@ class SearchState:
         if isinstance(built, Unfit):
             rec.memory_need_bytes = min(rec.memory_need_bytes, built.need_bytes)
             return
-        part = solve_partition(built.problem, upper_bound=bound)
+        part, proven = solve_partition_until(built.problem, upper_bound=bound, deadline=self.partition_deadline())
+        if not proven:  # cut by the time limit: the candidate may still hold a better partition
+            self.unproven_bound = min(self.unproven_bound, partition_lower_bound(built.problem) * factor)
         if part is None:
             if not built.pruned and not math.isfinite(partition_lower_bound(built.problem)):
                 rec.memory_need_bytes = min(rec.memory_need_bytes, least_memory_of(built))
@@ -255,6 +259,14 @@ class SearchState:
             self.found.append(found)
             self.found.sort()
             del self.found[self.options.top_k:]
+
+    def partition_deadline(self) -> float | None:
+        """When a partition solve stops with its best so far: the time limit (with the grace for a first plan
+        while there is none); None without a limit."""
+        limit = self.options.time_limit_s
+        if limit is None:
+            return None
+        return self.started + limit + (0.0 if self.found else NO_PLAN_GRACE_S)
 
     def device_bound(self, num_devices: int) -> float:
         """Level-0 bound of every candidate on `num_devices` devices: the step's FLOPs at the dense peak of the
@@ -421,6 +433,8 @@ def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: Sea
     state = SearchState(chain, cluster, global_batch, space, options, dtype, builder, started)
     counts = device_counts(cluster, space, options.objective)
     cut_short, next_bound = state.run(counts)
+    if math.isfinite(state.unproven_bound):
+        cut_short, next_bound = True, min(next_bound, state.unproven_bound)
     if not state.found:
         candidates, invalid = enumerate_candidates(chain, cluster, global_batch, space, options.objective)
         if not candidates:

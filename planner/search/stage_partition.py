@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -285,27 +286,52 @@ def solve_partition(problem: PartitionProblem, *, upper_bound: float = math.inf)
 
     `problem.objective` is also called with numpy arrays (one entry per candidate) in place of floats, so it must
     use only elementwise operations (+, -, *, /, np.maximum)."""
+    return solve_partition_until(problem, upper_bound=upper_bound)[0]
+
+
+CLOCK_EVERY_LABELS = 256
+"""How many labels `solve_partition_until` expands between looks at the clock."""
+
+
+def solve_partition_until(problem: PartitionProblem, *, upper_bound: float = math.inf,
+                          deadline: float | None = None) -> tuple[Partition | None, bool]:
+    """`solve_partition`, stopped at `deadline` (`time.monotonic()` seconds) if it has not finished: then the best
+    partition found so far (the bottleneck seed at least, when it beats `upper_bound`) and False -- not proven
+    optimal. (result, True) when the dynamic program ran to the end."""
     masks = [_valid_mask(problem, k) for k in range(problem.num_stages)]
     h, g = _suffix_bounds(problem, masks)
     if not np.isfinite(h[0, 0]).all():
-        return None
+        return None, True
     search = _LabelSearch(problem, upper_bound)
     if problem.preferred is not None:
         search.offer(evaluate(problem, problem.preferred)[0], list(problem.preferred))
     seed = _bottleneck_partition(problem, masks)
     if seed is not None:
         search.offer(evaluate(problem, seed)[0], seed)
+    proven = _expand_all(search, masks, h, g, deadline)
+    if search.incumbent is None:
+        return None, proven
+    exact, sums, maxes = evaluate(problem, search.incumbent)
+    return Partition(tuple(search.incumbent), exact, sums, maxes, search.created), proven
+
+
+def _expand_all(search: _LabelSearch, masks: Sequence[np.ndarray], h: np.ndarray, g: np.ndarray,
+                deadline: float | None) -> bool:
+    """Run the label-setting DP over every (stage, segment) front in order; False when `deadline` stopped it."""
+    problem = search.problem
+    expanded = 0
     for k in range(problem.num_stages):
         for a in range(problem.num_segments):
             front = search.fronts.pop((a, k), None)
-            if front:
-                stages = _NextStages.of(problem, masks, h, g, k, a)
-                for label in front:
-                    search.extend(label, stages, last=k + 1 == problem.num_stages)
-    if search.incumbent is None:
-        return None
-    exact, sums, maxes = evaluate(problem, search.incumbent)
-    return Partition(tuple(search.incumbent), exact, sums, maxes, search.created)
+            if not front:
+                continue
+            stages = _NextStages.of(problem, masks, h, g, k, a)
+            for label in front:
+                expanded += 1
+                if deadline is not None and expanded % CLOCK_EVERY_LABELS == 0 and time.monotonic() > deadline:
+                    return False
+                search.extend(label, stages, last=k + 1 == problem.num_stages)
+    return True
 
 
 @dataclass(frozen=True, slots=True)
