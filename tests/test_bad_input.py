@@ -197,6 +197,8 @@ BAD_INPUTS: tuple[BadInput, ...] = (
           f"run {TINY} --plan plan.json --nproc 4", "--nproc 4 but the plan needs 2 processes"),
     _case("plan-no-launcher", "multi-process plan run without --nproc", f"run {TINY} --plan plan.json",
           "the plan needs 2 processes", "pass --nproc 2"),
+    _case("plan-not-runnable", "run a plan priced as another trainer runs it (fused kernels)",
+          f"run {TINY} --plan fused.json --nproc 2", "fused kernels", "plan with fused_kernels=false"),
     # ---- outputs --------------------------------------------------------------------------------------------------
     _case("output-missing-folder", "-o into a folder that does not exist",
           f"plan {TINY} --cluster 1x4xcpu --batch 8 -o nosuch/plan.json", "-o nosuch/plan.json", "does not exist"),
@@ -301,6 +303,8 @@ def scratch_files(plan_json: str) -> dict[str, bytes]:
     stage_gap["strategy"]["stages"][0]["start"] = 1
     fp8 = json.loads(plan_json)
     fp8["strategy"]["runtime"]["fp8"] = "tensorwise"
+    fused = json.loads(plan_json)
+    fused["strategy"]["runtime"]["fused_kernels"] = True
     texts = {
         "plan.json": plan_json,
         "corrupt.json": "this is not a plan\n",
@@ -311,6 +315,7 @@ def scratch_files(plan_json: str) -> dict[str, bytes]:
         "bad-value.json": json.dumps(bad_value, indent=2),
         "stage-gap.json": json.dumps(stage_gap, indent=2),
         "fp8.json": json.dumps(fp8, indent=2),
+        "fused.json": json.dumps(fused, indent=2),
         "cluster.yaml": _VALID_CLUSTER,
         "syntax.yaml": "name: broken\ngroups: [ {device: cpu,\n",
         "empty.yaml": "",

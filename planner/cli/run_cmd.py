@@ -83,6 +83,11 @@ def run(args: argparse.Namespace) -> int:
 
     plan = Plan.load(args.plan)
     world = plan.strategy.num_devices
+    from planner.runtime.parallelize import runtime_unsupported
+
+    why = runtime_unsupported(plan.strategy)  # once, before any rank starts
+    if why:
+        raise UserError(f"stratagem run: {why}")
     if plan.strategy.runtime.fp8 is not None:  # once, before any rank starts
         _check_fp8_here()
     if args.nproc is not None and args.nproc != world:
