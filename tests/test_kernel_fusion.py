@@ -149,3 +149,15 @@ def test_attention_keeps_unexpanded_grouped_query_heads_when_fused(llama):
     # eagerly it saves k and v expanded to every query head; fused, the projections' outputs (plus the small
     # rotary tables the fused kernel also reads)
     assert eager.saved_bytes - fused.saved_bytes == pytest.approx(2 * (q - kv), rel=0.02)
+
+
+def test_replan_keeps_the_trainers_kernels(llama):
+    from planner.scenarios.replan import replan
+
+    runtime = RuntimeOptions(fused_kernels=True)
+    old = plan(llama, None, Cluster.parse("1x8xh100-sxm"), global_batch=16, space=SearchSpace(runtime=runtime))
+    smaller = Cluster.parse("1x4xh100-sxm")
+    new = replan(old, llama, smaller).plan
+    assert new.strategy.runtime.fused_kernels
+    again = estimate(llama, smaller, new.strategy, global_batch=16)
+    assert again.step_time_s == pytest.approx(new.predicted.step_time_s, rel=1e-9)

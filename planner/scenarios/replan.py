@@ -40,7 +40,7 @@ from costmodel.float8 import Float8Recipe
 from costmodel.hardware.cluster import Cluster
 from costmodel.layer_cost import LayerCost
 from costmodel.pipeline import stage_rank
-from costmodel.strategy import Recompute, RuntimeOptions, Strategy
+from costmodel.strategy import Offload, Recompute, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import PlanLoadError, UserError
 from planner.plan import Alternative, ModuleSharding, Plan, SearchInfo
@@ -257,11 +257,16 @@ def replan(old: Plan, chain: LayerChain, cluster: Cluster, *, session: PlanningS
     _check_inputs(old, chain, stickiness)
     check_fp8(cluster, old.strategy.runtime, what="the plan trains linear layers in FP8,")
     dtype = old.training.dtype
-    session = session or PlanningSession(chain, dtype=dtype, fp8=old.strategy.runtime.fp8)
-    # FP8 changes the numerics: the new plan keeps the old one's setting unless the caller's space says otherwise.
-    space = space or SearchSpace(runtime=RuntimeOptions(fp8=old.strategy.runtime.fp8))
+    runtime = old.strategy.runtime
+    priced = runtime.priced_chain(chain)  # with the kernels the old plan was priced with
+    if session is None or session.chain is not priced:
+        session = PlanningSession(priced, dtype=dtype, fp8=runtime.fp8)
+    # The trainer stays the same: the new plan keeps the old one's runtime options (FP8 also keeps the numerics)
+    # unless the caller's space says otherwise; offload is searched again, and DualPipe's all-to-all overlap is
+    # priced only for a given strategy.
+    space = space or SearchSpace(runtime=dataclasses.replace(runtime, offload=Offload.NONE, ep_overlap=False))
     warm = pricing_signature(cluster) in session.tables
-    builder = StageProblemBuilder(chain, cluster, session.table_for(cluster), dtype)
+    builder = StageProblemBuilder(priced, cluster, session.table_for(cluster), dtype)
     old_strategy = _without_device_groups(old.strategy)
     found = _Options(old, session.profile)
     kept = found.add_kept(old_strategy, cluster, builder)
@@ -275,7 +280,7 @@ def replan(old: Plan, chain: LayerChain, cluster: Cluster, *, session: PlanningS
                                                              searched_space, time_limit_s, progress)):
         smaller, excluded = without
         found.add(OptionKind.EXCLUDE, excluded.best.strategy, smaller,
-                  StageProblemBuilder(chain, smaller, session.table_for(smaller), dtype))
+                  StageProblemBuilder(priced, smaller, session.table_for(smaller), dtype))
     chosen, fastest = _choose(found.options, stickiness)
     elapsed = time.monotonic() - started
     plan = _plan(old, chain, found.priced_on[id(chosen)], chosen, fastest, found.options, result, scope, elapsed,
