@@ -65,9 +65,15 @@ def search_callback(progress: Progress | None) -> ProgressCallback | None:
     if progress is None:
         return None
     task: TaskID = progress.add_task("plan", total=None, detail="", start=True)
+    shown: list[Phase] = []
 
     def show(record: PlanProgress) -> None:
-        progress.update(task, description=record.phase.value, detail=describe(record))
+        # A new phase is drawn at once: a short one (a small model's trace) would otherwise end between two of
+        # the display's timed refreshes and never appear.
+        new = not shown or shown[-1] is not record.phase
+        if new:
+            shown.append(record.phase)
+        progress.update(task, description=record.phase.value, detail=describe(record), refresh=new)
 
     return show
 
