@@ -12,7 +12,7 @@ b * S / cp tokens either way, and attention does b * (S / cp) * S = (b / cp) * S
 divides the micro-batch, the segment's `LayerCost` at micro-batch b / cp (same tp) *is* the rank's compute,
 activations and TP communication (`per_rank_base`). Otherwise the cost at b (`base`) is scaled:
 
-    compute, recompute, TP communication            base / cp
+    compute, recompute, TP communication            base / cp (FP8 weight casts, per weight: unchanged)
     saved activations, pipeline boundary bytes      base / cp
     peak temporary bytes                            base / cp
     parameters, TP gradient sync                    unchanged
@@ -126,10 +126,12 @@ def context_parallel_cost(base: LayerCost, nodes: Sequence[Node], device: Device
             recompute_op_s=base.recompute_op_s + fwd_ring,
             peak_temp_bytes=base.peak_temp_bytes + round(2 * kv_block),
         )
+    # FP8 weight casts depend on the weights, not the tokens: every cp rank casts all of them.
+    cast_f, cast_b = base.fp8_weight_cast_fwd_s, base.fp8_weight_cast_bwd_s
     return dataclasses.replace(
         base,
-        fwd_compute_s=base.fwd_compute_s / cp,
-        bwd_compute_s=base.bwd_compute_s / cp,
+        fwd_compute_s=(base.fwd_compute_s - cast_f) / cp + cast_f,
+        bwd_compute_s=(base.bwd_compute_s - cast_b) / cp + cast_b,
         fwd_comm_s=base.fwd_comm_s / cp + fwd_ring,
         bwd_comm_s=base.bwd_comm_s / cp + bwd_ring,
         bwd_comm_async_s=base.bwd_comm_async_s / cp,
@@ -137,7 +139,7 @@ def context_parallel_cost(base: LayerCost, nodes: Sequence[Node], device: Device
         saved_bytes_selective=-(-base.saved_bytes_selective // cp),
         saved_bytes_full=-(-base.saved_bytes_full // cp),
         recompute_selective_s=base.recompute_selective_s / cp,
-        recompute_full_s=base.recompute_full_s / cp + fwd_ring,
+        recompute_full_s=(base.recompute_full_s - cast_f) / cp + cast_f + fwd_ring,
         saved_bytes_op=-(-base.saved_bytes_op // cp),
         recompute_op_s=base.recompute_op_s / cp + fwd_ring,
         boundary_bytes=-(-base.boundary_bytes // cp),

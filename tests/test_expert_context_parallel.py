@@ -193,6 +193,25 @@ def test_context_parallel_rank_costs_what_a_cp_th_of_the_micro_batch_costs():
     assert split.param_count == whole.param_count
 
 
+def test_fp8_weight_casts_stay_whole_on_every_context_parallel_rank():
+    """A micro-batch cp does not divide is priced from the whole micro-batch's cost scaled by 1/cp, except the
+    FP8 weight casts: each rank casts every weight, whatever share of the tokens it holds."""
+    from costmodel.float8 import Float8Recipe
+
+    chain = _chain("llama", SMALL_LLAMA, seq=8192)
+    cluster = Cluster.parse(H100)
+    device = cluster.device_of(0)
+    table = LayerCostTable(chain, cluster, fp8=Float8Recipe.TENSORWISE)
+    i, cp = _block(chain), 4
+    whole = table.segment_costs(device, tp=1, tp_stride=1, sequence_parallel=False, microbatch_size=1)[i]
+    split = table.segment_costs(device, tp=1, tp_stride=1, sequence_parallel=False, microbatch_size=1,
+                                split=AxisSplit(cp=cp, cp_stride=1, num_devices=8))[i]
+    cast_f, cast_b = whole.fp8_weight_cast_fwd_s, whole.fp8_weight_cast_bwd_s
+    assert cast_f > 0 and cast_b > 0
+    assert split.fwd_compute_s == pytest.approx((whole.fwd_compute_s - cast_f) / cp + cast_f, rel=1e-12)
+    assert split.bwd_compute_s == pytest.approx((whole.bwd_compute_s - cast_b) / cp + cast_b, rel=1e-12)
+
+
 def test_a_128k_token_sequence_gets_context_parallelism():
     chain = _chain("llama3-8b", ("layers=4",), seq=131072)
     result = search(chain, Cluster.parse(H100), global_batch=8)
