@@ -24,8 +24,13 @@ Saved activations. Inside a fused group, intermediates are not kept for backward
 them from the group's inputs (Inductor's min-cut partitioner; Megatron's fused bias-SwiGLU saves its input, not
 SiLU's output). A group that saved S bytes eagerly saves min(S, X_saved) fused, where X_saved is the bytes of its
 external inputs; when X_saved is the smaller, each node saves the external inputs it is first to read. For
-SwiGLU that drops SiLU's output (3.5 bytes per token and hidden unit of the MLP at bf16 ... one of its three
-tensors); an add + RMSNorm group keeps the norm's input, which is already the smaller of the two.
+SwiGLU that drops SiLU's output (one of the three ffn-wide tensors it kept); an add + RMSNorm group keeps the
+norm's input, which is already the smaller of the two.
+
+A GEMM or attention outside the groups that saves a group's output may keep the group's own inputs instead when
+they are fewer bytes, the backward rerunning the fused kernel (`rematerialized_saves`): rotary embeddings and the
+grouped-query expansion of k and v before attention, whose unexpanded k and v are what flash attention with
+native grouped-query heads keeps.
 """
 
 from __future__ import annotations
