@@ -93,7 +93,8 @@ def fuse_nodes(nodes: Sequence[Node], readers: dict[str, set[str]]) -> list[Node
     """`nodes` (one segment) with each fusion group's bytes and saved bytes as the fused kernel's (module
     docstring). `readers` maps a node name to the names of every node of the graph that reads it."""
     out = list(nodes)
-    for group in fusion_groups(nodes):
+    groups = fusion_groups(nodes)
+    for group in groups:
         if len(group) < 2:
             continue
         inside = {nodes[i].name for i in group}
@@ -115,12 +116,13 @@ def fuse_nodes(nodes: Sequence[Node], readers: dict[str, set[str]]) -> list[Node
             if k:
                 changes["attrs"] = tuple(sorted((*n.attrs, (FUSED_MEMBER_ATTR, True))))
             out[i] = dataclasses.replace(n, **changes)
-    return rematerialized_saves(out)
+    return rematerialized_saves(out, groups)
 
 
-def _group_sources(nodes: Sequence[Node], member: dict[str, int], start: str) -> dict[str, int]:
-    """Producer name -> bytes of the tensors from outside its group that group member `start` is computed from."""
-    where = {n.name: i for i, n in enumerate(nodes)}
+def _group_sources(nodes: Sequence[Node], where: dict[str, int], member: dict[str, int], start: str
+                   ) -> dict[str, int]:
+    """Producer name -> bytes of the tensors from outside its group that group member `start` is computed from
+    (`where`: node name -> position in `nodes`; `member`: group member name -> group index)."""
     out: dict[str, int] = {}
     todo, seen = [start], {start}
     while todo:
@@ -135,12 +137,13 @@ def _group_sources(nodes: Sequence[Node], member: dict[str, int], start: str) ->
     return out
 
 
-def rematerialized_saves(nodes: Sequence[Node]) -> list[Node]:
-    """`nodes` (one segment, fused) where a GEMM or attention saves fused-group outputs that the group computes
-    from fewer bytes -- rotary embeddings and the grouped-query k/v expansion before attention: the node keeps
-    the group's inputs instead and backward reruns the fused kernel (the min-cut a compiler takes; flash
-    attention with native grouped-query heads keeps k and v unexpanded)."""
-    member = {nodes[i].name: g for g, group in enumerate(fusion_groups(nodes)) for i in group}
+def rematerialized_saves(nodes: Sequence[Node], groups: Sequence[Sequence[int]]) -> list[Node]:
+    """`nodes` (one segment, fused; `groups` its `fusion_groups`) where a GEMM or attention saves fused-group
+    outputs that the group computes from fewer bytes -- rotary embeddings and the grouped-query k/v expansion
+    before attention: the node keeps the group's inputs instead and backward reruns the fused kernel (the min-cut
+    a compiler takes; flash attention with native grouped-query heads keeps k and v unexpanded)."""
+    member = {nodes[i].name: g for g, group in enumerate(groups) for i in group}
+    where = {n.name: i for i, n in enumerate(nodes)}
     out = list(nodes)
     for i, n in enumerate(nodes):
         if n.op_kind in FUSIBLE_KINDS or not n.saved_bytes:
@@ -152,7 +155,7 @@ def rematerialized_saves(nodes: Sequence[Node]) -> list[Node]:
             continue
         sources: dict[str, int] = {}
         for src, _ in fed:
-            for name, b in _group_sources(nodes, member, src).items():
+            for name, b in _group_sources(nodes, where, member, src).items():
                 sources.setdefault(name, b)
         if sum(sources.values()) < held:
             out[i] = dataclasses.replace(n, saved_bytes=n.saved_bytes - held + sum(sources.values()))

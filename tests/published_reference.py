@@ -213,12 +213,13 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
     # (--scatter-gather-tensors-in-pipeline), as the Korthikanti rows are priced; a row that says it overlapped
     # the reduction keeps the overlap.
     text = f"{r['run']}; {framework}"
-    legacy = _megatron_lm(text) and not any(w in text.lower() for w in ("core", "nemo"))
+    megatron = _megatron_lm(text)
+    legacy = megatron and not any(w in text.lower() for w in ("core", "nemo"))
     fused = _runs_fused_kernels(text)
     runtime = RuntimeOptions(dp_overlap="Megatron-DeepSpeed" not in framework
                              and not (legacy and "overlap" not in framework.lower()),
                              fused_kernels=fused, reshard_after_forward=not torchtitan_pipeline,
-                             tp_grad_overlap=_megatron_lm(text),
+                             tp_grad_overlap=megatron,
                              tp_overlap="TP/PP communication enabled" in framework or "AsyncTP" in framework,
                              p2p_scatter_gather=deepspeed_pipeline or (legacy and int(r["pp"]) > 1),
                              p2p_blocking=deepspeed_pipeline, fp8=fp8)

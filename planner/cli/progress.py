@@ -65,14 +65,13 @@ def search_callback(progress: Progress | None) -> ProgressCallback | None:
     if progress is None:
         return None
     task: TaskID = progress.add_task("plan", total=None, detail="", start=True)
-    shown: list[Phase] = []
+    shown: Phase | None = None
 
     def show(record: PlanProgress) -> None:
+        nonlocal shown
         # A new phase is drawn at once: a short one (a small model's trace) would otherwise end between two of
         # the display's timed refreshes and never appear.
-        new = not shown or shown[-1] is not record.phase
-        if new:
-            shown.append(record.phase)
+        new, shown = record.phase is not shown, record.phase
         progress.update(task, description=record.phase.value, detail=describe(record), refresh=new)
 
     return show
