@@ -16,6 +16,7 @@ planned numerics.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from planner.cli.common import add_model_arguments, positive_float, positive_int
 from planner.errors import PlanLoadError, UserError
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--nproc {args.nproc} but the plan needs {world} processes "
                         f"({strategy_label(plan.strategy, Detail.DEGREES)})")
     if _under_torchrun():
-        return _run_rank(args, plan)
+        return _leave_rank(_run_rank(args, plan))
     if args.nproc is not None and args.nproc > 1:
         _preflight(args, plan)  # a plan for another model fails here, once, not on every rank
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
@@ -155,9 +156,23 @@ def _run_rank(args: argparse.Namespace, plan: Any) -> int:
             # FSDP2 warns that a wrapped module returns a view (every nn.Linear on a 3-D input does); the train
             # step never modifies outputs in place, so the warning is noise here
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-            return _train_and_report(args, plan, device)
+            code = _train_and_report(args, plan, device)
+        gc.collect()    # pipeline schedules and FSDP states hold the groups: drop them before the teardown
+        dist.barrier()  # no rank tears the group down while another still uses it
+        return code
     finally:
         dist.destroy_process_group()
+
+
+def _leave_rank(code: int) -> NoReturn:
+    """End a torchrun worker once its report is out, skipping the interpreter's teardown.
+
+    That teardown can abort in torch's C++ threads ("terminate called without an active exception", SIGABRT),
+    seen on a gloo rank after a correct run; torchrun then kills its peers and the launch fails.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _build(args: argparse.Namespace, plan: Any, device: Any) -> Any:
