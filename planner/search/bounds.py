@@ -110,6 +110,29 @@ def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost]
     return total / v + (m - 1 / v) * u + optimizer_s
 
 
+def comm_lower_bound(cand: Candidate, comm: np.ndarray, layout: InterleavedLayout | None = None,
+                     num_sends: int = 0) -> float:
+    """A lower bound on the candidate's step time from the data-parallel communication its micro-batches issue.
+
+    `comm[j]`: per segment, the whole ZeRO-2/3 collectives one micro-batch issues for it (gathers and
+    reduce-scatters, nothing overlapped). A chunk's collectives go one after another, so its forward + backward
+    is at least their sum however much of it the compute hides (``W + exposed(C, W, n) >= C``,
+    `costmodel.step_time.overlapped_exposed`); and the chunk's sum is at least the sum of its segments' (each
+    unit pays a latency and the bytes term is linear). The pipeline then bounds the step as the compute does
+    in `tight_lower_bound`: ``T >= C / v + (m - 1/v) U_c`` (``m U_c`` for a zero-bubble schedule), with
+    ``U_c`` the least largest rank load over the partitions (or chunk layouts, `num_sends` boundaries)."""
+    m, p = cand.num_microbatches, cand.mesh.pp
+    if layout is not None:
+        v = cand.virtual_stages
+        u = interleaved_bottleneck(layout, comm, [0.0] * num_sends)
+    else:
+        v = 1
+        u = _min_max_partition(np.concatenate([[0.0], np.cumsum(comm)]), p)
+    if cand.schedule.zero_bubble:
+        return m * u
+    return float(comm.sum()) / v + (m - 1 / v) * u
+
+
 def interleaved_bottleneck(layout: InterleavedLayout, w: np.ndarray, p2p: Sequence[float]) -> float:
     """The least largest rank work max_r D_r over the layouts (`planner.search.interleaved_problem`), from the
     per-segment work ``w`` and the sends: each rank starts with its smaller chunks (its sends are fixed by

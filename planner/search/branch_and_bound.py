@@ -33,11 +33,13 @@ Branch and bound, best first over a heap of lower bounds, each level valid for e
   optimizer step of an even parameter split (`bounds.cheap_lower_bound`); inf when the parameter state
   alone cannot fit;
 - level 2, a candidate with its layer classes priced (the sharding ILP): compute + TP communication, the
-  bottleneck of the best contiguous split (`bounds.tight_lower_bound`);
+  bottleneck of the best contiguous split (`bounds.tight_lower_bound`), or, where it is larger, the same from
+  the ZeRO-2/3 collectives each micro-batch issues (`bounds.comm_lower_bound`: a chunk's collectives run one
+  after another, so no overlap makes its time less than theirs);
 - then the exact partition DP, which itself prunes with the same incumbent; for an interleaved or zero-bubble
   candidate it first takes each rank's least work per micro-batch over the chunk layouts that fit in memory
-  (ZeRO traffic, recomputation and sends included: `planner.search.interleaved_pricing`), and a candidate whose
-  bound from them reaches the incumbent is never built.
+  (ZeRO traffic, recomputation and sends included: `planner.search.interleaved_pricing`), pricing the first and
+  last ranks first and stopping once the ranks priced so far reach the incumbent; such a candidate is never built.
 
 An entry is expanded (0), refined (1) or solved (2) only while its bound is below the K-th best objective found;
 when the heap's smallest bound reaches it, the K best are proven optimal for this space. A time limit stops the
@@ -93,7 +95,7 @@ from planner.search.ranking import TIE_LEADS, TieSet, prefer_simplest, simplicit
 from planner.search.reporting import SearchReporter
 from planner.search.space import Objective, SearchSpace
 from planner.search.stage_partition import partition_lower_bound, solve_partition_until
-from planner.search.stage_problem import StageProblemBuilder, Unfit
+from planner.search.stage_problem import Beaten, StageProblemBuilder, Unfit
 
 NO_PLAN_GRACE_S = 10.0
 """With a time limit, how long past it the search keeps looking for a first plan before it gives up with a
@@ -238,6 +240,9 @@ class SearchState:
         self.solved += 1
         if isinstance(built, Unfit):
             rec.memory_need_bytes = min(rec.memory_need_bytes, built.need_bytes)
+            return
+        if isinstance(built, Beaten):
+            rec.beyond_slack = True
             return
         part, proven = solve_partition_until(built.problem, upper_bound=bound, deadline=self.partition_deadline())
         if not proven:  # cut by the time limit: the candidate may still hold a better partition

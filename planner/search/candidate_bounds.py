@@ -7,19 +7,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from costmodel.estimate import optimizer_terms
 from costmodel.expert_parallel import expert_param_numel, num_experts, optimizer_params
 from costmodel.expert_parallel import model_state_bytes as expert_state_bytes
 from costmodel.hardware.device import DeviceSpec
-from costmodel.memory import framework_overhead_bytes, saved_bytes
+from costmodel.memory import PricedSegment, framework_overhead_bytes, saved_bytes
 from costmodel.pipeline import in_flight_per_chunk
 from costmodel.step_time import optimizer_step_time
 from costmodel.strategy import MeshAxis, Offload, Recompute
 from ir.graph import dtype_bytes
 from ir.layer_chain import LayerChain
-from planner.search.bounds import cheap_lower_bound, tight_lower_bound
+from planner.search.bounds import cheap_lower_bound, comm_lower_bound, tight_lower_bound
 from planner.search.candidates import Candidate
 from planner.search.meshes import MeshCandidate
 from planner.search.stage_problem import RankPlacement, StageProblemBuilder
@@ -36,6 +38,7 @@ class CandidateBounds:
     _pipeline_bound: dict[tuple, float] = field(default_factory=dict)
     _least_saved: dict[tuple, tuple[tuple, int]] = field(default_factory=dict)
     _in_flight: dict[tuple, tuple[int, ...]] = field(default_factory=dict)
+    _comm: dict[tuple, np.ndarray | None] = field(default_factory=dict)
     _expert_numel: int | None = None
 
     def cheap(self, cand: Candidate) -> tuple[float, float | None]:
@@ -188,4 +191,42 @@ class CandidateBounds:
             p2p = self.builder.interleaved_sends(cand, layout, placements) if layout is not None else []
             pipe = self._pipeline_bound[key] = tight_lower_bound(cand, costs, optimizer_s=0.0, layout=layout,
                                                                  p2p=p2p)
+        comm = self.comm_per_segment(cand, placements)
+        if comm is not None:
+            pipe = max(pipe, comm_lower_bound(cand, comm, layout=self.builder.layout(cand) if interleaved else None,
+                                              num_sends=m.pp * cand.virtual_stages - 1))
         return pipe + self.optimizer_bound(cand, placements)
+
+    def comm_per_segment(self, cand: Candidate, placements: Sequence[RankPlacement]) -> np.ndarray | None:
+        """Per segment, the least over pipeline ranks of the data-parallel collectives one micro-batch issues for
+        it, whole (`bounds.comm_lower_bound`); None where no micro-batch issues any (ZeRO-0/1, and ZeRO-2 or
+        ZeRO-3 kept gathered under pipelining, which reduce once per step).
+
+        Priced by the cost model itself, each segment as a chunk of its own with overlap off and offload left
+        out (its copies only add), once per mesh, ZeRO stage and runtime: the bytes do not depend on the
+        micro-batch."""
+        m, runtime = cand.mesh, cand.runtime
+        pipelined = m.pp > 1
+        per_microbatch = cand.zero_stage == 3 and (runtime.reshard_after_forward or not pipelined) or (
+            cand.zero_stage == 2 and not pipelined)
+        if not per_microbatch or m.dp * m.cp <= 1:
+            return None
+        bare = replace(cand, runtime=replace(runtime, dp_overlap=False, offload=Offload.NONE))
+        key = (m, cand.zero_stage, bare.runtime)
+        if key in self._comm:
+            return self._comm[key]
+        least: np.ndarray | None = None
+        seen: set[int] = set()
+        for k, pl in enumerate(placements):
+            ctx = self.builder.context(bare, k, pl)
+            if ctx.signature in seen:
+                continue
+            seen.add(ctx.signature)
+            costs = self.builder.segment_costs(bare, pl.device)
+            distinct = list({id(c): c for c in costs}.values())  # a layer class's segments share one cost
+            _, comms = self.builder.chunk_times_of(bare, ctx, [[PricedSegment(c)] for c in distinct])
+            of = {id(c): x.per_microbatch_fwd_s + x.per_microbatch_bwd_s for c, x in zip(distinct, comms, strict=True)}
+            row = np.array([of[id(c)] for c in costs])
+            least = row if least is None else np.minimum(least, row)
+        self._comm[key] = least
+        return least

@@ -115,6 +115,15 @@ class Unfit:
 
 
 @dataclass(frozen=True, slots=True)
+class Beaten:
+    """An interleaved or zero-bubble candidate whose least work per rank already bounds its step at or above the
+    caller's upper bound (`build` with `quick_unfit`): its problem is not built."""
+
+    bound_s: float
+    """The lower bound on its step time (seconds) that reached the upper bound."""
+
+
+@dataclass(frozen=True, slots=True)
 class RankContext:
     """What prices pipeline rank k besides its segments: device, speed, and the signature of its prices."""
 
@@ -343,7 +352,7 @@ class StageProblemBuilder:
 
     # -- problems --------------------------------------------------------------------------------------------
     def build(self, cand: Candidate, options: Sequence[Recompute], upper_bound: float = math.inf,
-              partial: bool = False, quick_unfit: bool = False) -> StageProblem | Unfit | None:
+              partial: bool = False, quick_unfit: bool = False) -> StageProblem | Unfit | Beaten | None:
         """The candidate's partition problem, or None when the mesh does not fit the available devices. With
         `partial`, stages may also recompute part of their layers (`planner.search.recompute_choice`).
 
@@ -351,7 +360,8 @@ class StageProblemBuilder:
         out unpriced (marked as not fitting): their compute and TP communication alone reach the bound. With
         `quick_unfit`, an interleaved candidate with a rank that fits with no choice is `Unfit`, with a bound on
         the memory it needs, instead of a problem whose partitions all say how much (what `least_memory_of`
-        needs for the exact figure)."""
+        needs for the exact figure), and one whose ranks' least work already reaches `upper_bound` is `Beaten`
+        (ranks priced heaviest-first, stopping as soon as the bound is reached)."""
         placements = self.placements(cand)
         if placements is None:
             return None
@@ -362,7 +372,7 @@ class StageProblemBuilder:
             built = self._build_interleaved(cand, choices, placements, upper_bound, quick_unfit)
         else:
             built = self._build_contiguous(cand, choices, placements, upper_bound)
-        if built is None or isinstance(built, Unfit):
+        if built is None or isinstance(built, Unfit | Beaten):
             return built
         costs = tuple(self.segment_costs(cand, pl.device) for pl in placements)
         return replace(built, rank_costs=costs, classes=self.structure.classes)
@@ -516,7 +526,7 @@ class StageProblemBuilder:
 
     def _build_interleaved(self, cand: Candidate, options: Sequence[RecomputeChoice],
                            placements: tuple[RankPlacement, ...], upper_bound: float, quick_unfit: bool = False
-                           ) -> StageProblem | Unfit | None:
+                           ) -> StageProblem | Unfit | Beaten | None:
         m = cand.num_microbatches
         layout = self.layout(cand)
         if layout is None:
@@ -524,11 +534,17 @@ class StageProblemBuilder:
         sends = self.interleaved_sends(cand, layout, placements)
         chooser = ChoicePricer(self, cand, layout, placements, sends, upper_bound)
         capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
-        least = []
-        for k in range(cand.mesh.pp):
-            least.append(chooser.least_work(k, options))
-            if quick_unfit and not math.isfinite(least[-1]):
-                return Unfit(chooser.least_peaks[k])
+        least = [0.0] * cand.mesh.pp
+        for k in _heaviest_first(cand.mesh.pp):
+            least[k] = chooser.least_work(k, options)
+            if not math.isfinite(least[k]):
+                if quick_unfit:
+                    return Unfit(chooser.least_peaks[k])
+                continue
+            # The ranks not priced yet count as 0: still a lower bound (least_step_time is monotone).
+            bound = least_step_time(cand.schedule, m, cand.virtual_stages, least)
+            if quick_unfit and bound > upper_bound * (1 + 1e-9):
+                return Beaten(bound)
         if not all(math.isfinite(x) for x in least):  # some rank fits with no choice: the memory alone says why
             problem = interleaved_problem(layout, options, chooser.memory_only, sends, capacity, m,
                                           choices=chooser.choices)
@@ -546,6 +562,12 @@ class StageProblemBuilder:
                                       choices=chooser.choices)
         return StageProblem(cand, problem, placements, layout=layout, pruned=chooser.pruned)
 
+
+
+def _heaviest_first(pp: int) -> list[int]:
+    """Pipeline ranks in the order `_build_interleaved` prices them: the first (the most micro-batches in flight,
+    so the most recomputation forced on it) and the last (the head and the loss) before the middle ones."""
+    return [0, *([pp - 1] if pp > 1 else []), *range(1, pp - 1)]
 
 
 def _pipeline_terms(schedule: Schedule, m: int, fwd: np.ndarray, bwd: np.ndarray, wgrad: np.ndarray,
