@@ -39,6 +39,7 @@ class CandidateBounds:
     _least_saved: dict[tuple, tuple[tuple, int]] = field(default_factory=dict)
     _in_flight: dict[tuple, tuple[int, ...]] = field(default_factory=dict)
     _comm: dict[tuple, np.ndarray | None] = field(default_factory=dict)
+    _comm_bound: dict[tuple, float] = field(default_factory=dict)
     _expert_numel: int | None = None
 
     def cheap(self, cand: Candidate) -> tuple[float, float | None]:
@@ -191,11 +192,20 @@ class CandidateBounds:
             p2p = self.builder.interleaved_sends(cand, layout, placements) if layout is not None else []
             pipe = self._pipeline_bound[key] = tight_lower_bound(cand, costs, optimizer_s=0.0, layout=layout,
                                                                  p2p=p2p)
-        comm = self.comm_per_segment(cand, placements)
-        if comm is not None:
-            pipe = max(pipe, comm_lower_bound(cand, comm, layout=self.builder.layout(cand) if interleaved else None,
-                                              num_sends=m.pp * cand.virtual_stages - 1))
-        return pipe + self.optimizer_bound(cand, placements)
+        return max(pipe, self.comm_bound(cand, placements, interleaved)) + self.optimizer_bound(cand, placements)
+
+    def comm_bound(self, cand: Candidate, placements: Sequence[RankPlacement], interleaved: bool) -> float:
+        """`bounds.comm_lower_bound` of the candidate (0 where no micro-batch communicates), cached per what it
+        depends on: the mesh, ZeRO stage and runtime, and the schedule's shape."""
+        key = (cand.mesh, cand.zero_stage, cand.runtime, cand.num_microbatches, cand.schedule,
+               cand.virtual_stages if interleaved else 1)
+        hit = self._comm_bound.get(key)
+        if hit is None:
+            comm = self.comm_per_segment(cand, placements)
+            layout = self.builder.layout(cand) if interleaved else None
+            hit = self._comm_bound[key] = 0.0 if comm is None else comm_lower_bound(
+                cand, comm, layout=layout, num_sends=cand.mesh.pp * cand.virtual_stages - 1)
+        return hit
 
     def comm_per_segment(self, cand: Candidate, placements: Sequence[RankPlacement]) -> np.ndarray | None:
         """Per segment, the least over pipeline ranks of the data-parallel collectives one micro-batch issues for
