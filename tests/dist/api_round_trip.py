@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import os
 import sys
 import traceback
 import warnings
@@ -123,4 +124,9 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the interpreter's teardown: it can abort in torch's C++ threads ("terminate called without an active
+    # exception") after a correct run, and torchrun would then fail the launch. The results are written.
+    os._exit(code)
