@@ -22,6 +22,11 @@ FP8 (e4m3) with dynamic scales and multiplies them on the FP8 tensor cores (`tor
                                      backward for x, both in backward for dy
                 rowwise     w        cast (h + 1)                    transposed copy (2h) + its cast (h + 1)
 
+Under tensor parallelism each rank casts its own share of each operand (`costmodel.sharding.cost.fp8_cast_shares`):
+its weight shard, the output gradient in the module's output layout, the input as it arrives -- with sequence
+parallelism torchao's `Float8ColwiseParallel` / `Float8RowwiseParallel` cast the sequence shard before the
+all-gather, so 1/tp of the activation and of the output gradient.
+
 Memory: what `Float8Linear`'s autograd function saves is the BF16 input and weight
 (`matmul_with_hp_or_float8_args.forward`: `ctx.save_for_backward(input_hp, weight_hp_t)`,
 torchao/float8/float8_linear.py), so activation memory, weights, gradients and optimizer state are priced as

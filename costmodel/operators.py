@@ -185,12 +185,17 @@ def node_bytes(node: Node, *, bytes_scale: float = 1.0, param_scale: float = 1.0
 
 
 def fp8_cast_times(node: Node, device: DeviceSpec, recipe: Float8Recipe, *, bytes_scale: float, param_scale: float,
-                   dtype: str, operands: tuple[Operand, ...] = tuple(Operand)) -> tuple[float, float]:
+                   dtype: str, operands: tuple[Operand, ...] = tuple(Operand),
+                   input_scale: float | None = None, output_scale: float | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of casting a converted linear's `operands` to FP8 (`costmodel.float8`): each
-    operand's casts in a pass are one memory-bound term of `CAST_TRAFFIC` bytes per element."""
-    elements = {Operand.INPUT: node.input_specs[0].numel * bytes_scale if node.input_specs else 0.0,
+    operand's casts in a pass are one memory-bound term of `CAST_TRAFFIC` bytes per element. `input_scale` /
+    `output_scale`: the share of the input / output gradient this device casts, where it differs from the op's
+    `bytes_scale` (tensor parallelism: `costmodel.sharding.cost`)."""
+    x = bytes_scale if input_scale is None else input_scale
+    dy = bytes_scale if output_scale is None else output_scale
+    elements = {Operand.INPUT: node.input_specs[0].numel * x if node.input_specs else 0.0,
                 Operand.WEIGHT: node.param_specs[0].numel * param_scale,
-                Operand.GRAD_OUTPUT: node.output_specs[0].numel * bytes_scale if node.output_specs else 0.0}
+                Operand.GRAD_OUTPUT: node.output_specs[0].numel * dy if node.output_specs else 0.0}
     width = dtype_bytes(dtype)
     fwd = bwd = 0.0
     for operand in operands:
@@ -211,14 +216,14 @@ def fp8_weight_cast_times(nodes: Sequence[Node], device: DeviceSpec, recipe: Flo
 
 def node_time(node: Node, device: DeviceSpec, *, flops_scale: float = 1.0, bytes_scale: float = 1.0,
               dtype: str = "bfloat16", profile: OpProfile | None = None, param_scale: float = 1.0,
-              gemm_groups: int = 1, fp8: Float8Recipe | None = None) -> tuple[float, float]:
+              gemm_groups: int = 1, fp8: Float8Recipe | None = None, fp8_casts: bool = True) -> tuple[float, float]:
     """(forward seconds, backward seconds) of `node` on `device` (formulas in the module docstring).
     `gemm_groups`: the node's FLOPs are that many equal GEMMs (a grouped GEMM), each sized for `s(tau)` alone.
     `fp8`: linear layers run as FP8 training converts them (`costmodel.float8`): their GEMMs at the FP8 rate plus
-    the casts of their operands."""
+    the casts of their operands (without them when `fp8_casts` is off: the caller prices them per operand)."""
     if fp8 is not None and converted_node(node):
         return _fp8_linear_time(node, device, fp8, flops_scale=flops_scale, bytes_scale=bytes_scale,
-                                param_scale=param_scale, dtype=dtype)
+                                param_scale=param_scale, dtype=dtype, casts=fp8_casts)
     if profile is not None:
         sig = op_signature(node, flops_scale=flops_scale, bytes_scale=bytes_scale, param_scale=param_scale)
         hit = profile.lookup(device.name, sig)
@@ -242,14 +247,14 @@ def node_time(node: Node, device: DeviceSpec, *, flops_scale: float = 1.0, bytes
 
 
 def _fp8_linear_time(node: Node, device: DeviceSpec, recipe: Float8Recipe, *, flops_scale: float,
-                     bytes_scale: float, param_scale: float, dtype: str) -> tuple[float, float]:
+                     bytes_scale: float, param_scale: float, dtype: str, casts: bool = True) -> tuple[float, float]:
     """A converted linear: its GEMMs at the FP8 rate (bytes as in BF16: the GEMMs are compute-bound at these
-    sizes) plus the operand casts. A measured profile of the BF16 op does not apply."""
+    sizes) plus the operand casts (unless `casts` is off). A measured profile of the BF16 op does not apply."""
     fwd_flops = node.forward_flops * flops_scale
     fwd_bytes = node_bytes(node, bytes_scale=bytes_scale, param_scale=param_scale, dtype=dtype)
     rate = fp8_gemm_rate(device, fwd_flops)
     cast_fwd, cast_bwd = fp8_cast_times(node, device, recipe, bytes_scale=bytes_scale, param_scale=param_scale,
-                                        dtype=dtype)
+                                        dtype=dtype) if casts else (0.0, 0.0)
     fwd = roofline_time(fwd_flops, fwd_bytes, rate, device)
     bwd = roofline_time(node.backward_flops * flops_scale, fwd_bytes * BACKWARD_BYTES_FACTOR[OpKind.LINEAR], rate,
                         device)

@@ -383,3 +383,19 @@ def test_vocab_parallel_cross_entropy() -> None:
     assert vocab.inputs == (shard(1), REPLICATED) and vocab.output == REPLICATED
     assert vocab.input_grads == (shard(1), None)
     assert vocab.extra_forward == ((Move.ALL_REDUCE, 3 * 16 * 4.0),)
+
+
+def test_fp8_casts_each_operand_where_it_is_local():
+    """torchao's float8 tensor-parallel classes cast the input as it arrives and the output gradient in the
+    module's output layout; under sequence parallelism both are sequence shards, cast before their all-gather."""
+    from costmodel.sharding.cost import fp8_cast_shares
+
+    lin = linear("fc", "x", spec(2, 64, 32), 64, bias=False)
+    for sp in (False, True):
+        styles = {s.name: s for s in node_strategies(lin, ctx(4, (SEQ3,), SEQ3, sp=sp))}
+        assert fp8_cast_shares(styles["replicate"], 4, sp) == (1.0, 1.0)
+        if sp:  # full weights on a sequence shard
+            assert fp8_cast_shares(styles["sequence"], 4, sp) == (0.25, 0.25)
+        colwise, rowwise = fp8_cast_shares(styles["colwise"], 4, sp), fp8_cast_shares(styles["rowwise"], 4, sp)
+        assert colwise == ((0.25 if sp else 1.0), 0.25)
+        assert rowwise == (0.25, (0.25 if sp else 1.0))

@@ -26,13 +26,13 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from costmodel.float8 import Float8Recipe
+from costmodel.float8 import Float8Recipe, converted_node
 from costmodel.framework import NO_FRAMEWORK_COSTS, FrameworkCosts
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_pricing import op_policy_kept, selective_recompute_region
-from costmodel.operators import node_time, retype_ratio
+from costmodel.operators import fp8_cast_times, node_time, retype_ratio
 from costmodel.profile_db import OpProfile
 from costmodel.sharding.dims import DimLabel, Labels, input_labels, is_float, op_name, propagate_labels
 from costmodel.sharding.layout import (
@@ -108,6 +108,23 @@ def activation_fraction(node: Node, strategy: NodeStrategy, tp: int) -> float:
     return sum(b * local_fraction(lay, tp) for b, lay in group) / total if total else 1.0
 
 
+def fp8_cast_shares(strategy: NodeStrategy, tp: int, sequence_parallel: bool) -> tuple[float, float]:
+    """(input, output gradient) shares one device casts to FP8 for a converted linear under `strategy`.
+
+    Each operand is cast where it is local (torchao/float8/float8_tensor_parallel.py): the input in the layout it
+    arrives in, the output gradient in the layout the module hands its output on. A column-parallel linear's
+    output is sharded (1/tp); a row-parallel one's is reduced, whole on every rank without sequence
+    parallelism. Under sequence parallelism the tensors between modules are sequence-sharded:
+    `Float8ColwiseParallel` casts its input shard before the all-gather, and `Float8RowwiseParallel` casts the
+    output gradient shard before the all-gather that backs its reduce-scatter (both collectives then move
+    FP8), so 1/tp of each."""
+    x = local_fraction(strategy.inputs[0], tp) if strategy.inputs else 1.0
+    dy = local_fraction(strategy.output, tp)
+    if sequence_parallel and not strategy.is_replicated:
+        x, dy = min(x, 1.0 / tp), min(dy, 1.0 / tp)
+    return x, dy
+
+
 @dataclass(frozen=True, slots=True)
 class _Setting:
     tp: int
@@ -134,6 +151,10 @@ def _price_option(node: Node, st: NodeStrategy, scale: float, cfg: _Setting) -> 
     param_scale = sum(locals_) / node.param_count if node.param_count else 1.0
     fwd, bwd = cfg.pricer.node_time(node, scale * st.work_fraction, scale * activation_fraction(node, st, cfg.tp),
                                     param_scale)
+    if cfg.pricer.fp8_cast_time is not None:
+        shares = fp8_cast_shares(st, cfg.tp, cfg.sequence_parallel)
+        cast_fwd, cast_bwd = cfg.pricer.fp8_cast_time(node, scale * shares[0], scale * shares[1], param_scale)
+        fwd, bwd = fwd + cast_fwd, bwd + cast_bwd
     if node.param_specs and not st.is_replicated:
         fwd += cfg.pricer.sharded_module.forward_s
         bwd += cfg.pricer.sharded_module.backward_s
@@ -408,7 +429,13 @@ def make_pricer(cluster: Cluster, device: DeviceSpec, tp_group: CommGroup, *, dt
 
     def node_cost(node: Node, flops_scale: float, bytes_scale: float, param_scale: float) -> tuple[float, float]:
         return node_time(node, device, flops_scale=flops_scale, bytes_scale=bytes_scale, param_scale=param_scale,
-                         dtype=dtype, profile=profile, fp8=fp8)
+                         dtype=dtype, profile=profile, fp8=fp8, fp8_casts=False)
+
+    def cast_cost(node: Node, input_scale: float, output_scale: float, param_scale: float) -> tuple[float, float]:
+        if fp8 is None or not converted_node(node):
+            return 0.0, 0.0
+        return fp8_cast_times(node, device, fp8, bytes_scale=0.0, param_scale=param_scale, dtype=dtype,
+                              input_scale=input_scale, output_scale=output_scale)
 
     def move_cost(move: Move, nbytes: float) -> float:
         if nbytes <= 0 or tp == 1:
@@ -422,5 +449,6 @@ def make_pricer(cluster: Cluster, device: DeviceSpec, tp_group: CommGroup, *, dt
 
     framework = framework or NO_FRAMEWORK_COSTS
     return Pricer(node_time=node_cost, move_time=move_cost, sharded_module=framework.tp_module_cost(tp),
-                  grad_sync_per_tensor_s=framework.grad_sync_per_tensor(tp))
+                  grad_sync_per_tensor_s=framework.grad_sync_per_tensor(tp),
+                  fp8_cast_time=cast_cost if fp8 is not None else None)
 

@@ -25,6 +25,9 @@ momentum, variance (12; Rajbhandari et al. 2020, ZeRO §3.1, the "K = 12" of mix
 NodeTimeFn = Callable[[Node, float, float, float], tuple[float, float]]
 """(node, flops scale, activation-bytes scale, parameter-bytes scale) -> (forward s, backward s), as
 `costmodel.operators.node_time`."""
+CastTimeFn = Callable[[Node, float, float, float], tuple[float, float]]
+"""(node, input share, output-gradient share, parameter share) -> (forward s, backward s) of an FP8-converted
+linear's operand casts (`costmodel.operators.fp8_cast_times`); (0, 0) for any other node."""
 MoveTimeFn = Callable[[Move, float], float]
 """(move, logical tensor bytes) -> seconds over the tensor-parallel group."""
 
@@ -41,6 +44,9 @@ class Pricer:
     grad_sync_per_tensor_s: float = 0.0
     """Measured seconds per partial-gradient tensor of the step's flat gradient sync (`costmodel.framework`),
     added to the all-reduce of its bytes (as `step_time.tp_grad_sync_time` prices it)."""
+    fp8_cast_time: CastTimeFn | None = None
+    """With FP8 linear layers: their operand casts, priced per operand's own share (`node_time` then leaves
+    them out)."""
 
 
 @dataclass(frozen=True, slots=True)
