@@ -16,7 +16,6 @@ planned numerics.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -24,11 +23,12 @@ import subprocess
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from planner.cli.common import add_model_arguments, positive_float, positive_int
 from planner.errors import PlanLoadError, UserError
 from planner.plan import Plan
+from planner.runtime.worker_exit import exit_without_teardown, quiesce
 
 if TYPE_CHECKING:  # the runtime imports torch.distributed: loaded by the functions that run, not by `stratagem`
     from planner.runtime.measure import MeasuredRun
@@ -96,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
 
         raise UserError(f"--nproc {args.nproc} but the plan needs {world} processes "
                         f"({strategy_label(plan.strategy, Detail.DEGREES)})")
-    if _under_torchrun():
-        return _leave_rank(_run_rank(args, plan))
+    if _under_torchrun():  # the report is out: the rank leaves without the interpreter's teardown
+        exit_without_teardown(_run_rank(args, plan))
     if args.nproc is not None and args.nproc > 1:
         _preflight(args, plan)  # a plan for another model fails here, once, not on every rank
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
@@ -157,22 +157,10 @@ def _run_rank(args: argparse.Namespace, plan: Any) -> int:
             # step never modifies outputs in place, so the warning is noise here
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
             code = _train_and_report(args, plan, device)
-        gc.collect()    # pipeline schedules and FSDP states hold the groups: drop them before the teardown
-        dist.barrier()  # no rank tears the group down while another still uses it
+        quiesce()
         return code
     finally:
         dist.destroy_process_group()
-
-
-def _leave_rank(code: int) -> NoReturn:
-    """End a torchrun worker once its report is out, skipping the interpreter's teardown.
-
-    That teardown can abort in torch's C++ threads ("terminate called without an active exception", SIGABRT),
-    seen on a gloo rank after a correct run; torchrun then kills its peers and the launch fails.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _build(args: argparse.Namespace, plan: Any, device: Any) -> Any:

@@ -64,7 +64,6 @@ Differences are clamped at 0: where the framework costs less than the noise, the
 from __future__ import annotations
 
 import copy
-import gc
 import json
 import os
 import tempfile
@@ -89,6 +88,7 @@ from planner.profiling.framework_passes import (
     reduce_scatters,
 )
 from planner.profiling.spawn import divisor_group_sizes, free_port
+from planner.runtime.worker_exit import exit_without_teardown, quiesce
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -442,13 +442,10 @@ def _framework_worker(rank: int, world: int, port: int, options: FrameworkOption
         result = _measure_all({g: _group_mesh(world, g) for g in options.group_sizes}, options, timer)
         if rank == 0:
             Path(result_path).write_text(json.dumps(result))
-        gc.collect()    # pipeline schedules and stages hold the groups: drop them before the teardown
-        dist.barrier()  # no rank tears the group down while another still uses it
+        quiesce()
     finally:
         dist.destroy_process_group()
-    # The interpreter's own teardown can abort in torch's C++ threads ("terminate called without an active
-    # exception", seen 3 times in ~20 runs after the pipeline measurement); the result is written, so leave now.
-    os._exit(0)
+    exit_without_teardown(0)  # the result is written (the teardown aborted 3 times in ~20 runs here)
 
 
 def _costs_from_json(d: Mapping[str, Any]) -> FrameworkCosts:

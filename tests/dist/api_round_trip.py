@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import datetime
 import json
-import os
 import sys
 import traceback
 import warnings
@@ -27,6 +26,7 @@ from torch import nn
 import planner
 import planner.api
 from planner.search.space import SearchSpace
+from planner.runtime.worker_exit import exit_without_teardown
 
 VOCAB, HIDDEN, LAYERS, HEADS, SEQ = 128, 64, 4, 4, 32
 GLOBAL_BATCH = 8
@@ -124,9 +124,4 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip the interpreter's teardown: it can abort in torch's C++ threads ("terminate called without an active
-    # exception") after a correct run, and torchrun would then fail the launch. The results are written.
-    os._exit(code)
+    exit_without_teardown(main(sys.argv[1:]))  # the results are written

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import sys
 import time
 import traceback
@@ -39,6 +38,7 @@ from planner.runtime.parallelize import count_trainable_params, parallelize
 from costmodel.sharding.rules import Style
 from planner.plan import ModelInfo, ModuleSharding, Plan, SearchInfo, TrainingConfig
 from planner.runtime.train_step import local_batch, train_step
+from planner.runtime.worker_exit import exit_without_teardown
 
 STEPS = 3
 LR = 0.5
@@ -396,9 +396,4 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip the interpreter's teardown: it can abort in torch's C++ threads ("terminate called without an active
-    # exception") after a correct run, and torchrun would then fail the launch. The results are written.
-    os._exit(code)
+    exit_without_teardown(main(sys.argv[1:]))  # the results are written
