@@ -537,13 +537,13 @@ class StageProblemBuilder:
         least = [0.0] * cand.mesh.pp
         for k in _heaviest_first(cand.mesh.pp):
             least[k] = chooser.least_work(k, options)
-            if not math.isfinite(least[k]):
-                if quick_unfit:
-                    return Unfit(chooser.least_peaks[k])
+            if not quick_unfit:
                 continue
+            if not math.isfinite(least[k]):
+                return Unfit(chooser.least_peaks[k])
             # The ranks not priced yet count as 0: still a lower bound (least_step_time is monotone).
             bound = least_step_time(cand.schedule, m, cand.virtual_stages, least)
-            if quick_unfit and bound > upper_bound * (1 + 1e-9):
+            if bound > upper_bound * (1 + 1e-9):
                 return Beaten(bound)
         if not all(math.isfinite(x) for x in least):  # some rank fits with no choice: the memory alone says why
             problem = interleaved_problem(layout, options, chooser.memory_only, sends, capacity, m,
