@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import hf_tracing
+from models.layer_stack import TraceStandIn, stand_in_for
 from models.synthetic import next_token_loss, token_ids
 from models.validation import require_traceable_depth
 
@@ -181,6 +182,20 @@ def build(
     inputs = _example_inputs(resolved.task, config, batch, seq_len, torch.device(device))
     return HFModel(spec=spec, model_type=config.model_type, task=resolved.task, module=module,
                    example_inputs=inputs, seq_len=seq_len, config=config, loss=_LOSSES[resolved.task])
+
+
+def trace_stand_in(spec: str, overrides: Mapping[str, Any], full: HFModel, *, batch: int = 1,
+                   device: torch.device | str = "meta") -> TraceStandIn | None:
+    """A shorter model of the same config to trace in place of `full` when its layers repeat
+    (`models.layer_stack`); None for encoder-decoders (two stacks) and stacks without a repeating tail."""
+    if full.task is HFTask.SEQ2SEQ_LM or _num_layers(full.config) != getattr(full.config, "num_hidden_layers", None):
+        return None
+
+    def rebuild(cut: dict[str, Any]) -> tuple[nn.Module, Any, tuple[torch.Tensor, ...]]:
+        short = build(spec, {**overrides, **cut}, batch=batch, seq=full.seq_len, device=device)
+        return short.module, short.config, short.example_inputs
+
+    return stand_in_for(full.module, full.config, full.config.num_hidden_layers, "num_hidden_layers", rebuild)
 
 
 def _num_layers(config: Any) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import functools
 import importlib
 import inspect
 import json
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from models.family import Family
+from models.layer_stack import TraceStandIn
 from models.validation import require_traceable_depth
 from models.zoo import FAMILIES, PRESETS
 
@@ -71,6 +73,9 @@ class BuiltModel:
     """`loss(output, inputs)`: the synthetic training loss (scalar)."""
     config: Any
     """The family's config dataclass (None for user models)."""
+    trace_stand_in: Callable[[], TraceStandIn | None] | None = None
+    """Builds a shorter model with the same repeating layers to trace in place of `module`
+    (`models.layer_stack`), when the family can; None otherwise."""
 
 
 @dataclass(frozen=True)
@@ -359,6 +364,7 @@ def build_hf_model(name: str, sets: Sequence[str], *, batch: int, seq: int | Non
         seq_len=built.seq_len,
         loss=built.loss,
         config=built.config,
+        trace_stand_in=functools.partial(hf.trace_stand_in, spec, overrides, built, batch=batch, device=device),
     )
 
 

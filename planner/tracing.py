@@ -20,12 +20,15 @@ from typing import TYPE_CHECKING, Any
 import ir
 from ir.graph import TensorSpec
 from ir.layer_chain import LayerChain
+from ir.layer_repeat import repeat_layers
 from planner.errors import UserError
 from planner.progress import Phase, PlanProgress, ProgressCallback
 from planner.trace_cache import TraceCache, TracedModel, trace_key
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from models.registry import BuiltModel
 
 
 def one_sample(value: Any) -> Any:
@@ -74,7 +77,7 @@ def trace_model(model: str, sets: Sequence[str] = (), *, seq: int | None = None,
     except ValueError as e:
         raise UserError(f"model {model}: {_one_line(e)}") from None
     try:
-        chain = ir.build_layer_chain(ir.trace(built.module, built.example_inputs, model_name=built.name, dtype=dtype))
+        chain = ir.build_layer_chain(trace_built(built, dtype=dtype))
     except UserError:
         raise
     except ValueError as e:
@@ -85,6 +88,23 @@ def trace_model(model: str, sets: Sequence[str] = (), *, seq: int | None = None,
     if progress is not None:
         progress(PlanProgress(phase=Phase.TRACE, elapsed_s=time.monotonic() - started))
     return traced
+
+
+def trace_built(built: BuiltModel, *, dtype: str = "bfloat16") -> ir.Graph:
+    """The graph of a registry model. When its layers repeat (`models.layer_stack`), a stand-in with the
+    first layers is traced and the rest are copied in the graph (`ir.layer_repeat`): the same graph, with the
+    same fingerprint, as tracing every layer, in the time of a few. A stand-in whose trace does not repeat as its
+    modules do is dropped, and the model is traced whole."""
+    stand_in = built.trace_stand_in() if built.trace_stand_in is not None else None
+    if stand_in is not None:
+        short = ir.trace(stand_in.module, stand_in.example_inputs, model_name=built.name, dtype=dtype)
+        try:
+            graph = repeat_layers(short, stand_in.stack)
+        except ValueError:
+            graph = None
+        if graph is not None and graph.param_count == short.param_count + stand_in.added_params:
+            return graph
+    return ir.trace(built.module, built.example_inputs, model_name=built.name, dtype=dtype)
 
 
 def json_settings(settings: Sequence[tuple[str, Any]]) -> tuple[tuple[str, Any], ...]:

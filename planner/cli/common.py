@@ -171,10 +171,10 @@ def trace_chain(built: Any, *, dtype: str = "bfloat16") -> Any:
     The dtype matters: activation, boundary and saved bytes are priced from the traced tensors.
     """
     import ir
+    from planner.tracing import trace_built
 
     try:
-        graph = ir.trace(built.module, built.example_inputs, model_name=built.name, dtype=dtype)
-        return ir.build_layer_chain(graph)
+        return ir.build_layer_chain(trace_built(built, dtype=dtype))
     except UserError:
         raise
     except ValueError as e:

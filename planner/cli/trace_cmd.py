@@ -46,10 +46,11 @@ def trace_summary(model: str, sets: Sequence[str] = (), *, batch: int = 1, seq: 
     """Build, trace and cut MODEL; the JSON-ready summary `stratagem trace --json` prints."""
     import ir
     from models.registry import build_model
+    from planner.tracing import trace_built
 
     built = build_model(model, sets, batch=batch, seq=seq, device="meta")
     try:
-        graph = ir.trace(built.module, built.example_inputs, model_name=built.name, dtype=dtype)
+        graph = trace_built(built, dtype=dtype)
         if built.seq_len is not None and graph.seq_len != built.seq_len:
             graph = dataclasses.replace(graph, seq_len=built.seq_len)
         chain = ir.build_layer_chain(graph)
