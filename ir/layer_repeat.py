@@ -1,24 +1,23 @@
 """`repeat_layers`: the graph of a deep model from the trace of a shorter one with the same repeating layers.
 
 Tracing costs time per layer (torch.export of DeepSeek-V3's 61 layers takes ~20 s here), while a deep model's
-layers repeat: after a prefix of P distinct layers (DeepSeek-V3's three dense layers), layer i has the same
-structure as layer i - p for a period p (1 for a uniform stack, 6 for Gemma 3's five local and one global
-layer). The caller proves that on the modules (`models.layer_stack`) and traces a model built from the same
-config with T = P' + 2p + ((L - P') mod p) layers, P' = max(P, 1): the first layer of a stack reads the
-embedding where every later layer reads the layer before it, so at least one layer precedes the two periods
-that are compared. This module turns that graph into the graph of L layers without tracing them.
+layers repeat: past a few distinct layers (DeepSeek-V3's three dense ones), layer i has the structure of layer
+i - p for a period p (1 for a uniform stack, 6 for Gemma 3's five local and one global layer). The caller
+(`models.layer_stack`) proves that on the modules and traces a model of the same config with T < L layers, where
+L - T is a multiple of p; this module turns that graph into the graph of L layers without tracing them, and
+checks on the trace itself that doing so is sound.
 
-Layout the trace must have (else `ValueError`, and the caller traces the whole model): every layer `path.j`
-owns one contiguous run of nodes, the runs follow each other with no node in between, and every traced layer
-u >= P' + p repeats layer u - p node for node (kind, target, relative module path, shapes, FLOPs, bytes, attrs,
-and wiring: reads of layer nodes move with the layer, other reads stay). Full layer i >= T is then a copy of
-the traced layer j of the last traced period [T - p, T) with j = i (mod p), moved by d = i - j layers:
-- a read of a layer node moves by d layers, to the traced node or an earlier copy at the same offset;
-- a read of a node outside every layer (embeddings, rotary tables) stays: it is shared;
-- a read of a prefix layer (u < P) from a copied layer has no moved meaning, so it is refused.
-Nodes after the stack read layer u + (L - T) for a traced layer u (L - T is a multiple of p, so the last layer
-keeps its type). Copies are named `<template name>_L<i>`; module paths and parameter names under `path.j`
-become `path.i`, so the copies' parameters are new, and parameters outside the stack (a tied head) stay shared.
+What the trace must show (else `ValueError`, and the caller traces the whole model): every layer `path.j` owns
+one contiguous run of nodes; the runs follow each other with no node in between; each layer u of the last
+period [T - p, T) repeats layer u - p node for node (kind, target, relative module path, shapes, FLOPs, bytes,
+attrs, and wiring: reads of layer nodes move with the layer, other reads stay the same node). Full layer i >= T
+is then a copy of the traced layer j in [T - p, T) with j = i (mod p), moved by d = i - j layers:
+- a read of a node in layer u moves to layer u + d, at the same offset (a traced node or an earlier copy); only
+  reads of the two compared periods (u >= T - 2p) are moved, since only their layouts are checked;
+- a read of a node outside every layer (embeddings, rotary tables) stays: it is shared.
+Nodes after the stack read layer u + (L - T) for a layer u of the last period (so the last layer keeps its type).
+Copies are named `<template name>_L<i>`; module paths and parameter names under `path.j` become `path.i`, so
+the copies' parameters are new, and parameters outside the stack (a tied head) stay shared.
 """
 
 from __future__ import annotations
@@ -32,33 +31,24 @@ from ir.graph import Graph, Node
 
 @dataclass(frozen=True)
 class RepeatedStack:
-    """A stack of `total` layers at module path `path`: `prefix` distinct layers, then layers repeating with
-    `period`."""
+    """A stack of `total` layers at module path `path`, of which the first `traced` were traced; the layers
+    repeat with `period`."""
 
     path: str
     total: int
-    prefix: int
+    traced: int
     period: int
 
     def __post_init__(self) -> None:
-        if self.prefix < 0 or self.period < 1 or self.total < 1:
-            raise ValueError(f"bad layer stack {self}")
+        if not (self.period >= 1 and 2 * self.period <= self.traced <= self.total
+                and (self.total - self.traced) % self.period == 0):
+            raise ValueError(f"bad layer stack {self}: need 2 * period <= traced <= total, with total - traced a "
+                             f"multiple of the period")
 
     @property
-    def lead(self) -> int:
-        """Layers traced before the two compared periods: the prefix, and at least one, because the first
-        layer of a stack reads the embedding where every later one reads the layer before it."""
-        return max(self.prefix, 1)
-
-    @property
-    def traced(self) -> int:
-        """Layers the stand-in model has: the lead, two periods, and the remainder that keeps the last
-        layer's type."""
-        return self.lead + 2 * self.period + (self.total - self.lead) % self.period
-
-    @property
-    def saves_layers(self) -> bool:
-        return self.traced < self.total
+    def compared(self) -> int:
+        """First layer whose reads may be moved: the start of the two compared periods."""
+        return self.traced - 2 * self.period
 
 
 def repeat_layers(graph: Graph, stack: RepeatedStack) -> Graph:
@@ -105,10 +95,10 @@ def _layer_of(module_path: str, path: str) -> int | None:
 
 
 def _check_periodic(nodes: Sequence[Node], spans: list[tuple[int, int]], stack: RepeatedStack) -> None:
-    """Every traced layer u >= P + p repeats layer u - p: same nodes apart from names, layer-relative paths and
-    wiring shifted by p layers."""
+    """Every layer u of the last traced period repeats layer u - p: same nodes apart from names, layer-relative
+    paths and wiring moved by p layers."""
     position = {n.name: q for q, n in enumerate(nodes)}
-    for u in range(stack.lead + stack.period, stack.traced):
+    for u in range(stack.traced - stack.period, stack.traced):
         (a, b), (c, e) = spans[u - stack.period], spans[u]
         if b - a != e - c:
             raise ValueError(f"layer {stack.path}.{u} has {e - c} nodes, layer {u - stack.period} {b - a}")
@@ -161,8 +151,8 @@ class _Expander:
         u = self.layer.get(q)
         if u is None:
             return src  # outside every layer: shared
-        if u < self.stack.prefix:
-            raise ValueError(f"a repeated layer reads {src} of prefix layer {self.stack.path}.{u}")
+        if u < self.stack.compared:
+            raise ValueError(f"a repeated layer reads {src} of layer {self.stack.path}.{u}, before the compared ones")
         return self.name_at(u + shift, q - self.spans[u][0])
 
     def copy_layer(self, i: int) -> list[Node]:
@@ -179,6 +169,11 @@ class _Expander:
     def suffix(self, nodes: Sequence[Node]) -> list[Node]:
         """Nodes after the stack, reading the last layers of the full stack."""
         shift = self.stack.total - self.stack.traced
+        for node in nodes:
+            for src in node.inputs:
+                u = self.layer.get(self.position[src])
+                if u is not None and u < self.stack.traced - self.stack.period:
+                    raise ValueError(f"{node.name} after the stack reads layer {self.stack.path}.{u}, not the last ones")
         return [dataclasses.replace(node, inputs=tuple(self.moved(s, shift) for s in node.inputs)) for node in nodes]
 
 

@@ -1,6 +1,6 @@
 """Which layers of a model repeat, proven on its modules, so that tracing can stop after two periods.
 
-`ir.layer_repeat` builds the graph of L layers from the trace of a model with T < L layers built from the same
+The planner's `ir.layer_repeat` builds the graph of L layers from the trace of a model with T < L layers built from the same
 config. That is only right if layer i of the full model does what layer i - p does for every i past a prefix P.
 This module decides it from the modules themselves, not from a list of architectures:
 
@@ -26,8 +26,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ir.layer_repeat import RepeatedStack
-
 LAYER_INDEX_ATTRS = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number"})
 """Module attributes that number a layer rather than shape it (transformers: `layer_idx`; Megatron:
 `layer_number`). A forward reads them only to look up per-layer config entries, which the signature holds."""
@@ -39,12 +37,42 @@ _SCALARS = (int, float, str, bool, type(None))
 
 
 @dataclass(frozen=True)
+class LayerPattern:
+    """A stack of `total` layers at module path `path`: `prefix` distinct layers, then layers repeating with
+    `period`."""
+
+    path: str
+    total: int
+    prefix: int
+    period: int
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.prefix < self.total and self.period >= 1):
+            raise ValueError(f"bad layer pattern {self}")
+
+    @property
+    def lead(self) -> int:
+        """Layers before the two periods the trace is checked on: the prefix, and at least one, because the
+        first layer of a stack reads the embedding where every later layer reads the layer before it."""
+        return max(self.prefix, 1)
+
+    @property
+    def traced(self) -> int:
+        """Layers of the stand-in: the lead, two periods, and the remainder that gives the last layer its type."""
+        return self.lead + 2 * self.period + (self.total - self.lead) % self.period
+
+    @property
+    def saves_layers(self) -> bool:
+        return self.traced < self.total
+
+
+@dataclass(frozen=True)
 class TraceStandIn:
     """A model with the first `stack.traced` layers of a deeper one, to trace in its place."""
 
     module: nn.Module
     example_inputs: tuple[torch.Tensor, ...]
-    stack: RepeatedStack
+    pattern: LayerPattern
     added_params: int
     """Parameters of the full model's layers the stand-in lacks: what `ir.repeat_layers` must add."""
 
@@ -96,16 +124,16 @@ def _module_signature(layer: nn.Module) -> Hashable:
     return tuple(parts)
 
 
-def periodic_stack(path: str, signatures: Sequence[Hashable]) -> RepeatedStack | None:
+def periodic_stack(path: str, signatures: Sequence[Hashable]) -> LayerPattern | None:
     """The prefix and period (at most `MAX_PERIOD`) under which `signatures` repeat with the fewest traced
     layers, or None when no choice traces fewer layers than there are."""
     ids = _class_ids(signatures)
     total = len(ids)
-    best: RepeatedStack | None = None
+    best: LayerPattern | None = None
     for period in range(1, min(MAX_PERIOD, total // 2) + 1):
         breaks = [i for i in range(period, total) if ids[i] != ids[i - period]]
         prefix = breaks[-1] - period + 1 if breaks else 0
-        stack = RepeatedStack(path=path, total=total, prefix=prefix, period=period)
+        stack = LayerPattern(path=path, total=total, prefix=prefix, period=period)
         if stack.saves_layers and (best is None or stack.traced < best.traced):
             best = stack
     return best
@@ -148,16 +176,16 @@ def stand_in_for(module: nn.Module, config: Any, num_layers: int, layers_key: st
         return None
     path, layers = found
     signatures = layer_signatures(layers, config)
-    stack = periodic_stack(path, signatures)
-    if stack is None:
+    pattern = periodic_stack(path, signatures)
+    if pattern is None:
         return None
     try:
         short_module, short_config, inputs = rebuild(
-            {**cut_config_lists(config, num_layers, stack.traced), layers_key: stack.traced})
+            {**cut_config_lists(config, num_layers, pattern.traced), layers_key: pattern.traced})
     except ValueError:
         return None
-    short = find_layer_stack(short_module, stack.traced)
-    if short is None or short[0] != path or layer_signatures(short[1], short_config) != signatures[:stack.traced]:
+    short = find_layer_stack(short_module, pattern.traced)
+    if short is None or short[0] != path or layer_signatures(short[1], short_config) != signatures[:pattern.traced]:
         return None
-    return TraceStandIn(module=short_module, example_inputs=inputs, stack=stack,
-                        added_params=parameter_count(layers[stack.traced:]))
+    return TraceStandIn(module=short_module, example_inputs=inputs, pattern=pattern,
+                        added_params=parameter_count(layers[pattern.traced:]))

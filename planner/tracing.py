@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import ir
 from ir.graph import TensorSpec
 from ir.layer_chain import LayerChain
-from ir.layer_repeat import repeat_layers
+from ir.layer_repeat import RepeatedStack, repeat_layers
 from planner.errors import UserError
 from planner.progress import Phase, PlanProgress, ProgressCallback
 from planner.trace_cache import TraceCache, TracedModel, trace_key
@@ -98,8 +98,10 @@ def trace_built(built: BuiltModel, *, dtype: str = "bfloat16") -> ir.Graph:
     stand_in = built.trace_stand_in() if built.trace_stand_in is not None else None
     if stand_in is not None:
         short = ir.trace(stand_in.module, stand_in.example_inputs, model_name=built.name, dtype=dtype)
+        pattern = stand_in.pattern
         try:
-            graph = repeat_layers(short, stand_in.stack)
+            graph = repeat_layers(short, RepeatedStack(path=pattern.path, total=pattern.total, traced=pattern.traced,
+                                                       period=pattern.period))
         except ValueError:
             graph = None
         if graph is not None and graph.param_count == short.param_count + stand_in.added_params:
