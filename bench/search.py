@@ -8,7 +8,8 @@ global batch 512. Device sweep: GPT-3 13B (40 layers) on 1 .. 512 nodes of 8 A10
 global batch 4096. MoE rows: transformers' DeepSeek-V3 (671B, its config class's defaults) on 256 x 8 H100 with a
 global batch of 4096 sequences of 4096, and Qwen3-235B-A22B (its published config set on `Qwen3MoeConfig`) on
 32 x 8 H100, batch 1024 x 4096; the target is 15 s end to end (trace + search). Each search runs in this process
-after the model is traced (trace time is reported apart).
+after the model is traced (trace time is reported apart) the way the planner traces it: in bfloat16, and with
+the first layers only when they repeat (`planner.tracing.trace_built`).
 
 What keeps growth in layer count small is layer-class reuse: the 24 .. 128 blocks are one class, so the sharding
 ILP runs once per (tp, sp, micro-batch) key whatever the depth -- the "ILP solves" column stays flat, while a
@@ -38,6 +39,7 @@ import ir
 from costmodel.hardware.cluster import Cluster
 from models.registry import build_model
 from planner.search.branch_and_bound import search
+from planner.tracing import trace_built
 
 RESULTS = Path(__file__).resolve().parent / "results" / "search.json"
 WIDE = ["hidden=5120", "heads=40", "vocab=51200", "seq=2048"]
@@ -64,7 +66,7 @@ def qwen3_235b_folder() -> str:
 def run_one(sets: list[str], cluster: str, batch: int, model: str = "gpt", seq: int | None = None) -> dict:
     started = time.perf_counter()
     built = build_model(model, sets, batch=1, seq=seq, device="meta")
-    chain = ir.build_layer_chain(ir.trace(built.module, built.example_inputs, model_name=built.name))
+    chain = ir.build_layer_chain(trace_built(built))
     traced = time.perf_counter()
     result = search(chain, Cluster.parse(cluster), global_batch=batch)
     done = time.perf_counter()

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from models.family import Family
-from models.layer_stack import TraceStandIn
+from models.layer_stack import TraceStandIn, stand_in_for
 from models.validation import require_traceable_depth
 from models.zoo import FAMILIES, PRESETS
 
@@ -166,7 +166,21 @@ def build_model(
         seq_len=family.sequence_length(config),
         loss=family.loss,
         config=config,
+        trace_stand_in=functools.partial(_zoo_stand_in, family, config, module, batch=batch, device=torch_device),
     )
+
+
+def _zoo_stand_in(family: Family, config: Any, module: nn.Module, *, batch: int,
+                  device: torch.device) -> TraceStandIn | None:
+    """A shorter model of a zoo config whose `layers` repeat (`models.layer_stack`), to trace in its place."""
+    if not isinstance(getattr(config, "layers", None), int):
+        return None
+
+    def rebuild(cut: dict[str, Any]) -> tuple[nn.Module, Any, tuple[torch.Tensor, ...]]:
+        short = dataclasses.replace(config, **cut)
+        return family.build(short, device), short, family.example_inputs(short, batch, None, device)
+
+    return stand_in_for(module, config, config.layers, "layers", rebuild)
 
 
 def parse_settings(config_type: type, sets: Sequence[str]) -> dict[str, Any]:
