@@ -184,15 +184,15 @@ def build(
                    example_inputs=inputs, seq_len=seq_len, config=config, loss=_LOSSES[resolved.task])
 
 
-def trace_stand_in(spec: str, overrides: Mapping[str, Any], full: HFModel, *, batch: int = 1,
-                   device: torch.device | str = "meta") -> TraceStandIn | None:
-    """A shorter model of the same config to trace in place of `full` when its layers repeat
-    (`models.layer_stack`); None for encoder-decoders (two stacks) and stacks without a repeating tail."""
+def trace_stand_in(spec: str, overrides: Mapping[str, Any], full: HFModel, *, batch: int = 1) -> TraceStandIn | None:
+    """A shorter model of the same config, on the meta device (a trace needs no weights), to trace in place of
+    `full` when its layers repeat (`models.layer_stack`); None for encoder-decoders (two stacks) and stacks
+    without a repeating tail."""
     if full.task is HFTask.SEQ2SEQ_LM or _num_layers(full.config) != getattr(full.config, "num_hidden_layers", None):
         return None
 
     def rebuild(cut: dict[str, Any]) -> tuple[nn.Module, Any, tuple[torch.Tensor, ...]]:
-        short = build(spec, {**overrides, **cut}, batch=batch, seq=full.seq_len, device=device)
+        short = build(spec, {**overrides, **cut}, batch=batch, seq=full.seq_len, device="meta")
         return short.module, short.config, short.example_inputs
 
     return stand_in_for(full.module, full.config, full.config.num_hidden_layers, "num_hidden_layers", rebuild)

@@ -166,19 +166,19 @@ def build_model(
         seq_len=family.sequence_length(config),
         loss=family.loss,
         config=config,
-        trace_stand_in=functools.partial(_zoo_stand_in, family, config, module, batch=batch, device=torch_device),
+        trace_stand_in=functools.partial(_zoo_stand_in, family, config, module, batch=batch),
     )
 
 
-def _zoo_stand_in(family: Family, config: Any, module: nn.Module, *, batch: int,
-                  device: torch.device) -> TraceStandIn | None:
-    """A shorter model of a zoo config whose `layers` repeat (`models.layer_stack`), to trace in its place."""
+def _zoo_stand_in(family: Family, config: Any, module: nn.Module, *, batch: int) -> TraceStandIn | None:
+    """A shorter model of a zoo config whose `layers` repeat (`models.layer_stack`), on the meta device (a trace
+    needs no weights), to trace in its place."""
     if not isinstance(getattr(config, "layers", None), int):
         return None
 
     def rebuild(cut: dict[str, Any]) -> tuple[nn.Module, Any, tuple[torch.Tensor, ...]]:
         short = dataclasses.replace(config, **cut)
-        return family.build(short, device), short, family.example_inputs(short, batch, None, device)
+        return family.build(short, "meta"), short, family.example_inputs(short, batch, None, "meta")
 
     return stand_in_for(module, config, config.layers, "layers", rebuild)
 
@@ -378,7 +378,7 @@ def build_hf_model(name: str, sets: Sequence[str], *, batch: int, seq: int | Non
         seq_len=built.seq_len,
         loss=built.loss,
         config=built.config,
-        trace_stand_in=functools.partial(hf.trace_stand_in, spec, overrides, built, batch=batch, device=device),
+        trace_stand_in=functools.partial(hf.trace_stand_in, spec, overrides, built, batch=batch),
     )
 
 
