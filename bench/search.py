@@ -1,7 +1,7 @@
 """Search time of the planner against layer count and device count.
 
     python bench/search.py            # every sweep
-    python bench/search.py layers     # one of them: layers | devices | moe | main
+    python bench/search.py layers     # one of them: layers | devices | moe | main | targets
 
 Layer sweep: a GPT-3 13B-wide model (hidden 5120, 40 heads, seq 2048) with 24 .. 128 layers on 16 x 8 A100-80GB,
 global batch 512. Device sweep: GPT-3 13B (40 layers) on 1 .. 512 nodes of 8 A100-80GB (8 .. 4096 devices),
@@ -20,6 +20,12 @@ distinct stage compositions, not with all (start, stop) pairs.
 Main rows: the main job (`stratagem plan gpt3-175b --cluster 128x8xa100-80gb --batch 1536`) searched as the CLI
 searches it -- the trace from the trace cache, the error band's tie proof (`SearchOptions.tie_band`), no time
 limit -- with the search's wall and CPU time (the box is shared: CPU time is the steadier figure).
+
+Target rows (`targets`): each plan of the search-speed targets run as a user runs it, `stratagem plan ... --json` in
+a fresh process with an empty trace cache (start-up, model build and tracing included; the default 60 s time limit
+and tie band), its wall time against the target, and the solver's status and gap; then, from the trace cache the
+first plan filled, a second plan of the same model for another batch and for another cluster, and `stratagem
+replan` of the main plan onto `examples/clusters/stragglers-1024.yaml` (two throttled GPUs, one failed).
 
 Prints a table and writes bench/results/search.json (machine, torch version, and per run: layers / devices,
 segments, trace s, search s, candidates solved, candidates pruned, ILP solves, predicted step time and plan).
@@ -125,6 +131,61 @@ def sweep_moe() -> list[dict]:
             run_one([], "32x8xh100-sxm", 1024, model=qwen3_235b_folder(), seq=4096)]
 
 
+TARGETS = (
+    # (model, cluster, batch, seq, target seconds end to end)
+    ("gpt3-175b", "128x8xa100-80gb", 1536, None, 5.0),
+    ("gpt3-175b", "examples/clusters/two-datacenters.yaml", 1536, 2048, 15.0),
+    ("gpt3-175b", "examples/clusters/mixed-a100-v100-1024.yaml", 1536, None, 15.0),
+    ("gpt3-175b", "examples/clusters/stragglers-1024.yaml", 1536, None, 15.0),
+    ("llama3-405b", "2048x8xh100-sxm", 2048, 8192, 10.0),
+    ("gpt-1t", "384x8xa100-80gb", 1536, None, 10.0),
+    ("mixtral-8x7b", "64x8xh100-sxm", 1024, None, 10.0),
+)
+"""The search-speed targets (end to end, tracing included)."""
+SECOND_CALL_TARGET_S = 2.0
+
+
+def run_cli(args: list[str], cache: Path) -> dict:
+    """`stratagem ARGS --json --trace-cache CACHE` in a fresh process: wall seconds and the search record."""
+    import subprocess
+
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "planner.cli.main", *args, "--json", "--trace-cache", str(cache)],
+                          capture_output=True, text=True, check=False, cwd=Path(__file__).resolve().parents[1])
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        return {"command": " ".join(args), "wall_s": round(wall, 2), "error": proc.stderr.strip()[-300:]}
+    out = json.loads(proc.stdout)
+    plan = out.get("plan", out)
+    search_info = plan.get("search") or {}
+    return {"command": " ".join(args), "wall_s": round(wall, 2), "status": search_info.get("status"),
+            "gap": search_info.get("optimality_gap"), "search_s": search_info.get("time_s"),
+            "candidates": search_info.get("candidates"),
+            "step_time_s": plan.get("predicted", {}).get("step_time_s")}
+
+
+def sweep_targets() -> list[dict]:
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="stratagem-bench-") as tmp:
+        main_cache = Path(tmp) / "main"
+        for i, (model, cluster, batch, seq, target) in enumerate(TARGETS):
+            cache = main_cache if i == 0 else Path(tmp) / f"row{i}"
+            args = ["plan", model, "--cluster", cluster, "--batch", str(batch), *(["--seq", str(seq)] if seq else [])]
+            if i == 0:
+                args += ["-o", str(Path(tmp) / "main-plan.json")]
+            rows.append({**run_cli(args, cache), "target_s": target, "kind": "first plan"})
+        model, cluster, batch, _, _ = TARGETS[0]
+        for kind, args in (
+                ("another batch", ["plan", model, "--cluster", cluster, "--batch", str(2 * batch)]),
+                ("another cluster", ["plan", model, "--cluster", "64x8xa100-80gb", "--batch", str(batch)]),
+                ("replan after stragglers", ["replan", str(Path(tmp) / "main-plan.json"), "--cluster",
+                                             "examples/clusters/stragglers-1024.yaml"])):
+            rows.append({**run_cli(args, main_cache), "target_s": SECOND_CALL_TARGET_S, "kind": kind})
+    return rows
+
+
 def print_table(title: str, rows: list[dict], key: str) -> None:
     print(title)
     print(f"  {key:>8} {'segments':>8} {'trace s':>8} {'search s':>9} {'solved':>7} {'pruned':>8} "
@@ -140,10 +201,10 @@ def main(argv: list[str]) -> int:
         import plan_choices
 
         return plan_choices.main(argv[1:])
-    which = argv or ["layers", "devices", "moe", "main"]
-    bad = [w for w in which if w not in ("layers", "devices", "moe", "main")]
+    which = argv or ["layers", "devices", "moe", "main", "targets"]
+    bad = [w for w in which if w not in ("layers", "devices", "moe", "main", "targets")]
     if bad:
-        print(f"unknown sweep {bad[0]!r}; valid: layers, devices, moe, main, choices", file=sys.stderr)
+        print(f"unknown sweep {bad[0]!r}; valid: layers, devices, moe, main, targets, choices", file=sys.stderr)
         return 2
     out: dict = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}  # sweeps not rerun keep their rows
     out.update({"machine": platform.machine(), "python": platform.python_version(), "torch": torch.__version__})
@@ -172,6 +233,15 @@ def main(argv: list[str]) -> int:
             print(f"  {r['model']} on {r['cluster']} batch {r['batch']}: load {r['trace_s']:.2f} s, search "
                   f"{r['search_s']:.2f} s wall / {r['search_cpu_s']:.2f} s CPU, {r['candidates_solved']} solved, "
                   f"{r['candidates_pruned']} pruned, {r['status']}: {r['plan']}")
+    if "targets" in which:
+        out["targets"] = rows = sweep_targets()
+        print("search-speed targets, end to end as a user runs them (fresh process, empty trace cache first)")
+        for r in rows:
+            verdict = "error" if "error" in r else ("met" if r["wall_s"] <= r["target_s"] else "missed")
+            detail = r.get("error") or (f"search {r['search_s']:.1f} s, {r['status']}, gap {r['gap']:.1%}, "
+                                        f"{r['candidates']} candidates")
+            print(f"  {r['kind']:24s} {r['wall_s']:6.1f} s (target {r['target_s']:4.1f} s, {verdict})  "
+                  f"{r['command']}: {detail}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
     print(f"wrote {RESULTS}")
