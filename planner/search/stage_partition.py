@@ -256,18 +256,34 @@ def evaluate(problem: PartitionProblem, stages: Sequence[StageChoice]
     return float(problem.objective(sums, maxes)), tuple(sums), tuple(maxes)
 
 
-def _dominates(a: _Label, b: _Label) -> bool:
-    return (a.drain >= b.drain and all(x <= y for x, y in zip(a.sums, b.sums, strict=True))
-            and all(x <= y for x, y in zip(a.maxes, b.maxes, strict=True)))
+class _Front:
+    """A Pareto front of labels, none dominating another, in the order they were added. Label a dominates b when
+    a.drain >= b.drain and a's sums and maxes are each <= b's: its key (-drain, sums, maxes) is <= b's in every
+    entry. The keys are kept as one array, so a check against the whole front is one comparison (fronts of
+    pipelines whose ranks differ in speed hold hundreds of labels)."""
 
+    __slots__ = ("keys", "labels")
 
-def _insert(front: list[_Label], label: _Label) -> bool:
-    """Add a label to a Pareto front unless dominated; drop labels it dominates. Returns whether it was added."""
-    if any(_dominates(o, label) for o in front):
-        return False
-    front[:] = [o for o in front if not _dominates(label, o)]
-    front.append(label)
-    return True
+    def __init__(self) -> None:
+        self.labels: list[_Label] = []
+        self.keys = np.empty((0, 0))
+
+    def insert(self, label: _Label) -> bool:
+        """Add `label` unless a label of the front dominates it; drop the labels it dominates. Returns whether it
+        was added."""
+        key = np.array((-label.drain, *label.sums, *label.maxes))
+        if self.labels:
+            if (self.keys <= key).all(axis=1).any():
+                return False
+            keep = ~(key <= self.keys).all(axis=1)
+            if not keep.all():
+                self.keys = self.keys[keep]
+                self.labels = [o for o, k in zip(self.labels, keep, strict=True) if k]
+            self.keys = np.vstack((self.keys, key))
+        else:
+            self.keys = key[None, :]
+        self.labels.append(label)
+        return True
 
 
 def partition_lower_bound(problem: PartitionProblem) -> float:
@@ -323,10 +339,10 @@ def _expand_all(search: _LabelSearch, masks: Sequence[np.ndarray], h: np.ndarray
     for k in range(problem.num_stages):
         for a in range(problem.num_segments):
             front = search.fronts.pop((a, k), None)
-            if not front:
+            if front is None or not front.labels:
                 continue
             stages = _NextStages.of(problem, masks, h, g, k, a)
-            for label in front:
+            for label in front.labels:
                 expanded += 1
                 if deadline is not None and expanded % CLOCK_EVERY_LABELS == 0 and time.monotonic() > deadline:
                     return False
@@ -376,7 +392,8 @@ class _LabelSearch:
         self.ns, self.nu = problem.additive[0].shape[3], problem.bottleneck[0].shape[3]
         root = _Label((0.0,) * self.ns, (-math.inf,) * self.nu + ((0.0,) if problem.has_tail else ()), 0.0,
                       None, None)
-        self.fronts: dict[tuple[int, int], list[_Label]] = {(0, 0): [root]}
+        self.fronts: dict[tuple[int, int], _Front] = {(0, 0): _Front()}
+        self.fronts[(0, 0)].insert(root)
         self.created = 1
         self.bound = upper_bound
         """Labels whose completion bound is no better are dropped: the incumbent's value, or the caller's bound."""
@@ -403,7 +420,10 @@ class _LabelSearch:
                 self.incumbent = _unwind(new)
                 continue
             self.created += 1
-            _insert(self.fronts.setdefault((int(nxt.stops[c]), nxt.k + 1), []), new)
+            front = self.fronts.get((int(nxt.stops[c]), nxt.k + 1))
+            if front is None:
+                front = self.fronts[(int(nxt.stops[c]), nxt.k + 1)] = _Front()
+            front.insert(new)
 
     def _completion_bounds(self, label: _Label, nxt: _NextStages
                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
