@@ -1,13 +1,13 @@
 """Which layers of a model repeat, proven on its modules, so that tracing can stop after two periods.
 
-The planner's `ir.layer_repeat` builds the graph of L layers from the trace of a model with T < L layers built from the same
-config. That is only right if layer i of the full model does what layer i - p does for every i past a prefix P.
-This module decides it from the modules themselves, not from a list of architectures:
+The planner's `ir.layer_repeat` builds the graph of L layers from the trace of a model with T < L layers built
+from the same config. That is only right if layer i of the full model does what layer i - p does for every i past
+a prefix P. This module decides it from the modules themselves, not from a list of architectures:
 
 - the layer stack is the `nn.ModuleList` of exactly L elements (the config's layer count);
-- a layer's signature is, for the layer and every submodule, its relative name, class and scalar attributes
-  (window sizes, head counts, flags such as `is_sliding` or `use_rope`), plus every parameter's name, shape and
-  dtype; attributes that only number the layer (`LAYER_INDEX_ATTRS`) are left out;
+- a layer's signature is, for the layer and every submodule, its relative name, class and plain attributes
+  (scalars and tuples of them: window sizes, head counts, flags such as `is_sliding` or `use_rope`), plus every
+  parameter's name, shape and dtype; attributes that only number the layer (`LAYER_INDEX_ATTRS`) are left out;
 - per-layer config entries that a forward may read by layer index join the signature: a list field of length L
   contributes its i-th entry (`layer_types`), a strictly increasing list of layer indices its membership of i
   (`mlp_only_layers`, `moe_layers`).
@@ -19,6 +19,7 @@ signatures of the full model's first T (`stand_in_for`): a config whose cut chan
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,19 @@ LAYER_INDEX_ATTRS = frozenset({"layer_idx", "layer_id", "layer_index", "layer_nu
 MAX_PERIOD = 64
 """Longest layer pattern searched for (Gemma 3 repeats every 6 layers, Qwen3-Next every 4)."""
 
-_SCALARS = (int, float, str, bool, type(None))
+_SCALARS = (int, float, str, bool, type(None), enum.Enum, torch.dtype)
+_NOT_PLAIN = object()
+
+
+def _plain(value: Any) -> Hashable:
+    """A scalar attribute, or a tuple / list of them (a window pair, per-head sizes), as a hashable value;
+    `_NOT_PLAIN` for anything else (tensors, modules, callables, configs)."""
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, tuple | list):
+        items = tuple(_plain(v) for v in value)
+        return _NOT_PLAIN if any(i is _NOT_PLAIN for i in items) else (type(value).__name__, items)
+    return _NOT_PLAIN
 
 
 @dataclass(frozen=True)
@@ -117,8 +130,9 @@ def _is_index_list(value: Sequence[Any], num_layers: int) -> bool:
 def _module_signature(layer: nn.Module) -> Hashable:
     parts: list[Hashable] = []
     for name, sub in layer.named_modules():
-        attrs = tuple(sorted((k, v) for k, v in vars(sub).items()
-                             if not k.startswith("_") and k not in LAYER_INDEX_ATTRS and isinstance(v, _SCALARS)))
+        attrs = tuple(sorted((k, plain) for k, v in vars(sub).items()
+                             if not k.startswith("_") and k not in LAYER_INDEX_ATTRS
+                             and (plain := _plain(v)) is not _NOT_PLAIN))
         parts.append((name, type(sub).__qualname__, attrs))
     parts.extend((name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in layer.named_parameters())
     return tuple(parts)

@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
 import pytest
 from torch import nn
 
 import ir
 from ir.layer_repeat import RepeatedStack, repeat_layers
-from models.layer_stack import LayerPattern, TraceStandIn, cut_config_lists, find_layer_stack, periodic_stack
+from models.layer_stack import (
+    LayerPattern,
+    TraceStandIn,
+    cut_config_lists,
+    find_layer_stack,
+    layer_signatures,
+    periodic_stack,
+)
 from models.registry import build_model
 from planner.tracing import trace_built
 
@@ -118,3 +126,17 @@ def test_no_stack_when_two_lists_have_the_layer_count():
     model.norms = nn.ModuleList(nn.LayerNorm(2) for _ in range(4))
     assert find_layer_stack(model, 4) is None
     assert find_layer_stack(model, 5) is None
+
+
+def test_a_layer_differing_only_in_a_tuple_attribute_is_its_own_kind():
+    class Block(nn.Module):
+        def __init__(self, window: tuple[int, int]) -> None:
+            super().__init__()
+            self.window = window
+            self.proj = nn.Linear(4, 4)
+
+    blocks = [Block((8, 0)) for _ in range(6)] + [Block((16, 0))] + [Block((8, 0)) for _ in range(5)]
+    signatures = layer_signatures(blocks, config=types.SimpleNamespace())
+    assert signatures[0] == signatures[1] and signatures[6] != signatures[0]
+    pattern = periodic_stack("blocks", signatures)
+    assert pattern is None or pattern.prefix > 6  # never copies a layer over the one that differs
