@@ -54,8 +54,8 @@ class RepeatedStack:
 def repeat_layers(graph: Graph, stack: RepeatedStack) -> Graph:
     """The graph of `stack.total` layers from `graph`, traced with `stack.traced` (module docstring)."""
     spans = _layer_spans(graph.nodes, stack.path, stack.traced)
-    _check_periodic(graph.nodes, spans, stack)
     expander = _Expander(graph.nodes, spans, stack)
+    _check_periodic(graph.nodes, spans, stack, expander.position)
     last = spans[-1][1]
     nodes = list(graph.nodes[:last])
     new_params: dict[str, int] = {}
@@ -94,10 +94,10 @@ def _layer_of(module_path: str, path: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def _check_periodic(nodes: Sequence[Node], spans: list[tuple[int, int]], stack: RepeatedStack) -> None:
+def _check_periodic(nodes: Sequence[Node], spans: list[tuple[int, int]], stack: RepeatedStack,
+                    position: dict[str, int]) -> None:
     """Every layer u of the last traced period repeats layer u - p: same nodes apart from names, layer-relative
-    paths and wiring moved by p layers."""
-    position = {n.name: q for q, n in enumerate(nodes)}
+    paths and wiring moved by p layers. `position`: node name -> index in `nodes`."""
     for u in range(stack.traced - stack.period, stack.traced):
         (a, b), (c, e) = spans[u - stack.period], spans[u]
         if b - a != e - c:

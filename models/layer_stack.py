@@ -105,20 +105,28 @@ def layer_signatures(layers: Sequence[nn.Module], config: Any) -> list[Hashable]
 
 def config_entries(config: Any, num_layers: int) -> list[tuple[tuple[str, str], ...]]:
     """Per layer, the config entries indexed by layer: i-th entries of length-L lists, membership of index lists."""
-    fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
     entries: list[list[tuple[str, str]]] = [[] for _ in range(num_layers)]
+    for key, value, is_index in _per_layer_fields(config, num_layers):
+        members = set(value) if is_index else set()
+        for i in range(num_layers):
+            entries[i].append((key, ("in" if i in members else "out") if is_index else repr(value[i])))
+    return [tuple(e) for e in entries]
+
+
+def _per_layer_fields(config: Any, num_layers: int) -> list[tuple[str, Sequence[Any], bool]]:
+    """The config's list fields that a layer index reads, by name: (name, value, whether it lists layer indices --
+    `mlp_only_layers` -- rather than holding one entry per layer -- `layer_types`)."""
+    fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    out = []
     for key in sorted(fields):
         value = fields[key]
         if not isinstance(value, list | tuple):
             continue
         if _is_index_list(value, num_layers):
-            members = set(value)
-            for i in range(num_layers):
-                entries[i].append((key, "in" if i in members else "out"))
+            out.append((key, value, True))
         elif len(value) == num_layers:
-            for i in range(num_layers):
-                entries[i].append((key, repr(value[i])))
-    return [tuple(e) for e in entries]
+            out.append((key, value, False))
+    return out
 
 
 def _is_index_list(value: Sequence[Any], num_layers: int) -> bool:
@@ -160,16 +168,8 @@ def _class_ids(signatures: Iterable[Hashable]) -> list[int]:
 
 def cut_config_lists(config: Any, num_layers: int, keep: int) -> dict[str, Any]:
     """Overrides that cut the per-layer list fields of `config` (L entries; indices below L) to `keep` layers."""
-    fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
-    out: dict[str, Any] = {}
-    for key, value in fields.items():
-        if not isinstance(value, list | tuple):
-            continue
-        if _is_index_list(value, num_layers):
-            out[key] = type(value)(v for v in value if v < keep)
-        elif len(value) == num_layers:
-            out[key] = value[:keep]
-    return out
+    return {key: type(value)(v for v in value if v < keep) if is_index else value[:keep]
+            for key, value, is_index in _per_layer_fields(config, num_layers)}
 
 
 def parameter_count(layers: Iterable[nn.Module]) -> int:
