@@ -8,21 +8,16 @@ keys, which is again 1/cp of the work. Weights are replicated over cp, and their
 dp * cp ranks together (`costmodel.rank_layout.dp_group`).
 
 A rank's work for a micro-batch of b samples is then exactly that of b / cp whole samples: the token-wise ops see
-b * S / cp tokens either way, and attention does b * (S / cp) * S = (b / cp) * S^2 query-key products. So when cp
-divides the micro-batch, the segment's `LayerCost` at micro-batch b / cp (same tp) *is* the rank's compute,
-activations and TP communication (`per_rank_base`). Otherwise the cost at b (`base`) is scaled:
-
-    compute, recompute, TP communication            base / cp (FP8 weight casts, per weight: unchanged)
-    saved activations, pipeline boundary bytes      base / cp
-    peak temporary bytes                            base / cp
-    parameters, TP gradient sync                    unchanged
-
-(linear in the tokens: exact in FLOPs and bytes, optimistic only where GEMMs are too small to reach their peak
-efficiency, which long sequences -- the reason for cp -- are not). Either way the peak temporary bytes grow by
-2 K/V blocks (the block in flight, double-buffered).
+b * S / cp tokens either way, and attention does b * (S / cp) * S = (b / cp) * S^2 query-key products. So the
+segment's `LayerCost` priced for b / cp samples (same tp; `planner.search.layer_costs.LayerCostTable.rank_prices`:
+at b / cp samples when cp divides b, else at b samples with 1 / cp of their tokens, which also chooses the
+tensor-parallel sharding for the tokens a rank really holds) *is* the rank's compute, activations and TP
+communication, with parameters, TP gradient sync and FP8 weight casts whole on every rank. The peak temporary
+bytes grow by 2 K/V blocks (the block in flight, double-buffered),
 
 plus the ring exchange of each attention op. With kv = bytes of that op's K and V for the whole sequence on one
-device (after tensor parallelism shards the kv heads), the ring passes cp - 1 blocks of kv / cp, the volume of an
+device (its KV heads only, however many query heads the model expanded them to; after tensor parallelism shards
+the kv heads), the ring passes cp - 1 blocks of kv / cp, the volume of an
 all-gather with output kv (`collectives.collective_time(ALL_GATHER, kv, cp group)`), C_f seconds. Backward sends
 K/V around again and reduce-scatters dK/dV the same way: C_b = 2 C_f. Each transfer overlaps the attention of the
 block already there (the first block is local), so with W the attention compute of one direction on one rank
@@ -94,17 +89,22 @@ def ring_exchange_s(kv_bytes: float, cp: int, group: CommGroup, cluster: Cluster
 
 def kv_bytes(node: Node, *, scale: float, tp: int, dtype: str) -> float:
     """Bytes of an attention op's K and V for the whole sequence on one device: traced K, V (inputs 1 and 2)
-    scaled to the micro-batch, converted to `dtype`, divided over the tensor-parallel ranks that shard kv heads."""
-    kv = sum(s.nbytes * retype_ratio(s.dtype, dtype) for s in node.input_specs[1:3])
+    scaled to the micro-batch, converted to `dtype`, cut to the true KV heads where the model expanded them to
+    the query heads before attention (grouped-query attention, `ir.attention_core.mark_grouped_kv`: the ring
+    passes each KV head once), divided over the tensor-parallel ranks that shard kv heads."""
+    specs = node.input_specs[1:3]
+    kv = sum(s.nbytes * retype_ratio(s.dtype, dtype) for s in specs)
     kv_heads = int(node.attr("num_kv_heads", node.attr("num_heads", 1)) or 1)
-    return kv * scale / min(tp, kv_heads)
+    traced_heads = specs[0].shape[-3] if specs and len(specs[0].shape) >= 3 else kv_heads
+    return kv * scale * min(kv_heads / traced_heads, 1.0) / min(tp, kv_heads)
 
 
 def context_parallel_cost(base: LayerCost, nodes: Sequence[Node], device: DeviceSpec, cluster: Cluster, *,
                           cp: int, group: CommGroup, concurrent: int, microbatch_size: int, traced_batch: int,
-                          tp: int = 1, dtype: str = "bfloat16", per_rank_base: bool = False) -> LayerCost:
-    """The `LayerCost` of a segment whose tokens are split over `cp` ranks (module docstring): from its cost at
-    the micro-batch (`base`, same tp), or, with `per_rank_base`, from its cost at micro-batch / cp."""
+                          tp: int = 1, dtype: str = "bfloat16") -> LayerCost:
+    """The `LayerCost` of a segment whose tokens are split over `cp` ranks (module docstring), from its cost for
+    one rank's share of the micro-batch (`base`, priced for microbatch_size / cp samples at the same tp): plus
+    the ring exchange of each attention op and its K/V blocks in flight."""
     if cp == 1:
         return base
     scale = microbatch_size / traced_batch
@@ -117,31 +117,11 @@ def context_parallel_cost(base: LayerCost, nodes: Sequence[Node], device: Device
         bwd_ring += ring_exchange_s(kv, cp, group, cluster, window_s=w_bwd / cp, concurrent=concurrent,
                                     factor=2.0)
         kv_block = max(kv_block, kv / cp)
-    if per_rank_base:
-        return dataclasses.replace(
-            base,
-            fwd_comm_s=base.fwd_comm_s + fwd_ring,
-            bwd_comm_s=base.bwd_comm_s + bwd_ring,
-            recompute_full_s=base.recompute_full_s + fwd_ring,
-            recompute_op_s=base.recompute_op_s + fwd_ring,
-            peak_temp_bytes=base.peak_temp_bytes + round(2 * kv_block),
-        )
-    # FP8 weight casts depend on the weights, not the tokens: every cp rank casts all of them.
-    cast_f, cast_b = base.fp8_weight_cast_fwd_s, base.fp8_weight_cast_bwd_s
     return dataclasses.replace(
         base,
-        fwd_compute_s=(base.fwd_compute_s - cast_f) / cp + cast_f,
-        bwd_compute_s=(base.bwd_compute_s - cast_b) / cp + cast_b,
-        fwd_comm_s=base.fwd_comm_s / cp + fwd_ring,
-        bwd_comm_s=base.bwd_comm_s / cp + bwd_ring,
-        bwd_comm_async_s=base.bwd_comm_async_s / cp,
-        saved_bytes_none=-(-base.saved_bytes_none // cp),
-        saved_bytes_selective=-(-base.saved_bytes_selective // cp),
-        saved_bytes_full=-(-base.saved_bytes_full // cp),
-        recompute_selective_s=base.recompute_selective_s / cp,
-        recompute_full_s=(base.recompute_full_s - cast_f) / cp + cast_f + fwd_ring,
-        saved_bytes_op=-(-base.saved_bytes_op // cp),
-        recompute_op_s=base.recompute_op_s / cp + fwd_ring,
-        boundary_bytes=-(-base.boundary_bytes // cp),
-        peak_temp_bytes=-(-base.peak_temp_bytes // cp) + round(2 * kv_block),
+        fwd_comm_s=base.fwd_comm_s + fwd_ring,
+        bwd_comm_s=base.bwd_comm_s + bwd_ring,
+        recompute_full_s=base.recompute_full_s + fwd_ring,
+        recompute_op_s=base.recompute_op_s + fwd_ring,
+        peak_temp_bytes=base.peak_temp_bytes + round(2 * kv_block),
     )

@@ -183,8 +183,8 @@ class ExpertSetting:
     traced_batch: int
     traced_dtype: str
     dtype: str = "bfloat16"
-    divisor: int = 1
-    """The base's token work was divided by this after pricing (context parallelism without a per-rank base)."""
+    token_divisor: int = 1
+    """The base was priced for 1 / token_divisor of every sample's tokens (a context-parallel rank)."""
     group: CommGroup = CommGroup(1)
     concurrent: int = 1
     imbalance: float = EXPERT_IMBALANCE
@@ -194,7 +194,7 @@ class ExpertSetting:
     @property
     def token_scale(self) -> float:
         """The rank's tokens over the traced batch's."""
-        return self.microbatch_size / self.traced_batch / self.divisor
+        return self.microbatch_size / self.traced_batch / self.token_divisor
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,17 +233,16 @@ def _region_delta(layer: ExpertLayer, device: DeviceSpec, setting: ExpertSetting
     """What the expert region's price changes by, from one GEMM per node at the traced load to `groups` GEMMs
     per expert linear at `load` times the traced work."""
     linears = set(layer.found.linears)
-    scale, divisor = setting.token_scale, setting.divisor
+    scale = setting.token_scale
     ratio = retype_ratio(setting.traced_dtype, setting.dtype)
     fwd = bwd = recompute_op = saved = saved_op = 0.0
     for n in layer.region:
-        at = scale * divisor  # the base priced the node at this scale, then divided by `divisor`
-        old = node_time(n, device, flops_scale=at, bytes_scale=at, dtype=setting.dtype, profile=profile)
+        old = node_time(n, device, flops_scale=scale, bytes_scale=scale, dtype=setting.dtype, profile=profile)
         expert = n.name in linears  # holds E / ep of the stacked expert weights
         new = node_time(n, device, flops_scale=scale * load, bytes_scale=scale * load, dtype=setting.dtype,
                         profile=profile, gemm_groups=groups if expert else 1,
                         param_scale=1 / setting.ep if expert else 1.0)
-        d_fwd, d_bwd = new[0] - old[0] / divisor, new[1] - old[1] / divisor
+        d_fwd, d_bwd = new[0] - old[0], new[1] - old[1]
         fwd, bwd = fwd + d_fwd, bwd + d_bwd
         if n.name not in layer.op_kept:
             recompute_op += d_fwd

@@ -129,13 +129,15 @@ def weight_grad_share(nodes: Sequence[Node]) -> float:
 
 def price_segment(chain: LayerChain, segment: Segment, device: DeviceSpec, *, microbatch_size: int,
                   dtype: str = "bfloat16", profile: OpProfile | None = None,
-                  fp8: Float8Recipe | None = None) -> LayerCost:
+                  fp8: Float8Recipe | None = None, token_divisor: int = 1) -> LayerCost:
     """`LayerCost` of `segment` replicated on one `device` for a micro-batch of `microbatch_size` samples; `fp8`
-    runs its linear layers in FP8 (`costmodel.float8`)."""
-    if microbatch_size < 1:
-        raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
+    runs its linear layers in FP8 (`costmodel.float8`). `token_divisor`: the device holds that share of every
+    sample's tokens (a context-parallel rank, `costmodel.context_parallel`): priced as microbatch_size /
+    token_divisor whole samples."""
+    if microbatch_size < 1 or token_divisor < 1:
+        raise ValueError(f"microbatch_size and token_divisor must be >= 1, got {microbatch_size}, {token_divisor}")
     graph = chain.graph
-    scale = microbatch_size / graph.batch_size
+    scale = microbatch_size / graph.batch_size / token_divisor
     ratio = retype_ratio(graph.dtype, dtype)
     nodes = chain.nodes_of(segment)
     times = [node_time(n, device, flops_scale=scale, bytes_scale=scale, dtype=dtype, profile=profile, fp8=fp8)

@@ -1,6 +1,14 @@
-"""The one graph-level classification rule: explicit ("math") attention, QK^T matmul -> scale/mask -> softmax ->
-dropout -> AV matmul, tagged ("attention_core", True) with its heads and head_dim -- the set selective activation
-recomputation (Korthikanti et al. 2022, Sec. 5) recomputes. Fused SDPA calls are tagged by `ir.op_classify`."""
+"""The graph-level classification rules of attention.
+
+Explicit ("math") attention, QK^T matmul -> scale/mask -> softmax -> dropout -> AV matmul, is tagged
+("attention_core", True) with its heads and head_dim -- the set selective activation recomputation (Korthikanti
+et al. 2022, Sec. 5) recomputes (`mark_attention_core`). Fused SDPA calls are tagged by `ir.op_classify`.
+
+Grouped-query attention whose K and V were expanded to the query heads before a fused SDPA call (the zoo's
+`repeat_interleave`, transformers' `repeat_kv`: `expand` then `reshape`) gets its true key/value head count
+(`mark_grouped_kv`): what leaves the layer's projections, and what context parallelism has to exchange, is the
+un-expanded K and V (Megatron-LM and Llama 3's context parallelism pass the KV heads, not the query heads).
+"""
 
 from __future__ import annotations
 
@@ -44,6 +52,44 @@ def mark_attention_core(nodes: Sequence[Node]) -> tuple[Node, ...]:
                 extra.update(num_heads=heads[0], head_dim=heads[1])
             tagged[name] = _with_attrs(node, extra)
     return tuple(tagged.get(n.name, n) for n in nodes)
+
+
+_REPEAT_TARGETS = ("repeat", "expand")
+"""Target-name fragments of the ops that copy each KV head to the query heads of its group."""
+
+
+def mark_grouped_kv(nodes: Sequence[Node]) -> tuple[Node, ...]:
+    """Set ("num_kv_heads", H / g) on fused attention ops whose K and V both come, through view ops that keep
+    their element count, from a repeat/expand of a tensor with 1/g of their elements (g > 1 dividing the H query
+    heads). Attention already called with fewer KV heads keeps the count `ir.op_classify` read from K."""
+    by_name = {n.name: n for n in nodes}
+    tagged: dict[str, Node] = {}
+    for n in nodes:
+        heads = n.attr("num_heads")
+        if n.op_kind is not OpKind.ATTENTION or heads is None or n.attr("num_kv_heads") != heads:
+            continue
+        if len(n.inputs) < 3 or len(n.input_specs) < 3:
+            continue
+        groups = {_kv_repeat(n.inputs[k], n.input_specs[k].numel, by_name) for k in (1, 2)}
+        g = groups.pop() if len(groups) == 1 else 1
+        if g > 1 and int(heads) % g == 0:
+            tagged[n.name] = _with_attrs(n, {"num_kv_heads": int(heads) // g})
+    return tuple(tagged.get(n.name, n) for n in nodes)
+
+
+def _kv_repeat(name: str, numel: int, by_name: Mapping[str, Node]) -> int:
+    """The factor a repeat/expand multiplied the value `name` (of `numel` elements) by, through size-keeping
+    view ops; 1 when there is none."""
+    cur = by_name.get(name)
+    for _ in range(8):
+        if cur is None or cur.op_kind is not OpKind.VIEW or not cur.input_specs or not cur.inputs:
+            return 1
+        before = cur.input_specs[0].numel
+        if before != numel:
+            repeat = any(t in cur.target.lower() for t in _REPEAT_TARGETS)
+            return numel // before if repeat and 0 < before < numel and numel % before == 0 else 1
+        cur = by_name.get(cur.inputs[0])
+    return 1
 
 
 def _walk_back(sm: Node, by_name: Mapping[str, Node]) -> list[str] | None:

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ir.attention_core import mark_attention_core
+from ir.attention_core import mark_attention_core, mark_grouped_kv
 from ir.errors import TraceError
 from ir.export_cast import cast_input, cast_meta_copy
 from ir.fake_model import FakeModel, dtype_name, torch_dtype
@@ -286,7 +286,7 @@ def _export_input(value: Any, device: torch.device) -> Any:
 
 def _build(fake: FakeModel, program: Program) -> tuple[Node, ...]:
     nodes = GraphBuilder(fake, program, OpMeter(fake.fake_mode)).run()
-    return mark_attention_core(nodes)
+    return mark_grouped_kv(mark_attention_core(nodes))
 
 
 def _graph(model: nn.Module, model_name: str, fake: FakeModel, nodes: tuple[Node, ...], tracer: str) -> Graph:

@@ -142,6 +142,36 @@ def test_attributes_for_sharding() -> None:
     assert view.bytes_read == view.bytes_written == 0  # a pure view moves nothing
 
 
+class _ExpandedGQA(torch.nn.Module):
+    """SDPA over K/V repeated from fewer heads: transformers' repeat_kv (expand, reshape) or repeat_interleave."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.q, self.kv = torch.nn.Linear(32, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 8).transpose(1, 2)
+        k = self.kv(x).view(b, t, 2, 8).transpose(1, 2)
+        v = k.cos()  # an elementwise op between the KV heads and their repeat
+        if self.how == "repeat_kv":
+            k, v = (y[:, :, None].expand(b, 2, 2, t, 8).reshape(b, 4, t, 8) for y in (k, v))
+        elif self.how == "repeat_interleave":
+            k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        else:  # four real KV heads from a wider projection sliced in two: no repeat
+            k = v = torch.cat([k, k.sin()], dim=1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize(("how", "kv_heads"), [("repeat_kv", 2), ("repeat_interleave", 2), ("cat", 4)])
+def test_kv_heads_expanded_before_attention_are_counted_once(how: str, kv_heads: int) -> None:
+    graph = ir.trace(_ExpandedGQA(how), (torch.randn(2, 16, 32),))
+    sdpa = next(n for n in graph.nodes if n.op_kind is OpKind.ATTENTION)
+    assert (sdpa.attr("num_heads"), sdpa.attr("num_kv_heads")) == (4, kv_heads)
+    assert sdpa.input_specs[1].shape == (2, 4, 16, 8)  # the traced K keeps its expanded shape
+
+
 def test_math_attention_core_is_tagged_and_router_softmax_is_not() -> None:
     graph = ir.trace(_gpt(math_attention=True, dropout=0.1), (_ids(),))
     core = [n for n in graph.nodes if n.attr("attention_core")]

@@ -161,6 +161,36 @@ def test_local_queries_against_gathered_keys_equal_full_causal_attention():
     assert causal_mask(shards[1], 16, "cpu")[0].nonzero().flatten().tolist() == [0, 1, 4]
 
 
+def test_grouped_query_attention_exchanges_kv_heads_only():
+    # A llama block (4 query heads, 2 KV heads) under cp: the K/V all-gather carries the 2 KV heads, not their
+    # repeats, and the attention equals the one computed from the whole repeated K/V.
+    import torch.nn.functional as F
+
+    from models import llama
+    from planner.runtime.apply_cp import CpGroup, SequenceShard, apply_context_parallel, causal_mask
+
+    class Recording(CpGroup):
+        def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+            sent.append(tuple(x.shape))
+            return torch.cat([x] * self.shard.cp, dim=dim)  # every rank holds the same tokens here
+
+    sent: list[tuple[int, ...]] = []
+    model = llama.build(llama.LlamaConfig(**worker.TINY["llama"]), "cpu")
+    attn = model.blocks[0].attn
+    assert (attn.num_heads, attn.num_kv_heads) == (4, 2)
+    x = torch.randn(1, 4, 32)
+    apply_context_parallel(model, Recording(SequenceShard(2, 0), None))
+    out = attn(x)
+    assert sent == [(1, 2, 4, 8), (1, 2, 4, 8)]  # (batch, KV heads, local tokens, head_dim) for K and V
+    # the reference: the module's own projections and (global-position) rotary, K/V repeated before the gather
+    q = attn.rotary(attn.q_proj(x).view(1, 4, 4, 8).transpose(1, 2))
+    k = attn.rotary(attn.k_proj(x).view(1, 4, 2, 8).transpose(1, 2)).repeat_interleave(2, dim=1)
+    v = attn.v_proj(x).view(1, 4, 2, 8).transpose(1, 2).repeat_interleave(2, dim=1)
+    keys, values = torch.cat([k, k], dim=2), torch.cat([v, v], dim=2)
+    ref = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_mask(SequenceShard(2, 0), 8, "cpu"))
+    torch.testing.assert_close(out, attn.o_proj(ref.transpose(1, 2).reshape(1, 4, 32)))
+
+
 def test_context_parallel_refuses_explicit_attention_and_models_without_blocks():
     from planner.runtime.apply_cp import CpGroup, SequenceShard, apply_context_parallel
 

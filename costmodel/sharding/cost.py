@@ -242,11 +242,15 @@ def build_sharding_model(nodes: Sequence[Node], *, tp: int, sequence_parallel: b
                          microbatch_size: int, pricer: Pricer, memory_weight: float = DEFAULT_MEMORY_WEIGHT,
                          outputs: Sequence[str] | None = None, num_microbatches: int = 1,
                          dtype: str = "bfloat16", traced_dtype: str | None = None,
-                         sequence_norms: bool = True) -> ShardingModel:
+                         sequence_norms: bool = True, token_divisor: int = 1) -> ShardingModel:
     """Price every strategy of every node and every move of every tensor of a segment (see module docstring).
     `sequence_norms`: under sequence parallelism, give norms only their sequence-sharded strategies, as the
-    runtime runs them (`_runtime_strategies`); False offers every strategy (when forcing leaves none feasible)."""
+    runtime runs them (`_runtime_strategies`); False offers every strategy (when forcing leaves none feasible).
+    `token_divisor`: the tensor-parallel group holds that share of every sample's tokens (context parallelism):
+    activations, their moves and token work are priced at microbatch_size / token_divisor samples."""
     _validate(nodes, tp, sequence_parallel, traced_batch, microbatch_size, memory_weight, num_microbatches)
+    if not isinstance(token_divisor, int) or token_divisor < 1:
+        raise ValueError(f"token_divisor must be a positive integer, got {token_divisor!r}")
     nodes = tuple(nodes)
     index = {n.name: i for i, n in enumerate(nodes)}
     out_names = default_outputs(nodes) if outputs is None else tuple(outputs)
@@ -254,7 +258,8 @@ def build_sharding_model(nodes: Sequence[Node], *, tp: int, sequence_parallel: b
     if unknown:
         raise ValueError(f"outputs {unknown} are not nodes of the segment; its nodes: {', '.join(index)}")
     labels = propagate_labels(nodes, traced_batch)
-    cfg = _Setting(tp, sequence_parallel, microbatch_size / traced_batch, memory_weight, num_microbatches, pricer,
+    cfg = _Setting(tp, sequence_parallel, microbatch_size / traced_batch / token_divisor, memory_weight,
+                   num_microbatches, pricer,
                    dtype, traced_dtype or infer_traced_dtype(nodes))
     options = []
     in_scales: list[tuple[float, ...]] = []

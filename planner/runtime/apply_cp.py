@@ -18,7 +18,8 @@ the flattened (dp, cp) ranks (FSDP2 / replicate, `PlanMeshes.replicas`) thus giv
 for both: mean over cp of cp * share_r = sum of the shares, and the mean of identical full gradients is itself.
 
 Attention: each attention op all-gathers K and V over the cp ranks (Llama 3's all-gather context parallelism,
-sec. 3.3.2; the same bytes per device as a ring, whose volume the cost model prices) and runs
+sec. 3.3.2; the same bytes per device as a ring, whose volume the cost model prices; with grouped-query attention
+only the KV heads, not their copies for every query head) and runs
 `F.scaled_dot_product_attention` of the local queries against all keys with the causal mask built from global
 positions. The all-gather's backward reduce-scatters dK and dV to their owners. It intercepts
 `F.scaled_dot_product_attention` (a `TorchFunctionMode` active only inside the blocks' attention modules); an
@@ -118,12 +119,24 @@ class CpGroup:
         return self.shard.restore_order(self.all_gather(x, dim), dim)
 
 
+def _gather_kv(cp: CpGroup, x: torch.Tensor, groups: int) -> torch.Tensor:
+    """All ranks' tokens of K or V (..., heads, T / cp, d) -> (..., heads, T, d). When each run of `groups`
+    consecutive heads is one KV head repeated, one head per run is sent and the run rebuilt after the gather (the
+    sum of the run's gradients reaches the head the model repeated)."""
+    if groups <= 1 or x.dim() < 3 or x.size(-3) % groups:
+        return cp.all_gather(x, -2)
+    return cp.all_gather(x[..., ::groups, :, :], -2).repeat_interleave(groups, dim=-3)
+
+
 def context_parallel_attention(cp: CpGroup, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-                               is_causal: bool = False, scale: float | None = None, **kwargs: Any) -> torch.Tensor:
+                               is_causal: bool = False, scale: float | None = None, *, kv_groups: int = 1,
+                               **kwargs: Any) -> torch.Tensor:
     """`F.scaled_dot_product_attention` of this rank's queries against the keys and values of all cp ranks.
 
-    query, key, value: (..., T / cp, d) local tokens. Returns (..., T / cp, d_v)."""
+    query, key, value: (..., T / cp, d) local tokens. Returns (..., T / cp, d_v). `kv_groups`: the module repeated
+    each KV head to this many consecutive query heads before the call (grouped-query attention); only the KV
+    heads are exchanged, as the cost model prices it."""
     if attn_mask is not None:
         raise UserError("context parallelism needs attention without an explicit mask or position bias "
                         "(the mask would have to be split over the sequence too); plan with cp=1")
@@ -131,8 +144,7 @@ def context_parallel_attention(cp: CpGroup, query: torch.Tensor, key: torch.Tens
         raise UserError(f"context parallelism splits self-attention; got {query.size(-2)} local queries but "
                         f"{key.size(-2)} keys (cross-attention); plan with cp=1")
     seq_len = query.size(-2) * cp.shard.cp
-    keys = cp.all_gather(key, -2)  # (..., T, d)
-    values = cp.all_gather(value, -2)
+    keys, values = (_gather_kv(cp, t, kv_groups if t.size(-3) == query.size(-3) else 1) for t in (key, value))
     mask = causal_mask(cp.shard, seq_len, query.device) if is_causal else None
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout_p,
                                           is_causal=False, scale=scale, **kwargs)
@@ -141,16 +153,17 @@ def context_parallel_attention(cp: CpGroup, query: torch.Tensor, key: torch.Tens
 class _ContextParallelMode(TorchFunctionMode):
     """Routes `F.scaled_dot_product_attention` to `context_parallel_attention`; counts the calls."""
 
-    def __init__(self, cp: CpGroup) -> None:
+    def __init__(self, cp: CpGroup, kv_groups: int = 1) -> None:
         super().__init__()
         self.cp = cp
+        self.kv_groups = kv_groups
         self.calls = 0
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             self.calls += 1
-            return context_parallel_attention(self.cp, *args, **kwargs)
+            return context_parallel_attention(self.cp, *args, kv_groups=self.kv_groups, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -158,13 +171,14 @@ class ContextParallelForward:
     """An attention module's forward run under `_ContextParallelMode` (set as the instance's `forward`, so FQNs,
     hooks, FSDP2 and checkpointing see the module unchanged)."""
 
-    def __init__(self, forward: Callable[..., Any], cp: CpGroup, path: str) -> None:
+    def __init__(self, forward: Callable[..., Any], cp: CpGroup, path: str, kv_groups: int = 1) -> None:
         self.forward = forward
         self.cp = cp
         self.path = path
+        self.kv_groups = kv_groups
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        mode = _ContextParallelMode(self.cp)
+        mode = _ContextParallelMode(self.cp, self.kv_groups)
         with mode:
             out = self.forward(*args, **kwargs)
         if mode.calls == 0:
@@ -201,6 +215,16 @@ class GlobalPositionForward:
             buffers.update(saved)
 
 
+def _kv_groups(module: nn.Module) -> int:
+    """Query heads per KV head that the attention module repeats K and V to before SDPA: the zoo's `kv_groups`
+    (`repeat_interleave`) or transformers' `num_key_value_groups` (`repeat_kv`), both runs of consecutive heads."""
+    for name in ("kv_groups", "num_key_value_groups"):
+        groups = getattr(module, name, None)
+        if isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1:
+            return groups
+    return 1
+
+
 def _is_position_table_module(module: nn.Module) -> bool:
     tables = [module._buffers.get(name) for name in POSITION_TABLES]
     return all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in tables)
@@ -229,7 +253,7 @@ def apply_context_parallel(model: nn.Module, cp: CpGroup) -> list[str]:
                             "linear or a class name ending in 'Attention'); plan with cp=1")
         for module in attention:
             path = f"{prefix}.{names[id(module)]}".rstrip(".")
-            module.forward = ContextParallelForward(module.forward, cp, path)
+            module.forward = ContextParallelForward(module.forward, cp, path, kv_groups=_kv_groups(module))
             changed.append(path)
         for name, module in block.named_modules():
             if _is_position_table_module(module):

@@ -67,24 +67,37 @@ class LayerCostTable:
     """Expert-parallel dispatch deduplicated per node (`RuntimeOptions.ep_dedup` of every candidate)."""
     solves: int = 0
     """Class-level pricings actually computed (cache misses), for the search statistics."""
-    _cache: dict[tuple[str, int, int, bool, int], ClassPrices] = field(default_factory=dict)
+    _cache: dict[tuple[str, int, int, bool, int, int], ClassPrices] = field(default_factory=dict)
     _split_cache: dict[tuple, dict[int, LayerCost]] = field(default_factory=dict)
     _sharding_cache: Any = None
     _has_experts: bool | None = None
     _expert_layers: dict[int, Any] = field(default_factory=dict)
 
     def prices(self, device: DeviceSpec, *, tp: int, tp_stride: int, sequence_parallel: bool,
-               microbatch_size: int) -> ClassPrices:
-        key = (device.name, tp, tp_stride, sequence_parallel, microbatch_size)
+               microbatch_size: int, token_divisor: int = 1) -> ClassPrices:
+        """Prices for a micro-batch of `microbatch_size` samples of which the tp group holds 1 / `token_divisor`
+        of every sample's tokens."""
+        key = (device.name, tp, tp_stride, sequence_parallel, microbatch_size, token_divisor)
         hit = self._cache.get(key)
         if hit is None:
-            hit = self._price(device, tp, tp_stride, sequence_parallel, microbatch_size)
+            hit = self._price(device, tp, tp_stride, sequence_parallel, microbatch_size, token_divisor)
             self._cache[key] = hit
         return hit
 
     def is_cached(self, device: DeviceSpec, *, tp: int, tp_stride: int, sequence_parallel: bool,
                   microbatch_size: int) -> bool:
-        return (device.name, tp, tp_stride, sequence_parallel, microbatch_size) in self._cache
+        return (device.name, tp, tp_stride, sequence_parallel, microbatch_size, 1) in self._cache
+
+    def rank_prices(self, device: DeviceSpec, *, tp: int, tp_stride: int, sequence_parallel: bool,
+                    microbatch_size: int, cp: int = 1) -> ClassPrices:
+        """Prices of what one context-parallel rank of `cp` runs for a micro-batch (its sharding is the one the
+        runtime applies): exactly the work of microbatch_size / cp whole samples (`costmodel.context_parallel`),
+        priced at that many samples when cp divides the micro-batch (shared with cp = 1 prices), else at the
+        micro-batch with 1 / cp of every sample's tokens."""
+        divides = microbatch_size % cp == 0
+        return self.prices(device, tp=tp, tp_stride=tp_stride, sequence_parallel=sequence_parallel,
+                           microbatch_size=microbatch_size // cp if divides else microbatch_size,
+                           token_divisor=1 if divides else cp)
 
     def segment_costs(self, device: DeviceSpec, *, tp: int, tp_stride: int, sequence_parallel: bool,
                       microbatch_size: int, split: AxisSplit | None = None) -> tuple[LayerCost, ...]:
@@ -116,21 +129,18 @@ class LayerCostTable:
 
         out: dict[int, LayerCost] = {}
         batch = self.chain.graph.batch_size
-        # A cp rank's share of a micro-batch of mbs samples costs what mbs / cp whole samples cost, when cp
-        # divides mbs (costmodel/context_parallel.py).
-        per_rank = split.cp > 1 and mbs % split.cp == 0
-        prices = self.prices(device, tp=tp, tp_stride=tp_stride, sequence_parallel=sp,
-                             microbatch_size=mbs // split.cp if per_rank else mbs)
+        prices = self.rank_prices(device, tp=tp, tp_stride=tp_stride, sequence_parallel=sp, microbatch_size=mbs,
+                                  cp=split.cp)
         for cid, cost in prices.costs.items():
             segment = self.chain.representative(cid)
             nodes = self.chain.nodes_of(segment)
             cost = context_parallel_cost(cost, nodes, device, self.cluster, cp=split.cp,
                                          group=type_group(self.cluster, device.name, split.cp, split.cp_stride),
                                          concurrent=split.num_devices // split.cp, microbatch_size=mbs,
-                                         traced_batch=batch, tp=tp, dtype=self.dtype, per_rank_base=per_rank)
+                                         traced_batch=batch, tp=tp, dtype=self.dtype)
             setting = ExpertSetting(
-                ep=split.ep, microbatch_size=mbs // split.cp if per_rank else mbs, traced_batch=batch,
-                traced_dtype=self.chain.graph.dtype, dtype=self.dtype, divisor=1 if per_rank else split.cp,
+                ep=split.ep, microbatch_size=mbs, traced_batch=batch,
+                traced_dtype=self.chain.graph.dtype, dtype=self.dtype, token_divisor=split.cp,
                 group=type_group(self.cluster, device.name, split.ep, split.ep_stride),
                 concurrent=split.num_devices // split.ep, imbalance=self.expert_imbalance, dedup=self.ep_dedup)
             out[cid] = expert_cost(cost, self.expert_layer(cid), device, self.cluster, setting=setting,
@@ -169,7 +179,8 @@ class LayerCostTable:
 
         return self.cluster.expert_imbalance or EXPERT_IMBALANCE
 
-    def _price(self, device: DeviceSpec, tp: int, tp_stride: int, sp: bool, mbs: int) -> ClassPrices:
+    def _price(self, device: DeviceSpec, tp: int, tp_stride: int, sp: bool, mbs: int, divisor: int
+               ) -> ClassPrices:
         costs: dict[int, LayerCost] = {}
         sharding: dict[int, tuple[ModuleSharding, ...]] = {}
         for cid in sorted({s.class_id for s in self.chain.segments}):
@@ -177,7 +188,7 @@ class LayerCostTable:
             self.solves += 1
             if tp == 1:
                 costs[cid] = price_segment(self.chain, segment, device, microbatch_size=mbs, dtype=self.dtype,
-                                           profile=self.profile, fp8=self.fp8)
+                                           profile=self.profile, fp8=self.fp8, token_divisor=divisor)
                 sharding[cid] = ()
                 continue
             from planner.search.intra_op import ShardingCache, solve_layer_sharding
@@ -188,7 +199,8 @@ class LayerCostTable:
                 self.chain.nodes_of(segment), self.cluster, device, tp=tp,
                 tp_group=type_group(self.cluster, device.name, tp, tp_stride),
                 microbatch_size=mbs, traced_batch=self.chain.graph.batch_size, sequence_parallel=sp,
-                dtype=self.dtype, cache=self._sharding_cache, profile=self.profile, fp8=self.fp8)
+                dtype=self.dtype, cache=self._sharding_cache, profile=self.profile, fp8=self.fp8,
+                token_divisor=divisor)
             owned = owned_param_tensors(self.chain, segment)
             cost = _without_earlier_params(solved.cost, segment.param_count, self.chain.nodes_of(segment))
             # The layer's glue between its ops (module calls, Python) is paid whole on every tp rank.

@@ -46,8 +46,9 @@ def layer_cost_map(builder: StageProblemBuilder, cand: Candidate, placements) ->
 def sharding_of(builder: StageProblemBuilder, cand: Candidate, placements) -> tuple[ModuleSharding, ...]:
     if cand.mesh.tp == 1:
         return ()
-    prices = builder.table.prices(placements[0].device, tp=cand.mesh.tp, tp_stride=1,
-                                  sequence_parallel=cand.sequence_parallel, microbatch_size=cand.microbatch_size)
+    prices = builder.table.rank_prices(placements[0].device, tp=cand.mesh.tp, tp_stride=1,
+                                       sequence_parallel=cand.sequence_parallel,
+                                       microbatch_size=cand.microbatch_size, cp=cand.mesh.cp)
     return module_sharding(builder.chain, prices)
 
 
