@@ -55,7 +55,7 @@ def _crosses(cluster: Cluster, size: int, stride: int) -> str:
 
 def _loss_reason(state: SearchState, best: RankedStrategy, alt: Found) -> str:
     what = "cost" if state.options.objective is Objective.COST else "step time"
-    if alt.objective < best.objective:  # the plan is a tie the ranking preferred as simpler
+    if alt.objective <= best.objective:  # the plan is a tie the ranking preferred as simpler
         pct = 100.0 * (alt.objective - best.objective) / best.objective
         return f"{pct:+.1f}% {what}, within the error band: the plan is simpler"
     costs = layer_cost_map(state.builder, alt.candidate, state.builder.placements(alt.candidate))
@@ -65,6 +65,8 @@ def _loss_reason(state: SearchState, best: RankedStrategy, alt: Found) -> str:
     worst = max(_PHRASES, key=lambda k: (theirs.get(k, 0.0) - ours.get(k, 0.0), k))
     delta = theirs.get(worst, 0.0) - ours.get(worst, 0.0)
     pct = 100.0 * (alt.objective - best.objective) / best.objective
+    if delta <= 0:  # slower as a whole, by less than any one term can show
+        return f"+{pct:.1f}% {what}: no single term of the breakdown is larger"
     phrase = _PHRASES[worst]
     m = alt.candidate.mesh
     strides = {a: m.stride(a) for a in (MeshAxis.TP, MeshAxis.DP, MeshAxis.PP)}
