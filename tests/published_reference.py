@@ -45,6 +45,14 @@ FSDP_CSV = Path(__file__).resolve().parents[1] / "bench" / "data" / "published_f
 row cites its source."""
 GIB = 1024 ** 3
 
+H100_NVL_DENSE_BF16_FLOPS = 1671e12 / 2
+"""H100 NVL (350-400 W): 1,671 BF16 Tensor-Core TFLOP/s with sparsity, half of it dense (NVIDIA H100 Tensor Core GPU
+datasheet, 2023). The lower bound of the power-capped H100s below."""
+CAPPED_H100_NOTE = "peak FLOP/s between H100 SXM and NVL"
+"""Device notes of torchtitan's H100s (500 W power limit, HBM2e): the benchmark says their peak lies between the
+SXM's and the NVL's and that the exact value is unknown; they are priced at the middle of the two, and the
+uncertainty (+-8% of the step's compute) is part of the row's error."""
+
 # Network facts of the clusters named in the rows' device notes (the shorthand's defaults are the typical NIC).
 OMNI_PATH_PER_GPU_GBPS = 4 * 100 / 8
 """BLOOM's Jean Zay nodes: 4 Omni-Path 100 Gb/s links per node of 8 A100 (device_notes of the row)."""
@@ -79,6 +87,8 @@ class PublishedRun:
     memory_gb: float | None = None
     """Device memory when the row's device differs from the catalog's (GB, 1e9 bytes)."""
     memory_bandwidth_tbps: float | None = None
+    power_capped_h100: bool = False
+    """The device notes put the peak between the H100 SXM's and NVL's (`CAPPED_H100_NOTE`)."""
     stage_layers: tuple[int, ...] = ()
     runtime: RuntimeOptions = RuntimeOptions()
     unstated: tuple[str, ...] = ()
@@ -230,7 +240,8 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
         zero_stage=zero, recompute=recompute, sequence_parallel=sp, measured_step_s=step,
         measured_memory_gib=_float(r["peak_memory_gib"]), counts=counts, framework=framework,
         inter_node_gbps=inter, memory_gb=float(hbm.group(1)) if hbm else None,
-        memory_bandwidth_tbps=float(hbm.group(2)) if hbm else None, stage_layers=stage_layers, runtime=runtime,
+        memory_bandwidth_tbps=float(hbm.group(2)) if hbm else None,
+        power_capped_h100=CAPPED_H100_NOTE in r["device_notes"], stage_layers=stage_layers, runtime=runtime,
         unstated=tuple(unstated), inferred=tuple(inferred), precision="fp8" if fp8 is not None else "bf16")
 
 
@@ -406,10 +417,15 @@ def cluster_of(run: PublishedRun, training_efficiency: float | None = None):
         device = dataclasses.replace(cluster.groups[0].device, training_efficiency=training_efficiency)
         cluster = dataclasses.replace(cluster, groups=(dataclasses.replace(cluster.groups[0], device=device),))
     if run.memory_gb is not None:
-        # The row's device has other memory than the catalog's (torchtitan's H100s: 96 GB HBM2e at 2.4 TB/s);
-        # its 500 W power cap is not modelled, so its compute is the catalog H100's.
+        # The row's device has other memory than the catalog's (torchtitan's H100s: 96 GB HBM2e at 2.4 TB/s).
         device = dataclasses.replace(cluster.groups[0].device, memory_bytes=int(run.memory_gb * 1e9),
                                      memory_bandwidth=run.memory_bandwidth_tbps * 1e12)
+        cluster = dataclasses.replace(cluster, groups=(dataclasses.replace(cluster.groups[0], device=device),))
+    if run.power_capped_h100:
+        # Tensor-core clocks fall with the power limit; memory-bound work keeps the HBM bandwidth above.
+        device = cluster.groups[0].device
+        scale = (1 + H100_NVL_DENSE_BF16_FLOPS / device.peak_flops["bfloat16"]) / 2
+        device = dataclasses.replace(device, peak_flops={k: v * scale for k, v in device.peak_flops.items()})
         cluster = dataclasses.replace(cluster, groups=(dataclasses.replace(cluster.groups[0], device=device),))
     if run.inter_node_gbps is None or len(cluster.tiers) < 2:
         return cluster

@@ -100,3 +100,20 @@ def test_rows_are_priced_as_their_trainer_runs():
     assert not eager.fused_kernels
     fork = _published_row(_row("BLOOM", "Megatron-DeepSpeed")).runtime
     assert not (fork.fused_kernels or fork.tp_grad_overlap or fork.dp_overlap) and fork.p2p_blocking
+
+
+def test_a_power_capped_h100_is_priced_between_the_sxm_and_the_nvl():
+    """Device notes that bound the peak between the H100 SXM's and NVL's price it at their middle; memory-bound
+    work keeps the row's HBM bandwidth."""
+    from published_reference import H100_NVL_DENSE_BF16_FLOPS, _published_row, cluster_of
+
+    row = _row("Llama", "torchtitan, torch.compile", pp=1)
+    row.update(device="h100-sxm", device_notes="H100 SXM with 96 GB HBM2e (2.4 TB/s) at a 500 W power limit; "
+               "peak FLOP/s between H100 SXM and NVL")
+    capped = cluster_of(_published_row(row)).groups[0].device
+    row.update(device_notes="H100 SXM with 96 GB HBM2e (2.4 TB/s)")
+    full = cluster_of(_published_row(row)).groups[0].device
+    assert capped.peak_flops["bfloat16"] == pytest.approx((989e12 + H100_NVL_DENSE_BF16_FLOPS) / 2)
+    assert capped.peak_flops["float8_e4m3fn"] / full.peak_flops["float8_e4m3fn"] == pytest.approx(
+        capped.peak_flops["bfloat16"] / full.peak_flops["bfloat16"])
+    assert capped.memory_bandwidth == full.memory_bandwidth == 2.4e12 and full.peak_flops["bfloat16"] == 989e12
