@@ -225,6 +225,31 @@ def test_fp8_weight_casts_stay_whole_on_every_context_parallel_rank():
     assert split.bwd_compute_s >= (whole.bwd_compute_s - cast_b) / cp + cast_b
 
 
+def test_a_context_parallel_rank_is_tensor_sharded_for_the_tokens_it_holds():
+    """A micro-batch cp does not divide: the sharding ILP sees the rank's 1/cp of the tokens. For the whole
+    65K-token sequence, moving activations costs more than syncing replicated MLP weights, so the MLP runs
+    sequence-split with whole weights; a cp=16 rank holds 4K tokens, where Megatron's column/row split wins, and the
+    search and the runtime get that one (`pricing.sharding_of` reads the same prices)."""
+    from planner.search.layer_costs import module_sharding
+
+    chain = _chain("llama", ("layers=1", "hidden=1024", "heads=8", "kv_heads=8", "ffn_hidden=4096", "vocab=1024"),
+                   seq=65536)
+    cluster = Cluster.parse("2x8xh100")
+    table = LayerCostTable(chain, cluster)
+    styles = {}
+    for cp in (1, 16):
+        prices = table.rank_prices(cluster.device_of(0), tp=2, tp_stride=1, sequence_parallel=True,
+                                   microbatch_size=1, cp=cp)
+        styles[cp] = {m.module: m.style.value for m in module_sharding(chain, prices)}
+    mlp = ("blocks.0.mlp.gate_proj", "blocks.0.mlp.up_proj", "blocks.0.mlp.down_proj")
+    assert [styles[1][m] for m in mlp] == ["sequence"] * 3
+    assert [styles[16][m] for m in mlp] == ["colwise", "colwise", "rowwise"]
+    # cp dividing the micro-batch shares the cp = 1 prices of the rank's samples
+    assert table.rank_prices(cluster.device_of(0), tp=2, tp_stride=1, sequence_parallel=True, microbatch_size=4,
+                             cp=2) is table.prices(cluster.device_of(0), tp=2, tp_stride=1, sequence_parallel=True,
+                                                   microbatch_size=2)
+
+
 def test_a_128k_token_sequence_gets_context_parallelism():
     chain = _chain("llama3-8b", ("layers=4",), seq=131072)
     result = search(chain, Cluster.parse(H100), global_batch=8)
