@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import ir
 from costmodel.breakdown import Estimate
+from costmodel.context_parallel import cp_problem
 from costmodel.estimate import estimate as costmodel_estimate
 from costmodel.estimate import recomputes
+from costmodel.expert_parallel import ep_problem
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collective_fit import calibrated_cluster
 from costmodel.pipeline import schedule_problem, split_backward_problem
@@ -173,14 +175,15 @@ def validate_strategy(chain: LayerChain, cluster: Cluster, strategy: Strategy, g
     """The strategy with explicit stages, or UserError saying exactly why it cannot run."""
     n = cluster.num_available
     if strategy.num_devices > n:
-        raise UserError(f"dp*tp*pp = {strategy.dp}*{strategy.tp}*{strategy.pp} = {strategy.num_devices} devices, "
-                        f"the cluster has {n} available")
+        raise UserError(f"dp*tp*pp*cp = {strategy.dp}*{strategy.tp}*{strategy.pp}*{strategy.cp} = "
+                        f"{strategy.num_devices} devices, the cluster has {n} available")
     if global_batch != strategy.global_batch:
         raise UserError(f"--batch {global_batch} is not dp*mbs*microbatches = {strategy.dp}*"
                         f"{strategy.microbatch_size}*{strategy.num_microbatches} = {strategy.global_batch}")
     from planner.search.candidates import head_problem
 
-    why = head_problem(chain, strategy.tp) or mixed_type_problem(cluster, strategy)  # one device type per lockstep group
+    why = (head_problem(chain, strategy.tp) or mixed_type_problem(cluster, strategy)  # one device type per lockstep group
+           or cp_problem(chain, strategy.cp) or ep_problem(chain, strategy.ep))
     if why:
         raise UserError(why)
     segments = len(chain.segments)

@@ -1,4 +1,5 @@
-"""`stratagem estimate MODEL --cluster SPEC --batch B --tp T --pp P --dp D --mbs M`: price one given strategy.
+"""`stratagem estimate MODEL --cluster SPEC --batch B --tp T --pp P --dp D --mbs M [--cp C --ep E]`: price one
+given strategy.
 
 Prints the same report as `stratagem plan` for the strategy the flags describe (search status "fixed"); `--json`
 prints its Plan JSON and `-o FILE` writes it. A strategy that cannot run (degrees that do not fit the cluster, a
@@ -86,6 +87,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree")
     p.add_argument("--pp", type=positive_int, default=None, help="pipeline-parallel degree")
     p.add_argument("--dp", type=positive_int, default=None, help="data-parallel degree")
+    p.add_argument("--cp", type=positive_int, default=None,
+                   help="context-parallel degree: each sample's sequence split over cp ranks (default 1)")
+    p.add_argument("--ep", type=positive_int, default=None,
+                   help="expert-parallel degree: routed experts split over ep of the data-parallel ranks (default 1)")
     p.add_argument("--mbs", type=positive_int, default=None, help="micro-batch size")
     p.add_argument("--schedule", type=schedule_arg, default=None,
                    metavar="SCHEDULE", help=f"pipeline schedule: {SCHEDULE_CHOICES} (default 1f1b)")
@@ -118,7 +123,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-STRATEGY_FLAGS = ("batch", "tp", "pp", "dp", "mbs", "schedule", "recompute", "zero", "sp", "no_dp_overlap",
+STRATEGY_FLAGS = ("batch", "tp", "pp", "dp", "cp", "ep", "mbs", "schedule", "recompute", "zero", "sp", "no_dp_overlap",
                   "keep_gathered", "tp_overlap", "tp_grad_overlap", "p2p_scatter_gather", "p2p_blocking",
                   "fused_kernels", "offload")
 
@@ -149,7 +154,8 @@ def _estimate_flags(args: argparse.Namespace, cluster: Any, profile: Any) -> Any
         raise UserError(f"--batch {args.batch} is not a multiple of dp*mbs = {args.dp}*{args.mbs} = {per_step}")
     schedule, v = args.schedule or (Schedule.ONE_F_ONE_B, 1)
     try:
-        strategy = Strategy(dp=args.dp, tp=args.tp, pp=args.pp, microbatch_size=args.mbs,
+        strategy = Strategy(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp or 1, ep=args.ep or 1,
+                            microbatch_size=args.mbs,
                             num_microbatches=args.batch // per_step, schedule=schedule, virtual_stages=v,
                             zero_stage=args.zero or 0, sequence_parallel=args.sp,
                             recompute=Recompute(args.recompute or Recompute.NONE.value),
