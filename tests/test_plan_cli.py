@@ -58,14 +58,29 @@ def test_plan_json_keys_and_estimate_agree(capsys: pytest.CaptureFixture[str]) -
     fs = fixed["strategy"]
     sched = fs["schedule"]
     code, out, err = run_cli(capsys, "estimate", *TINY, "--cluster", "1x8xa100-80gb", "--batch", "32",
-                             "--dp", str(fs["dp"]), "--tp", str(fs["tp"]), "--pp", "1", "--mbs",
+                             "--dp", str(fs["dp"]), "--tp", str(fs["tp"]), "--pp", "1", "--cp", str(fs["cp"]),
+                             "--ep", str(fs["ep"]), "--mbs",
                              str(fs["microbatch_size"]), "--schedule", sched, "--zero", str(fs["zero_stage"]),
                              *(["--sp"] if fs["sequence_parallel"] else []), "--json")
     assert code == 0, err
     est = json.loads(out)
-    if fs["cp"] == 1 and fs["ep"] == 1:
-        assert est["predicted"]["step_time_s"] == pytest.approx(fixed["predicted"]["step_time_s"], rel=1e-9)
+    assert est["predicted"]["step_time_s"] == pytest.approx(fixed["predicted"]["step_time_s"], rel=1e-9)
     assert est["search"]["status"] == "fixed"
+
+
+def test_estimate_prices_context_parallelism_as_the_search_does(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ("gpt-tiny", "--set", "seq=2048", "--cluster", "1x4xcpu", "--batch", "4")
+    code, out, err = run_cli(capsys, "plan", *args, "--fix", "cp=2", "--fix", "pp=1", "--fix", "tp=1",
+                             "--fix", "recompute=none", "--fix", "zero=0", "--fix", "mbs=1", "--json")
+    assert code == 0, err
+    fixed = json.loads(out)
+    assert (fixed["strategy"]["cp"], fixed["strategy"]["dp"]) == (2, 2)
+    code, out, err = run_cli(capsys, "estimate", *args, "--tp", "1", "--pp", "1", "--dp", "2", "--cp", "2",
+                             "--mbs", "1", "--schedule", fixed["strategy"]["schedule"], "--json")
+    assert code == 0, err
+    est = json.loads(out)
+    assert est["strategy"]["cp"] == 2
+    assert est["predicted"]["step_time_s"] == pytest.approx(fixed["predicted"]["step_time_s"], rel=1e-9)
 
 
 def test_fix_pins_every_kind_of_dimension(capsys: pytest.CaptureFixture[str]) -> None:
