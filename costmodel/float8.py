@@ -48,19 +48,24 @@ by name; here the zoo's and transformers' names for them, `FILTERED_MODULE_NAMES
 (torchtitan converts them with a separate converter, not priced here); and linears with a dimension not divisible
 by 16 (FP8 tensor cores need it; torchtitan's `module_filter_fn` skips them).
 
+Compiled runs (chains priced with fused kernels, `ir.fusion`): where a fused kernel writes a linear's input, or its
+output gradient, the first read of that operand's cast is done by that kernel (`fused_cast_traffic`, torchao's
+roofline with fusion modeling); everything else is priced as above.
+
 Not priced: the amax all-reduce of the precomputed weight scales (one small all-reduce per step); torchtitan's
-FP8 tensor-parallel all-gathers of activations (tp collectives are priced in BF16); torch.compile's fusion of the
-casts with neighbouring kernels (the casts are priced unfused, per linear, as torchao's roofline does by default).
+FP8 tensor-parallel all-gathers of activations (tp collectives are priced in BF16).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from costmodel.hardware.catalog import FP8_DTYPE, list_devices
 from costmodel.hardware.device import DeviceSpec
+from ir.fusion import FUSED_GRAD_ATTR, FUSED_INPUT_ATTR
 from ir.graph import Node, OpKind
 
 FP8_BYTES = 1
@@ -147,6 +152,21 @@ CAST_TRAFFIC: Mapping[tuple[Float8Recipe, Operand], tuple[CastTraffic, CastTraff
     (Float8Recipe.ROWWISE, Operand.GRAD_OUTPUT): (_NONE, CastTraffic(reads=2, writes=1, fp8_writes=2)),
 }
 """(forward, backward) cast traffic per recipe and operand: the table of the module docstring."""
+
+
+def fused_cast_traffic(node: Node, recipe: Float8Recipe, operand: Operand) -> tuple[CastTraffic, CastTraffic]:
+    """`CAST_TRAFFIC` of one operand of a converted linear, less the first read of the input (forward) or of the
+    output gradient (backward) where a fused kernel writes it (`ir.fusion.FUSED_INPUT_ATTR` / `FUSED_GRAD_ATTR`,
+    set on chains priced with fused kernels): the compiled producer computes the amax (tensorwise) or the cast's
+    first pass (rowwise) on the values it writes, as torchao's roofline models compiled training
+    (`get_tensor_memory_traffic_ovhd_s(fuse_with_prev=True)` for input and grad_output, torchao/testing/training/
+    roofline_utils.py)."""
+    fwd, bwd = CAST_TRAFFIC[recipe, operand]
+    if operand is Operand.INPUT and node.attr(FUSED_INPUT_ATTR, False):
+        fwd = dataclasses.replace(fwd, reads=fwd.reads - 1)
+    elif operand is Operand.GRAD_OUTPUT and node.attr(FUSED_GRAD_ATTR, False):
+        bwd = dataclasses.replace(bwd, reads=bwd.reads - 1)
+    return fwd, bwd
 
 
 def fp8_weight_share(nodes: Sequence[Node]) -> float:

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from costmodel.float8 import CAST_TRAFFIC, Float8Recipe, Operand, converted_node
+from costmodel.float8 import Float8Recipe, Operand, converted_node, fused_cast_traffic
 from costmodel.hardware.catalog import FP8_DTYPE, fp8_matmul_efficiency
 from costmodel.hardware.device import DeviceSpec
 from costmodel.profile_db import OpProfile, op_signature
@@ -199,7 +199,7 @@ def fp8_cast_times(node: Node, device: DeviceSpec, recipe: Float8Recipe, *, byte
     width = dtype_bytes(dtype)
     fwd = bwd = 0.0
     for operand in operands:
-        traffic_fwd, traffic_bwd = CAST_TRAFFIC[recipe, operand]
+        traffic_fwd, traffic_bwd = fused_cast_traffic(node, recipe, operand)
         fwd += roofline_time(0.0, elements[operand] * traffic_fwd.bytes_per_element(width), 0.0, device)
         bwd += roofline_time(0.0, elements[operand] * traffic_bwd.bytes_per_element(width), 0.0, device)
     return fwd, bwd

@@ -44,6 +44,12 @@ FUSIBLE_KINDS = frozenset({OpKind.ELEMENTWISE, OpKind.NORM, OpKind.SOFTMAX, OpKi
 """Memory-bound ops a fusing compiler merges into one kernel with their neighbours."""
 FUSED_MEMBER_ATTR = "fused_member"
 """Node attribute: the node runs inside a fused kernel launched by an earlier node of its group."""
+FUSED_INPUT_ATTR = "input_from_fused_kernel"
+"""Node attribute of a linear layer: a fused memory-bound kernel of its segment writes its input (through views), so
+a reduction over that input (an FP8 cast's amax, `costmodel.float8`) can run inside that kernel."""
+FUSED_GRAD_ATTR = "grad_from_fused_kernel"
+"""Node attribute of a linear layer: only fused memory-bound kernels of its segment read its output (through views),
+so their backward writes its output gradient and can reduce over it in the same kernel."""
 
 
 def fusion_groups(nodes: Sequence[Node]) -> list[list[int]]:
@@ -116,7 +122,40 @@ def fuse_nodes(nodes: Sequence[Node], readers: dict[str, set[str]]) -> list[Node
             if k:
                 changes["attrs"] = tuple(sorted((*n.attrs, (FUSED_MEMBER_ATTR, True))))
             out[i] = dataclasses.replace(n, **changes)
-    return rematerialized_saves(out, groups)
+    return _mark_linear_neighbours(rematerialized_saves(out, groups), readers)
+
+
+def _mark_linear_neighbours(nodes: Sequence[Node], readers: dict[str, set[str]]) -> list[Node]:
+    """Linear layers tagged `FUSED_INPUT_ATTR` / `FUSED_GRAD_ATTR` where a fused kernel writes their input / their
+    output gradient (`nodes`: one segment; `readers`: over the whole graph)."""
+    by_name = {n.name: n for n in nodes}
+
+    def producer(name: str) -> Node | None:
+        n = by_name.get(name)
+        while n is not None and n.op_kind is OpKind.VIEW and n.inputs:
+            n = by_name.get(n.inputs[0])
+        return n
+
+    def fused_readers(name: str) -> bool:
+        names = readers.get(name, set())
+        for r in names:
+            n = by_name.get(r)
+            if n is None or n.op_kind not in FUSIBLE_KINDS:
+                return False
+            if n.op_kind is OpKind.VIEW and not fused_readers(r):
+                return False
+        return bool(names)
+
+    out = []
+    for n in nodes:
+        if n.op_kind is OpKind.LINEAR and n.inputs:
+            source = producer(n.inputs[0])
+            extra = {FUSED_INPUT_ATTR: source is not None and source.op_kind in FUSIBLE_KINDS,
+                     FUSED_GRAD_ATTR: fused_readers(n.name)}
+            if any(extra.values()):
+                n = dataclasses.replace(n, attrs=tuple(sorted({**dict(n.attrs), **extra}.items())))
+        out.append(n)
+    return out
 
 
 def _group_sources(nodes: Sequence[Node], where: dict[str, int], member: dict[str, int], start: str

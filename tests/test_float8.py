@@ -91,6 +91,42 @@ def test_cast_traffic_is_torchaos_roofline_in_closed_form():
     assert CAST_TRAFFIC[TENSORWISE, Operand.WEIGHT][1].bytes_per_element(2) == 3
 
 
+def test_compiled_producers_take_the_first_read_of_the_casts():
+    """A linear whose input (output gradient) a fused kernel writes has the first read of that operand's cast done
+    by that kernel (torchao's roofline with fuse_with_prev): one training-dtype read less per element."""
+    import dataclasses
+
+    from ir.fusion import FUSED_GRAD_ATTR, FUSED_INPUT_ATTR
+
+    m, k, n = 8192, 4096, 4096
+    x, w, dy = m * k, n * k, m * n
+    plain = linear(m, k, n)
+    fused = dataclasses.replace(plain, attrs=((FUSED_GRAD_ATTR, True), (FUSED_INPUT_ATTR, True)))
+    fwd, bwd = fp8_cast_times(fused, H100, TENSORWISE, bytes_scale=1, param_scale=1, dtype="bfloat16")
+    assert fwd == pytest.approx(_hbm_s(4 * x) + _hbm_s(5 * w))
+    assert bwd == pytest.approx(_hbm_s(3 * w) + _hbm_s(4 * dy))
+    fwd, bwd = fp8_cast_times(fused, H100, ROWWISE, bytes_scale=1, param_scale=1, dtype="bfloat16")
+    assert fwd == pytest.approx(_hbm_s(3 * x) + _hbm_s(3 * w))
+    assert bwd == pytest.approx(_hbm_s(3 * x) + _hbm_s(7 * w) + _hbm_s(6 * dy))
+
+
+def test_fused_chains_say_which_linears_a_fused_kernel_feeds():
+    built = build_model("llama", ("layers=1", "hidden=256", "heads=4", "kv_heads=2", "ffn_hidden=512",
+                                  "vocab=1024"), batch=1, seq=256, device="meta")
+    from ir import build_layer_chain, trace
+    from ir.fusion import FUSED_GRAD_ATTR, FUSED_INPUT_ATTR
+
+    chain = build_layer_chain(trace(built.module, built.example_inputs, model_name="llama"))
+    flags = {n.name.removeprefix("blocks_0_"): (bool(n.attr(FUSED_INPUT_ATTR)), bool(n.attr(FUSED_GRAD_ATTR)))
+             for n in chain.fused_kernels.graph.nodes if n.op_kind.value == "linear" and "blocks_0" in n.name}
+    # inputs: RMSNorm outputs and the SwiGLU product (fused); o_proj reads attention's output (not a fused kernel).
+    # gradients: rotary (q, k), residual adds and SwiGLU (fused); v's gradient comes from attention's backward.
+    assert flags == {"attn_q_proj": (True, True), "attn_k_proj": (True, True), "attn_v_proj": (True, False),
+                     "attn_o_proj": (False, True), "mlp_gate_proj": (True, True), "mlp_up_proj": (True, True),
+                     "mlp_down_proj": (True, True)}
+    assert not any(n.attr(FUSED_INPUT_ATTR) or n.attr(FUSED_GRAD_ATTR) for n in chain.graph.nodes)  # eager
+
+
 def test_what_stays_in_bf16(chain):
     assert converts("layers.0.attention.wq", 4096, 4096)
     assert not converts("output", 4096, 128256) and not converts("lm_head", 4096, 128256)
