@@ -413,19 +413,18 @@ def cluster_of(run: PublishedRun, training_efficiency: float | None = None):
     from costmodel import Cluster
 
     cluster = Cluster.parse(run.cluster_spec)
+    device = cluster.groups[0].device
     if training_efficiency is not None:
-        device = dataclasses.replace(cluster.groups[0].device, training_efficiency=training_efficiency)
-        cluster = dataclasses.replace(cluster, groups=(dataclasses.replace(cluster.groups[0], device=device),))
+        device = dataclasses.replace(device, training_efficiency=training_efficiency)
     if run.memory_gb is not None:
         # The row's device has other memory than the catalog's (torchtitan's H100s: 96 GB HBM2e at 2.4 TB/s).
-        device = dataclasses.replace(cluster.groups[0].device, memory_bytes=int(run.memory_gb * 1e9),
+        device = dataclasses.replace(device, memory_bytes=int(run.memory_gb * 1e9),
                                      memory_bandwidth=run.memory_bandwidth_tbps * 1e12)
-        cluster = dataclasses.replace(cluster, groups=(dataclasses.replace(cluster.groups[0], device=device),))
     if run.power_capped_h100:
         # Tensor-core clocks fall with the power limit; memory-bound work keeps the HBM bandwidth above.
-        device = cluster.groups[0].device
         scale = (1 + H100_NVL_DENSE_BF16_FLOPS / device.peak_flops["bfloat16"]) / 2
         device = dataclasses.replace(device, peak_flops={k: v * scale for k, v in device.peak_flops.items()})
+    if device is not cluster.groups[0].device:
         cluster = dataclasses.replace(cluster, groups=(dataclasses.replace(cluster.groups[0], device=device),))
     if run.inter_node_gbps is None or len(cluster.tiers) < 2:
         return cluster

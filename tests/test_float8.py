@@ -74,40 +74,31 @@ def test_converted_linear_runs_its_gemms_at_the_fp8_rate_plus_the_casts():
     assert fwd < bf16_fwd and bwd < bf16_bwd  # large GEMMs: FP8 wins despite the casts
 
 
-def test_cast_traffic_is_torchaos_roofline_in_closed_form():
-    m, k, n = 8192, 4096, 4096
-    x, w, dy = m * k, n * k, m * n
-    node = linear(m, k, n)
-    # tensorwise: x amax + cast writing both FP8 layouts (2*2 + 2), w amax + cast (2*2 + 1), then w again in
-    # backward (2 + 1), dy like x in backward
-    fwd, bwd = fp8_cast_times(node, H100, TENSORWISE, bytes_scale=1, param_scale=1, dtype="bfloat16")
-    assert fwd == pytest.approx(_hbm_s(6 * x) + _hbm_s(5 * w))
-    assert bwd == pytest.approx(_hbm_s(3 * w) + _hbm_s(6 * dy))
-    # rowwise: x cast + transposed bf16 copy (2 + 1 + 2), its cast in backward (2 + 1); w cast (2 + 1), then its
-    # transpose (2 + 2) and cast (2 + 1); dy both steps in backward
-    fwd, bwd = fp8_cast_times(node, H100, ROWWISE, bytes_scale=1, param_scale=1, dtype="bfloat16")
-    assert fwd == pytest.approx(_hbm_s(5 * x) + _hbm_s(3 * w))
-    assert bwd == pytest.approx(_hbm_s(3 * x) + _hbm_s(7 * w) + _hbm_s(8 * dy))
-    assert CAST_TRAFFIC[TENSORWISE, Operand.WEIGHT][1].bytes_per_element(2) == 3
-
-
-def test_compiled_producers_take_the_first_read_of_the_casts():
-    """A linear whose input (output gradient) a fused kernel writes has the first read of that operand's cast done
-    by that kernel (torchao's roofline with fuse_with_prev): one training-dtype read less per element."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_cast_traffic_is_torchaos_roofline_in_closed_form(fused: bool):
+    """`fused`: a fused kernel writes the input and the output gradient (compiled runs), and does the first read
+    of their casts (torchao's roofline with fuse_with_prev): 2 bytes per element less for x and for dy."""
     import dataclasses
 
     from ir.fusion import FUSED_GRAD_ATTR, FUSED_INPUT_ATTR
 
     m, k, n = 8192, 4096, 4096
     x, w, dy = m * k, n * k, m * n
-    plain = linear(m, k, n)
-    fused = dataclasses.replace(plain, attrs=((FUSED_GRAD_ATTR, True), (FUSED_INPUT_ATTR, True)))
-    fwd, bwd = fp8_cast_times(fused, H100, TENSORWISE, bytes_scale=1, param_scale=1, dtype="bfloat16")
-    assert fwd == pytest.approx(_hbm_s(4 * x) + _hbm_s(5 * w))
-    assert bwd == pytest.approx(_hbm_s(3 * w) + _hbm_s(4 * dy))
-    fwd, bwd = fp8_cast_times(fused, H100, ROWWISE, bytes_scale=1, param_scale=1, dtype="bfloat16")
-    assert fwd == pytest.approx(_hbm_s(3 * x) + _hbm_s(3 * w))
-    assert bwd == pytest.approx(_hbm_s(3 * x) + _hbm_s(7 * w) + _hbm_s(6 * dy))
+    node = linear(m, k, n)
+    if fused:
+        node = dataclasses.replace(node, attrs=((FUSED_GRAD_ATTR, True), (FUSED_INPUT_ATTR, True)))
+    read = 2 if fused else 0
+    # tensorwise: x amax + cast writing both FP8 layouts (2*2 + 2), w amax + cast (2*2 + 1), then w again in
+    # backward (2 + 1), dy like x in backward
+    fwd, bwd = fp8_cast_times(node, H100, TENSORWISE, bytes_scale=1, param_scale=1, dtype="bfloat16")
+    assert fwd == pytest.approx(_hbm_s((6 - read) * x) + _hbm_s(5 * w))
+    assert bwd == pytest.approx(_hbm_s(3 * w) + _hbm_s((6 - read) * dy))
+    # rowwise: x cast + transposed bf16 copy (2 + 1 + 2), its cast in backward (2 + 1); w cast (2 + 1), then its
+    # transpose (2 + 2) and cast (2 + 1); dy both steps in backward
+    fwd, bwd = fp8_cast_times(node, H100, ROWWISE, bytes_scale=1, param_scale=1, dtype="bfloat16")
+    assert fwd == pytest.approx(_hbm_s((5 - read) * x) + _hbm_s(3 * w))
+    assert bwd == pytest.approx(_hbm_s(3 * x) + _hbm_s(7 * w) + _hbm_s((8 - read) * dy))
+    assert CAST_TRAFFIC[TENSORWISE, Operand.WEIGHT][1].bytes_per_element(2) == 3
 
 
 def test_fused_chains_say_which_linears_a_fused_kernel_feeds():

@@ -248,9 +248,8 @@ def build_sharding_model(nodes: Sequence[Node], *, tp: int, sequence_parallel: b
     runtime runs them (`_runtime_strategies`); False offers every strategy (when forcing leaves none feasible).
     `token_divisor`: the tensor-parallel group holds that share of every sample's tokens (context parallelism):
     activations, their moves and token work are priced at microbatch_size / token_divisor samples."""
-    _validate(nodes, tp, sequence_parallel, traced_batch, microbatch_size, memory_weight, num_microbatches)
-    if not isinstance(token_divisor, int) or token_divisor < 1:
-        raise ValueError(f"token_divisor must be a positive integer, got {token_divisor!r}")
+    _validate(nodes, tp, sequence_parallel, traced_batch, microbatch_size, memory_weight, num_microbatches,
+              token_divisor)
     nodes = tuple(nodes)
     index = {n.name: i for i, n in enumerate(nodes)}
     out_names = default_outputs(nodes) if outputs is None else tuple(outputs)
@@ -311,9 +310,9 @@ def infer_traced_dtype(nodes: Sequence[Node]) -> str:
 
 
 def _validate(nodes: Sequence[Node], tp: int, sp: bool, traced_batch: int, mbs: int, memory_weight: float,
-              num_microbatches: int) -> None:
+              num_microbatches: int, token_divisor: int) -> None:
     for name, v in (("tp", tp), ("traced_batch", traced_batch), ("microbatch_size", mbs),
-                    ("num_microbatches", num_microbatches)):
+                    ("num_microbatches", num_microbatches), ("token_divisor", token_divisor)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if sp and tp == 1:
