@@ -238,13 +238,17 @@ def partial_stage(chain: ir.LayerChain, a: int, b: int, rc: tuple[Recompute, int
 
 
 def brute_force(chain: ir.LayerChain, cluster: Cluster, batch: int, space: SearchSpace) -> BruteResult:
-    """Every candidate of the space, GPipe twins of the 1F1B ones, every partition and every recomputation per
-    stage (per rank for interleaved), each priced by `costmodel.estimate`: the fitting minimum."""
+    """Every candidate of the space, GPipe twins of the 1F1B ones and ZeRO-2 twins of the pipelined ZeRO-1 ones,
+    every partition and every recomputation per stage (per rank for interleaved), each priced by
+    `costmodel.estimate`: the fitting minimum."""
     table = LayerCostTable(chain, cluster)
     builder = StageProblemBuilder(chain, cluster, table)
     cands, _ = enumerate_candidates(chain, cluster, batch, space)
     twins = [replace(c, schedule=Schedule.GPIPE) for c in cands
              if c.schedule is Schedule.ONE_F_ONE_B and c.mesh.pp > 1 and space.schedule is None]
+    # The search leaves out ZeRO-2 under pipelining (ZeRO-1 is never worse): brute force prices it.
+    twins += [replace(c, zero_stage=2) for c in cands
+              if c.zero_stage == 1 and c.mesh.pp > 1 and space.zero_stage is None]
     whole = [(space.recompute, 4)] if space.recompute is not None else [(r, 4) for r in Recompute]
     # Partial recomputation is searched only when the recomputation is free; on a rank where no recomputation fits
     # it cannot win (it only adds recomputation), so it is enumerated on the other ranks.
@@ -480,6 +484,26 @@ tiers:
                     assert value == pytest.approx(est.step_time_s, rel=1e-9), cand.label
                     checked += 1
     assert checked > 150
+
+
+def test_zero2_under_pipelining_is_zero1_with_more_memory() -> None:
+    """Why the search leaves ZeRO-2 out when pp > 1: on the same strategy, every step-time term equals ZeRO-1's
+    and every rank holds at least as many bytes."""
+    chain, cluster = chain_of("gpt", GPT_INTERLEAVE), Cluster.parse("2x4xa100-80gb")
+    builder = StageProblemBuilder(chain, cluster, LayerCostTable(chain, cluster))
+    cands, _ = enumerate_candidates(chain, cluster, 16, SearchSpace(max_microbatch_size=4, zero_stage=1))
+    rng, checked = random.Random(5), 0
+    for cand in [c for c in cands if c.mesh.pp > 1]:
+        built = builder.build(cand, tuple(Recompute))
+        _, strategy = random_partition(built, cand, rng)
+        costs = layer_cost_map(builder, cand, built.placements)
+        one = estimate(chain, cluster, strategy, layer_costs=costs, global_batch=16)
+        two = estimate(chain, cluster, replace(strategy, zero_stage=2), layer_costs=costs, global_batch=16)
+        assert two.step_time_s == one.step_time_s, cand.label
+        assert all(b.memory.total >= a.memory.total for a, b in zip(one.stages, two.stages, strict=True))
+        assert any(b.memory.total > a.memory.total for a, b in zip(one.stages, two.stages, strict=True))
+        checked += 1
+    assert checked > 20
 
 
 def test_search_is_deterministic() -> None:

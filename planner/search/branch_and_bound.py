@@ -20,7 +20,11 @@ ZeRO stage and sequence parallelism. The space, for a free dimension:
   GPipe is searched only when pinned: on the same stages it is never faster than 1F1B (``sum F + (m-1) max F + sum B + (m-1) max B >=
   sum(F+B) + (m-1) max(F+B)``) and keeps all m micro-batches in flight instead of ``min(p - k, m)``, with the same
   drain and tails, so 1F1B is at least as good on every partition (the brute-force tests include GPipe);
-- ZeRO 0..3 when dp > 1 (0 otherwise); SP on and off when tp > 1.
+- ZeRO 0..3 when dp > 1 (0 otherwise); SP on and off when tp > 1. With pp > 1 and the ZeRO stage free, ZeRO-2 is
+  not searched: under torch.distributed.pipelining it keeps whole gradients and reduces them once per step, as
+  ZeRO-1 does (`step_time.data_parallel_comm`, `memory.model_state_bytes`), so on the same candidate every term of
+  its step time equals ZeRO-1's and its memory only adds the reduced unit's gradient (`memory.rank_memory`): never
+  better, and less simple (the brute-force tests price ZeRO-2 too);
 
 Middle level: `LayerCostTable` prices each layer class once per (device, tp, sp, mbs) -- the intra-operator
 ILP for tp > 1 -- and the inner level (`planner.search.stage_problem` + `planner.search.stage_partition`) finds the candidate's
@@ -234,7 +238,7 @@ class SearchState:
         kth = self.kth_best()
         bound = max(kth, min(mesh_best, kth * (1 + self.options.explain_slack)), self.cutoff()) / factor
         built = self.builder.build(cand, self.options_for(), upper_bound=bound, partial=self.space.recompute is None,
-                                   quick_unfit=True)
+                                   quick_unfit=True, defer_ties=True)
         if built is None:
             return
         self.solved += 1
@@ -245,6 +249,9 @@ class SearchState:
             rec.beyond_slack = True
             return
         part, proven = solve_partition_until(built.problem, upper_bound=bound, deadline=self.partition_deadline())
+        if part is not None and built.with_preferred is not None:  # the same optimum, with the even split on ties
+            part, proven = solve_partition_until(built.with_preferred(), upper_bound=bound,
+                                                 deadline=self.partition_deadline())
         if not proven:  # cut by the time limit: the candidate may still hold a better partition
             self.unproven_bound = min(self.unproven_bound, partition_lower_bound(built.problem) * factor)
         if part is None:

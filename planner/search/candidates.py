@@ -227,7 +227,7 @@ def _mesh_candidates(mesh: MeshCandidate, chain: LayerChain, global_batch: int, 
         if space.num_microbatches is not None and m != space.num_microbatches:
             continue
         zeros = ([space.zero_stage] if space.zero_stage is not None
-                 else [0] if mesh.dp * mesh.cp == 1 else [0, 1, 2, 3])
+                 else [0] if mesh.dp * mesh.cp == 1 else [0, 1, 3] if mesh.pp > 1 else [0, 1, 2, 3])
         sps = ([space.sequence_parallel] if space.sequence_parallel is not None
                else [False] if mesh.tp == 1 else [False, True])
         if mesh.tp == 1 and any(sps):

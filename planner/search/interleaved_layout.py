@@ -68,6 +68,11 @@ class RankChoice:
     lead_large: bool
     chunks: tuple[tuple[int, ...], ...]
 
+    def __hash__(self) -> int:
+        # A rank's choices differ in (extra, lead_large): hashing the chunks too would only cost time (choices are
+        # looked up tens of thousands of times per search); equality still compares every field.
+        return hash((self.extra, self.lead_large))
+
 
 @dataclass(frozen=True, slots=True)
 class InterleavedLayout:

@@ -33,7 +33,7 @@ from costmodel.pipeline import chunk_stages, in_flight_per_chunk
 from costmodel.step_time import DataParallelComm, StageTime
 from planner.search.candidates import Candidate
 from planner.search.interleaved_layout import InterleavedLayout, RankChoice
-from planner.search.interleaved_problem import ChoiceTerms
+from planner.search.interleaved_problem import ChoiceTerms, least_step_time
 from planner.search.recompute_choice import NO_RECOMPUTE, RecomputeChoice
 
 if TYPE_CHECKING:
@@ -44,24 +44,37 @@ if TYPE_CHECKING:
 @dataclass
 class InterleavedCache:
     """What the interleaved candidates of one search share: each rank's layout choices with their chunks' layer
-    classes, and the times of a chunk and of a rank's chunks by rank signature, recomputation and classes."""
+    classes, and the times of a chunk and of a rank's chunks by rank signature, recomputation and classes.
 
-    choices: dict[tuple, dict[RankChoice, tuple[tuple[int, ...], ...]]] = field(default_factory=dict)
+    A rank's chunk classes (a tuple per chunk) are interned to a small number, `class_ids`, so that the keys of the
+    per-entry caches hash fast: tens of thousands of entries are looked up per search."""
+
+    choices: dict[tuple, dict[RankChoice, int]] = field(default_factory=dict)
+    class_ids: dict[tuple[tuple[int, ...], ...], int] = field(default_factory=dict)
+    classes: list[tuple[tuple[int, ...], ...]] = field(default_factory=list)
+    """The chunk classes of each interned number."""
     chunk_class_times: dict[tuple, tuple[StageTime, DataParallelComm]] = field(default_factory=dict)
     works: dict[tuple, float] = field(default_factory=dict)
-    """A rank's chunks' forward + backward seconds by (signature, recomputation, chunk classes)."""
+    """A rank's chunks' forward + backward seconds by (signature, recomputation, chunk classes' number)."""
 
     def rank_choices(self, builder: StageProblemBuilder, layout: InterleavedLayout, rank: int
-                     ) -> dict[RankChoice, tuple[tuple[int, ...], ...]]:
-        """`layout.choices(rank)`, each with the layer classes of its chunks, cached (the same layouts come back
-        for every candidate of a p and v)."""
+                     ) -> dict[RankChoice, int]:
+        """`layout.choices(rank)`, each with the number of its chunks' layer classes, cached (the same layouts come
+        back for every candidate of a p and v)."""
         key = (layout.pp, layout.virtual_stages, layout.schedule, rank)
         hit = self.choices.get(key)
         if hit is None:
             classes = [s.class_id for s in builder.chain.segments]
-            hit = self.choices[key] = {c: tuple(tuple(classes[i] for i in chunk) for chunk in c.chunks)
+            hit = self.choices[key] = {c: self._intern(tuple(tuple(classes[i] for i in chunk) for chunk in c.chunks))
                                         for c in layout.choices(rank)}
         return hit
+
+    def _intern(self, chunk_classes: tuple[tuple[int, ...], ...]) -> int:
+        number = self.class_ids.get(chunk_classes)
+        if number is None:
+            number = self.class_ids[chunk_classes] = len(self.classes)
+            self.classes.append(chunk_classes)
+        return number
 
     def chunk_times(self, builder: StageProblemBuilder, cand: Candidate, ctx: RankContext, rc: RecomputeChoice,
                     classes: tuple[int, ...], segments: Sequence[int], costs: Sequence[LayerCost]
@@ -90,6 +103,8 @@ class ChoicePricer:
     plain_fits: dict[tuple[int, RankChoice], bool] = field(default_factory=dict)
     least_peaks: dict[int, float] = field(default_factory=dict)
     """Per rank that fits with no choice (`least_work` is inf): its least peak bytes over its choices."""
+    least: tuple[float, ...] | None = None
+    """Per rank its `least_work`, once every rank's is known and finite (`set_least_work`)."""
 
     def __post_init__(self) -> None:
         b, cand, p = self.builder, self.cand, self.cand.mesh.pp
@@ -97,6 +112,7 @@ class ChoicePricer:
         copies = b.structure.shared_copies(self.layout.example_stages(), p, cand.schedule)
         self.shared = [-(-x // cand.mesh.tp) for x in copies]
         self.contexts = [b.context(cand, k, pl) for k, pl in enumerate(self.placements)]
+        self.rank_classes = [b.interleaved.rank_choices(b, self.layout, k) for k in range(p)]
         self.costs_of = {pl.device.name: b.segment_costs(cand, pl.device) for pl in self.placements}
         self.counts = [in_flight_per_chunk(cand.schedule, p, k, cand.num_microbatches, cand.virtual_stages)
                        for k in range(p)]
@@ -104,28 +120,26 @@ class ChoicePricer:
         self.rank_sends = [sum((self.sends[j - 1] if j > 0 else 0.0) + (self.sends[j] if j < last else 0.0)
                                for j in chunk_stages(cand.schedule, p, cand.virtual_stages, k)) for k in range(p)]
 
-    def _classes(self, rank: int) -> dict[RankChoice, tuple[tuple[int, ...], ...]]:
-        return self.builder.interleaved.rank_choices(self.builder, self.layout, rank)
-
     def choices(self, rank: int) -> Sequence[RankChoice]:
-        return tuple(self._classes(rank))
+        return tuple(self.rank_classes[rank])
 
     def _key(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> tuple:
         # Ranks with the same signature and chunks share their terms; only memory depends on the in-flight
         # counts, and affinely.
-        return (self.contexts[k].signature, rc, self._classes(k)[choice], self.shared[k])
+        return (self.contexts[k].signature, rc, self.rank_classes[k][choice], self.shared[k])
 
     def _times(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> tuple[list[StageTime], list[DataParallelComm]]:
         b, costs = self.builder, self.costs_of[self.placements[k].device.name]
-        classes = self._classes(k)[choice]
+        classes = b.interleaved.classes[self.rank_classes[k][choice]]
         pairs = [b.interleaved.chunk_times(b, self.cand, self.contexts[k], rc, c, chunk, costs)
                  for c, chunk in zip(classes, choice.chunks, strict=True)]
         return [x for x, _ in pairs], [y for _, y in pairs]
 
     def _segments(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> list[list[PricedSegment]]:
-        costs = self.costs_of[self.placements[k].device.name]
-        return [rc.priced([costs[i] for i in chunk], classes)
-                for chunk, classes in zip(choice.chunks, self._classes(k)[choice], strict=True)]
+        b, costs = self.builder, self.costs_of[self.placements[k].device.name]
+        classes = b.interleaved.classes[self.rank_classes[k][choice]]
+        return [rc.priced([costs[i] for i in chunk], chunk_classes)
+                for chunk, chunk_classes in zip(choice.chunks, classes, strict=True)]
 
     def _peak(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> float:
         """The rank's peak bytes with the schedule's in-flight micro-batches."""
@@ -138,13 +152,13 @@ class ChoicePricer:
 
     def least_work(self, k: int, options: Sequence[RecomputeChoice]) -> float:
         """The least D_r (sends included) over the rank's choices that fit in memory; inf when none does (then
-        `least_peaks[k]` holds the least peak of them all). Memory is priced cheapest work first, until one fits. A partial recomputation enters at its choice's work with
-        no recomputation (a lower bound) and is priced only when it comes up, which is only where recomputing
-        nothing does not fit (that entry comes first)."""
+        `least_peaks[k]` holds the least peak of them all). Memory is priced cheapest work first, until one fits.
+        A partial recomputation enters at its choice's work with no recomputation (a lower bound) and is priced
+        only when it comes up, which is only where recomputing nothing does not fit (that entry comes first)."""
         whole = [rc for rc in options if not rc.partial]
         partial = [rc for rc in options if rc.partial] if NO_RECOMPUTE in whole else []
         heap: list[tuple[float, int, bool, RankChoice, RecomputeChoice]] = []
-        for c in self._classes(k):
+        for c in self.rank_classes[k]:
             works = {rc: self._work(k, c, rc) for rc in whole}
             heap += [(works[rc], len(heap) + i, True, c, rc) for i, rc in enumerate(whole)]
             heap += [(works[NO_RECOMPUTE], len(heap) + i, False, c, rc) for i, rc in enumerate(partial)]
@@ -174,7 +188,7 @@ class ChoicePricer:
     def _work(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> float:
         """The rank's chunks' forward + backward seconds (cached by signature, recomputation and chunk classes)."""
         b = self.builder
-        key = (self.contexts[k].signature, rc, self._classes(k)[choice])
+        key = (self.contexts[k].signature, rc, self.rank_classes[k][choice])
         work = b.interleaved.works.get(key)
         if work is None:
             work = b.interleaved.works[key] = sum(x.fwd_s + x.bwd_s for x in self._times(k, choice, rc)[0])
@@ -185,30 +199,45 @@ class ChoicePricer:
         zeros = (0.0,) * len(choice.chunks)
         return ChoiceTerms(zeros, zeros, zeros, 0.0, 0.0, 0.0, 0.0, self._peak(k, choice, rc))
 
+    def set_least_work(self, least: Sequence[float]) -> None:
+        """Each rank's least work per micro-batch over the choices that fit (`least_work`, all finite): an entry is
+        then left out when the step with it and every other rank at its least reaches the bound."""
+        self.least = tuple(least)
+
+    def _beyond_bound(self, k: int, work: float) -> bool:
+        """Whether every partition in which rank k works `work` per micro-batch (sends included) takes longer than
+        the bound: `interleaved_problem.least_step_time` with rank k at `work` and the others at their least (or
+        m * work alone before those are known). Sets `pruned` when it does."""
+        cand = self.cand
+        if self.least is None:
+            bound = cand.num_microbatches * work
+        else:
+            others = [x for r, x in enumerate(self.least) if r != k]
+            bound = least_step_time(cand.schedule, cand.num_microbatches, cand.virtual_stages, [work, *others])
+        if bound > self.upper_bound * (1 + 1e-9):
+            self.pruned = True
+            return True
+        return False
+
     def price(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> ChoiceTerms | None:
         b, cand = self.builder, self.cand
         if rc.partial:
             # It works at least as long as recomputing nothing, and is offered only where that does not fit.
-            if cand.num_microbatches * (self._work(k, choice, NO_RECOMPUTE) + self.rank_sends[k]) > self.upper_bound * (
-                    1 + 1e-9):
-                self.pruned = True
+            if self._beyond_bound(k, self._work(k, choice, NO_RECOMPUTE) + self.rank_sends[k]):
                 return None
             if self._plain_fits(k, choice):
                 return None
         cache_key = self._key(k, choice, rc)
         t = b.terms.get(cache_key)
         if t is None:
-            times = self._times(k, choice, rc)
-            work = sum(x.fwd_s + x.bwd_s for x in times[0]) + self.rank_sends[k]
-            if cand.num_microbatches * work > self.upper_bound * (1 + 1e-9):
-                self.pruned = True
+            if self._beyond_bound(k, self._work(k, choice, rc) + self.rank_sends[k]):
                 return None
             if self._peak(k, choice, rc) > self.placements[k].device.memory_bytes:
                 return self.memory_only(k, choice, rc)
             t = b.terms[cache_key] = b.rank_terms_of(cand, self.contexts[k], self._segments(k, choice, rc),
-                                                    self.shared[k], times, b.memory_cache[cache_key])
-        if cand.num_microbatches * (sum(t.fwd) + sum(t.bwd) + self.rank_sends[k]) > self.upper_bound * (1 + 1e-9):
-            self.pruned = True
+                                                    self.shared[k], self._times(k, choice, rc),
+                                                    b.memory_cache[cache_key])
+        elif self._beyond_bound(k, sum(t.fwd) + sum(t.bwd) + self.rank_sends[k]):
             return None
         peak = t.memory0 + sum(n * a for n, a in zip(self.counts[k], t.chunk_act, strict=True))
         return ChoiceTerms(t.fwd, t.bwd, t.wgrad, t.tail, t.tail_const, t.optimizer, t.post, peak)

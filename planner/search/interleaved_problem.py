@@ -121,27 +121,41 @@ def interleaved_problem(layout: InterleavedLayout, options: Sequence[RecomputeCh
     additive, bottleneck = np.zeros(shape + (1,)), np.zeros(shape + (4 if zero_bubble else 3,))
     memory_base = np.full(shape, np.inf)  # a choice that is not a layout never fits
     tail, tail_const, drain = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+    rows: list[tuple[float, ...]] = []
     for k in range(p if price is not None else 0):
-        q = k % profiles
         for choice in (choices or layout.choices)(k):
             if only is not None and (choice.extra, choice.lead_large) != tuple(only[k]):
                 continue
             tokens = choice.extra + 1
-            a = np.arange(k, min(k + extra, n - tokens) + 1)
+            last_start = min(k + extra, n - tokens)
+            if last_start < k:
+                continue
             for r, rc in enumerate(options):
                 o = r * len(layout.lead_options) + layout.lead_options.index(choice.lead_large)
                 t = price(k, choice, rc)
                 if t is None:
                     continue
                 add, steady, paired = rank_terms(layout, k, t, sends, num_microbatches)
-                additive[q, o, a, a + tokens, 0] = add
-                bottleneck[q, o, a, a + tokens] = (steady, t.post, t.optimizer, paired)[:bottleneck.shape[-1]]
-                memory_base[q, o, a, a + tokens] = t.memory
-                tail[q, o, a, a + tokens] = t.tail
-                tail_const[q, o, a, a + tokens] = t.tail_const
                 # The drain behind rank k+1 runs through virtual stage k (this rank's first chunk) and its send;
                 # the zero-bubble schedules fill it with weight gradients (`pipeline.drain_slack`).
-                drain[q, o, a, a + tokens] = 0.0 if zero_bubble else t.bwd[0] + sends[k]
+                drain_k = 0.0 if zero_bubble else t.bwd[0] + sends[k]
+                rows.append((k % profiles, o, k, last_start, tokens, add, steady, t.post, t.optimizer, paired,
+                             t.memory, t.tail, t.tail_const, drain_k))
+    if rows:
+        # One scatter per array: each (profile, option, start, stop) is written by one entry only (ranks that
+        # share a profile start at disjoint tokens).
+        table = np.array(rows)
+        first, last = table[:, 2].astype(int), table[:, 3].astype(int)
+        counts = last - first + 1
+        entry = np.repeat(np.arange(len(rows)), counts)
+        a = first[entry] + np.arange(len(entry)) - np.repeat(np.cumsum(counts) - counts, counts)
+        q, o, b = table[entry, 0].astype(int), table[entry, 1].astype(int), a + table[entry, 4].astype(int)
+        additive[q, o, a, b, 0] = table[entry, 5]
+        bottleneck[q, o, a, b] = table[entry][:, 6:6 + bottleneck.shape[-1]]
+        memory_base[q, o, a, b] = table[entry, 10]
+        tail[q, o, a, b] = table[entry, 11]
+        tail_const[q, o, a, b] = table[entry, 12]
+        drain[q, o, a, b] = table[entry, 13]
     # Memory is all in `memory_base` (the in-flight counts are in it, per chunk).
     return PartitionProblem(num_segments=n, num_stages=p, options=names,
                             stage_profile=tuple(k % profiles for k in range(p)), in_flight=(0,) * p,

@@ -71,6 +71,8 @@ class RecomputeChoice:
 
     def priced(self, costs: Sequence[LayerCost], classes: Sequence[int]) -> list[PricedSegment]:
         """The chunk's segments with their recomputation."""
+        if not self.partial:
+            return [PricedSegment(c, self.mode) for c in costs]
         chosen = self.picked(costs, classes)
         return [PricedSegment(c, self.mode if pos in chosen else Recompute.NONE) for pos, c in enumerate(costs)]
 

@@ -32,7 +32,7 @@ the same multiset of layer classes have the same terms, so each distinct class c
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -70,7 +70,14 @@ from planner.search.interleaved_problem import (
 from planner.search.layer_costs import AxisSplit, LayerCostTable
 from planner.search.meshes import MeshCandidate
 from planner.search.recompute_choice import NO_RECOMPUTE, RecomputeChoice, search_choices
-from planner.search.stage_partition import Partition, PartitionProblem, StageKind, solve_partition, stage_kind
+from planner.search.stage_partition import (
+    Partition,
+    PartitionProblem,
+    StageChoice,
+    StageKind,
+    solve_partition,
+    stage_kind,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +104,10 @@ class StageProblem:
     """Per pipeline rank, its segments' costs: which segments partial recomputation picks."""
     classes: tuple[int, ...] = ()
     """Each segment's layer class."""
+    with_preferred: Callable[[], PartitionProblem] | None = None
+    """`build` with `defer_ties`: `problem` has no preferred partition, and this builds the one that has (the even
+    split). The optimum's value is the same; the caller solves this one only once `problem` has a partition below
+    its bound, to break ties the way `build` without `defer_ties` does."""
 
     def stages(self, partition: Partition) -> tuple[StageSpec, ...]:
         if self.layout is None:
@@ -352,7 +363,8 @@ class StageProblemBuilder:
 
     # -- problems --------------------------------------------------------------------------------------------
     def build(self, cand: Candidate, options: Sequence[Recompute], upper_bound: float = math.inf,
-              partial: bool = False, quick_unfit: bool = False) -> StageProblem | Unfit | Beaten | None:
+              partial: bool = False, quick_unfit: bool = False, defer_ties: bool = False
+              ) -> StageProblem | Unfit | Beaten | None:
         """The candidate's partition problem, or None when the mesh does not fit the available devices. With
         `partial`, stages may also recompute part of their layers (`planner.search.recompute_choice`).
 
@@ -361,7 +373,9 @@ class StageProblemBuilder:
         `quick_unfit`, an interleaved candidate with a rank that fits with no choice is `Unfit`, with a bound on
         the memory it needs, instead of a problem whose partitions all say how much (what `least_memory_of`
         needs for the exact figure), and one whose ranks' least work already reaches `upper_bound` is `Beaten`
-        (ranks priced heaviest-first, stopping as soon as the bound is reached)."""
+        (ranks priced heaviest-first, stopping as soon as the bound is reached). With `defer_ties`, the even split
+        that wins an interleaved candidate's ties is solved only on demand (`StageProblem.with_preferred`): most
+        candidates have no partition below the bound at all."""
         placements = self.placements(cand)
         if placements is None:
             return None
@@ -369,7 +383,7 @@ class StageProblemBuilder:
             options = tuple(o for o in options if o is Recompute.NONE) or (Recompute.NONE,)
         choices = search_choices(options, partial)
         if cand.schedule.chunked and (cand.virtual_stages > 1 or cand.schedule is Schedule.INTERLEAVED):
-            built = self._build_interleaved(cand, choices, placements, upper_bound, quick_unfit)
+            built = self._build_interleaved(cand, choices, placements, upper_bound, quick_unfit, defer_ties)
         else:
             built = self._build_contiguous(cand, choices, placements, upper_bound)
         if built is None or isinstance(built, Unfit | Beaten):
@@ -525,8 +539,8 @@ class StageProblemBuilder:
         return t
 
     def _build_interleaved(self, cand: Candidate, options: Sequence[RecomputeChoice],
-                           placements: tuple[RankPlacement, ...], upper_bound: float, quick_unfit: bool = False
-                           ) -> StageProblem | Unfit | Beaten | None:
+                           placements: tuple[RankPlacement, ...], upper_bound: float, quick_unfit: bool = False,
+                           defer_ties: bool = False) -> StageProblem | Unfit | Beaten | None:
         m = cand.num_microbatches
         layout = self.layout(cand)
         if layout is None:
@@ -552,15 +566,26 @@ class StageProblemBuilder:
         if least_step_time(cand.schedule, m, cand.virtual_stages, least) > upper_bound * (1 + 1e-9):
             problem = interleaved_problem(layout, options, None, sends, capacity, m)
             return StageProblem(cand, problem, placements, layout=layout, pruned=True)
-        # Ties go to the even split (what an estimate without stages prices): its best recomputation first.
-        even, preferred = layout.even_picks(), None
-        if even is not None:
-            best = solve_partition(interleaved_problem(layout, options, chooser.price, sends, capacity, m, only=even,
-                                                       choices=chooser.choices))
-            preferred = best.stages if best is not None else None
-        problem = interleaved_problem(layout, options, chooser.price, sends, capacity, m, preferred=preferred,
-                                      choices=chooser.choices)
-        return StageProblem(cand, problem, placements, layout=layout, pruned=chooser.pruned)
+        chooser.set_least_work(least)
+
+        def problem(preferred: tuple[StageChoice, ...] | None = None) -> PartitionProblem:
+            return interleaved_problem(layout, options, chooser.price, sends, capacity, m, preferred=preferred,
+                                       choices=chooser.choices)
+
+        def with_preferred() -> PartitionProblem:
+            # Ties go to the even split (what an estimate without stages prices): its best recomputation first.
+            even, preferred = layout.even_picks(), None
+            if even is not None:
+                best = solve_partition(interleaved_problem(layout, options, chooser.price, sends, capacity, m,
+                                                           only=even, choices=chooser.choices))
+                preferred = best.stages if best is not None else None
+            return problem(preferred)
+
+        if defer_ties:
+            plain = problem()
+            return StageProblem(cand, plain, placements, layout=layout, pruned=chooser.pruned,
+                                with_preferred=with_preferred)
+        return StageProblem(cand, with_preferred(), placements, layout=layout, pruned=chooser.pruned)
 
 
 
