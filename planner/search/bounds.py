@@ -149,9 +149,20 @@ def interleaved_bottleneck(layout: InterleavedLayout, w: np.ndarray, p2p: Sequen
     if layout.fixed:
         return max(sum(float(w[layout.fixed[j].start:layout.fixed[j].stop].sum()) for j in mine(r)) + sends(r)
                    for r in range(p))
-    block = float(w[layout.pre])
-    work = [sum(float(w[list(chunk)].sum()) for chunk in layout.chunk_segments(r, (layout.small,) * v)) + sends(r)
-            for r in range(p)]
+    # Each rank's smaller chunks (`InterleavedLayout.chunk_segments` with q units each): q blocks per chunk, the
+    # embedding and the head in place of a block where they sit.
+    block, q = float(w[layout.pre]), layout.small
+    pre_w, post_w = float(w[:layout.pre].sum()), float(w[layout.pre + layout.blocks:].sum())
+    head = layout.head_chunk
+
+    def small_chunks(r: int) -> float:
+        total = 0.0
+        for c in range(v):
+            pre, post = r == 0 and c == 0 and layout.pre > 0, (r, c) == head and layout.post > 0
+            total += max(q - pre - post, 0) * block + pre * pre_w + post * post_w
+        return total
+
+    work = [small_chunks(r) + sends(r) for r in range(p)]
     room = [v] * p
     for _ in range(layout.extra):
         r = min((r for r in range(p) if room[r]), key=lambda r: work[r])

@@ -197,6 +197,7 @@ class StageProblemBuilder:
     _signatures: dict[tuple, int] = field(default_factory=dict, repr=False)
     _segment_costs: dict[tuple, tuple[LayerCost, ...]] = field(default_factory=dict, repr=False)
     interleaved: InterleavedCache = field(default_factory=InterleavedCache, repr=False)
+    _sends: dict[tuple, list[float]] = field(default_factory=dict, repr=False)
     _dp_comm_cache: dict[tuple, DataParallelComm] = field(default_factory=dict, repr=False)
     """`step_time.data_parallel_comm` results by what they depend on (the group through `collectives.spans`)."""
 
@@ -355,11 +356,18 @@ class StageProblemBuilder:
                           placements: Sequence[RankPlacement]) -> list[float]:
         """Send seconds of each boundary between interleaved chunks, by position: each carries the output of a
         block (unit layouts) or of the fixed chunk's last segment, priced on the sending rank's device."""
-        p, n = cand.mesh.pp, cand.mesh.pp * cand.virtual_stages
-        costs = {pl.device.name: self.segment_costs(cand, pl.device) for pl in placements}
-        last = ([c.stop - 1 for c in layout.fixed] if layout.fixed else [layout.pre] * n)
-        return [self._p2p(cand, j, costs[placements[stage_rank(cand.schedule, p, j)].device.name][last[j]]
+        # Neither the ZeRO stage nor the micro-batch count changes a send: candidates share them.
+        key = (cand.mesh, cand.schedule, cand.virtual_stages, cand.microbatch_size, cand.sequence_parallel,
+               cand.runtime, tuple(pl.device.name for pl in placements))
+        hit = self._sends.get(key)
+        if hit is None:
+            p, n = cand.mesh.pp, cand.mesh.pp * cand.virtual_stages
+            costs = {pl.device.name: self.segment_costs(cand, pl.device) for pl in placements}
+            last = ([c.stop - 1 for c in layout.fixed] if layout.fixed else [layout.pre] * n)
+            hit = self._sends[key] = [
+                self._p2p(cand, j, costs[placements[stage_rank(cand.schedule, p, j)].device.name][last[j]]
                           .boundary_bytes) for j in range(n - 1)]
+        return list(hit)
 
     # -- problems --------------------------------------------------------------------------------------------
     def build(self, cand: Candidate, options: Sequence[Recompute], upper_bound: float = math.inf,
