@@ -150,11 +150,12 @@ class ChoicePricer:
             memory = b.memory_cache[key] = b.memory_terms(self.cand, self.contexts[k], segs, self.shared[k])
         return memory[0] + sum(n * a for n, a in zip(self.counts[k], memory[1], strict=True))
 
-    def least_work(self, k: int, options: Sequence[RecomputeChoice]) -> float:
-        """The least D_r (sends included) over the rank's choices that fit in memory; inf when none does (then
-        `least_peaks[k]` holds the least peak of them all). Memory is priced cheapest work first, until one fits.
-        A partial recomputation enters at its choice's work with no recomputation (a lower bound) and is priced
-        only when it comes up, which is only where recomputing nothing does not fit (that entry comes first)."""
+    def least_work(self, k: int, options: Sequence[RecomputeChoice]) -> tuple[float, ...]:
+        """Per count e = 0..v of larger chunks, the least D_r (sends included) over the rank's choices with e that
+        fit in memory (inf where none does; all inf: then `least_peaks[k]` holds the least peak of them all).
+        Memory is priced cheapest work first, until each e has a choice that fits. A partial recomputation enters
+        at its choice's work with no recomputation (a lower bound) and is priced only when it comes up, which is
+        only where recomputing nothing does not fit (that entry comes first)."""
         whole = [rc for rc in options if not rc.partial]
         partial = [rc for rc in options if rc.partial] if NO_RECOMPUTE in whole else []
         heap: list[tuple[float, int, bool, RankChoice, RecomputeChoice]] = []
@@ -164,18 +165,25 @@ class ChoicePricer:
             heap += [(works[NO_RECOMPUTE], len(heap) + i, False, c, rc) for i, rc in enumerate(partial)]
         heapq.heapify(heap)
         capacity = self.placements[k].device.memory_bytes
-        least = math.inf
-        while heap:
+        least = [math.inf] * (self.cand.virtual_stages + 1)
+        open_counts = {c.extra for c in self.rank_classes[k]}
+        least_peak = math.inf
+        while heap and open_counts:
             work, order, exact, c, rc = heapq.heappop(heap)
+            if c.extra not in open_counts:
+                continue
             if not exact:
                 heapq.heappush(heap, (self._work(k, c, rc), order, True, c, rc))
                 continue
             peak = self._peak(k, c, rc)
             if peak <= capacity:
-                return work + self.rank_sends[k]
-            least = min(least, peak)
-        self.least_peaks[k] = least
-        return math.inf
+                least[c.extra] = work + self.rank_sends[k]
+                open_counts.discard(c.extra)
+            else:
+                least_peak = min(least_peak, peak)
+        if not any(math.isfinite(x) for x in least):
+            self.least_peaks[k] = least_peak
+        return tuple(least)
 
     def _plain_fits(self, k: int, choice: RankChoice) -> bool:
         """Whether the choice fits recomputing nothing (cached per rank and choice)."""
@@ -200,8 +208,9 @@ class ChoicePricer:
         return ChoiceTerms(zeros, zeros, zeros, 0.0, 0.0, 0.0, 0.0, self._peak(k, choice, rc))
 
     def set_least_work(self, least: Sequence[float]) -> None:
-        """Each rank's least work per micro-batch over the choices that fit (`least_work`, all finite): an entry is
-        then left out when the step with it and every other rank at its least reaches the bound."""
+        """Each rank's least work per micro-batch over the choices that fit (the least of `least_work`, all
+        finite): an entry is then left out when the step with it and every other rank at its least reaches the
+        bound."""
         self.least = tuple(least)
 
     def _beyond_bound(self, k: int, work: float) -> bool:

@@ -31,6 +31,7 @@ layout module's docstring).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -178,6 +179,47 @@ def least_step_time(schedule: Schedule, num_microbatches: int, virtual_stages: i
     if Schedule(schedule).zero_bubble:
         return m * max(least_work)
     return sum(least_work) / v + (m - 1 / v) * max(least_work)
+
+
+def least_step_time_by_extra(schedule: Schedule, num_microbatches: int, virtual_stages: int, extra: int,
+                             least_work: Sequence[Sequence[float]]) -> float:
+    """`least_step_time` knowing that the ranks share E larger chunks: `least_work[r][e]` is rank r's least work
+    per micro-batch over its choices with e larger chunks that fit (inf: none), and every layout has
+    sum_r e_r = E.
+
+    The largest D_r of a layout is at least U* = the least U at which every rank has an e with
+    least_work[r][e] <= U and those largest such e add up to E or more (the layout's own e_r qualify at its
+    largest D). The sum S is at least the least sum_r least_work[r][e_r] over e_r adding up to E (a knapsack
+    over the ranks). Phi is monotone in both, so T >= S / v + (m - 1/v) U* (m U* for a zero-bubble schedule);
+    this is never below `least_step_time`, whose max and sum take every rank at its least over all e."""
+    m, v = num_microbatches, virtual_stages
+
+    def room(u: float) -> int:
+        fits = [[e for e, x in enumerate(row) if x <= u] for row in least_work]
+        return sum(max(f) for f in fits) if all(fits) else -1
+
+    values = sorted({x for row in least_work for x in row if math.isfinite(x)})
+    lo, hi = 0, len(values)
+    while lo < hi:  # room(u) grows with u: the first value with room for E
+        mid = (lo + hi) // 2
+        if room(values[mid]) >= extra:
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo == len(values):
+        return math.inf
+    largest = values[lo]
+    if Schedule(schedule).zero_bubble:
+        return m * largest
+    sums = {0: 0.0}
+    for row in least_work:
+        nxt: dict[int, float] = {}
+        for j, total in sums.items():
+            for e, x in enumerate(row):
+                if j + e <= extra and math.isfinite(x) and total + x < nxt.get(j + e, math.inf):
+                    nxt[j + e] = total + x
+        sums = nxt
+    return sums.get(extra, math.inf) / v + (m - 1 / v) * largest
 
 
 def step_objective(schedule: Schedule, num_microbatches: int, virtual_stages: int):

@@ -64,7 +64,7 @@ from planner.search.interleaved_pricing import ChoicePricer, InterleavedCache
 from planner.search.interleaved_problem import (
     decode,
     interleaved_problem,
-    least_step_time,
+    least_step_time_by_extra,
     step_objective,
 )
 from planner.search.layer_costs import AxisSplit, LayerCostTable
@@ -557,21 +557,29 @@ class StageProblemBuilder:
         chooser = ChoicePricer(self, cand, layout, placements, sends, upper_bound)
         capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
         least = [0.0] * cand.mesh.pp
+        by_extra: list[tuple[float, ...]] = [(0.0,) * (cand.virtual_stages + 1)] * cand.mesh.pp
+
+        def beaten() -> float | None:
+            """The bound from the least work of each rank per count of larger chunks (ranks not priced yet at 0:
+            still a lower bound), when it reaches `upper_bound`; inf (no layout fits) is left to the full problem,
+            whose partitions say how much memory is missing."""
+            bound = least_step_time_by_extra(cand.schedule, m, cand.virtual_stages, layout.extra, by_extra)
+            return bound if math.isfinite(bound) and bound > upper_bound * (1 + 1e-9) else None
+
         for k in _heaviest_first(cand.mesh.pp):
-            least[k] = chooser.least_work(k, options)
+            by_extra[k] = chooser.least_work(k, options)
+            least[k] = min(by_extra[k])
             if not quick_unfit:
                 continue
             if not math.isfinite(least[k]):
                 return Unfit(chooser.least_peaks[k])
-            # The ranks not priced yet count as 0: still a lower bound (least_step_time is monotone).
-            bound = least_step_time(cand.schedule, m, cand.virtual_stages, least)
-            if bound > upper_bound * (1 + 1e-9):
+            if (bound := beaten()) is not None:
                 return Beaten(bound)
         if not all(math.isfinite(x) for x in least):  # some rank fits with no choice: the memory alone says why
             problem = interleaved_problem(layout, options, chooser.memory_only, sends, capacity, m,
                                           choices=chooser.choices)
             return StageProblem(cand, problem, placements, layout=layout)
-        if least_step_time(cand.schedule, m, cand.virtual_stages, least) > upper_bound * (1 + 1e-9):
+        if beaten() is not None:
             problem = interleaved_problem(layout, options, None, sends, capacity, m)
             return StageProblem(cand, problem, placements, layout=layout, pruned=True)
         chooser.set_least_work(least)
