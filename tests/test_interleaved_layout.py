@@ -107,3 +107,67 @@ def test_search_interleaves_126_layers_on_pp8_v8() -> None:
     assert (s.pp, s.virtual_stages, s.schedule) == (8, 8, Schedule.INTERLEAVED)
     assert len(s.stages) == 64 and {st.num_segments for st in s.stages} == {2}
     assert result.best.estimate.fits and result.status == "optimal"
+
+
+@pytest.mark.parametrize("schedule", [Schedule.INTERLEAVED, Schedule.INTERLEAVED_ZB])
+def test_least_step_time_by_extra_bounds_every_assignment_of_the_larger_chunks(schedule: Schedule) -> None:
+    """Against enumeration: never above the least step over every way to give the ranks E larger chunks (each rank
+    at its least work for its count, inf where that count does not fit), never below the bound that ignores E."""
+    from planner.search.interleaved_problem import least_step_time, least_step_time_by_extra
+
+    rng = random.Random(3)
+    inf = float("inf")
+    checked = stronger = 0
+    for _ in range(300):
+        p, v, m = rng.choice([2, 3, 4]), rng.choice([2, 3, 4]), rng.choice([4, 8, 12])
+        extra = rng.randint(0, p * v // 2)
+        rows = []
+        for _ in range(p):
+            base, step = rng.uniform(1, 2), rng.uniform(0, 0.5)
+            rows.append(tuple(inf if rng.random() < 0.15 else base + e * step + rng.uniform(0, 0.1)
+                              for e in range(v + 1)))
+        exact = inf
+        for picks in itertools.product(range(v + 1), repeat=p):
+            work = [rows[r][e] for r, e in enumerate(picks)]
+            if sum(picks) == extra and all(x < inf for x in work):
+                exact = min(exact, least_step_time(schedule, m, v, work))
+        bound = least_step_time_by_extra(schedule, m, v, extra, rows)
+        assert bound <= exact * (1 + 1e-12)
+        if exact < inf:
+            plain = least_step_time(schedule, m, v, [min(r) for r in rows])
+            assert bound >= plain * (1 - 1e-12)
+            checked += 1
+            stronger += bound > plain * (1 + 1e-9)
+    assert checked > 100 and stronger > checked // 4
+
+
+def test_interleaved_bottleneck_equals_the_chunk_sums() -> None:
+    """The closed form per rank (q blocks a chunk, the embedding and the head in place of one) against summing
+    each rank's smaller chunks segment by segment, then giving the E larger chunks out greedily."""
+    import numpy as np
+
+    from costmodel.pipeline import chunk_stages
+    from planner.search.bounds import interleaved_bottleneck
+
+    rng = random.Random(7)
+    for _ in range(400):
+        pre, post, blocks = rng.choice([0, 1, 2]), rng.choice([0, 1, 2]), rng.randint(2, 30)
+        schedule = rng.choice([Schedule.INTERLEAVED, Schedule.INTERLEAVED_ZB, Schedule.ZBV, Schedule.DUALPIPEV])
+        p, v = rng.choice([2, 3, 4, 8]), 2 if schedule.v_shape else rng.choice([2, 3, 4, 5])
+        layout = InterleavedLayout(p, v, pre + blocks + post, pre=pre, blocks=blocks, post=post, schedule=schedule)
+        if layout.small < 1:
+            continue
+        w = np.array([rng.random() for _ in range(layout.num_segments)])
+        w[pre:pre + blocks] = w[pre]
+        sends = [rng.random() / 10 for _ in range(p * v - 1)]
+        work = []
+        for r in range(p):
+            mine = chunk_stages(schedule, p, v, r)
+            own = sum((sends[j - 1] if j > 0 else 0.0) + (sends[j] if j < p * v - 1 else 0.0) for j in mine)
+            work.append(sum(float(w[list(c)].sum()) for c in layout.chunk_segments(r, (layout.small,) * v)) + own)
+        room = [v] * p
+        for _ in range(layout.extra):
+            r = min((r for r in range(p) if room[r]), key=lambda r: work[r])
+            work[r] += float(w[pre])
+            room[r] -= 1
+        assert interleaved_bottleneck(layout, w, sends) == pytest.approx(max(work), rel=1e-12)
