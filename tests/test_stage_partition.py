@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -21,7 +22,7 @@ OPTIONS = ("none", "selective", "full")
 
 
 def _random_problem(rng: np.random.Generator, n: int, p: int, num_options: int, ns: int, nu: int,
-                    m: int, integer: bool, with_tail: bool = False) -> PartitionProblem:
+                    m: int, integer: bool, with_tail: bool = False, weighted: bool = False) -> PartitionProblem:
     shape = (num_options, n + 1, n + 1)
 
     def draw(extra: tuple[int, ...]) -> np.ndarray:
@@ -45,10 +46,13 @@ def _random_problem(rng: np.random.Generator, n: int, p: int, num_options: int, 
         tail = tuple(draw(()) * 2 for _ in StageKind)
         drain = tuple(draw(()) for _ in StageKind)
         const = tuple(draw(()) * 0.3 for _ in StageKind)
+    weights = None
+    if weighted:  # the objective's linear form: labels are then also dropped by what they can still gain
+        weights = ((1.0,) + (0.5,) * (ns - 1), (m - 1.0,) + (1.0,) * (nu - 1 + with_tail))
     return PartitionProblem(num_segments=n, num_stages=p, options=OPTIONS[:num_options], additive=sums,
                             bottleneck=maxes, memory_base=base, memory_per_microbatch=act, stage_profile=profile,
                             in_flight=inflight, capacity=capacity, objective=objective, tail=tail, drain=drain,
-                            tail_const=const)
+                            tail_const=const, weights=weights)
 
 
 def _brute_force(problem: PartitionProblem) -> float:
@@ -62,7 +66,8 @@ def _brute_force(problem: PartitionProblem) -> float:
     return best
 
 
-def test_dp_matches_brute_force_on_random_instances() -> None:
+@pytest.mark.parametrize("weighted", [False, True])
+def test_dp_matches_brute_force_on_random_instances(weighted: bool) -> None:
     rng = np.random.default_rng(20240601)
     checked = infeasible = 0
     for trial in range(600):
@@ -70,9 +75,13 @@ def test_dp_matches_brute_force_on_random_instances() -> None:
         p = int(rng.integers(1, min(n, 4) + 1))
         problem = _random_problem(rng, n, p, int(rng.integers(1, 4)), int(rng.integers(1, 3)),
                                   int(rng.integers(1, 3)), m=int(rng.integers(1, 9)), integer=trial % 2 == 0,
-                                  with_tail=trial % 3 == 0)
+                                  with_tail=trial % 3 == 0, weighted=weighted)
         expected = _brute_force(problem)
         got = solve_partition(problem)
+        if weighted and got is not None:  # the same partition as the plain dominance finds, ties included
+            plain = solve_partition(dataclasses.replace(problem, weights=None))
+            assert plain is not None and plain.stages == got.stages, f"trial {trial}"
+            assert got.labels_created <= plain.labels_created
         if math.isinf(expected):
             assert got is None, f"trial {trial}: brute force finds nothing feasible, DP returned {got}"
             infeasible += 1
@@ -86,6 +95,15 @@ def test_dp_matches_brute_force_on_random_instances() -> None:
         checked += 1
     print(f"stage partition: {checked} random instances agree with brute force ({infeasible} infeasible)")
     assert checked == 600 and 0 < infeasible < 600
+
+
+def test_weights_must_match_the_objective() -> None:
+    rng = np.random.default_rng(3)
+    problem = _random_problem(rng, 5, 2, 2, 1, 2, m=4, integer=False, weighted=True)
+    with pytest.raises(ValueError, match="do not match"):
+        dataclasses.replace(problem, weights=((1.0,), (4.0, 1.0)))
+    with pytest.raises(ValueError, match="non-negative"):
+        dataclasses.replace(problem, weights=((1.0,), (3.0,)))
 
 
 def test_upper_bound_only_returns_improvements() -> None:

@@ -162,6 +162,8 @@ def interleaved_problem(layout: InterleavedLayout, options: Sequence[RecomputeCh
                             stage_profile=tuple(k % profiles for k in range(p)), in_flight=(0,) * p,
                             capacity=tuple(capacity), additive=tuple(additive),
                             objective=step_objective(layout.schedule, num_microbatches, layout.virtual_stages),
+                            weights=step_weights(layout.schedule, num_microbatches, layout.virtual_stages,
+                                                 bottleneck.shape[-1]),
                             bottleneck=tuple(bottleneck), memory_base=tuple(memory_base),
                             memory_per_microbatch=tuple(np.zeros(shape)), tail=tuple(tail),
                             tail_const=tuple(tail_const), drain=tuple(drain), preferred=preferred)
@@ -220,6 +222,16 @@ def least_step_time_by_extra(schedule: Schedule, num_microbatches: int, virtual_
                     nxt[j + e] = total + x
         sums = nxt
     return sums.get(extra, math.inf) / v + (m - 1 / v) * largest
+
+
+def step_weights(schedule: Schedule, num_microbatches: int, virtual_stages: int, num_bottleneck: int
+                 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """`step_objective` as the linear form the partition solver's dominance uses (`PartitionProblem.weights`):
+    one sum, then `num_bottleneck` maxima and the tail."""
+    m, v = num_microbatches, virtual_stages
+    if Schedule(schedule).zero_bubble:
+        return (1 / v,), (1.0,) * (num_bottleneck + 1)
+    return (1 / v,), (m - 1 / v,) + (1.0,) * num_bottleneck
 
 
 def step_objective(schedule: Schedule, num_microbatches: int, virtual_stages: int):

@@ -25,6 +25,15 @@ have a tail ``e(k, r, a, b)`` that hides in the pipeline drain behind it, whose 
 (the last). Labels then also carry ``P``, and a label
 dominates another only if its ``P`` is at least as large (a longer drain hides more of every later tail).
 
+Where Phi is linear, ``Phi(S, U) = w_S . S + w_U . U`` with non-negative weights (`PartitionProblem.weights`, every
+pipeline objective of the search), a label A also drops a label B of the same state when every completion of A is
+strictly better than B's: for any completion, ``Phi(A + c) - Phi(B + c) <= w_S . (S_A - S_B) + sum_j w_U,j
+max(U_A,j - U_B,j, 0) + w_T max(T_A - T_B, P_B - P_A, 0)`` (a max moves by at most the difference of its
+arguments; a drain shorter by d exposes at most d more of every later tail), and that is below 0. Labels that
+differ in a small term (the optimizer step, a stage's tail) by less than they gain elsewhere then no longer
+multiply: on pipelines whose ranks run at different speeds the fronts otherwise hold thousands of labels. A
+dropped label could never be optimal or tied, so the result is the same.
+
 Memory: stage ``k`` fits when ``base(r, a, b) + inflight[k] * act(r, a, b) <= capacity[k]``, where ``base`` holds
 weights, gradients, optimizer state, temporaries and overhead, ``act`` the activations one micro-batch saves, and
 ``inflight[k]`` the micro-batches the schedule keeps alive on stage ``k`` (GPipe: m; 1F1B: min(p - k, m)).
@@ -105,6 +114,10 @@ class PartitionProblem:
     preferred: tuple[StageChoice, ...] | None = None
     """A partition that wins ties: the solver takes it as its first incumbent (when it fits), so another partition
     replaces it only with a strictly smaller objective."""
+    weights: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    """(w_S, w_U) when ``objective`` is linear, ``Phi(S, U) = w_S . S + w_U . U`` (U with the tail last when there is
+    one), weights >= 0: labels are then also compared by what they can still gain (module docstring). Checked
+    against ``objective`` at two points."""
 
     @property
     def has_tail(self) -> bool:
@@ -131,6 +144,18 @@ class PartitionProblem:
         for arr in (*self.additive, *self.bottleneck, *self.memory_base, *self.memory_per_microbatch, *extra):
             if arr.shape[:3] != (r, n + 1, n + 1):
                 raise ValueError(f"array shape {arr.shape[:3]} != {(r, n + 1, n + 1)}")
+        if self.weights is not None:
+            self._check_weights()
+
+    def _check_weights(self) -> None:
+        ns, nu = self.additive[0].shape[3], self.bottleneck[0].shape[3] + self.has_tail
+        ws, wu = self.weights
+        if len(ws) != ns or len(wu) != nu or min((*ws, *wu)) < 0:
+            raise ValueError(f"weights need {ns} + {nu} non-negative entries, got {len(ws)} + {len(wu)}")
+        for s, u in (([1.0] * ns, [1.0] * nu), ([0.5 + i for i in range(ns)], [2.0 + 3 * i for i in range(nu)])):
+            linear = sum(w * x for w, x in zip(ws, s, strict=True)) + sum(w * x for w, x in zip(wu, u, strict=True))
+            if not math.isclose(float(self.objective(s, u)), linear, rel_tol=1e-9):
+                raise ValueError("weights do not match the objective")
 
     def fits(self, k: int) -> np.ndarray:
         """Boolean (R, L+1, L+1): which stage candidates fit in memory at stage index k."""
@@ -259,14 +284,16 @@ def evaluate(problem: PartitionProblem, stages: Sequence[StageChoice]
 class _Front:
     """A Pareto front of labels, none dominating another, in the order they were added. Label a dominates b when
     a.drain >= b.drain and a's sums and maxes are each <= b's: its key (-drain, sums, maxes) is <= b's in every
-    entry. The keys are kept as one array, so a check against the whole front is one comparison (fronts of
-    pipelines whose ranks differ in speed hold hundreds of labels)."""
+    entry; with linear weights also when a's every completion is strictly better (module docstring). The keys are
+    kept as one array, so a check against the whole front is one comparison (fronts of pipelines whose ranks
+    differ in speed hold hundreds of labels)."""
 
-    __slots__ = ("keys", "labels")
+    __slots__ = ("keys", "labels", "gain")
 
-    def __init__(self) -> None:
+    def __init__(self, gain: _Gain | None = None) -> None:
         self.labels: list[_Label] = []
         self.keys = np.empty((0, 0))
+        self.gain = gain
 
     def insert(self, label: _Label) -> bool:
         """Add `label` unless a label of the front dominates it; drop the labels it dominates. Returns whether it
@@ -275,7 +302,11 @@ class _Front:
         if self.labels:
             if (self.keys <= key).all(axis=1).any():
                 return False
+            if self.gain is not None and self.gain.beats(self.keys, key).any():
+                return False
             keep = ~(key <= self.keys).all(axis=1)
+            if self.gain is not None:
+                keep &= ~self.gain.beats(key, self.keys)
             if not keep.all():
                 self.keys = self.keys[keep]
                 self.labels = [o for o, k in zip(self.labels, keep, strict=True) if k]
@@ -284,6 +315,36 @@ class _Front:
             self.keys = key[None, :]
         self.labels.append(label)
         return True
+
+
+@dataclass(frozen=True)
+class _Gain:
+    """The weighted dominance test of the module docstring over label keys (-drain, sums, maxes[, tail])."""
+
+    sums: np.ndarray
+    maxes: np.ndarray
+    tail: float
+    has_tail: bool
+
+    @classmethod
+    def of(cls, problem: PartitionProblem) -> _Gain | None:
+        if problem.weights is None:
+            return None
+        ws, wu = problem.weights
+        if problem.has_tail:
+            return cls(np.array(ws, dtype=float), np.array(wu[:-1], dtype=float), float(wu[-1]), True)
+        return cls(np.array(ws, dtype=float), np.array(wu, dtype=float), 0.0, False)
+
+    def beats(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Whether every completion of key(s) `a` is strictly better than the same completion of key(s) `b`."""
+        d = a - b
+        ns, nu = len(self.sums), len(self.maxes)
+        gain = d[..., 1:1 + ns] @ self.sums + np.maximum(d[..., 1 + ns:1 + ns + nu], 0.0) @ self.maxes
+        if self.has_tail:
+            gain = gain + self.tail * np.maximum(np.maximum(d[..., -1], d[..., 0]), 0.0)
+        # Strictly, beyond rounding: an exact tie keeps both (the first found wins ties).
+        scale = np.abs(a[..., 1:1 + ns]) @ self.sums + np.abs(b[..., 1:1 + ns]) @ self.sums
+        return gain < -1e-12 * (1.0 + scale)
 
 
 def partition_lower_bound(problem: PartitionProblem) -> float:
@@ -392,7 +453,8 @@ class _LabelSearch:
         self.ns, self.nu = problem.additive[0].shape[3], problem.bottleneck[0].shape[3]
         root = _Label((0.0,) * self.ns, (-math.inf,) * self.nu + ((0.0,) if problem.has_tail else ()), 0.0,
                       None, None)
-        self.fronts: dict[tuple[int, int], _Front] = {(0, 0): _Front()}
+        self.gain = _Gain.of(problem)
+        self.fronts: dict[tuple[int, int], _Front] = {(0, 0): _Front(self.gain)}
         self.fronts[(0, 0)].insert(root)
         self.created = 1
         self.bound = upper_bound
@@ -422,7 +484,7 @@ class _LabelSearch:
             self.created += 1
             front = self.fronts.get((int(nxt.stops[c]), nxt.k + 1))
             if front is None:
-                front = self.fronts[(int(nxt.stops[c]), nxt.k + 1)] = _Front()
+                front = self.fronts[(int(nxt.stops[c]), nxt.k + 1)] = _Front(self.gain)
             front.insert(new)
 
     def _completion_bounds(self, label: _Label, nxt: _NextStages

@@ -66,6 +66,7 @@ from planner.search.interleaved_problem import (
     interleaved_problem,
     least_step_time_by_extra,
     step_objective,
+    step_weights,
 )
 from planner.search.layer_costs import AxisSplit, LayerCostTable
 from planner.search.meshes import MeshCandidate
@@ -422,9 +423,12 @@ class StageProblemBuilder:
             for name, arr in terms.items():
                 arrays.setdefault(name, []).append(arr)
         objective = _gpipe_objective(m) if gpipe else step_objective(cand.schedule, m, 1)
+        nu = arrays["bottleneck"][0].shape[-1]
+        weights = ((1.0, 1.0), (m - 1.0, m - 1.0, 1.0, 1.0, 1.0)) if gpipe else step_weights(cand.schedule, m, 1, nu)
         problem = PartitionProblem(num_segments=n, num_stages=p, options=tuple(o.value for o in options),
                                    stage_profile=tuple(profile), in_flight=in_flight, capacity=capacity,
-                                   objective=objective, **{name: tuple(arrs) for name, arrs in arrays.items()})
+                                   objective=objective, weights=weights,
+                                   **{name: tuple(arrs) for name, arrs in arrays.items()})
         return StageProblem(cand, problem, placements, pruned=pruned)
 
     def _stage_profiles(self, cand: Candidate, contexts: Sequence[RankContext]) -> tuple[list[int], list[int]]:
