@@ -78,9 +78,9 @@ def test_dp_matches_brute_force_on_random_instances(weighted: bool) -> None:
                                   with_tail=trial % 3 == 0, weighted=weighted)
         expected = _brute_force(problem)
         got = solve_partition(problem)
-        if weighted and got is not None:  # the same partition as the plain dominance finds, ties included
+        if weighted and got is not None:  # the optimum of the plain dominance, with no more labels
             plain = solve_partition(dataclasses.replace(problem, weights=None))
-            assert plain is not None and plain.stages == got.stages, f"trial {trial}"
+            assert plain is not None and plain.objective == pytest.approx(got.objective, rel=1e-12), f"trial {trial}"
             assert got.labels_created <= plain.labels_created
         if math.isinf(expected):
             assert got is None, f"trial {trial}: brute force finds nothing feasible, DP returned {got}"
