@@ -321,30 +321,51 @@ class _Front:
 
 @dataclass(frozen=True)
 class _Gain:
-    """The weighted dominance test of the module docstring over label keys (-drain, sums, maxes[, tail])."""
+    """The weighted dominance test of the module docstring over the keys (-drain, sums, maxes[, tail]) of labels
+    with the same stages still to place: `exposed` bounds what any of those can expose of its tail beyond the
+    labels' drain (the largest tail e and unhidden part c among them: max(e - P, 0) + c)."""
 
     sums: np.ndarray
     maxes: np.ndarray
     tail: float
     has_tail: bool
+    future_tail: float = 0.0
+    future_const: float = 0.0
 
     @classmethod
-    def of(cls, problem: PartitionProblem) -> _Gain | None:
+    def per_stage(cls, problem: PartitionProblem, masks: Sequence[np.ndarray]) -> list[_Gain] | None:
+        """Per number k of stages placed, the test for labels with stages k.. still to place (None: no weights)."""
         if problem.weights is None:
             return None
         ws, wu = problem.weights
-        if problem.has_tail:
-            return cls(np.array(ws, dtype=float), np.array(wu[:-1], dtype=float), float(wu[-1]), True)
-        return cls(np.array(ws, dtype=float), np.array(wu, dtype=float), 0.0, False)
+        if not problem.has_tail or problem.tail is None:
+            return [cls(np.array(ws, dtype=float), np.array(wu, dtype=float), 0.0, False)] * (problem.num_stages + 1)
+        out, tail, const = [], -math.inf, 0.0
+        for k in range(problem.num_stages, -1, -1):
+            out.append(cls(np.array(ws, dtype=float), np.array(wu[:-1], dtype=float), float(wu[-1]), True,
+                           max(tail, 0.0), const))
+            if k > 0:
+                q, valid = problem.stage_profile[k - 1], masks[k - 1]
+                if valid.any():
+                    tail = max(tail, float(problem.tail[q][valid].max()))
+                    if problem.tail_const is not None:
+                        const = max(const, float(problem.tail_const[q][valid].max()))
+        return out[::-1]
 
     def beats(self, a: np.ndarray, b: np.ndarray, *, ties: bool) -> np.ndarray:
         """Whether every completion of key(s) `a` is better than the same completion of key(s) `b`: strictly, or
-        with `ties` also as good (beyond rounding either way)."""
+        with `ties` also as good (beyond rounding either way).
+
+        The tail term: a's later exposed tails exceed b's by at most b's extra drain, and are at most `exposed`
+        beyond a's drain, so a's tail maximum exceeds b's by at most max(T_a - T_b, min(P_b - P_a, F_a - T_b), 0)
+        with F_a = max(e - P_a, 0) + c."""
         d = a - b
         ns, nu = len(self.sums), len(self.maxes)
         gain = d[..., 1:1 + ns] @ self.sums + np.maximum(d[..., 1 + ns:1 + ns + nu], 0.0) @ self.maxes
         if self.has_tail:
-            gain = gain + self.tail * np.maximum(np.maximum(d[..., -1], d[..., 0]), 0.0)
+            later = np.maximum(self.future_tail + a[..., 0], 0.0) + self.future_const  # a[0] = -P_a
+            shortfall = np.minimum(d[..., 0], later - b[..., -1])
+            gain = gain + self.tail * np.maximum(np.maximum(d[..., -1], shortfall), 0.0)
         scale = 1e-12 * (1.0 + np.abs(a[..., 1:1 + ns]) @ self.sums + np.abs(b[..., 1:1 + ns]) @ self.sums)
         return gain <= scale if ties else gain < -scale
 
@@ -381,7 +402,7 @@ def solve_partition_until(problem: PartitionProblem, *, upper_bound: float = mat
     h, g = _suffix_bounds(problem, masks)
     if not np.isfinite(h[0, 0]).all():
         return None, True
-    search = _LabelSearch(problem, upper_bound)
+    search = _LabelSearch(problem, upper_bound, masks)
     if problem.preferred is not None:
         search.offer(evaluate(problem, problem.preferred)[0], list(problem.preferred))
     seed = _bottleneck_partition(problem, masks)
@@ -450,13 +471,13 @@ class _NextStages:
 class _LabelSearch:
     """The label-setting DP's state: the Pareto front of each (segment, stage), the incumbent and its value."""
 
-    def __init__(self, problem: PartitionProblem, upper_bound: float) -> None:
+    def __init__(self, problem: PartitionProblem, upper_bound: float, masks: Sequence[np.ndarray]) -> None:
         self.problem = problem
         self.ns, self.nu = problem.additive[0].shape[3], problem.bottleneck[0].shape[3]
         root = _Label((0.0,) * self.ns, (-math.inf,) * self.nu + ((0.0,) if problem.has_tail else ()), 0.0,
                       None, None)
-        self.gain = _Gain.of(problem)
-        self.fronts: dict[tuple[int, int], _Front] = {(0, 0): _Front(self.gain)}
+        self.gains = _Gain.per_stage(problem, masks)
+        self.fronts: dict[tuple[int, int], _Front] = {(0, 0): _Front(self.gains[0] if self.gains else None)}
         self.fronts[(0, 0)].insert(root)
         self.created = 1
         self.bound = upper_bound
@@ -486,7 +507,8 @@ class _LabelSearch:
             self.created += 1
             front = self.fronts.get((int(nxt.stops[c]), nxt.k + 1))
             if front is None:
-                front = self.fronts[(int(nxt.stops[c]), nxt.k + 1)] = _Front(self.gain)
+                front = self.fronts[(int(nxt.stops[c]), nxt.k + 1)] = _Front(
+                    self.gains[nxt.k + 1] if self.gains else None)
             front.insert(new)
 
     def _completion_bounds(self, label: _Label, nxt: _NextStages
