@@ -73,41 +73,84 @@ def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost]
                       layout: InterleavedLayout | None = None, p2p: Sequence[float] = ()) -> float:
     """A lower bound on the candidate's step time from its own layer prices (tp sharding solved).
 
-    `costs`: per pipeline rank, its segment prices and speed. Per segment ``w_j`` is the least over ranks of
-    ``(forward + backward compute) / speed + forward + backward TP communication`` (recomputation and
+    `costs`: per pipeline rank in order, its segment prices and speed. Per segment ``w_j`` is the least over ranks
+    of ``(forward + backward compute) / speed + forward + backward TP communication`` (recomputation and
     data-parallel communication are >= 0). The pipeline's bottleneck rank carries at least the min-max
-    contiguous split of ``w`` over p stages; for interleaved, the least bottleneck of its chunk layouts
-    (`interleaved_bottleneck`) with the sends (`p2p`, one per chunk boundary). So
+    contiguous split of ``w`` over p stages -- where the ranks differ, of each rank's own work, stage k priced on
+    rank k; for interleaved, the least bottleneck of its chunk layouts (`interleaved_bottleneck`) with the sends
+    (`p2p`, one per chunk boundary). So
     ``T >= W / v + (m - 1/v) U + optimizer_s``. A zero-bubble schedule's step is at least m D_* + the other
     ranks' E_r / v (`costmodel.pipeline`, * the busiest rank). For interleaved-zb and dualpipev E_r = f_r +
     max(i_r - w_r, 0) <= D_r and their sum is at least F + max(I - W, 0) over the chain (W: the weight-gradient
     compute, I the rest of the backward, F the forward); ZB-V's E_r is at least f_r and at most 2 D_r. So
     ``T >= max(m U, (m - 1/v) U + (F + max(I - W, 0)) / v)``, resp. ``max(m U, (m - 2/v) U + F / v)``, plus
     `optimizer_s`."""
-    w = np.min([segment_work(segs, speed, tp_overlap_chunks(cand), cand.runtime.tp_grad_overlap)
-                for segs, speed in costs], axis=0)
+    distinct: dict[tuple[int, float], np.ndarray] = {}
+    for segs, speed in costs:
+        if (id(segs), speed) not in distinct:
+            distinct[(id(segs), speed)] = segment_work(segs, speed, tp_overlap_chunks(cand),
+                                                       cand.runtime.tp_grad_overlap)
+    works = [distinct[(id(segs), speed)] for segs, speed in costs]
+    unique = list({(id(segs), speed): (segs, speed) for segs, speed in costs}.values())
+    w = np.min(list(distinct.values()), axis=0)
     prefix = np.concatenate([[0.0], np.cumsum(w)])
     m, p = cand.num_microbatches, cand.mesh.pp
     total = float(prefix[-1])
+    # Ranks that differ (a straggler, another device type) each carry their own work: the bottleneck is then
+    # over partitions priced rank by rank, which no longer assumes the slow rank as fast as the fastest.
+    per_rank = works if len(works) == p and len(distinct) > 1 else None
     if layout is not None:
         v = cand.virtual_stages
-        u = interleaved_bottleneck(layout, w, p2p)
+        u = interleaved_bottleneck(layout, w, p2p, per_rank)
         total += 2 * sum(p2p)  # every boundary is sent once and received once
     else:
         v = 1
-        u = _min_max_partition(prefix, p)
+        u = (_min_max_partition(prefix, p) if per_rank is None
+             else _min_max_partition_ranks([np.concatenate([[0.0], np.cumsum(x)]) for x in per_rank]))
     if cand.schedule.zero_bubble:
         n = tp_overlap_chunks(cand)
         parts = np.min([[(c.fwd_compute_s / speed + tp_exposed(c.fwd_comm_s, c.fwd_compute_s / speed, n),
                           c.bwd_compute_s * (1 - 2 * c.weight_grad_share) / speed
                           + tp_bwd_exposed(c, c.bwd_compute_s / speed, n, cand.runtime.tp_grad_overlap))
                          for c in segs]
-                         for segs, speed in costs], axis=0).sum(axis=0) + sum(p2p)
+                         for segs, speed in unique], axis=0).sum(axis=0) + sum(p2p)
         forward, input_less_weight = float(parts[0]), max(float(parts[1]), 0.0)
         if cand.schedule is Schedule.ZBV:
             return max(m * u, (m - 2 / v) * u + forward / v) + optimizer_s
         return max(m * u, (m - 1 / v) * u + (forward + input_less_weight) / v) + optimizer_s
     return total / v + (m - 1 / v) * u + optimizer_s
+
+
+def _min_max_partition_ranks(prefixes: Sequence[np.ndarray]) -> float:
+    """`_min_max_partition` where part k is priced by its own prefix sums `prefixes[k]` (rank k's work): the least
+    U (within 1e-9 relative) such that the parts, filled in order each as far as it stays within U, cover the
+    chain -- filling a part as far as it can never leaves the later ones more to do, so this is the least largest
+    part over every contiguous partition (empty parts allowed, which only lowers it)."""
+    sums = [x.tolist() for x in prefixes]
+    n = len(sums[0]) - 1
+    lo, hi = min(s[-1] for s in sums) / len(sums), sums[0][-1]  # the cheapest mean; rank 0 holding everything
+    if lo <= 0:
+        return 0.0
+
+    def feasible(x: float) -> bool:
+        pos = 0
+        for rank in sums:
+            pos = bisect.bisect_right(rank, rank[pos] + x) - 1
+            if pos >= n:
+                return True
+        return False
+
+    if feasible(lo):
+        return lo
+    for _ in range(60):
+        if hi - lo <= 1e-9 * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo
 
 
 def comm_lower_bound(cand: Candidate, comm: np.ndarray, layout: InterleavedLayout | None = None,
@@ -133,12 +176,15 @@ def comm_lower_bound(cand: Candidate, comm: np.ndarray, layout: InterleavedLayou
     return float(comm.sum()) / v + (m - 1 / v) * u
 
 
-def interleaved_bottleneck(layout: InterleavedLayout, w: np.ndarray, p2p: Sequence[float]) -> float:
+def interleaved_bottleneck(layout: InterleavedLayout, w: np.ndarray, p2p: Sequence[float],
+                           per_rank: Sequence[np.ndarray] | None = None) -> float:
     """The least largest rank work max_r D_r over the layouts (`planner.search.interleaved_problem`), from the
-    per-segment work ``w`` and the sends: each rank starts with its smaller chunks (its sends are fixed by
-    position), and the E extra blocks go one by one to the rank with the least work that has room (at most v
-    each) -- optimal for min-max with equal increments. Layouts the sends leave out only raise it."""
+    per-segment work ``w`` (or each rank's own, `per_rank`) and the sends: each rank starts with its smaller
+    chunks (its sends are fixed by position), and the E extra blocks go one by one to the rank with room (at most
+    v each) that would finish them first -- optimal for min-max with a fixed increment per rank (unit jobs on
+    machines of different speeds). Layouts the sends leave out only raise it."""
     p, v, n = layout.pp, layout.virtual_stages, len(p2p) + 1
+    ranks_w = list(per_rank) if per_rank is not None else [w] * p
 
     def mine(r: int) -> tuple[int, ...]:
         return chunk_stages(layout.schedule, p, v, r)
@@ -147,25 +193,26 @@ def interleaved_bottleneck(layout: InterleavedLayout, w: np.ndarray, p2p: Sequen
         return sum((p2p[j - 1] if j > 0 else 0.0) + (p2p[j] if j < n - 1 else 0.0) for j in mine(r))
 
     if layout.fixed:
-        return max(sum(float(w[layout.fixed[j].start:layout.fixed[j].stop].sum()) for j in mine(r)) + sends(r)
-                   for r in range(p))
+        return max(sum(float(ranks_w[r][layout.fixed[j].start:layout.fixed[j].stop].sum()) for j in mine(r))
+                   + sends(r) for r in range(p))
     # Each rank's smaller chunks (`InterleavedLayout.chunk_segments` with q units each): q blocks per chunk, the
     # embedding and the head in place of a block where they sit.
-    block, q = float(w[layout.pre]), layout.small
-    pre_w, post_w = float(w[:layout.pre].sum()), float(w[layout.pre + layout.blocks:].sum())
-    head = layout.head_chunk
+    q, head = layout.small, layout.head_chunk
+    block = [float(x[layout.pre]) for x in ranks_w]
 
     def small_chunks(r: int) -> float:
-        total = 0.0
+        x, total = ranks_w[r], 0.0
         for c in range(v):
             pre, post = r == 0 and c == 0 and layout.pre > 0, (r, c) == head and layout.post > 0
-            total += max(q - pre - post, 0) * block + pre * pre_w + post * post_w
+            total += max(q - pre - post, 0) * block[r]
+            total += (float(x[:layout.pre].sum()) if pre else 0.0) + (
+                float(x[layout.pre + layout.blocks:].sum()) if post else 0.0)
         return total
 
     work = [small_chunks(r) + sends(r) for r in range(p)]
     room = [v] * p
     for _ in range(layout.extra):
-        r = min((r for r in range(p) if room[r]), key=lambda r: work[r])
-        work[r] += block
+        r = min((r for r in range(p) if room[r]), key=lambda r: work[r] + block[r])
+        work[r] += block[r]
         room[r] -= 1
     return max(work)

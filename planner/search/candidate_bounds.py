@@ -175,7 +175,7 @@ class CandidateBounds:
         placements = self.builder.placements(cand)
         m = cand.mesh
         interleaved = cand.schedule.chunked and cand.virtual_stages > 1
-        key = (tuple(sorted({(pl.device.name, pl.speed) for pl in placements})), m.tp, m.stride(MeshAxis.TP),
+        key = (tuple((pl.device.name, pl.speed) for pl in placements), m.tp, m.stride(MeshAxis.TP),
                cand.sequence_parallel, cand.microbatch_size, m.pp,
                cand.num_microbatches, cand.virtual_stages if interleaved else 1,
                cand.schedule.zero_bubble, cand.schedule.v_shape,  # the bound's form and the chunks' placement
@@ -184,10 +184,8 @@ class CandidateBounds:
                (m.cp, m.stride(MeshAxis.CP), m.ep, m.stride(MeshAxis.EP), m.num_devices))
         pipe = self._pipeline_bound.get(key)
         if pipe is None:
-            # Each rank's work priced on its own device and speed; the bound takes the cheapest per segment.
-            costs = [(self.builder.segment_costs(cand, device), speed)
-                     for device, speed in {(pl.device.name, pl.speed): (pl.device, pl.speed)
-                                           for pl in placements}.values()]
+            # Each rank's work priced on its own device and speed (`bounds.tight_lower_bound`).
+            costs = [(self.builder.segment_costs(cand, pl.device), pl.speed) for pl in placements]
             layout = self.builder.layout(cand) if interleaved else None
             p2p = self.builder.interleaved_sends(cand, layout, placements) if layout is not None else []
             pipe = self._pipeline_bound[key] = tight_lower_bound(cand, costs, optimizer_s=0.0, layout=layout,
