@@ -15,20 +15,22 @@ from planner.search.interleaved_layout import InterleavedLayout
 
 
 def test_min_max_partition_with_a_price_per_rank_is_the_enumerated_optimum() -> None:
+    """Each part priced on its own rank, plus what its rank pays whatever it holds (its sends)."""
     rng = random.Random(1)
     for _ in range(300):
         n, p = rng.randint(1, 8), rng.randint(1, 4)
         base = [rng.uniform(0.1, 2.0) for _ in range(n)]
         speeds = [rng.choice([1.0, 1.0, 0.6, 0.8]) for _ in range(p)]
         works = [np.array(base) / s for s in speeds]
+        sends = [rng.choice([0.0, rng.uniform(0, 1.5)]) for _ in range(p)]
         prefixes = [np.concatenate([[0.0], np.cumsum(w)]) for w in works]
-        best = min(max(float(prefixes[k][b] - prefixes[k][a]) for k, (a, b) in
+        best = min(max(float(prefixes[k][b] - prefixes[k][a]) + sends[k] for k, (a, b) in
                        enumerate(itertools.pairwise((0, *cuts, n))))
                    for cuts in itertools.combinations_with_replacement(range(n + 1), p - 1))
-        got = _min_max_partition_ranks(prefixes)
+        got = _min_max_partition_ranks(prefixes, sends)
         assert got <= best * (1 + 1e-9)
         assert got >= best * (1 - 1e-8)
-        if len(set(speeds)) == 1:
+        if len(set(speeds)) == 1 and not any(sends):
             assert got == pytest.approx(_min_max_partition(prefixes[0], p), rel=1e-8)
 
 

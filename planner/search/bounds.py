@@ -70,7 +70,8 @@ def _min_max_partition(prefix: np.ndarray, p: int) -> float:
 
 
 def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost], float]], *, optimizer_s: float,
-                      layout: InterleavedLayout | None = None, p2p: Sequence[float] = ()) -> float:
+                      layout: InterleavedLayout | None = None, p2p: Sequence[float] = (),
+                      rank_sends: Sequence[float] = ()) -> float:
     """A lower bound on the candidate's step time from its own layer prices (tp sharding solved).
 
     `costs`: per pipeline rank in order, its segment prices and speed. Per segment ``w_j`` is the least over ranks
@@ -78,7 +79,8 @@ def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost]
     data-parallel communication are >= 0). The pipeline's bottleneck rank carries at least the min-max
     contiguous split of ``w`` over p stages -- where the ranks differ, of each rank's own work, stage k priced on
     rank k; for interleaved, the least bottleneck of its chunk layouts (`interleaved_bottleneck`) with the sends
-    (`p2p`, one per chunk boundary). So
+    (`p2p`, one per chunk boundary). A contiguous stage also pays its receive and send, at least `rank_sends[k]`
+    on rank k, once per micro-batch (across a slow tier, seconds). So
     ``T >= W / v + (m - 1/v) U + optimizer_s``. A zero-bubble schedule's step is at least m D_* + the other
     ranks' E_r / v (`costmodel.pipeline`, * the busiest rank). For interleaved-zb and dualpipev E_r = f_r +
     max(i_r - w_r, 0) <= D_r and their sum is at least F + max(I - W, 0) over the chain (W: the weight-gradient
@@ -103,10 +105,13 @@ def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost]
         v = cand.virtual_stages
         u = interleaved_bottleneck(layout, w, p2p, per_rank)
         total += 2 * sum(p2p)  # every boundary is sent once and received once
+    elif per_rank is None and not any(rank_sends):
+        v, u = 1, _min_max_partition(prefix, p)
     else:
         v = 1
-        u = (_min_max_partition(prefix, p) if per_rank is None
-             else _min_max_partition_ranks([np.concatenate([[0.0], np.cumsum(x)]) for x in per_rank]))
+        total += sum(rank_sends)
+        u = _min_max_partition_ranks([np.concatenate([[0.0], np.cumsum(x)]) for x in (per_rank or [w] * p)],
+                                     rank_sends)
     if cand.schedule.zero_bubble:
         n = tp_overlap_chunks(cand)
         parts = np.min([[(c.fwd_compute_s / speed + tp_exposed(c.fwd_comm_s, c.fwd_compute_s / speed, n),
@@ -121,21 +126,25 @@ def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost]
     return total / v + (m - 1 / v) * u + optimizer_s
 
 
-def _min_max_partition_ranks(prefixes: Sequence[np.ndarray]) -> float:
-    """`_min_max_partition` where part k is priced by its own prefix sums `prefixes[k]` (rank k's work): the least
-    U (within 1e-9 relative) such that the parts, filled in order each as far as it stays within U, cover the
-    chain -- filling a part as far as it can never leaves the later ones more to do, so this is the least largest
-    part over every contiguous partition (empty parts allowed, which only lowers it)."""
+def _min_max_partition_ranks(prefixes: Sequence[np.ndarray], fixed: Sequence[float] = ()) -> float:
+    """`_min_max_partition` where part k is priced by its own prefix sums `prefixes[k]` (rank k's work) plus
+    `fixed[k]` (what its stage pays whatever it holds, such as its sends): the least U (within 1e-9 relative) such
+    that the parts, filled in order each as far as it stays within U, cover the chain -- filling a part as far as
+    it can never leaves the later ones more to do, so this is the least largest part over every contiguous
+    partition (empty parts allowed, which only lowers it; every rank pays its fixed part)."""
     sums = [x.tolist() for x in prefixes]
+    fixed = list(fixed) or [0.0] * len(sums)
     n = len(sums[0]) - 1
-    lo, hi = min(s[-1] for s in sums) / len(sums), sums[0][-1]  # the cheapest mean; rank 0 holding everything
+    # Some rank holds at least the cheapest mean, every rank its fixed part; rank 0 holding everything fits.
+    lo = max(min(s[-1] for s in sums) / len(sums), max(fixed))
+    hi = sums[0][-1] + max(fixed)
     if lo <= 0:
         return 0.0
 
     def feasible(x: float) -> bool:
         pos = 0
-        for rank in sums:
-            pos = bisect.bisect_right(rank, rank[pos] + x) - 1
+        for rank, own in zip(sums, fixed, strict=True):
+            pos = max(pos, bisect.bisect_right(rank, rank[pos] + x - own) - 1)
             if pos >= n:
                 return True
         return False

@@ -179,7 +179,7 @@ class CandidateBounds:
                cand.sequence_parallel, cand.microbatch_size, m.pp,
                cand.num_microbatches, cand.virtual_stages if interleaved else 1,
                cand.schedule.zero_bubble, cand.schedule.v_shape,  # the bound's form and the chunks' placement
-               (m.dp, m.cp, m.mesh_order) if interleaved and m.pp > 1 else (),
+               (m.dp, m.cp, m.mesh_order) if m.pp > 1 else (),  # the sends
                # cp / ep change the segment prices (planner.search.layer_costs.AxisSplit).
                (m.cp, m.stride(MeshAxis.CP), m.ep, m.stride(MeshAxis.EP), m.num_devices))
         pipe = self._pipeline_bound.get(key)
@@ -188,8 +188,9 @@ class CandidateBounds:
             costs = [(self.builder.segment_costs(cand, pl.device), pl.speed) for pl in placements]
             layout = self.builder.layout(cand) if interleaved else None
             p2p = self.builder.interleaved_sends(cand, layout, placements) if layout is not None else []
+            sends = self.builder.contiguous_sends(cand, placements) if layout is None and m.pp > 1 else []
             pipe = self._pipeline_bound[key] = tight_lower_bound(cand, costs, optimizer_s=0.0, layout=layout,
-                                                                 p2p=p2p)
+                                                                 p2p=p2p, rank_sends=sends)
         return max(pipe, self.comm_bound(cand, placements, interleaved)) + self.optimizer_bound(cand, placements)
 
     def comm_bound(self, cand: Candidate, placements: Sequence[RankPlacement], interleaved: bool) -> float:

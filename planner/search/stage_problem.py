@@ -370,6 +370,21 @@ class StageProblemBuilder:
                           .boundary_bytes) for j in range(n - 1)]
         return list(hit)
 
+    def contiguous_sends(self, cand: Candidate, placements: Sequence[RankPlacement]) -> list[float]:
+        """Per pipeline rank of a contiguous schedule, the least its stage's receive plus send can take: over every
+        segment a stage may end with (`_profile_arrays` prices the exact ones)."""
+        key = (cand.mesh, cand.schedule, cand.microbatch_size, cand.sequence_parallel, cand.runtime,
+               tuple(pl.device.name for pl in placements))
+        hit = self._sends.get(key)
+        if hit is None:
+            p, out = cand.mesh.pp, []
+            for k, pl in enumerate(placements):
+                sizes = {c.boundary_bytes for c in self.segment_costs(cand, pl.device)[:-1]}
+                out.append((min(self._p2p(cand, k - 1, x) for x in sizes) if k > 0 else 0.0)
+                           + (min(self._p2p(cand, k, x) for x in sizes) if k < p - 1 else 0.0))
+            hit = self._sends[key] = out
+        return list(hit)
+
     # -- problems --------------------------------------------------------------------------------------------
     def build(self, cand: Candidate, options: Sequence[Recompute], upper_bound: float = math.inf,
               partial: bool = False, quick_unfit: bool = False, defer_ties: bool = False
