@@ -427,13 +427,15 @@ class StageProblemBuilder:
                                                 cand.runtime.tp_grad_overlap)
                               for pl in placements],
                              axis=0).sum())
+        sends = self.contiguous_sends(cand, placements) if p > 1 else [0.0]
+        total += sum(sends)  # every stage receives and sends once per micro-batch
         in_flight = tuple(in_flight_per_chunk(cand.schedule, p, k, m, 1)[0] for k in range(p))
         capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
         for q, k in enumerate(reps):
             # Partial recomputation where recomputing nothing does not fit on the profile's fullest rank.
             fullest = max((in_flight[j], -capacity[j]) for j in range(p) if profile[j] == q)
             terms, cut = self._profile_arrays(cand, k, contexts[k], options, upper_bound, total,
-                                              (fullest[0], -fullest[1]))
+                                              (fullest[0], -fullest[1]), sends[k])
             pruned = pruned or cut
             for name, arr in terms.items():
                 arrays.setdefault(name, []).append(arr)
@@ -465,13 +467,15 @@ class StageProblemBuilder:
         return profile, reps
 
     def _profile_arrays(self, cand: Candidate, k: int, ctx: RankContext, options: Sequence[RecomputeChoice],
-                        upper_bound: float, total: float, fullest: tuple[int, float]
+                        upper_bound: float, total: float, fullest: tuple[int, float], least_sends: float = 0.0
                         ) -> tuple[dict[str, np.ndarray], bool]:
         """The `PartitionProblem` arrays of pipeline rank k's profile (every stage [a, b) it may hold, with
         every recomputation option), and whether the upper bound pruned some stages. A partial recomputation is
         priced only on the stages that do not fit recomputing nothing with `fullest` = (in-flight micro-batches,
         capacity) of the profile's fullest rank: elsewhere recomputing nothing fits and takes less time, and
-        with contiguous stages the step never gets longer when a stage gets shorter (`recompute_choice`)."""
+        with contiguous stages the step never gets longer when a stage gets shorter (`recompute_choice`).
+        `total`: a lower bound on the sum of every stage's forward + backward; `least_sends`: on the profile's
+        ranks, on a stage's receive and send."""
         n, p, m = len(self.chain.segments), cand.mesh.pp, cand.num_microbatches
         gpipe, zero_bubble = cand.schedule is Schedule.GPIPE, cand.schedule.zero_bubble
         ns, nu = (2, 4) if gpipe else (1, 3)
@@ -499,8 +503,8 @@ class StageProblemBuilder:
                 # A stage's f + b is at least its compute and TP communication, and the bottleneck stage
                 # costs (m - 1) times that on top of the total (m times it, with a zero-bubble schedule's fill
                 # and drain, which can be less than the total): stages that alone reach the bound are useless.
-                least = m * (prefix[bb] - prefix[aa])
-                useful = (least if zero_bubble else total + least - (prefix[bb] - prefix[aa])) < upper_bound
+                stage = prefix[bb] - prefix[aa] + least_sends
+                useful = (m * stage if zero_bubble else total + (m - 1) * stage) < upper_bound
                 pruned = pruned or bool((keep & ~useful).any())
                 keep &= useful
             if keep.any():
