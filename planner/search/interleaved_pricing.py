@@ -151,39 +151,35 @@ class ChoicePricer:
         return memory[0] + sum(n * a for n, a in zip(self.counts[k], memory[1], strict=True))
 
     def least_work(self, k: int, options: Sequence[RecomputeChoice]) -> tuple[float, ...]:
-        """Per count e = 0..v of larger chunks, the least D_r (sends included) over the rank's choices with e that
-        fit in memory (inf where none does; all inf: then `least_peaks[k]` holds the least peak of them all).
-        Memory is priced cheapest work first, until each e has a choice that fits. A partial recomputation enters
-        at its choice's work with no recomputation (a lower bound) and is priced only when it comes up, which is
-        only where recomputing nothing does not fit (that entry comes first)."""
+        """Per count e = 0..v of larger chunks, a lower bound on the rank's work D_r (sends included) over its
+        choices with e larger chunks that fit in memory: the larger of the least work of any choice that fits and
+        the least work of a choice with e (inf where no choice has e; all inf when none fits, and then
+        `least_peaks[k]` holds the least peak of them all). Memory is priced cheapest work first, until one fits.
+        A partial recomputation enters at its choice's work with no recomputation (a lower bound) and is priced
+        only when it comes up, which is only where recomputing nothing does not fit (that entry comes first)."""
         whole = [rc for rc in options if not rc.partial]
         partial = [rc for rc in options if rc.partial] if NO_RECOMPUTE in whole else []
         heap: list[tuple[float, int, bool, RankChoice, RecomputeChoice]] = []
+        by_extra = [math.inf] * (self.cand.virtual_stages + 1)
         for c in self.rank_classes[k]:
             works = {rc: self._work(k, c, rc) for rc in whole}
+            by_extra[c.extra] = min(by_extra[c.extra], *works.values())
             heap += [(works[rc], len(heap) + i, True, c, rc) for i, rc in enumerate(whole)]
             heap += [(works[NO_RECOMPUTE], len(heap) + i, False, c, rc) for i, rc in enumerate(partial)]
         heapq.heapify(heap)
         capacity = self.placements[k].device.memory_bytes
-        least = [math.inf] * (self.cand.virtual_stages + 1)
-        open_counts = {c.extra for c in self.rank_classes[k]}
-        least_peak = math.inf
-        while heap and open_counts:
+        least = math.inf
+        while heap:
             work, order, exact, c, rc = heapq.heappop(heap)
-            if c.extra not in open_counts:
-                continue
             if not exact:
                 heapq.heappush(heap, (self._work(k, c, rc), order, True, c, rc))
                 continue
             peak = self._peak(k, c, rc)
             if peak <= capacity:
-                least[c.extra] = work + self.rank_sends[k]
-                open_counts.discard(c.extra)
-            else:
-                least_peak = min(least_peak, peak)
-        if not any(math.isfinite(x) for x in least):
-            self.least_peaks[k] = least_peak
-        return tuple(least)
+                return tuple(max(work, x) + self.rank_sends[k] for x in by_extra)
+            least = min(least, peak)
+        self.least_peaks[k] = least
+        return (math.inf,) * len(by_extra)
 
     def _plain_fits(self, k: int, choice: RankChoice) -> bool:
         """Whether the choice fits recomputing nothing (cached per rank and choice)."""
