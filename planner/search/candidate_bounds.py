@@ -41,6 +41,8 @@ class CandidateBounds:
     _comm: dict[tuple, np.ndarray | None] = field(default_factory=dict)
     _comm_bound: dict[tuple, float] = field(default_factory=dict)
     _expert_numel: int | None = None
+    _placement_kinds: dict[int, tuple[tuple[RankPlacement, ...], tuple[tuple[DeviceSpec, float], ...]]] = field(
+        default_factory=dict)
 
     def cheap(self, cand: Candidate) -> tuple[float, float | None]:
         """(level-1 lower bound on the candidate's step time from tp == 1 prices, no sharding solve; None, or
@@ -57,12 +59,22 @@ class CandidateBounds:
             state = expert_state_bytes(even, even_experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp,
                                        ep=m.ep, dtype=self.dtype, offload=cand.runtime.offload).total
             need = self._memory_need[key] = state + framework_overhead_bytes(placements[0].device.name)
-        if need > max(pl.device.memory_bytes for pl in placements):
+        kinds = self._kinds(placements)
+        if need > max(device.memory_bytes for device, _ in kinds):
             return math.inf, need
-        total = min(self._replicated_total(pl.device, cand.microbatch_size)[0] / pl.speed for pl in placements)
-        forward = min(self._replicated_total(pl.device, cand.microbatch_size)[1] / pl.speed for pl in placements)
+        total = min(self._replicated_total(device, cand.microbatch_size)[0] / speed for device, speed in kinds)
+        forward = min(self._replicated_total(device, cand.microbatch_size)[1] / speed for device, speed in kinds)
         return cheap_lower_bound(cand, total, optimizer_s=self.optimizer_bound(cand, placements),
                                  forward_s=forward), None
+
+    def _kinds(self, placements: tuple[RankPlacement, ...]) -> tuple[tuple[DeviceSpec, float], ...]:
+        """The distinct (device, speed) of the pipeline ranks (cached per placements, which the builder keeps:
+        tens of thousands of candidates share a few hundred, of up to hundreds of ranks each)."""
+        hit = self._placement_kinds.get(id(placements))
+        if hit is None or hit[0] is not placements:
+            kinds = tuple({(pl.device.name, pl.speed): (pl.device, pl.speed) for pl in placements}.values())
+            hit = self._placement_kinds[id(placements)] = (placements, kinds)
+        return hit[1]
 
     def memory_floor(self, cand: Candidate, options: Sequence[Recompute]) -> float:
         """A lower bound on the peak bytes of the candidate's fullest pipeline rank, over every partition and
