@@ -40,33 +40,7 @@ def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: floa
 
 def _min_max_partition(prefix: np.ndarray, p: int) -> float:
     """A lower bound (within 1e-9 relative) on min over contiguous p-partitions of the largest part sum."""
-    total = float(prefix[-1])
-    lo, hi = total / p, total  # some part is at least the mean; one part holding everything is feasible
-    if lo <= 0:
-        return 0.0
-    # A list and `bisect` (the same search as np.searchsorted side="right"): the probes are scalars, where numpy's
-    # per-call overhead is most of the time.
-    sums, n = prefix.tolist(), len(prefix) - 1
-
-    def feasible(x: float) -> bool:
-        pos = 0
-        for _ in range(p):
-            pos = bisect.bisect_right(sums, sums[pos] + x) - 1
-            if pos >= n:
-                return True
-        return False
-
-    if feasible(lo):
-        return lo
-    for _ in range(60):
-        if hi - lo <= 1e-9 * hi:
-            break
-        mid = 0.5 * (lo + hi)
-        if feasible(mid):
-            hi = mid
-        else:
-            lo = mid
-    return lo
+    return _min_max_partition_ranks([prefix] * p)
 
 
 def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost], float]], *, optimizer_s: float,
@@ -132,6 +106,8 @@ def _min_max_partition_ranks(prefixes: Sequence[np.ndarray], fixed: Sequence[flo
     that the parts, filled in order each as far as it stays within U, cover the chain -- filling a part as far as
     it can never leaves the later ones more to do, so this is the least largest part over every contiguous
     partition (empty parts allowed, which only lowers it; every rank pays its fixed part)."""
+    # Lists and `bisect` (the same search as np.searchsorted side="right"): the probes are scalars, where numpy's
+    # per-call overhead is most of the time.
     sums = [x.tolist() for x in prefixes]
     fixed = list(fixed) or [0.0] * len(sums)
     n = len(sums[0]) - 1
