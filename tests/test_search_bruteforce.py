@@ -184,6 +184,23 @@ groups:
 """)
 
 
+def two_datacenters(tmp: Path) -> Cluster:
+    """Two nodes of two H100 joined by a slow, high-latency link (as examples/clusters/two-datacenters.yaml)."""
+    return yaml_cluster(tmp, "two-dc", """name: two-dc
+groups:
+  - device: h100-sxm
+    num_nodes: 2
+    devices_per_node: 2
+tiers:
+  - name: node
+    size: 2
+  - name: interconnect
+    size: 4
+    aggregate_bandwidth: 2Gbps
+    latency: 1ms
+""")
+
+
 def shared_cores(tmp: Path) -> Cluster:
     return yaml_cluster(tmp, "shared-cores", """name: shared-cores
 groups:
@@ -322,6 +339,8 @@ def _instances(tmp: Path) -> list[tuple[str, ir.LayerChain, Cluster, int, Search
         # Megatron-LM's input-gradient reductions hidden behind weight-gradient GEMMs
         ("llama-gqa 2x2 a100 b8, tp grad overlap", llama, Cluster.parse("2x2xa100-80gb"), 8,
          space.with_changes(runtime=RuntimeOptions(tp_grad_overlap=True))),
+        # a slow outer tier: sends and gradient reductions across it cost more than the compute
+        ("gpt two datacenters (slow outer tier)", gpt, two_datacenters(tmp), 4, space),
     ]
 
 
@@ -362,17 +381,17 @@ def test_search_matches_brute_force(tmp_path: Path) -> None:
     """A quick slice of the grid: plain, memory-bound (recomputation decides), a straggler, ranks sharing host
     cores (speeds that change with the schedule's bubbles), uneven virtual stages, every schedule (zero-bubble ones
     included), a memory-bound V-shaped one, two that fit only by offloading to the host and one with the input-gradient
-    reductions hidden behind weight-gradient GEMMs."""
+    reductions hidden behind weight-gradient GEMMs, and two datacenters behind a slow link."""
     instances = _instances(tmp_path)
-    checked, estimates = _check_grid([instances[i] for i in (0, 4, 7, 8, 10, 11, 12, 13, 14, 15)])
+    checked, estimates = _check_grid([instances[i] for i in (0, 4, 7, 8, 10, 11, 12, 13, 14, 15, 16)])
     print(f"search == brute force on {checked} instances ({estimates} brute-force estimates)")
-    assert checked == 10
+    assert checked == 11
 
 
 @pytest.mark.exhaustive
 def test_search_matches_brute_force_on_the_full_grid(tmp_path: Path) -> None:
     """Models (GPT with tied embeddings, Llama with GQA, memory-bound GPT) x clusters (one node, two nodes, small
-    memory, mixed device types, a straggler) x global batches: the search's optimum is the brute-force optimum."""
+    memory, mixed device types, a straggler, two datacenters) x global batches: the search's optimum is the brute-force optimum."""
     instances = _instances(tmp_path)
     more = [(f"{name} b{2 * batch}", chain, cluster, 2 * batch, space)
             for name, chain, cluster, batch, space in instances]
