@@ -72,7 +72,8 @@ class CandidateBounds:
         tens of thousands of candidates share a few hundred, of up to hundreds of ranks each)."""
         hit = self._placement_kinds.get(id(placements))
         if hit is None or hit[0] is not placements:
-            kinds = tuple({(pl.device.name, pl.speed): (pl.device, pl.speed) for pl in placements}.values())
+            # By the whole device: two groups of one type may differ in memory (a partitioned or capped GPU).
+            kinds = tuple({(id(pl.device), pl.speed): (pl.device, pl.speed) for pl in placements}.values())
             hit = self._placement_kinds[id(placements)] = (placements, kinds)
         return hit[1]
 
