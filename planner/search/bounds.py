@@ -61,38 +61,33 @@ def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost]
     compute, I the rest of the backward, F the forward); ZB-V's E_r is at least f_r and at most 2 D_r. So
     ``T >= max(m U, (m - 1/v) U + (F + max(I - W, 0)) / v)``, resp. ``max(m U, (m - 2/v) U + F / v)``, plus
     `optimizer_s`."""
-    distinct: dict[tuple[int, float], np.ndarray] = {}
-    for segs, speed in costs:
-        if (id(segs), speed) not in distinct:
-            distinct[(id(segs), speed)] = segment_work(segs, speed, tp_overlap_chunks(cand),
-                                                       cand.runtime.tp_grad_overlap)
-    works = [distinct[(id(segs), speed)] for segs, speed in costs]
-    unique = list({(id(segs), speed): (segs, speed) for segs, speed in costs}.values())
-    w = np.min(list(distinct.values()), axis=0)
+    keys = [(id(segs), speed) for segs, speed in costs]
+    unique = dict(zip(keys, costs, strict=True))  # ranks on one device type and speed share their prices
+    work_of = {key: segment_work(segs, speed, tp_overlap_chunks(cand), cand.runtime.tp_grad_overlap)
+               for key, (segs, speed) in unique.items()}
+    w = np.min(list(work_of.values()), axis=0)
     prefix = np.concatenate([[0.0], np.cumsum(w)])
     m, p = cand.num_microbatches, cand.mesh.pp
     total = float(prefix[-1])
     # Ranks that differ (a straggler, another device type) each carry their own work: the bottleneck is then
     # over partitions priced rank by rank, which no longer assumes the slow rank as fast as the fastest.
-    per_rank = works if len(works) == p and len(distinct) > 1 else None
+    per_rank = [work_of[key] for key in keys] if len(keys) == p and len(work_of) > 1 else None
     if layout is not None:
         v = cand.virtual_stages
         u = interleaved_bottleneck(layout, w, p2p, per_rank)
         total += 2 * sum(p2p)  # every boundary is sent once and received once
-    elif per_rank is None and not any(rank_sends):
-        v, u = 1, _min_max_partition(prefix, p)
     else:
         v = 1
         total += sum(rank_sends)
-        u = _min_max_partition_ranks([np.concatenate([[0.0], np.cumsum(x)]) for x in (per_rank or [w] * p)],
-                                     rank_sends)
+        prefixes = [prefix] * p if per_rank is None else [np.concatenate([[0.0], np.cumsum(x)]) for x in per_rank]
+        u = _min_max_partition_ranks(prefixes, rank_sends)
     if cand.schedule.zero_bubble:
         n = tp_overlap_chunks(cand)
         parts = np.min([[(c.fwd_compute_s / speed + tp_exposed(c.fwd_comm_s, c.fwd_compute_s / speed, n),
                           c.bwd_compute_s * (1 - 2 * c.weight_grad_share) / speed
                           + tp_bwd_exposed(c, c.bwd_compute_s / speed, n, cand.runtime.tp_grad_overlap))
                          for c in segs]
-                         for segs, speed in unique], axis=0).sum(axis=0) + sum(p2p)
+                         for segs, speed in unique.values()], axis=0).sum(axis=0) + sum(p2p)
         forward, input_less_weight = float(parts[0]), max(float(parts[1]), 0.0)
         if cand.schedule is Schedule.ZBV:
             return max(m * u, (m - 2 / v) * u + forward / v) + optimizer_s
@@ -108,7 +103,8 @@ def _min_max_partition_ranks(prefixes: Sequence[np.ndarray], fixed: Sequence[flo
     partition (empty parts allowed, which only lowers it; every rank pays its fixed part)."""
     # Lists and `bisect` (the same search as np.searchsorted side="right"): the probes are scalars, where numpy's
     # per-call overhead is most of the time.
-    sums = [x.tolist() for x in prefixes]
+    as_list = {id(x): x.tolist() for x in prefixes}  # ranks alike share one array
+    sums = [as_list[id(x)] for x in prefixes]
     fixed = list(fixed) or [0.0] * len(sums)
     n = len(sums[0]) - 1
     # Some rank holds at least the cheapest mean, every rank its fixed part; rank 0 holding everything fits.

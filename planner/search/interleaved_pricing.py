@@ -128,18 +128,19 @@ class ChoicePricer:
         # counts, and affinely.
         return (self.contexts[k].signature, rc, self.rank_classes[k][choice], self.shared[k])
 
+    def _chunk_classes(self, k: int, choice: RankChoice) -> tuple[tuple[int, ...], ...]:
+        return self.builder.interleaved.classes[self.rank_classes[k][choice]]
+
     def _times(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> tuple[list[StageTime], list[DataParallelComm]]:
         b, costs = self.builder, self.costs_of[self.placements[k].device.name]
-        classes = b.interleaved.classes[self.rank_classes[k][choice]]
         pairs = [b.interleaved.chunk_times(b, self.cand, self.contexts[k], rc, c, chunk, costs)
-                 for c, chunk in zip(classes, choice.chunks, strict=True)]
+                 for c, chunk in zip(self._chunk_classes(k, choice), choice.chunks, strict=True)]
         return [x for x, _ in pairs], [y for _, y in pairs]
 
     def _segments(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> list[list[PricedSegment]]:
-        b, costs = self.builder, self.costs_of[self.placements[k].device.name]
-        classes = b.interleaved.classes[self.rank_classes[k][choice]]
+        costs = self.costs_of[self.placements[k].device.name]
         return [rc.priced([costs[i] for i in chunk], chunk_classes)
-                for chunk, chunk_classes in zip(choice.chunks, classes, strict=True)]
+                for chunk, chunk_classes in zip(choice.chunks, self._chunk_classes(k, choice), strict=True)]
 
     def _peak(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> float:
         """The rank's peak bytes with the schedule's in-flight micro-batches."""
@@ -232,17 +233,15 @@ class ChoicePricer:
                 return None
             if self._plain_fits(k, choice):
                 return None
+        if self._beyond_bound(k, self._work(k, choice, rc) + self.rank_sends[k]):
+            return None
         cache_key = self._key(k, choice, rc)
         t = b.terms.get(cache_key)
         if t is None:
-            if self._beyond_bound(k, self._work(k, choice, rc) + self.rank_sends[k]):
-                return None
             if self._peak(k, choice, rc) > self.placements[k].device.memory_bytes:
                 return self.memory_only(k, choice, rc)
             t = b.terms[cache_key] = b.rank_terms_of(cand, self.contexts[k], self._segments(k, choice, rc),
                                                     self.shared[k], self._times(k, choice, rc),
                                                     b.memory_cache[cache_key])
-        elif self._beyond_bound(k, sum(t.fwd) + sum(t.bwd) + self.rank_sends[k]):
-            return None
         peak = t.memory0 + sum(n * a for n, a in zip(self.counts[k], t.chunk_act, strict=True))
         return ChoiceTerms(t.fwd, t.bwd, t.wgrad, t.tail, t.tail_const, t.optimizer, t.post, peak)

@@ -322,8 +322,8 @@ class _Front:
 @dataclass(frozen=True)
 class _Gain:
     """The weighted dominance test of the module docstring over the keys (-drain, sums, maxes[, tail]) of labels
-    with the same stages still to place: `exposed` bounds what any of those can expose of its tail beyond the
-    labels' drain (the largest tail e and unhidden part c among them: max(e - P, 0) + c)."""
+    with the same stages still to place: `future_tail` and `future_const` are the largest tail e and unhidden part
+    c among those stages, so none of them exposes more than max(e - P, 0) + c beyond a label's drain P."""
 
     sums: np.ndarray
     maxes: np.ndarray
@@ -337,13 +337,12 @@ class _Gain:
         """Per number k of stages placed, the test for labels with stages k.. still to place (None: no weights)."""
         if problem.weights is None:
             return None
-        ws, wu = problem.weights
+        ws, wu = np.array(problem.weights[0], dtype=float), np.array(problem.weights[1], dtype=float)
         if not problem.has_tail or problem.tail is None:
-            return [cls(np.array(ws, dtype=float), np.array(wu, dtype=float), 0.0, False)] * (problem.num_stages + 1)
+            return [cls(ws, wu, 0.0, False)] * (problem.num_stages + 1)
         out, tail, const = [], -math.inf, 0.0
         for k in range(problem.num_stages, -1, -1):
-            out.append(cls(np.array(ws, dtype=float), np.array(wu[:-1], dtype=float), float(wu[-1]), True,
-                           max(tail, 0.0), const))
+            out.append(cls(ws, wu[:-1], float(wu[-1]), True, max(tail, 0.0), const))
             if k > 0:
                 q, valid = problem.stage_profile[k - 1], masks[k - 1]
                 if valid.any():

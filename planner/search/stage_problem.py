@@ -358,8 +358,8 @@ class StageProblemBuilder:
         """Send seconds of each boundary between interleaved chunks, by position: each carries the output of a
         block (unit layouts) or of the fixed chunk's last segment, priced on the sending rank's device."""
         # Neither the ZeRO stage nor the micro-batch count changes a send: candidates share them.
-        key = (cand.mesh, cand.schedule, cand.virtual_stages, cand.microbatch_size, cand.sequence_parallel,
-               cand.runtime, tuple(pl.device.name for pl in placements))
+        key = ("interleaved", cand.mesh, cand.schedule, cand.virtual_stages, cand.microbatch_size,
+               cand.sequence_parallel, cand.runtime, tuple(pl.device.name for pl in placements))
         hit = self._sends.get(key)
         if hit is None:
             p, n = cand.mesh.pp, cand.mesh.pp * cand.virtual_stages
@@ -373,7 +373,7 @@ class StageProblemBuilder:
     def contiguous_sends(self, cand: Candidate, placements: Sequence[RankPlacement]) -> list[float]:
         """Per pipeline rank of a contiguous schedule, the least its stage's receive plus send can take: over every
         segment a stage may end with (`_profile_arrays` prices the exact ones)."""
-        key = (cand.mesh, cand.schedule, cand.microbatch_size, cand.sequence_parallel, cand.runtime,
+        key = ("contiguous", cand.mesh, cand.schedule, cand.microbatch_size, cand.sequence_parallel, cand.runtime,
                tuple(pl.device.name for pl in placements))
         hit = self._sends.get(key)
         if hit is None:
@@ -441,7 +441,7 @@ class StageProblemBuilder:
                 arrays.setdefault(name, []).append(arr)
         objective = _gpipe_objective(m) if gpipe else step_objective(cand.schedule, m, 1)
         nu = arrays["bottleneck"][0].shape[-1]
-        weights = ((1.0, 1.0), (m - 1.0, m - 1.0, 1.0, 1.0, 1.0)) if gpipe else step_weights(cand.schedule, m, 1, nu)
+        weights = _gpipe_weights(m) if gpipe else step_weights(cand.schedule, m, 1, nu)
         problem = PartitionProblem(num_segments=n, num_stages=p, options=tuple(o.value for o in options),
                                    stage_profile=tuple(profile), in_flight=in_flight, capacity=capacity,
                                    objective=objective, weights=weights,
@@ -579,7 +579,6 @@ class StageProblemBuilder:
         sends = self.interleaved_sends(cand, layout, placements)
         chooser = ChoicePricer(self, cand, layout, placements, sends, upper_bound)
         capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
-        least = [0.0] * cand.mesh.pp
         by_extra: list[tuple[float, ...]] = [(0.0,) * (cand.virtual_stages + 1)] * cand.mesh.pp
 
         def beaten() -> float | None:
@@ -591,13 +590,13 @@ class StageProblemBuilder:
 
         for k in _heaviest_first(cand.mesh.pp):
             by_extra[k] = chooser.least_work(k, options)
-            least[k] = min(by_extra[k])
             if not quick_unfit:
                 continue
-            if not math.isfinite(least[k]):
+            if not math.isfinite(min(by_extra[k])):
                 return Unfit(chooser.least_peaks[k])
             if (bound := beaten()) is not None:
                 return Beaten(bound)
+        least = [min(row) for row in by_extra]
         if not all(math.isfinite(x) for x in least):  # some rank fits with no choice: the memory alone says why
             problem = interleaved_problem(layout, options, chooser.memory_only, sends, capacity, m,
                                           choices=chooser.choices)
@@ -682,3 +681,8 @@ def _gpipe_objective(m: int):
     def phi(s, u):
         return s[0] + (m - 1) * u[0] + s[1] + (m - 1) * u[1] + u[2] + u[3] + u[4]
     return phi
+
+
+def _gpipe_weights(m: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """`_gpipe_objective` as the linear form of `PartitionProblem.weights`."""
+    return (1.0, 1.0), (m - 1.0, m - 1.0, 1.0, 1.0, 1.0)
