@@ -46,7 +46,7 @@ _KIND_BY_BASE: Mapping[str, OpKind] = {
         ["scaled_dot_product_attention", "multi_head_attention_forward", "flex_attention", "windowed_attention"],
         OpKind.ATTENTION,
     ),
-    **dict.fromkeys(["softmax", "log_softmax", "softmin"], OpKind.SOFTMAX),
+    **dict.fromkeys(["softmax", "log_softmax", "softmin", "scale_causal_softmax"], OpKind.SOFTMAX),
     **dict.fromkeys(
         ["layer_norm", "native_layer_norm", "rms_norm", "batch_norm", "native_batch_norm", "group_norm",
          "native_group_norm", "instance_norm", "local_response_norm", "normalize"],
@@ -97,7 +97,7 @@ _KIND_BY_BASE: Mapping[str, OpKind] = {
          "neg", "abs", "exp", "exp2", "expm1", "log", "log1p", "log2", "sqrt", "rsqrt", "sin", "cos", "tan",
          "tanh", "sigmoid", "relu", "relu6", "gelu", "silu", "mish", "elu", "selu", "celu", "leaky_relu",
          "softplus", "softsign", "hardswish", "hardsigmoid", "hardtanh", "logsigmoid", "threshold", "prelu",
-         "glu", "dropout", "native_dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+         "glu", "dropout", "native_dropout", "dropout_add", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
          "feature_alpha_dropout", "masked_fill", "where", "clamp", "clamp_min", "clamp_max", "clip", "maximum",
          "minimum", "to", "to_copy", "float", "half", "bfloat16", "double", "long", "int", "short", "bool", "byte",
          "char", "type", "type_as", "eq", "ne", "lt",
@@ -282,7 +282,7 @@ def classify(
     elif kind is OpKind.ATTENTION:
         attrs.update(_attention_attrs(module, args, kwargs, windowed=base == "windowed_attention"))
     elif kind is OpKind.SOFTMAX:
-        attrs.update(_softmax_attrs(module, args, kwargs, tensors))
+        attrs.update(_softmax_attrs(base, module, args, kwargs, tensors))
     elif kind is OpKind.NORM:
         attrs.update(_norm_attrs(base, module, args, kwargs, tensors))
     elif kind is OpKind.REDUCTION:
@@ -395,8 +395,10 @@ def _attention_attrs(module, args, kwargs, *, windowed: bool = False) -> dict[st
     }
 
 
-def _softmax_attrs(module, args, kwargs, tensors) -> dict[str, Any]:
+def _softmax_attrs(base, module, args, kwargs, tensors) -> dict[str, Any]:
     ndim = tensors[0].dim() if tensors else 0
+    if base == "scale_causal_softmax":  # `models.fused_softmax`: over the keys, the last dim
+        return {"dim": -1}
     dim = module.dim if module is not None else _arg(args, kwargs, 1, "dim")
     return {"dim": _neg_dim(dim, ndim)}
 

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.megatron_kernels import scale_causal_softmax
+
 
 class AttnImpl(enum.StrEnum):
     """How the attention core is computed."""
@@ -23,9 +25,18 @@ class AttnImpl(enum.StrEnum):
     SDPA = "sdpa"  # F.scaled_dot_product_attention: fused, never materializes the seq x seq scores
     MATH = "math"  # explicit ops as in Korthikanti et al. 2022 Fig. 4 (what selective recomputation recomputes)
     FUSED_SOFTMAX = "fused_softmax"
-    """Explicit attention with Megatron-LM's kernels (`FusedScaleMaskSoftmax`): the scale folded into q, the mask
-    and a softmax that keeps fp32 in registers only -- two passes over the seq x seq scores where `math` makes
-    five (scale, mask, fp32 cast, softmax, cast back), then dropout; what 2021-22 Megatron-LM runs priced as."""
+    """Explicit attention with Megatron-LM's kernels (`FusedScaleMaskSoftmax`): causal self-attention runs its
+    scale, mask and softmax as one kernel (`models.megatron_kernels`), one pass over the seq x seq scores where `math`
+    makes five (scale, mask, fp32 cast, softmax, cast back); other masks keep the scale folded into q, the mask and
+    a softmax with fp32 in registers only (two passes). Then dropout. What 2021-22 Megatron-LM runs priced as."""
+
+
+def _scale_causal_softmax(scores: torch.Tensor, scale: float) -> torch.Tensor:
+    return scale_causal_softmax(scores, scale)
+
+
+# A leaf of torch.fx tracing: one call_function node (the custom op itself is not fx-traceable).
+torch.fx.wrap("_scale_causal_softmax")
 
 
 def attention_core(
@@ -51,6 +62,10 @@ def attention_core(
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias, dropout_p=dropout, is_causal=causal, scale=scale
         )
+    if impl == AttnImpl.FUSED_SOFTMAX and causal and bias is None:
+        # Megatron-LM's GPT path: one kernel scales, masks and normalizes the scores (models.megatron_kernels).
+        probs = _scale_causal_softmax(torch.matmul(q, k.transpose(-2, -1)), scale)
+        return torch.matmul(F.dropout(probs, p=dropout, training=dropout > 0.0), v)
     if impl == AttnImpl.FUSED_SOFTMAX:
         scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (B, nh, T, S)
     else:

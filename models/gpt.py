@@ -19,6 +19,7 @@ from models.attention import Attention, AttnImpl
 from models.family import Family
 from models.feedforward import MLP, Activation
 from models.initialization import construct, init_normal_
+from models.megatron_kernels import dropout_add
 from models.synthetic import next_token_loss, token_ids
 from models.validation import (
     coerce_enum,
@@ -49,6 +50,9 @@ class GPTConfig:
     """Dropout on embeddings, attention probabilities and residual branches."""
     attn_impl: AttnImpl = AttnImpl.SDPA
     """Attention core: "sdpa" (fused) or "math" (explicit ops, Megatron-LM style)."""
+    fused_dropout_add: bool = False
+    """Each residual branch's dropout and add as Megatron-LM's one fused kernel (`models.megatron_kernels`)
+    instead of two ops."""
     bias: bool = True
     """Biases in linears and LayerNorms (GPT-2/3 have them)."""
     tie_embeddings: bool = True
@@ -84,9 +88,24 @@ class GPTBlock(nn.Module):
         self.mlp = MLP(c.hidden, c.ffn, activation=Activation.GELU_TANH, bias=c.bias)
         self.dropout = nn.Dropout(c.dropout)
 
+        self.fused_dropout_add = c.fused_dropout_add
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x)))  # (B, T, h)
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+        x = self._residual(self.attn(self.attn_norm(x)), x)  # (B, T, h)
+        return self._residual(self.mlp(self.mlp_norm(x)), x)
+
+    def _residual(self, branch: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_dropout_add:
+            return _dropout_add(branch, x, self.dropout.p if self.training else 0.0)[0]  # (sum, keep mask)
+        return x + self.dropout(branch)
+
+
+def _dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return dropout_add(x, residual, p)
+
+
+# A leaf of torch.fx tracing: one call_function node (the custom op itself is not fx-traceable).
+torch.fx.wrap("_dropout_add")
 
 
 class GPT(nn.Module):

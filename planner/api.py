@@ -104,8 +104,12 @@ def plan(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any, cl
          global_batch: int, space: SearchSpace | None = None, objective: Objective | str = Objective.TIME,
          time_limit_s: float | None = None, dtype: str = "bfloat16", model_name: str | None = None,
          settings: Sequence[tuple[str, Any]] = (), progress: ProgressCallback | None = None,
-         profile: OpProfile | None = None) -> Plan:
+         profile: OpProfile | None = None, simplest_tie: bool = True) -> Plan:
     """The best plan for training the model on `cluster` with `global_batch` samples per step (module docstring).
+
+    Among strategies whose step times tie within the cluster's prediction error band the simplest is returned
+    (`planner.search.ranking`); `simplest_tie=False` returns the fastest priced instead, for a plan that stands
+    for a configuration tuned by measurement (what a published run left unstated).
 
     `time_limit_s` stops the search with the best plan found so far (status "feasible", its proven gap in
     `plan.search`). It is None (no limit) by default, unlike the CLI's 60 s: a plan found within a limit depends
@@ -115,14 +119,15 @@ def plan(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any, cl
     Raises `planner.errors.InfeasibleError` when nothing fits, `UserError` for an empty search space."""
     return plan_top(model_or_chain, inputs_or_spec, cluster, global_batch=global_batch, top_k=1, space=space,
                     objective=objective, time_limit_s=time_limit_s, dtype=dtype, model_name=model_name,
-                    settings=settings, progress=progress, profile=profile)[0]
+                    settings=settings, progress=progress, profile=profile, simplest_tie=simplest_tie)[0]
 
 
 def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any, cluster: Cluster | str, *,
              global_batch: int, top_k: int = 1, space: SearchSpace | None = None,
              objective: Objective | str = Objective.TIME, time_limit_s: float | None = None,
              dtype: str = "bfloat16", model_name: str | None = None, settings: Sequence[tuple[str, Any]] = (),
-             progress: ProgressCallback | None = None, profile: OpProfile | None = None) -> tuple[Plan, ...]:
+             progress: ProgressCallback | None = None, profile: OpProfile | None = None,
+             simplest_tie: bool = True) -> tuple[Plan, ...]:
     """The `top_k` best distinct strategies as plans, best first (each carries the same search information)."""
     name = model_name or getattr(model_or_chain, "model_name", None) or type(model_or_chain).__name__
     cluster = as_cluster(cluster, profile)
@@ -133,7 +138,8 @@ def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any
                         "price it; search without it, then estimate the plan's strategy with it")
     chain = as_chain(model_or_chain, inputs_or_spec, model_name=name, dtype=dtype, progress=progress)
     options = SearchOptions(objective=Objective(objective), top_k=top_k, time_limit_s=time_limit_s,
-                            progress=progress, tie_band=error_band(g.device for g in cluster.groups))
+                            progress=progress,
+                            tie_band=error_band(g.device for g in cluster.groups) if simplest_tie else None)
     result = search(chain, cluster, global_batch=global_batch, space=space, options=options, dtype=dtype,
                     profile=profile)
     info = _model_info(chain, model_name or chain.graph.model_name, settings)

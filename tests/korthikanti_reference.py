@@ -90,7 +90,7 @@ def build_chain(row: KorthikantiRow, *, dtype: str = "bfloat16") -> LayerChain:
     from models.registry import build_model
 
     sets = (f"layers={row.layers}", f"hidden={row.hidden}", f"heads={row.heads}", f"vocab={VOCAB}", f"seq={SEQ}",
-            "attn_impl=fused_softmax", "dropout=0.1")
+            "attn_impl=fused_softmax", "dropout=0.1", "fused_dropout_add=true")
     built = build_model("gpt", sets, batch=row.microbatch, seq=SEQ, device="meta")
     graph = ir.trace(built.module, built.example_inputs, model_name=f"gpt-{row.model}", dtype=dtype)
     return ir.build_layer_chain(graph)

@@ -53,6 +53,10 @@ CAPPED_H100_NOTE = "peak FLOP/s between H100 SXM and NVL"
 SXM's and the NVL's and that the exact value is unknown; they are priced at the middle of the two, and the
 uncertainty (+-8% of the step's compute) is part of the row's error."""
 
+H100_REPORTED_SHARE = 81559 / 81920
+"""Of the 80 GiB of an H100's five HBM3 stacks, what nvidia-smi reports (81,559 MiB; `costmodel/hardware/data/
+devices.csv`, reported_memory_mib)."""
+
 # Network facts of the clusters named in the rows' device notes (the shorthand's defaults are the typical NIC).
 OMNI_PATH_PER_GPU_GBPS = 4 * 100 / 8
 """BLOOM's Jean Zay nodes: 4 Omni-Path 100 Gb/s links per node of 8 A100 (device_notes of the row)."""
@@ -97,6 +101,9 @@ class PublishedRun:
     precision: str = "bf16"
     """What the run computed in ("bf16", "fp8"); FP8 rows are reported, not fitted. Rows whose `runtime.fp8` is
     set are priced in FP8 too; the others in bf16."""
+    schedules: tuple[Schedule, ...] | None = None
+    """The pipeline schedules the row's trainer runs, which an unstated schedule ranges over; None: every schedule
+    the planner has (torchtitan runs all of torch.distributed.pipelining's)."""
     out_of_sample: bool = False
     """A row added after the training efficiencies were fitted: it checks the shipped constants and is kept out of
     the calibration mean and of `--fit` (the eager-FSDP rows of `FSDP_CSV`)."""
@@ -172,6 +179,9 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
         # Megatron-LM dropout settings are inherited", bigscience train/tr11-176B-ml/README.md), MT-NLG states none.
         sets.append("dropout=0.1")
         inferred.append("dropout 0.1 in attention and on the residual branches (Megatron-LM's default, inherited)")
+        sets.append("fused_dropout_add=true")
+        inferred.append("the residual branches' dropout and add as one fused kernel (Megatron-LM's "
+                        "bias_dropout_add_fused_train, --bias-dropout-fusion on by default, inherited)")
         if recompute is None:
             recompute = Recompute.FULL
             inferred.append("full recompute (selective recompute came with Korthikanti et al. 2022)")
@@ -234,7 +244,7 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
                              p2p_scatter_gather=deepspeed_pipeline or (legacy and int(r["pp"]) > 1),
                              p2p_blocking=deepspeed_pipeline, fp8=fp8)
     return PublishedRun(
-        name=r["run"], family=family, sets=tuple(sets), seq=seq, device=r["device"], num_gpus=gpus,
+        name=r["run"], family=family, sets=tuple(sets), seq=seq, schedules=trainer_schedules(text), device=r["device"], num_gpus=gpus,
         gpus_per_node=int(r["gpus_per_node"]), tp=int(r["tp"]), pp=int(r["pp"]), cp=int(r["cp"] or 1),
         dp=int(r["dp"]), global_batch=gbs, microbatch_size=mbs, virtual_stages=_int(r["virtual_stages"]),
         zero_stage=zero, recompute=recompute, sequence_parallel=sp, measured_step_s=step,
@@ -248,6 +258,22 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
 FUSING_RUNTIMES = ("torch.compile", "Megatron-Core", "NeMo", "Transformer Engine")
 """Trainers whose rows run fused memory-bound kernels (`RuntimeOptions.fused_kernels`): a compiled model, or
 Megatron-Core / NeMo, whose layers are Transformer Engine's fused modules."""
+
+
+MEGATRON_SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED)
+"""What Megatron-LM and Megatron-Core run: "two different pipeline parallelism schedules (one without interleaving
+and one with interleaving ...)" (NVIDIA/Megatron-LM docs/api-guide/core/pipeline_parallel.md); no zero-bubble or
+DualPipe schedule. DeepSpeed's pipeline engine runs 1F1B only (its `TrainSchedule`)."""
+
+
+def trainer_schedules(text: str) -> tuple[Schedule, ...] | None:
+    """The schedule families a row's trainer (its name and framework notes) runs; None for any."""
+    low = text.lower()
+    if "deepspeed" in low:
+        return (Schedule.ONE_F_ONE_B,)
+    if "megatron" in low or "nemo" in low:
+        return MEGATRON_SCHEDULES
+    return None
 
 
 def _megatron_lm(text: str) -> bool:
@@ -285,7 +311,7 @@ def _korthikanti_rows(r: dict[str, str]) -> list[PublishedRun]:
     tp, pp, dp = int(r["tensor_parallel"]), int(r["pipeline_parallel"]), int(r["data_parallel"])
     v = _int(r["interleave_stages"]) or 1
     sets = (f"layers={layers}", f"hidden={hidden}", f"heads={heads}", f"vocab={int(r['vocab'])}",
-            "attn_impl=fused_softmax", "dropout=0.1")
+            "attn_impl=fused_softmax", "dropout=0.1", "fused_dropout_add=true")
     common = dict(family="gpt", sets=sets, seq=int(r["seq_len"]), device="a100-80gb",
                   num_gpus=int(r["num_gpus"]), gpus_per_node=min(8, int(r["num_gpus"])), tp=tp, pp=pp, cp=1, dp=dp,
                   global_batch=int(r["global_batch_size"]), microbatch_size=int(r["micro_batch_size"]),
@@ -418,7 +444,9 @@ def cluster_of(run: PublishedRun, training_efficiency: float | None = None):
         device = dataclasses.replace(device, training_efficiency=training_efficiency)
     if run.memory_gb is not None:
         # The row's device has other memory than the catalog's (torchtitan's H100s: 96 GB HBM2e at 2.4 TB/s).
-        device = dataclasses.replace(device, memory_bytes=int(run.memory_gb * 1e9),
+        # Read as the catalog reads its H100 (`costmodel.hardware.catalog`): the nominal GB are GiB of HBM stacks,
+        # of which the driver reports the same share as the 80 GB H100's 81,559 of 81,920 MiB.
+        device = dataclasses.replace(device, memory_bytes=int(run.memory_gb * 2 ** 30 * H100_REPORTED_SHARE),
                                      memory_bandwidth=run.memory_bandwidth_tbps * 1e12)
     if run.power_capped_h100:
         # Tensor-core clocks fall with the power limit; memory-bound work keeps the HBM bandwidth above.
@@ -431,10 +459,20 @@ def cluster_of(run: PublishedRun, training_efficiency: float | None = None):
     return cluster.with_tier(cluster.tiers[1].name, bandwidth=run.inter_node_gbps * 1e9)
 
 
-def search_space(run: PublishedRun, zero_stage: int | None):
+def schedule_choices(run: PublishedRun) -> list[tuple[Schedule | None, int | None]]:
+    """(schedule, virtual stages) pins to search: the stated one, else each family the trainer runs (one search
+    with the schedule free when it runs any)."""
+    stated = schedule_of(run)
+    if stated[0] is not None or run.schedules is None:
+        return [stated]
+    return [(s, None) for s in run.schedules]
+
+
+def search_space(run: PublishedRun, zero_stage: int | None,
+                 schedule: tuple[Schedule | None, int | None] | None = None):
     from planner.search.space import SearchSpace
 
-    schedule, v = schedule_of(run)
+    schedule, v = schedule_of(run) if schedule is None else schedule
     return SearchSpace(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep, microbatch_size=run.microbatch_size,
                        schedule=schedule, virtual_stages=v, zero_stage=zero_stage, recompute=run.recompute,
                        sequence_parallel=run.sequence_parallel, runtime=run.runtime)
@@ -460,7 +498,10 @@ def predict(run: PublishedRun, chains: dict | None = None, training_efficiency: 
             ) -> Prediction:
     """Plan over what the source leaves unstated with the stated configuration pinned, and price it.
 
-    The ZeRO stage, when unstated, is searched over 0 and 1 (Megatron-LM's replicated or distributed optimizer)."""
+    The ZeRO stage, when unstated, is searched over 0 and 1 (Megatron-LM's replicated or distributed optimizer), and an
+    unstated schedule over the families the trainer runs (`schedule_choices`). What the source leaves unstated
+    takes the fastest value the model finds, not the simplest within its error band: the run's authors tuned it.
+    """
     from planner.api import plan
     from planner.errors import InfeasibleError
 
@@ -473,13 +514,14 @@ def predict(run: PublishedRun, chains: dict | None = None, training_efficiency: 
     cluster = cluster_of(run, training_efficiency)
     best = None
     for zero in ((run.zero_stage,) if run.zero_stage is not None else (0, 1)):
-        try:
-            p = plan(chain, None, cluster, global_batch=run.global_batch, space=search_space(run, zero),
-                     time_limit_s=PINNED_TIME_LIMIT_S)
-        except InfeasibleError:
-            continue
-        if best is None or p.predicted.step_time_s < best.predicted.step_time_s:
-            best = p
+        for schedule in schedule_choices(run):
+            try:
+                p = plan(chain, None, cluster, global_batch=run.global_batch, space=search_space(run, zero, schedule),
+                         time_limit_s=PINNED_TIME_LIMIT_S, simplest_tie=False)
+            except InfeasibleError:
+                continue
+            if best is None or p.predicted.step_time_s < best.predicted.step_time_s:
+                best = p
     chosen = ", ".join(run.unstated) or "-"
     if best is None:
         best, assumed = _priced_out_of_memory(run, chain, cluster)

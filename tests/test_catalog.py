@@ -38,7 +38,8 @@ def test_every_value_has_a_source(name):
 
 def test_every_csv_value_column_has_a_filled_source_column():
     value_to_source = {"peak_bf16_tflops": "source_peak", "matmul_efficiency": "source_matmul_efficiency",
-                       "memory_gb": "source_memory", "memory_bandwidth_tbps": "source_memory_bandwidth",
+                       "memory_gb": "source_memory", "reported_memory_mib": "source_reported_memory",
+                       "memory_bandwidth_tbps": "source_memory_bandwidth",
                        "memory_efficiency": "source_memory_efficiency", "intra_node_gbps": "source_intra_node",
                        "inter_node_gbps": "source_inter_node"}
     for row in _rows("devices.csv"):
@@ -64,7 +65,8 @@ def test_datasheet_peaks(name, dtype, tflops):
     ("mi300x", 192, 5.3, 448, 50), ("l4", 24, 0.3, 31, 1.5625), ("tpu-v4", 32, 1.2, 90, 6.25)])
 def test_datasheet_memory_and_links(name, mem_gb, bw_tbps, intra_gbps, inter_gbps):
     d = get_device(name)
-    assert d.memory_bytes == mem_gb * 10**9
+    # the driver's figure (a little under mem_gb GiB) where one is cited, else the decimal datasheet figure
+    assert mem_gb * 10**9 <= d.memory_bytes <= mem_gb * 2**30
     assert d.memory_bandwidth == pytest.approx(bw_tbps * 1e12)
     assert d.intra_node_bandwidth == pytest.approx(intra_gbps * 1e9)
     assert d.inter_node_bandwidth == pytest.approx(inter_gbps * 1e9)
@@ -187,3 +189,13 @@ def test_link_table_is_complete_and_plausible():
     for link in list_links():
         assert 0.5 <= link.efficiency <= 1.0 and 0 < link.latency < 1e-3, link.name
         assert (link.in_network_reduction_efficiency > 0) == (link.in_network_reduction_latency > 0)
+
+
+def test_device_memory_is_the_drivers_figure_where_cited_else_the_datasheets_decimal_gb():
+    assert get_device("h100-sxm").memory_bytes == 81559 * 2 ** 20
+    assert get_device("a100-80gb").memory_bytes == 80 * 2 ** 30
+    assert get_device("mi300x").memory_bytes == 192 * 10 ** 9  # no driver figure cited: the datasheet's 192 GB
+    for row in _rows("devices.csv"):
+        if row["reported_memory_mib"].strip():
+            # the driver never reports more than the stacks' binary capacity, nor less than the decimal figure
+            assert float(row["memory_gb"]) * 1e9 <= int(row["reported_memory_mib"]) * 2 ** 20 <= float(row["memory_gb"]) * 2 ** 30

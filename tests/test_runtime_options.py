@@ -133,3 +133,17 @@ def test_estimate_flags_and_report(tmp_path):
     assert piped.returncode == 0, piped.stderr
     runtime = json.loads(piped.stdout)["strategy"]["runtime"]
     assert runtime["p2p_scatter_gather"] and runtime["p2p_blocking"]
+
+
+def test_a_plan_for_a_tuned_configuration_takes_the_fastest_not_the_simplest_tie(chain):
+    """`plan(simplest_tie=False)` (what a published run left unstated) returns the fastest plan the search proves;
+    the default returns the simplest plan within the error band of it, which is slower here."""
+    from planner.api import plan
+
+    cluster = Cluster.parse("1x8xa100-80gb")
+    simplest = plan(chain, None, cluster, global_batch=64)
+    fastest = plan(chain, None, cluster, global_batch=64, simplest_tie=False)
+    assert fastest.predicted.step_time_s < simplest.predicted.step_time_s
+    assert within_band(simplest.predicted.step_time_s, fastest.predicted.step_time_s, simplest.predicted.error_band)
+    assert simplicity_key(simplest.strategy) < simplicity_key(fastest.strategy)
+    assert fastest.search.status == "optimal"

@@ -8,6 +8,11 @@ outside itself and the tests can re-derive every calibrated number.
 
 Units in the CSV are the ones datasheets use (TFLOP/s, GB, TB/s, GB/s, microseconds); the loaded values are SI
 (FLOP/s, bytes, bytes/s, seconds). GB and TB are decimal (1e9, 1e12), as on the datasheets.
+
+Device memory is what the driver reports where a public nvidia-smi figure exists (`reported_memory_mib`): a
+datasheet's "80 GB" HBM is 80 GiB of stacks, of which the H100 exposes 81,559 MiB (79.6 GiB) and the A100 81,920
+MiB -- 7% more than 80e9 bytes, the difference between a configuration that fits and one that must recompute.
+Devices without such a figure keep the datasheet count in decimal GB (the lower, safe reading).
 """
 
 from __future__ import annotations
@@ -59,6 +64,12 @@ def _optional_float(text: str) -> float | None:
     return float(text) if text else None
 
 
+def _memory_bytes(row: dict[str, str]) -> int:
+    """Device memory: the driver's figure where one is cited, else the datasheet's decimal GB (module docstring)."""
+    reported = row["reported_memory_mib"].strip()
+    return int(reported) * 2 ** 20 if reported else round(float(row["memory_gb"]) * 1e9)
+
+
 def _device_from_row(row: dict[str, str]) -> DeviceSpec:
     peaks = {dtype: float(row[col]) * 1e12 for col, dtype in _PEAK_COLUMNS if row[col].strip()}
     return DeviceSpec(
@@ -66,7 +77,7 @@ def _device_from_row(row: dict[str, str]) -> DeviceSpec:
         display_name=row["display_name"],
         peak_flops=peaks,
         matmul_efficiency=float(row["matmul_efficiency"]),
-        memory_bytes=round(float(row["memory_gb"]) * 1e9),
+        memory_bytes=_memory_bytes(row),
         memory_bandwidth=float(row["memory_bandwidth_tbps"]) * 1e12,
         memory_efficiency=float(row["memory_efficiency"]),
         intra_node_bandwidth=float(row["intra_node_gbps"]) * 1e9,
@@ -74,7 +85,7 @@ def _device_from_row(row: dict[str, str]) -> DeviceSpec:
         sources={
             "peak_flops": row["source_peak"],
             "matmul_efficiency": row["source_matmul_efficiency"],
-            "memory_bytes": row["source_memory"],
+            "memory_bytes": row["source_reported_memory"] or row["source_memory"],
             "memory_bandwidth": row["source_memory_bandwidth"],
             "memory_efficiency": row["source_memory_efficiency"],
             "intra_node_bandwidth": row["source_intra_node"],
