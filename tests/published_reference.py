@@ -11,6 +11,7 @@ counts it:
 - model TFLOP/s per GPU (Megatron-LM's formula, no recomputation): step = F / (TFLOP/s * GPUs), with the dense
   transformer FLOPs  F = 3 * B * [L * (2*s*(2*h*(h + h_kv) + 2*h*f_ffn*g) + 4*s^2*h) + 2*s*h*V]  (g = 1.5 for a
   gated MLP, h_kv = kv heads * head dim) -- the same closed form the tracer's FLOPs reproduce;
+- hardware TFLOP/s with full recomputation (Narayanan et al. 2021): the blocks' term counted 4 times instead of 3;
 - tokens per second per GPU: step = global batch * seq / (tokens/s * GPUs).
 
 How a row's trainer runs the step (`RuntimeOptions`) is read from its name and framework notes: a compiled model or
@@ -41,6 +42,10 @@ FP8_CSV = Path(__file__).resolve().parents[1] / "bench" / "data" / "published_fp
 """Published runs with FP8 linear layers, in the columns of `PUBLISHED_CSV` (each row cites its source)."""
 KORTHIKANTI_CSV = DATA_DIR / "korthikanti2022_selective_recompute.csv"
 FSDP_CSV = Path(__file__).resolve().parents[1] / "bench" / "data" / "published_fsdp_runs.csv"
+SCALING_CSV = Path(__file__).resolve().parents[1] / "bench" / "data" / "published_scaling_runs.csv"
+"""Published scaling tables added as checks after the efficiencies were fitted: Megatron-LM's 2021 weak scaling on
+32 to 3,072 A100 (Narayanan et al., SC'21, Table 1) and Llama 3 405B on 8,192 and 16,384 H100 (Llama 3 paper,
+Table 4), in the columns of `PUBLISHED_CSV`; each row cites its source."""
 """Published eager FSDP runs (MosaicML llm-foundry's benchmark tables), in the columns of `PUBLISHED_CSV`; each
 row cites its source."""
 GIB = 1024 ** 3
@@ -124,13 +129,15 @@ def _float(text: str) -> float | None:
 
 
 def dense_training_flops(*, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq: int,
-                         batch: int, gated: bool) -> float:
-    """Model FLOPs of one training step of a dense decoder (module docstring; no recomputation)."""
+                         batch: int, gated: bool, recomputed: bool = False) -> float:
+    """Model FLOPs of one training step of a dense decoder (module docstring; no recomputation), or with
+    `recomputed` the hardware FLOPs of full recomputation, the blocks' forward once more (4 passes, the output
+    layer 3): Narayanan et al. 2021's 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)) for a GPT."""
     head_dim = hidden // heads
     kv = kv_heads * head_dim
     mlp = 2 * hidden * ffn * (1.5 if gated else 1.0)
     per_layer = 2 * seq * (2 * hidden * (hidden + kv) + mlp) + 4 * seq * seq * hidden
-    return 3.0 * batch * (layers * per_layer + 2 * seq * hidden * vocab)
+    return batch * ((4.0 if recomputed else 3.0) * layers * per_layer + 3.0 * 2 * seq * hidden * vocab)
 
 
 def _zero_of(text: str) -> int | None:
@@ -162,6 +169,9 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
         if "tied embeddings" not in r["framework_notes"]:
             sets.append("tie_embeddings=false")
     framework = r["framework_notes"]
+    text = f"{r['run']}; {framework}"
+    megatron = _megatron_lm(text)
+    legacy = megatron and not any(w in text.lower() for w in ("core", "nemo"))
     unstated, inferred = [], []
     mbs, zero = _int(r["micro_batch"]), _zero_of(r["dp_sharding"])
     recompute = _recompute_of(r["recompute"])
@@ -170,18 +180,19 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
         unstated.append("micro-batch")
     if zero is None:
         unstated.append("ZeRO stage (0 or 1: Megatron-LM has no ZeRO-2/3)")
-    if "Megatron-DeepSpeed" in framework:
-        # Megatron-DeepSpeed of 2021-22 (BLOOM, MT-NLG) predates what Korthikanti et al. (May 2022) and
-        # FlashAttention (Dao et al., May 2022) introduced; its attention was the fused-softmax math kernel.
+    if "Megatron-DeepSpeed" in framework or legacy:
+        # Megatron-LM before Megatron-Core and its Megatron-DeepSpeed forks of 2021-22 (BLOOM, MT-NLG) predate what
+        # Korthikanti et al. (May 2022) and FlashAttention (Dao et al., May 2022) introduced; their attention was
+        # the fused-softmax math kernel.
         sets.append("attn_impl=fused_softmax")
-        inferred.append("explicit attention with Megatron's fused softmax (no FlashAttention in Megatron-DeepSpeed of the time)")
+        inferred.append("explicit attention with Megatron's fused softmax (no FlashAttention in Megatron-LM of the time)")
         # Megatron's --attention-dropout / --hidden-dropout default to 0.1; the BLOOM run kept them ("The default
         # Megatron-LM dropout settings are inherited", bigscience train/tr11-176B-ml/README.md), MT-NLG states none.
         sets.append("dropout=0.1")
-        inferred.append("dropout 0.1 in attention and on the residual branches (Megatron-LM's default, inherited)")
+        inferred.append("dropout 0.1 in attention and on the residual branches (Megatron-LM's default)")
         sets.append("fused_dropout_add=true")
         inferred.append("the residual branches' dropout and add as one fused kernel (Megatron-LM's "
-                        "bias_dropout_add_fused_train, --bias-dropout-fusion on by default, inherited)")
+                        "bias_dropout_add_fused_train, --bias-dropout-fusion on by default)")
         if recompute is None:
             recompute = Recompute.FULL
             inferred.append("full recompute (selective recompute came with Korthikanti et al. 2022)")
@@ -202,7 +213,8 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
     counts = r["tflops_counts"] or "iteration time"
     if step is None and r["tflops_per_gpu"].strip():
         flops = dense_training_flops(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn,
-                                     vocab=vocab, seq=seq, batch=gbs, gated=family == "llama")
+                                     vocab=vocab, seq=seq, batch=gbs, gated=family == "llama",
+                                     recomputed="with full recomputation" in counts)
         step = flops / (float(r["tflops_per_gpu"]) * 1e12 * gpus)
     elif step is None:
         step = gbs * seq / (float(r["tokens_per_s_per_gpu"]) * gpus)
@@ -232,9 +244,6 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
     # gradients after the backward and scattered/gathered pipeline sends over the tp ranks by default
     # (--scatter-gather-tensors-in-pipeline), as the Korthikanti rows are priced; a row that says it overlapped
     # the reduction keeps the overlap.
-    text = f"{r['run']}; {framework}"
-    megatron = _megatron_lm(text)
-    legacy = megatron and not any(w in text.lower() for w in ("core", "nemo"))
     fused = _runs_fused_kernels(text)
     runtime = RuntimeOptions(dp_overlap="Megatron-DeepSpeed" not in framework
                              and not (legacy and "overlap" not in framework.lower()),
@@ -267,11 +276,12 @@ DualPipe schedule. DeepSpeed's pipeline engine runs 1F1B only (its `TrainSchedul
 
 
 def trainer_schedules(text: str) -> tuple[Schedule, ...] | None:
-    """The schedule families a row's trainer (its name and framework notes) runs; None for any."""
+    """The schedule families a row's trainer (its name and framework notes) runs, or that the notes name (Meta's
+    Llama 3 stack: "interleaved 1F1B"); None for any."""
     low = text.lower()
     if "deepspeed" in low:
         return (Schedule.ONE_F_ONE_B,)
-    if "megatron" in low or "nemo" in low:
+    if "megatron" in low or "nemo" in low or "interleaved 1f1b" in low:  # or the notes name that family
         return MEGATRON_SCHEDULES
     return None
 
@@ -382,7 +392,7 @@ def extra_runs() -> list[PublishedRun]:
 
 def all_runs() -> list[PublishedRun]:
     return (load_published_runs() + load_korthikanti_runs() + extra_runs() + load_published_runs(FSDP_CSV, out_of_sample=True)
-            + load_published_runs(FP8_CSV))
+            + load_published_runs(FP8_CSV) + load_published_runs(SCALING_CSV, out_of_sample=True))
 
 
 def schedule_of(run: PublishedRun) -> tuple[Schedule | None, int | None]:

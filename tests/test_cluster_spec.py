@@ -273,7 +273,7 @@ def test_memory_override_custom_device_and_node_tier():
         """)
     small, custom = c.groups
     assert small.device.memory_bytes == 40 * 10**9 and "memory" in small.device.sources["memory_bytes"]
-    assert get_device("a100-80gb").memory_bytes == 80 * 10**9  # the catalog is untouched
+    assert get_device("a100-80gb").memory_bytes == 80 * 2**30  # the catalog is untouched (the driver's 81,920 MiB)
     assert c.node_tier_of(0).bandwidth == 32e9 and c.node_tier_of(0).link == "pcie"
     assert custom.device.flops("bfloat16") == 400e12 and custom.device.memory_bytes == 96 * 10**9
     assert c.node_tier_of(1).bandwidth == 400e9 and c.node_tier_of(1).link == "pcie"  # unknown device: PCIe default

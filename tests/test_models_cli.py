@@ -49,7 +49,8 @@ def test_json_has_counts_and_default_configs(capsys) -> None:
         "preset", "gpt", 174_615_846_912, 174_600_000_000)
     assert m["config"] == {
         "vocab": 51200, "hidden": 12288, "layers": 96, "heads": 96, "seq": 2048, "ffn_hidden": None,
-        "dropout": 0.0, "attn_impl": "sdpa", "bias": True, "tie_embeddings": True, "norm_eps": 1e-05,
+        "dropout": 0.0, "attn_impl": "sdpa", "fused_dropout_add": False, "bias": True, "tie_embeddings": True,
+        "norm_eps": 1e-05,
     }
     assert by_name["dlrm-mlperf"]["config"]["tables"][0] == 39884406
     assert by_name["mixtral-8x7b"]["params"] == 46_702_792_704

@@ -132,3 +132,22 @@ def test_a_power_capped_h100_is_priced_between_the_sxm_and_the_nvl():
     assert capped.peak_flops["float8_e4m3fn"] / full.peak_flops["float8_e4m3fn"] == pytest.approx(
         capped.peak_flops["bfloat16"] / full.peak_flops["bfloat16"])
     assert capped.memory_bandwidth == full.memory_bandwidth == 2.4e12 and full.peak_flops["bfloat16"] == 989e12
+
+
+def test_hardware_flops_with_full_recomputation_are_narayanan_et_als_formula():
+    """A row that counts hardware FLOP/s with full recomputation converts with 96*B*s*l*h^2*(1 + s/(6h) +
+    V/(16*l*h)) (Narayanan et al. 2021, Sec. 5.1), i.e. the blocks' forward counted once more."""
+    from published_reference import _published_row, dense_training_flops
+
+    B, s, layers, h, V = 512, 2048, 24, 2304, 51200
+    expected = 96 * B * s * layers * h * h * (1 + s / (6 * h) + V / (16 * layers * h))
+    got = dense_training_flops(layers=layers, hidden=h, heads=24, kv_heads=24, ffn=4 * h, vocab=V, seq=s, batch=B,
+                               gated=False, recomputed=True)
+    assert got == pytest.approx(expected, rel=1e-12)
+    row = _row("GPT 1.7B", "Megatron-LM 2021, full recompute", pp=1)
+    row.update(layers=str(layers), hidden=str(h), heads="24", kv_heads="24", ffn_hidden=str(4 * h), vocab=str(V),
+               global_batch=str(B), num_gpus="32", tp="1", dp="32", iteration_time_s="", tflops_per_gpu="137",
+               tflops_counts="hardware FLOPs with full recomputation")
+    run = _published_row(row)
+    assert run.measured_step_s == pytest.approx(expected / (137e12 * 32))
+    assert "fused_dropout_add=true" in run.sets and "attn_impl=fused_softmax" in run.sets  # Megatron-LM of 2021
