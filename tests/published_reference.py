@@ -469,23 +469,15 @@ def cluster_of(run: PublishedRun, training_efficiency: float | None = None):
     return cluster.with_tier(cluster.tiers[1].name, bandwidth=run.inter_node_gbps * 1e9)
 
 
-def schedule_choices(run: PublishedRun) -> list[tuple[Schedule | None, int | None]]:
-    """(schedule, virtual stages) pins to search: the stated one, else each family the trainer runs (one search
-    with the schedule free when it runs any)."""
-    stated = schedule_of(run)
-    if stated[0] is not None or run.schedules is None:
-        return [stated]
-    return [(s, None) for s in run.schedules]
-
-
-def search_space(run: PublishedRun, zero_stage: int | None,
-                 schedule: tuple[Schedule | None, int | None] | None = None):
+def search_space(run: PublishedRun, zero_stage: int | None):
+    """The row's pins; an unstated schedule ranges over the families its trainer runs (`trainer_schedules`)."""
     from planner.search.space import SearchSpace
 
-    schedule, v = schedule_of(run) if schedule is None else schedule
+    schedule, v = schedule_of(run)
+    schedules = frozenset(run.schedules) if schedule is None and run.schedules is not None else None
     return SearchSpace(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep, microbatch_size=run.microbatch_size,
-                       schedule=schedule, virtual_stages=v, zero_stage=zero_stage, recompute=run.recompute,
-                       sequence_parallel=run.sequence_parallel, runtime=run.runtime)
+                       schedule=schedule, schedules=schedules, virtual_stages=v, zero_stage=zero_stage,
+                       recompute=run.recompute, sequence_parallel=run.sequence_parallel, runtime=run.runtime)
 
 
 def describe(strategy) -> str:
@@ -509,7 +501,7 @@ def predict(run: PublishedRun, chains: dict | None = None, training_efficiency: 
     """Plan over what the source leaves unstated with the stated configuration pinned, and price it.
 
     The ZeRO stage, when unstated, is searched over 0 and 1 (Megatron-LM's replicated or distributed optimizer), and an
-    unstated schedule over the families the trainer runs (`schedule_choices`). What the source leaves unstated
+    unstated schedule over the families the trainer runs (`search_space`). What the source leaves unstated
     takes the fastest value the model finds, not the simplest within its error band: the run's authors tuned it.
     """
     from planner.api import plan
@@ -524,14 +516,13 @@ def predict(run: PublishedRun, chains: dict | None = None, training_efficiency: 
     cluster = cluster_of(run, training_efficiency)
     best = None
     for zero in ((run.zero_stage,) if run.zero_stage is not None else (0, 1)):
-        for schedule in schedule_choices(run):
-            try:
-                p = plan(chain, None, cluster, global_batch=run.global_batch, space=search_space(run, zero, schedule),
-                         time_limit_s=PINNED_TIME_LIMIT_S, simplest_tie=False)
-            except InfeasibleError:
-                continue
-            if best is None or p.predicted.step_time_s < best.predicted.step_time_s:
-                best = p
+        try:
+            p = plan(chain, None, cluster, global_batch=run.global_batch, space=search_space(run, zero),
+                     time_limit_s=PINNED_TIME_LIMIT_S, simplest_tie=False)
+        except InfeasibleError:
+            continue
+        if best is None or p.predicted.step_time_s < best.predicted.step_time_s:
+            best = p
     chosen = ", ".join(run.unstated) or "-"
     if best is None:
         best, assumed = _priced_out_of_memory(run, chain, cluster)

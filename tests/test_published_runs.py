@@ -105,33 +105,20 @@ def test_rows_are_priced_as_their_trainer_runs():
 def test_an_unstated_schedule_ranges_over_what_the_trainer_runs():
     """Megatron-LM has 1F1B and interleaved 1F1B only, DeepSpeed's pipeline engine 1F1B; torchtitan runs every
     torch.distributed.pipelining schedule. A stated schedule is pinned whatever the trainer."""
-    from published_reference import _published_row, schedule_choices
+    from published_reference import _published_row, search_space
 
     from costmodel.strategy import Schedule
 
-    core = _published_row(_row("Megatron-Core GPT", "overlap of DP/TP/PP communication enabled"))
-    assert schedule_choices(core) == [(Schedule.ONE_F_ONE_B, None), (Schedule.INTERLEAVED, None)]
-    assert schedule_choices(_published_row(_row("BLOOM", "Megatron-DeepSpeed"))) == [(Schedule.ONE_F_ONE_B, None)]
-    assert schedule_choices(_published_row(_row("Llama", "torchtitan, torch.compile"))) == [(None, None)]
-    stated = _published_row(_row("Megatron-Core GPT", "overlap") | {"virtual_stages": "3"})
-    assert schedule_choices(stated) == [(Schedule.INTERLEAVED, 3)]
+    def space(name: str, notes: str, **extra: str):
+        return search_space(_published_row(_row(name, notes) | extra), 1)
 
-
-def test_a_power_capped_h100_is_priced_between_the_sxm_and_the_nvl():
-    """Device notes that bound the peak between the H100 SXM's and NVL's price it at their middle; memory-bound
-    work keeps the row's HBM bandwidth."""
-    from published_reference import H100_NVL_DENSE_BF16_FLOPS, _published_row, cluster_of
-
-    row = _row("Llama", "torchtitan, torch.compile", pp=1)
-    row.update(device="h100-sxm", device_notes="H100 SXM with 96 GB HBM2e (2.4 TB/s) at a 500 W power limit; "
-               "peak FLOP/s between H100 SXM and NVL")
-    capped = cluster_of(_published_row(row)).groups[0].device
-    row.update(device_notes="H100 SXM with 96 GB HBM2e (2.4 TB/s)")
-    full = cluster_of(_published_row(row)).groups[0].device
-    assert capped.peak_flops["bfloat16"] == pytest.approx((989e12 + H100_NVL_DENSE_BF16_FLOPS) / 2)
-    assert capped.peak_flops["float8_e4m3fn"] / full.peak_flops["float8_e4m3fn"] == pytest.approx(
-        capped.peak_flops["bfloat16"] / full.peak_flops["bfloat16"])
-    assert capped.memory_bandwidth == full.memory_bandwidth == 2.4e12 and full.peak_flops["bfloat16"] == 989e12
+    core = space("Megatron-Core GPT", "overlap of DP/TP/PP communication enabled")
+    assert core.schedule is None and core.schedules == {Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED}
+    assert space("BLOOM", "Megatron-DeepSpeed").schedules == {Schedule.ONE_F_ONE_B}
+    assert space("Llama", "torchtitan, torch.compile").schedules is None
+    assert space("Llama", "Meta's stack; interleaved 1F1B pipeline schedule").schedules == core.schedules
+    stated = space("Megatron-Core GPT", "overlap", virtual_stages="3")
+    assert (stated.schedule, stated.virtual_stages, stated.schedules) == (Schedule.INTERLEAVED, 3, None)
 
 
 def test_hardware_flops_with_full_recomputation_are_narayanan_et_als_formula():

@@ -147,3 +147,31 @@ def test_a_plan_for_a_tuned_configuration_takes_the_fastest_not_the_simplest_tie
     assert within_band(simplest.predicted.step_time_s, fastest.predicted.step_time_s, simplest.predicted.error_band)
     assert simplicity_key(simplest.strategy) < simplicity_key(fastest.strategy)
     assert fastest.search.status == "optimal"
+
+
+def test_a_trainers_schedule_families_bound_the_search():
+    """`schedules` (`--fix schedules=1f1b,interleaved`, what Megatron-LM runs) searches exactly those families: its
+    plan is the better of the two searched one at a time, and never a zero-bubble or V schedule."""
+    from costmodel.strategy import Schedule
+    from planner.api import plan
+    from planner.search.space import SearchSpace
+
+    deep = gpt_chain(GptShape(layers=8, hidden=1024, heads=16, seq=1024, vocab=32000, batch=1))
+    cluster = Cluster.parse("2x8xa100-80gb")
+    megatron = frozenset({Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED})
+    free = plan(deep, None, cluster, global_batch=64, space=SearchSpace(pp=4), simplest_tie=False)
+    assert free.strategy.schedule.zero_bubble  # what the restriction takes away here
+    bounded = plan(deep, None, cluster, global_batch=64, space=SearchSpace(pp=4, schedules=megatron),
+                   simplest_tie=False)
+    each = [plan(deep, None, cluster, global_batch=64, space=SearchSpace(pp=4, schedule=s), simplest_tie=False)
+            for s in sorted(megatron)]
+    assert bounded.strategy.schedule in megatron
+    assert bounded.predicted.step_time_s == min(p.predicted.step_time_s for p in each)
+    # pp = 1 runs under any trainer; a pinned schedule must be one of the families
+    assert plan(deep, None, cluster, global_batch=64,
+                space=SearchSpace(pp=1, schedules=frozenset({Schedule.INTERLEAVED}))).strategy.pp == 1
+    assert SearchSpace.from_fixes(["schedules=1f1b, interleaved"]).schedules == megatron
+    for bad, message in ((["schedules=1f1b,zigzag"], "comma-separated list"),
+                         (["schedules=1f1b", "schedule=zbv"], "not one of schedules=1f1b")):
+        with pytest.raises(ValueError, match=message):
+            SearchSpace.from_fixes(bad)

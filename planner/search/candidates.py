@@ -139,13 +139,17 @@ def _schedules(space: SearchSpace, pp: int, m: int, chain: LayerChain, units: Ch
                ) -> list[tuple[Schedule, int]]:
     """(schedule, chunks per rank) the candidate tries with m micro-batches on p ranks."""
     pinned = space.schedule
+    allowed = space.schedules
+    if pinned is None and allowed == {Schedule.GPIPE}:
+        pinned = Schedule.GPIPE  # a trainer that runs GPipe only
     if pinned is Schedule.GPIPE:
         return [(pinned, 1)]
     # GPipe is not searched unless pinned: for the same stages it is never faster than 1F1B (sum F + (m-1) max F
     # + sum B + (m-1) max B >= sum (F+B) + (m-1) max (F+B)) and it keeps all m micro-batches in flight instead of
     # min(p - k, m), with the same drain and tails; so 1F1B is at least as good on every partition.
     out: list[tuple[Schedule, int]] = []
-    if pinned in (None, Schedule.ONE_F_ONE_B):
+    # Without pipelining the schedule is moot: every trainer runs pp = 1 (written as 1F1B).
+    if pinned in (None, Schedule.ONE_F_ONE_B) and (allowed is None or Schedule.ONE_F_ONE_B in allowed or pp == 1):
         out.append((Schedule.ONE_F_ONE_B, 1))
     if pp == 1:
         return out
@@ -153,7 +157,8 @@ def _schedules(space: SearchSpace, pp: int, m: int, chain: LayerChain, units: Ch
         # Zero-bubble schedules run without recomputation (the partition problem drops it) and keep ZeRO-3's
         # gathered weights (`pipeline.split_backward_problem`; the ZeRO stages are filtered below).
         recomputed = space.recompute not in (None, Recompute.NONE)
-        if (pinned not in (None, schedule) or schedule_problem(schedule, pp, m)
+        if (pinned not in (None, schedule) or (allowed is not None and schedule not in allowed)
+                or schedule_problem(schedule, pp, m)
                 or split_backward_problem(schedule, recomputed=recomputed, resharded=False)):
             continue
         for v in _chunk_options(space, schedule):

@@ -37,7 +37,7 @@ FIX_KEYS: Mapping[str, str] = {
     "dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep",
     "mbs": "microbatch_size", "microbatch_size": "microbatch_size",
     "microbatches": "num_microbatches", "num_microbatches": "num_microbatches",
-    "schedule": "schedule",
+    "schedule": "schedule", "schedules": "schedules",
     "virtual_stages": "virtual_stages", "v": "virtual_stages",
     "zero": "zero_stage", "zero_stage": "zero_stage",
     "sp": "sequence_parallel", "sequence_parallel": "sequence_parallel",
@@ -64,6 +64,10 @@ class SearchSpace:
     microbatch_size: int | None = None
     num_microbatches: int | None = None
     schedule: Schedule | None = None
+    schedules: frozenset[Schedule] | None = None
+    """The schedule families the search may use when `schedule` is free: those the target trainer runs
+    (Megatron-LM: 1F1B and interleaved; `--fix schedules=1f1b,interleaved`). None: every family the planner
+    prices (GPipe only when pinned: 1F1B is never slower)."""
     virtual_stages: int | None = None
     zero_stage: int | None = None
     sequence_parallel: bool | None = None
@@ -94,6 +98,7 @@ class SearchSpace:
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.schedule is not None:
             object.__setattr__(self, "schedule", Schedule(self.schedule))
+        self._validate_schedules()
         if self.recompute is not None:
             object.__setattr__(self, "recompute", Recompute(self.recompute))
         self._validate_offload()
@@ -112,6 +117,17 @@ class SearchSpace:
             raise ValueError(f"schedule={self.schedule.value} needs pp > 1")
         if self.max_microbatch_size < 1 or self.max_virtual_stages < 1:
             raise ValueError("max_microbatch_size and max_virtual_stages must be >= 1")
+
+    def _validate_schedules(self) -> None:
+        if self.schedules is None:
+            return
+        allowed = frozenset(Schedule(x) for x in self.schedules)
+        if not allowed:
+            raise ValueError("schedules must name at least one schedule family")
+        if self.schedule is not None and self.schedule not in allowed:
+            raise ValueError(f"schedule={self.schedule.value} is not one of schedules="
+                             f"{','.join(sorted(x.value for x in allowed))}")
+        object.__setattr__(self, "schedules", allowed)
 
     def _validate_offload(self) -> None:
         if self.runtime.offload is not Offload.NONE:  # an offload given as a runtime option pins the dimension
@@ -157,8 +173,11 @@ class SearchSpace:
     def pinned(self) -> dict[str, Any]:
         """The pinned dimensions, by field name (for messages)."""
         skip = {"max_microbatch_size", "max_virtual_stages", "tp_across_nodes", "whole_nodes_only", "runtime"}
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in skip and getattr(self, f.name) is not None}
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in skip and getattr(self, f.name) is not None}
+        if self.schedules is not None:  # as --fix writes it
+            out["schedules"] = ",".join(sorted(x.value for x in self.schedules))
+        return out
 
     def with_changes(self, **changes: Any) -> SearchSpace:
         return replace(self, **changes)
@@ -166,6 +185,12 @@ class SearchSpace:
 
 def _parse_fix(field: str, key: str, value: str) -> dict[str, Any]:
     low = value.lower()
+    if field == "schedules":
+        try:
+            return {field: frozenset(Schedule(x.strip()) for x in low.split(",") if x.strip())}
+        except ValueError:
+            raise ValueError(f"--fix {key}={value}: expected a comma-separated list of schedule families; valid: "
+                             f"{', '.join(x.value for x in Schedule)}") from None
     if field == "schedule":
         try:
             schedule, v = parse_schedule(value)
