@@ -98,7 +98,6 @@ class SearchSpace:
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.schedule is not None:
             object.__setattr__(self, "schedule", Schedule(self.schedule))
-        self._validate_schedules()
         if self.recompute is not None:
             object.__setattr__(self, "recompute", Recompute(self.recompute))
         self._validate_offload()
@@ -117,6 +116,7 @@ class SearchSpace:
             raise ValueError(f"schedule={self.schedule.value} needs pp > 1")
         if self.max_microbatch_size < 1 or self.max_virtual_stages < 1:
             raise ValueError("max_microbatch_size and max_virtual_stages must be >= 1")
+        self._validate_schedules()  # after virtual_stages > 1 has implied interleaved
 
     def _validate_schedules(self) -> None:
         if self.schedules is None:
