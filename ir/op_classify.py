@@ -397,7 +397,7 @@ def _attention_attrs(module, args, kwargs, *, windowed: bool = False) -> dict[st
 
 def _softmax_attrs(base, module, args, kwargs, tensors) -> dict[str, Any]:
     ndim = tensors[0].dim() if tensors else 0
-    if base == "scale_causal_softmax":  # `models.fused_softmax`: over the keys, the last dim
+    if base == "scale_causal_softmax":  # `models.megatron_kernels`: over the keys, the last dim
         return {"dim": -1}
     dim = module.dim if module is not None else _arg(args, kwargs, 1, "dim")
     return {"dim": _neg_dim(dim, ndim)}

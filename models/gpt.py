@@ -87,7 +87,6 @@ class GPTBlock(nn.Module):
         self.mlp_norm = nn.LayerNorm(c.hidden, eps=c.norm_eps, bias=c.bias)
         self.mlp = MLP(c.hidden, c.ffn, activation=Activation.GELU_TANH, bias=c.bias)
         self.dropout = nn.Dropout(c.dropout)
-
         self.fused_dropout_add = c.fused_dropout_add
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,10 @@ MLSys'23), Tables 3-5, transcribed in shared/data/korthikanti2022_*.csv. GPT mod
 tensor parallel 8, the published pipeline/data/batch/interleaving settings; two configurations per model:
 full activation recomputation, and selective recomputation + sequence parallelism.
 
-The whole pipeline is exercised: the zoo GPT (`attn_impl=fused_softmax`, `dropout=0.1`) is built on the meta device, traced
-by `ir.trace`, cut by `ir.build_layer_chain`, each layer class is sharded over tp=8 by the planner's CP-SAT
-sharding model (`planner.search.intra_op.solve_layer_sharding`), and `costmodel.estimate` prices the strategy.
+The whole pipeline is exercised: the zoo GPT (`attn_impl=fused_softmax`, `dropout=0.1`, `fused_dropout_add=true`)
+is built on the meta device, traced by `ir.trace`, cut by `ir.build_layer_chain`, each layer class is sharded over
+tp=8 by the planner's CP-SAT sharding model (`planner.search.intra_op.solve_layer_sharding`), and
+`costmodel.estimate` prices the strategy.
 Nothing in the cost model is fitted to these numbers (see costmodel/operators.py for what was fitted, and on what).
 Used by tests/test_korthikanti.py and bench/costmodel_validation.py (which prints the table).
 """

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from costmodel.float8 import Float8Recipe
+from costmodel.hardware.catalog import get_device
 from costmodel.strategy import Recompute, RuntimeOptions, Schedule
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -42,12 +43,12 @@ FP8_CSV = Path(__file__).resolve().parents[1] / "bench" / "data" / "published_fp
 """Published runs with FP8 linear layers, in the columns of `PUBLISHED_CSV` (each row cites its source)."""
 KORTHIKANTI_CSV = DATA_DIR / "korthikanti2022_selective_recompute.csv"
 FSDP_CSV = Path(__file__).resolve().parents[1] / "bench" / "data" / "published_fsdp_runs.csv"
+"""Published eager FSDP runs (MosaicML llm-foundry's benchmark tables), in the columns of `PUBLISHED_CSV`; each
+row cites its source."""
 SCALING_CSV = Path(__file__).resolve().parents[1] / "bench" / "data" / "published_scaling_runs.csv"
 """Published scaling tables added as checks after the efficiencies were fitted: Megatron-LM's 2021 weak scaling on
 32 to 3,072 A100 (Narayanan et al., SC'21, Table 1) and Llama 3 405B on 8,192 and 16,384 H100 (Llama 3 paper,
 Table 4), in the columns of `PUBLISHED_CSV`; each row cites its source."""
-"""Published eager FSDP runs (MosaicML llm-foundry's benchmark tables), in the columns of `PUBLISHED_CSV`; each
-row cites its source."""
 GIB = 1024 ** 3
 
 H100_NVL_DENSE_BF16_FLOPS = 1671e12 / 2
@@ -57,10 +58,6 @@ CAPPED_H100_NOTE = "peak FLOP/s between H100 SXM and NVL"
 """Device notes of torchtitan's H100s (500 W power limit, HBM2e): the benchmark says their peak lies between the
 SXM's and the NVL's and that the exact value is unknown; they are priced at the middle of the two, and the
 uncertainty (+-8% of the step's compute) is part of the row's error."""
-
-H100_REPORTED_SHARE = 81559 / 81920
-"""Of the 80 GiB of an H100's five HBM3 stacks, what nvidia-smi reports (81,559 MiB; `costmodel/hardware/data/
-devices.csv`, reported_memory_mib)."""
 
 # Network facts of the clusters named in the rows' device notes (the shorthand's defaults are the typical NIC).
 OMNI_PATH_PER_GPU_GBPS = 4 * 100 / 8
@@ -106,7 +103,7 @@ class PublishedRun:
     precision: str = "bf16"
     """What the run computed in ("bf16", "fp8"); FP8 rows are reported, not fitted. Rows whose `runtime.fp8` is
     set are priced in FP8 too; the others in bf16."""
-    schedules: tuple[Schedule, ...] | None = None
+    schedules: frozenset[Schedule] | None = None
     """The pipeline schedules the row's trainer runs, which an unstated schedule ranges over; None: every schedule
     the planner has (torchtitan runs all of torch.distributed.pipelining's)."""
     out_of_sample: bool = False
@@ -253,8 +250,8 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
                              p2p_scatter_gather=deepspeed_pipeline or (legacy and int(r["pp"]) > 1),
                              p2p_blocking=deepspeed_pipeline, fp8=fp8)
     return PublishedRun(
-        name=r["run"], family=family, sets=tuple(sets), seq=seq, schedules=trainer_schedules(text), device=r["device"], num_gpus=gpus,
-        gpus_per_node=int(r["gpus_per_node"]), tp=int(r["tp"]), pp=int(r["pp"]), cp=int(r["cp"] or 1),
+        name=r["run"], family=family, sets=tuple(sets), seq=seq, schedules=trainer_schedules(text),
+        device=r["device"], num_gpus=gpus, gpus_per_node=int(r["gpus_per_node"]), tp=int(r["tp"]), pp=int(r["pp"]), cp=int(r["cp"] or 1),
         dp=int(r["dp"]), global_batch=gbs, microbatch_size=mbs, virtual_stages=_int(r["virtual_stages"]),
         zero_stage=zero, recompute=recompute, sequence_parallel=sp, measured_step_s=step,
         measured_memory_gib=_float(r["peak_memory_gib"]), counts=counts, framework=framework,
@@ -269,18 +266,18 @@ FUSING_RUNTIMES = ("torch.compile", "Megatron-Core", "NeMo", "Transformer Engine
 Megatron-Core / NeMo, whose layers are Transformer Engine's fused modules."""
 
 
-MEGATRON_SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED)
+MEGATRON_SCHEDULES = frozenset({Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED})
 """What Megatron-LM and Megatron-Core run: "two different pipeline parallelism schedules (one without interleaving
 and one with interleaving ...)" (NVIDIA/Megatron-LM docs/api-guide/core/pipeline_parallel.md); no zero-bubble or
 DualPipe schedule. DeepSpeed's pipeline engine runs 1F1B only (its `TrainSchedule`)."""
 
 
-def trainer_schedules(text: str) -> tuple[Schedule, ...] | None:
+def trainer_schedules(text: str) -> frozenset[Schedule] | None:
     """The schedule families a row's trainer (its name and framework notes) runs, or that the notes name (Meta's
     Llama 3 stack: "interleaved 1F1B"); None for any."""
     low = text.lower()
     if "deepspeed" in low:
-        return (Schedule.ONE_F_ONE_B,)
+        return frozenset({Schedule.ONE_F_ONE_B})
     if "megatron" in low or "nemo" in low or "interleaved 1f1b" in low:  # or the notes name that family
         return MEGATRON_SCHEDULES
     return None
@@ -455,8 +452,9 @@ def cluster_of(run: PublishedRun, training_efficiency: float | None = None):
     if run.memory_gb is not None:
         # The row's device has other memory than the catalog's (torchtitan's H100s: 96 GB HBM2e at 2.4 TB/s).
         # Read as the catalog reads its H100 (`costmodel.hardware.catalog`): the nominal GB are GiB of HBM stacks,
-        # of which the driver reports the same share as the 80 GB H100's 81,559 of 81,920 MiB.
-        device = dataclasses.replace(device, memory_bytes=int(run.memory_gb * 2 ** 30 * H100_REPORTED_SHARE),
+        # of which the driver reports the same share as of the 80 GB H100's (81,559 of 81,920 MiB).
+        reported_share = get_device("h100-sxm").memory_bytes / (80 * 2 ** 30)
+        device = dataclasses.replace(device, memory_bytes=int(run.memory_gb * 2 ** 30 * reported_share),
                                      memory_bandwidth=run.memory_bandwidth_tbps * 1e12)
     if run.power_capped_h100:
         # Tensor-core clocks fall with the power limit; memory-bound work keeps the HBM bandwidth above.
@@ -474,9 +472,8 @@ def search_space(run: PublishedRun, zero_stage: int | None):
     from planner.search.space import SearchSpace
 
     schedule, v = schedule_of(run)
-    schedules = frozenset(run.schedules) if schedule is None and run.schedules is not None else None
     return SearchSpace(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep, microbatch_size=run.microbatch_size,
-                       schedule=schedule, schedules=schedules, virtual_stages=v, zero_stage=zero_stage,
+                       schedule=schedule, schedules=run.schedules if schedule is None else None, virtual_stages=v, zero_stage=zero_stage,
                        recompute=run.recompute, sequence_parallel=run.sequence_parallel, runtime=run.runtime)
 
 
