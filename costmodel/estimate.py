@@ -60,6 +60,7 @@ from costmodel.step_time import (
     RankTail,
     StageTime,
     data_parallel_comm,
+    fp32_grad_pass_time,
     host_time,
     optimizer_step_time,
     stage_time,
@@ -401,6 +402,10 @@ def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSet
                        tp_overlap_chunks=strategy.tp if runtime.tp_overlap else 0,
                        tp_grad_overlap=runtime.tp_grad_overlap,
                        offload_fwd_s=comm.offload_fwd_s, offload_bwd_s=comm.offload_bwd_s)
+    if runtime.fp32_grad_pass:
+        grad_pass = fp32_grad_pass_time(sum(s.cost.param_count for s in segs), rank.device,
+                                        dtype_bytes=weight_bytes, speed=rank.speed)
+        chunk = replace(chunk, compute_bwd_s=chunk.compute_bwd_s + grad_pass, wgrad_s=chunk.wgrad_s + grad_pass)
     return chunk, comm
 
 

@@ -57,6 +57,11 @@ weight, m and v, and writes the 16-bit weight: 2 + 3*8 + 2 = 28 bytes per local 
 28 too), over the local shard (params / dp under ZeRO >= 1), plus a measured framework cost per parameter tensor
 (`costmodel.framework`; a DTensor parameter costs far more than a plain one).
 
+With `RuntimeOptions.fp32_grad_pass` (DeepSpeed's BF16_Optimizer) every micro-batch's backward ends with a pass
+that upcasts each 16-bit gradient and adds it into the fp32 gradient buffer, `hp.add_(lp.to(fp32))`: read w, write
+4 (the upcast copy), read 4 + 4 and write 4 (the add) = w + 16 bytes per local parameter, memory-bound like the
+optimizer step, as backward (weight-gradient) work of the chunk.
+
 Default gradient bucket: 25 MiB (torch.nn.parallel.DistributedDataParallel `bucket_cap_mb=25`).
 """
 
@@ -79,6 +84,8 @@ from costmodel.pipeline import ChunkWork, chunk_stages, drain_slack, paired_over
 from costmodel.strategy import Recompute, Schedule
 
 ADAM_BYTES_PER_PARAM = 28
+FP32_GRAD_PASS_EXTRA_BYTES = 16
+"""Bytes per parameter of the fp32 gradient pass besides reading the 16-bit gradient (module docstring)."""
 DEFAULT_BUCKET_BYTES = 25 * 1024 ** 2
 
 
@@ -101,6 +108,17 @@ def optimizer_step_time(local_param_count: int, device: DeviceSpec, *, speed: fl
     nbytes = local_param_count * ADAM_BYTES_PER_PARAM
     bandwidth = device.memory_bandwidth * device.memory_efficiency * device.training_efficiency
     return max(nbytes / bandwidth, T_KERNEL_FLOOR_S) / speed + host_s
+
+
+def fp32_grad_pass_time(local_param_count: float, device: DeviceSpec, *, dtype_bytes: int, speed: float = 1.0
+                        ) -> float:
+    """Seconds of one micro-batch's upcast-and-add of `local_param_count` 16-bit gradients into fp32 buffers
+    (`RuntimeOptions.fp32_grad_pass`, module docstring)."""
+    if local_param_count <= 0:
+        return 0.0
+    nbytes = local_param_count * (dtype_bytes + FP32_GRAD_PASS_EXTRA_BYTES)
+    bandwidth = device.memory_bandwidth * device.memory_efficiency * device.training_efficiency
+    return max(nbytes / bandwidth, T_KERNEL_FLOOR_S) / speed
 
 
 def tp_grad_sync_time(sync_bytes: float, sync_tensors: int, group: CommGroup, cluster: Cluster, *,

@@ -189,6 +189,15 @@ class RuntimeOptions:
     function). Needs the dualpipev schedule; `planner.parallelize` does not run it: plans with it are for
     export."""
 
+    fp32_grad_pass: bool = False
+    """After every micro-batch's backward a separate memory-bound pass adds the 16-bit gradients into fp32
+    gradient buffers (`step_time.fp32_grad_pass_time`): DeepSpeed's pipeline engine in bf16, which runs its
+    BF16_Optimizer (ZeRO-2/3 are refused there), clears the bf16 gradients before each backward and calls
+    `update_hp_grads` after it (deepspeed/runtime/pipe/engine.py `_exec_backward_pass`), each gradient upcast and
+    added, `hp_grad.add_(lp.grad.to(fp32))`. False: no separate pass is priced (Megatron-LM accumulates into its fp32
+    main grads inside the weight-gradient GEMM, `--gradient-accumulation-fusion`). `planner.parallelize` does not
+    run it: plans with it are for export."""
+
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "offload", Offload(self.offload))
@@ -225,10 +234,10 @@ class RuntimeOptions:
 
 
 RUNTIME_FLAGS = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking",
-                 "tp_grad_overlap", "ep_dedup", "ep_overlap", "fused_kernels")
+                 "tp_grad_overlap", "ep_dedup", "ep_overlap", "fused_kernels", "fp32_grad_pass")
 """The true/false fields of `RuntimeOptions`, in the order plans write them."""
 _LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking", "tp_grad_overlap", "ep_dedup", "ep_overlap",
-                          "fused_kernels"})
+                          "fused_kernels", "fp32_grad_pass"})
 RUNTIME_OPTION_NAMES = (*RUNTIME_FLAGS, "offload", "fp8")
 """Every field of `RuntimeOptions` (the keys of its JSON)."""
 

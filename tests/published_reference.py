@@ -200,6 +200,9 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
                         "pipeline flush)")
         inferred.append("pipeline sends as DeepSpeed's pipeline engine runs them: partitioned over the tp ranks "
                         "(pipe_partitioned), each send and receive blocking both ends")
+        if r["precision"].strip().lower() == "bf16":
+            inferred.append("DeepSpeed's BF16_Optimizer (bf16 with ZeRO-1 under its pipeline engine): each "
+                            "micro-batch's gradients upcast and added into fp32 buffers in a pass of their own")
     if recompute is None:
         unstated.append("recompute")
     if sp is None and int(r["tp"]) > 1:
@@ -248,7 +251,8 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
                              tp_grad_overlap=megatron,
                              tp_overlap="TP/PP communication enabled" in framework or "AsyncTP" in framework,
                              p2p_scatter_gather=deepspeed_pipeline or (legacy and int(r["pp"]) > 1),
-                             p2p_blocking=deepspeed_pipeline, fp8=fp8)
+                             p2p_blocking=deepspeed_pipeline, fp8=fp8,
+                             fp32_grad_pass="Megatron-DeepSpeed" in framework and r["precision"].strip().lower() == "bf16")
     return PublishedRun(
         name=r["run"], family=family, sets=tuple(sets), seq=seq, schedules=trainer_schedules(text),
         device=r["device"], num_gpus=gpus, gpus_per_node=int(r["gpus_per_node"]), tp=int(r["tp"]), pp=int(r["pp"]), cp=int(r["cp"] or 1),
@@ -272,13 +276,19 @@ and one with interleaving ...)" (NVIDIA/Megatron-LM docs/api-guide/core/pipeline
 DualPipe schedule. DeepSpeed's pipeline engine runs 1F1B only (its `TrainSchedule`)."""
 
 
+NAMED_INTERLEAVED = re.compile(r"(?<!non-)\binterleaved (?:1f1b )?(?:pipeline )?schedul")
+"""Notes that name the interleaved schedule as the one the run used ("interleaved 1F1B pipeline schedule")."""
+
+
 def trainer_schedules(text: str) -> frozenset[Schedule] | None:
-    """The schedule families a row's trainer (its name and framework notes) runs, or that the notes name (Meta's
-    Llama 3 stack: "interleaved 1F1B"); None for any."""
+    """The schedule families a row may have run, from its name and framework notes: the interleaved schedule alone
+    where the notes name it (Meta's Llama 3 stack), else those its trainer runs; None for any."""
     low = text.lower()
+    if NAMED_INTERLEAVED.search(low):
+        return frozenset({Schedule.INTERLEAVED})
     if "deepspeed" in low:
         return frozenset({Schedule.ONE_F_ONE_B})
-    if "megatron" in low or "nemo" in low or "interleaved 1f1b" in low:  # or the notes name that family
+    if "megatron" in low or "nemo" in low:
         return MEGATRON_SCHEDULES
     return None
 
@@ -535,23 +545,32 @@ def predict(run: PublishedRun, chains: dict | None = None, training_efficiency: 
 def _priced_out_of_memory(run: PublishedRun, chain, cluster):
     """The published configuration priced as is when the model says nothing fits (the run did: a memory error of
     the model, shown as such), with what the source leaves unstated set to its least-memory value (micro-batch 1,
-    ZeRO-1, full recomputation, sequence parallelism, 1F1B); returns the plan and what was so assumed."""
-    from costmodel.strategy import Strategy
-    from planner.api import estimate_plan
+    ZeRO-1, full recomputation, sequence parallelism, 1F1B where the row's schedule families allow it) and the
+    fastest virtual-stage count where they do not; returns the plan and what was so assumed."""
+    from planner.api import plan
 
-    schedule, v = schedule_of(run)
+    schedule, _ = schedule_of(run)
+    one_f_one_b = schedule is None and (run.schedules is None or Schedule.ONE_F_ONE_B in run.schedules)
     defaults = {"micro-batch 1": run.microbatch_size is None, "ZeRO-1": run.zero_stage is None,
                 "full recomputation": run.recompute is None,
-                "sequence parallelism": run.sequence_parallel is None and run.tp > 1, "1F1B": schedule is None}
-    mbs = run.microbatch_size or 1
-    strategy = Strategy(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep, microbatch_size=mbs,
-                        num_microbatches=run.global_batch // (run.dp * mbs), schedule=schedule or Schedule.ONE_F_ONE_B,
-                        virtual_stages=v or 1, zero_stage=1 if run.zero_stage is None else run.zero_stage,
-                        recompute=run.recompute or Recompute.FULL,
-                        sequence_parallel=run.tp > 1 if run.sequence_parallel is None else run.sequence_parallel,
-                        runtime=run.runtime)
-    plan = estimate_plan(chain, cluster, strategy, global_batch=run.global_batch)
-    return plan, ", ".join(k for k, on in defaults.items() if on)
+                "sequence parallelism": run.sequence_parallel is None and run.tp > 1, "1F1B": one_f_one_b,
+                "the fastest virtual stages": schedule is None and not one_f_one_b}
+    space = search_space(run, 1 if run.zero_stage is None else run.zero_stage)
+    space = dataclasses.replace(
+        space, microbatch_size=run.microbatch_size or 1, recompute=run.recompute or Recompute.FULL,
+        sequence_parallel=run.tp > 1 if run.sequence_parallel is None else run.sequence_parallel,
+        **({"schedule": Schedule.ONE_F_ONE_B, "virtual_stages": 1, "schedules": None} if one_f_one_b else {}))
+    unbounded = dataclasses.replace(cluster, groups=tuple(
+        dataclasses.replace(g, device=dataclasses.replace(g.device, memory_bytes=UNBOUNDED_MEMORY_BYTES))
+        for g in cluster.groups))
+    priced = plan(chain, None, unbounded, global_batch=run.global_batch, space=space,
+                  time_limit_s=PINNED_TIME_LIMIT_S, simplest_tie=False)
+    return priced, ", ".join(k for k, on in defaults.items() if on)
+
+
+UNBOUNDED_MEMORY_BYTES = 2 ** 60
+"""Device memory for pricing a configuration the model says does not fit: no candidate is cut for memory, and
+the predicted peak (which does not depend on the capacity) is reported against the measured one."""
 
 
 FIT_GRID = tuple(round(0.5 + 0.005 * i, 3) for i in range(101))

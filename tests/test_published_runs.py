@@ -116,9 +116,25 @@ def test_an_unstated_schedule_ranges_over_what_the_trainer_runs():
     assert core.schedule is None and core.schedules == {Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED}
     assert space("BLOOM", "Megatron-DeepSpeed").schedules == {Schedule.ONE_F_ONE_B}
     assert space("Llama", "torchtitan, torch.compile").schedules is None
-    assert space("Llama", "Meta's stack; interleaved 1F1B pipeline schedule").schedules == core.schedules
+    named = space("Llama", "Meta's stack; interleaved 1F1B pipeline schedule")
+    assert named.schedules == {Schedule.INTERLEAVED}
+    assert space("GPT", "Megatron-LM, non-interleaved schedule").schedules == core.schedules
     stated = space("Megatron-Core GPT", "overlap", virtual_stages="3")
     assert (stated.schedule, stated.virtual_stages, stated.schedules) == (Schedule.INTERLEAVED, 3, None)
+
+
+def test_a_named_schedule_that_does_not_fit_is_priced_as_run():
+    """A row whose notes name the interleaved schedule keeps it when the model says it does not fit (the run did):
+    the fastest virtual-stage count is priced without the memory limit and the memory error shows."""
+    from published_reference import _published_row, predict
+
+    row = _row("Llama-ish", "Meta's stack; interleaved 1F1B pipeline schedule") | {
+        "device_notes": "A100 with 1 GB HBM2e (2.0 TB/s)", "micro_batch": "1", "recompute": "none"}
+    run = _published_row(row)
+    assert run.memory_gb == 1
+    p = predict(run)
+    assert p.chosen.startswith("nothing fits: priced as is") and "the fastest virtual stages" in p.chosen
+    assert " interleaved:2 " in p.strategy and " none" in p.strategy and p.memory_gib > 1
 
 
 def test_hardware_flops_with_full_recomputation_are_narayanan_et_als_formula():

@@ -60,6 +60,25 @@ def test_data_parallel_overlap_is_priced(chain, two_nodes):
     assert off.step_time_s - on.step_time_s == pytest.approx(off.breakdown.dp_comm_s - on.breakdown.dp_comm_s)
 
 
+def test_the_fp32_gradient_pass_is_a_memory_bound_pass_per_micro_batch(chain, two_nodes):
+    """DeepSpeed's BF16_Optimizer upcasts and adds each micro-batch's gradients into fp32 buffers: 2 + 16 bytes
+    per local parameter per micro-batch at the optimizer's memory bandwidth, as weight-gradient work."""
+    from costmodel.step_time import FP32_GRAD_PASS_EXTRA_BYTES
+
+    kw = dict(dp=4, pp=2, microbatch_size=1, num_microbatches=4)
+    plain = estimate(chain, two_nodes, Strategy(**kw))
+    passed = estimate(chain, two_nodes, Strategy(**kw, runtime=RuntimeOptions(fp32_grad_pass=True)))
+    device = two_nodes.groups[0].device
+    bandwidth = device.memory_bandwidth * device.memory_efficiency * device.training_efficiency
+    for a, b in zip(plain.stages, passed.stages, strict=True):
+        local_params = a.memory.params / 2  # bf16 weights, replicated (ZeRO-0), untied: the stage's own
+        expected = local_params * (2 + FP32_GRAD_PASS_EXTRA_BYTES) / bandwidth
+        assert b.bwd_s - a.bwd_s == pytest.approx(expected, rel=1e-9)
+    assert passed.breakdown.compute_s > plain.breakdown.compute_s
+    assert passed.breakdown.dp_comm_s <= plain.breakdown.dp_comm_s  # a longer backward hides more of it
+    assert "fp32_grad_pass" in runtime_unsupported(Strategy(**kw, runtime=RuntimeOptions(fp32_grad_pass=True)))
+
+
 def test_keeping_gathered_weights_trades_memory_for_the_backward_gather(chain, two_nodes):
     kw = dict(dp=16, microbatch_size=1, num_microbatches=4, zero_stage=3)
     reshard = estimate(chain, two_nodes, Strategy(**kw))

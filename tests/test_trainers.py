@@ -305,6 +305,10 @@ def test_deepspeed_pipeline_sends_are_read_and_written(tmp_path: Path) -> None:
         path.write_text(json.dumps(cfg))
         runtime = read_trainer_config(f"deepspeed:{path}").runtime
         assert runtime.p2p_blocking and runtime.p2p_scatter_gather == (partitioned is None)
+        assert not runtime.fp32_grad_pass  # fp32 training: no 16-bit gradients to upcast
+    bf16 = dict(base, bf16={"enabled": True})
+    (tmp_path / "bf16.json").write_text(json.dumps(bf16))
+    assert read_trainer_config(f"deepspeed:{tmp_path / 'bf16.json'}").runtime.fp32_grad_pass  # BF16_Optimizer
     flat = dict(base, pipeline={"stages": 1})
     (tmp_path / "flat.json").write_text(json.dumps(flat))
     assert read_trainer_config(f"deepspeed:{tmp_path / 'flat.json'}").runtime == RuntimeOptions(dp_overlap=False)

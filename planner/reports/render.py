@@ -125,6 +125,8 @@ def runtime_line(s: Strategy) -> str:
         parts.append(f"pipeline sends {' and '.join(how)}")
     if r.fused_kernels:
         parts.append("fused kernels")
+    if r.fp32_grad_pass:
+        parts.append("fp32 gradient pass per micro-batch")
     if r.offload is not Offload.NONE:
         parts.append(f"offload {r.offload.value}")
     if r.fp8 is not None:

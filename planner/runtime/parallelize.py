@@ -422,6 +422,9 @@ def runtime_unsupported(strategy: Strategy) -> str:
         return ("the plan prices the memory-bound ops as fused kernels (fused_kernels: torch.compile, Megatron-Core "
                 "with Transformer Engine); this runtime runs them eagerly: plan with fused_kernels=false, or export "
                 "the plan")
+    if r.fp32_grad_pass:
+        return ("the plan prices a separate fp32 gradient pass per micro-batch (fp32_grad_pass, DeepSpeed's "
+                "BF16_Optimizer); this runtime does not run one: plan with fp32_grad_pass=false, or export the plan")
     if r.ep_overlap:
         return ("the plan prices DualPipe's overlap of the paired chunks' all-to-alls (ep_overlap); this runtime runs "
                 "torch's ScheduleDualPipeV, whose pairs run one after the other: plan with ep_overlap=false, or "

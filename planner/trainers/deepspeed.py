@@ -48,6 +48,9 @@ def pipeline_notes(cfg: TrainerConfig, notes: Notes) -> None:
     if not cfg.runtime.p2p_blocking:
         notes.add("DeepSpeed's pipeline engine blocks both ends of every send; the plan priced paired sends that "
                   "only the receiver waits for")
+    if cfg.dtype == "bfloat16" and not cfg.runtime.fp32_grad_pass:
+        notes.add("DeepSpeed's pipeline engine in bf16 adds each micro-batch's gradients into fp32 buffers in a "
+                  "pass of their own (BF16_Optimizer); the plan priced no such pass")
 
 
 def config_dict(cfg: TrainerConfig, notes: Notes) -> dict[str, Any]:
@@ -177,18 +180,20 @@ def read_json(text: str, *, source: str) -> TrainerConfig:
         samples_per_rank=mbs * int(gas), zero_stage=stage, recompute=_json_recompute(ds),
         runtime=RuntimeOptions(dp_overlap=bool(zero.get("overlap_comm", stage == 3)) and pp == 1,
                                reshard_after_forward=int(zero.get("stage3_max_reuse_distance", 1e9)) < 1e12,
-                               **pipeline_runtime(pipe, pp),
+                               **pipeline_runtime(pipe, pp, _json_dtype(ds)),
                                offload=_read_offload(zero, source) if isinstance(zero, Mapping) else Offload.NONE),
         dtype=_json_dtype(ds))
 
 
-def pipeline_runtime(pipe: Mapping[str, Any], pp: int) -> dict[str, bool]:
-    """How DeepSpeed's pipeline engine sends between stages: every send and receive its own blocking
-    instruction, activations partitioned over the tensor-parallel ranks unless `pipe_partitioned` is off
-    (deepspeed/runtime/pipe/engine.py; the defaults are in deepspeed/runtime/config.py)."""
+def pipeline_runtime(pipe: Mapping[str, Any], pp: int, dtype: str) -> dict[str, bool]:
+    """How DeepSpeed's pipeline engine runs: every send and receive its own blocking instruction, activations
+    partitioned over the tensor-parallel ranks unless `pipe_partitioned` is off (deepspeed/runtime/pipe/engine.py;
+    the defaults are in deepspeed/runtime/config.py); in bf16, each micro-batch's gradients added into fp32
+    buffers by its BF16_Optimizer (`RuntimeOptions.fp32_grad_pass`)."""
     if pp == 1:
         return {}
-    return {"p2p_blocking": True, "p2p_scatter_gather": bool(pipe.get("pipe_partitioned", True))}
+    return {"p2p_blocking": True, "p2p_scatter_gather": bool(pipe.get("pipe_partitioned", True)),
+            "fp32_grad_pass": dtype == "bfloat16"}
 
 
 def _json(text: str, source: str) -> Mapping[str, Any]:
@@ -224,8 +229,9 @@ def read_arguments(text: str, *, source: str, folder: Path) -> TrainerConfig:
     pp = 1 if ns.no_pipeline_parallel else ns.pipeline_model_parallel_size
     ds_path = folder / ns.deepspeed_config if ns.deepspeed_config else None
     grad_overlap = bool(ns.async_tensor_model_parallel_allreduce) and ns.tensor_model_parallel_size > 1
+    dtype = "bfloat16" if ns.bf16 else "float16" if ns.fp16 else "float32"
     pipe = RuntimeOptions(dp_overlap=pp == 1, tp_grad_overlap=grad_overlap,
-                          **pipeline_runtime({}, pp))
+                          **pipeline_runtime({}, pp, dtype))
     if ds_path is not None and ds_path.is_file():
         ds = read_json(ds_path.read_text(encoding="utf-8"), source=str(ds_path))
         zero = ds.zero_stage
@@ -239,4 +245,4 @@ def read_arguments(text: str, *, source: str, folder: Path) -> TrainerConfig:
         cp=ns.ds_sequence_parallel_size, microbatch_size=ns.micro_batch_size, global_batch=ns.global_batch_size,
         zero_stage=zero, sequence_parallel=bool(ns.sequence_parallel), recompute=recompute,
         runtime=pipe, seq_len=ns.seq_length,
-        dtype="bfloat16" if ns.bf16 else "float16" if ns.fp16 else "float32", num_layers=ns.num_layers)
+        dtype=dtype, num_layers=ns.num_layers)
