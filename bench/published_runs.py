@@ -260,7 +260,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.only.lower() not in run.name.lower() or run.name in done:
             continue
         started = time.monotonic()
-        pred = predict(run, chains)
+        try:
+            pred = predict(run, chains)
+        except Exception as e:  # one row the planner cannot price must not end the bench for the others
+            print(f"{run.name[:48]:48s} not priced: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            continue
         free_s, free_label = ((None, "") if args.no_free
                               else free_plan(run, chains, pred.breakdown, args.free_time_limit))
         err = pred.step_s / run.measured_step_s - 1

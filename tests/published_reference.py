@@ -29,6 +29,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,22 +139,101 @@ def dense_training_flops(*, layers: int, hidden: int, heads: int, kv_heads: int,
 
 
 def _zero_of(text: str) -> int | None:
-    m = re.search(r"ZeRO-(\d)", text)
-    return int(m.group(1)) if m else None
+    """The ZeRO stage a dp_sharding cell names ("ZeRO-1", "FSDP2 (ZeRO-3)", "distributed optimizer", ...)."""
+    low = text.lower()
+    m = re.search(r"zero[- ]?(?:stage[- ]?)?(\d)", low)
+    if m:
+        return int(m.group(1))
+    for words, stage in ((("shard_grad_op", "zero2"), 2), (("fsdp", "full_shard", "fully sharded", "hsdp"), 3),
+                         (("distributed optimizer", "distributed-optimizer"), 1),
+                         (("ddp", "no sharding", "replicated", "none"), 0)):
+        if any(w in low for w in words):
+            return stage
+    return None
 
 
 def _recompute_of(text: str) -> Recompute | None:
-    low = text.lower()
+    """The recomputation a recompute cell names ("full", "selective (...)", "none (...)", "activation
+    checkpointing", "no", ...)."""
+    low = text.strip().lower()
+    if not low:
+        return None
     if "per-op" in low:
         return Recompute.OP
     for r in (Recompute.FULL, Recompute.SELECTIVE, Recompute.NONE):
         if low.startswith(r.value):
             return r
+    if low.startswith(("no", "off", "disabled", "without", "false")):
+        return Recompute.NONE
+    if "selective" in low:
+        return Recompute.SELECTIVE
+    if low.startswith(("yes", "on", "true")) or "checkpoint" in low or "recomput" in low:
+        return Recompute.FULL
     return None
 
 
-def _published_row(r: dict[str, str]) -> PublishedRun:
-    family = "llama" if r["model_family"].startswith("llama") else "gpt"
+def _flag_of(text: str) -> bool | None:
+    low = text.strip().lower()
+    if low.startswith(("yes", "true", "on")):
+        return True
+    if low.startswith(("no", "false", "off")):
+        return False
+    return None
+
+
+def llama_ffn(hidden: int) -> int:
+    """Llama's MLP width when a row omits it: 2/3 of 4h rounded up to a multiple of 256 (Llama 2's rule; meta-llama
+    llama/model.py `FeedForward`: 11,008 for h = 4,096)."""
+    return -(-(8 * hidden // 3) // 256) * 256
+
+
+def _completed(r: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """The row with the cells a source may leave empty filled in as stated in the returned notes: missing columns
+    empty, tp / pp / cp 1, dp the GPUs over tp x pp x cp, 8 GPUs per node, kv heads = heads, the family's MLP
+    width and vocabulary, and a speed given only as MFU turned into model TFLOP/s at the device's bf16 peak."""
+    row = {k: (v or "").strip() for k, v in r.items() if k is not None}
+    for key in CSV_COLUMNS:
+        row.setdefault(key, "")
+    notes = []
+    for key in ("tp", "pp", "cp"):
+        row[key] = row[key] or "1"
+    row["gpus_per_node"] = row["gpus_per_node"] or "8"
+    if not row["dp"]:
+        model_parallel = int(row["tp"]) * int(row["pp"]) * int(row["cp"])
+        if int(row["num_gpus"]) % model_parallel:
+            raise ValueError(f"{row['run']}: {row['num_gpus']} GPUs are not a multiple of tp x pp x cp = "
+                             f"{model_parallel}")
+        row["dp"] = str(int(row["num_gpus"]) // model_parallel)
+    llama = row["model_family"].lower().startswith("llama")
+    if not row["kv_heads"]:
+        row["kv_heads"] = row["heads"]
+    if not row["ffn_hidden"]:
+        hidden = int(row["hidden"])
+        row["ffn_hidden"] = str(llama_ffn(hidden) if llama else 4 * hidden)
+        notes.append(f"MLP width {row['ffn_hidden']} (not given: {'Llama 2' if llama else 'GPT'}'s rule)")
+    if not row["vocab"]:
+        row["vocab"] = "32000" if llama else "51200"
+        notes.append(f"vocabulary {row['vocab']} (not given: {'Llama 2' if llama else 'Megatron-LM GPT'}'s)")
+    if not (row["iteration_time_s"] or row["tflops_per_gpu"] or row["tokens_per_s_per_gpu"]):
+        mfu = _float(row["mfu"])
+        if mfu is None:
+            raise ValueError(f"{row['run']}: no iteration time, TFLOP/s, tokens/s or MFU")
+        row["tflops_per_gpu"] = str((mfu / 100 if mfu > 1 else mfu) * get_device(row["device"]).flops("bfloat16") / 1e12)
+        row["tflops_counts"] = row["tflops_counts"] or "model FLOPs (MFU x the catalog's bf16 peak)"
+    return row, notes
+
+
+CSV_COLUMNS = ("run", "device", "device_notes", "num_gpus", "gpus_per_node", "model_family", "params", "layers",
+               "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len", "tp", "pp", "cp", "dp",
+               "virtual_stages", "micro_batch", "global_batch", "dp_sharding", "recompute", "sequence_parallel",
+               "precision", "framework_notes", "iteration_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu",
+               "tflops_counts", "mfu", "peak_memory_gib", "source")
+"""The columns of `published_runs.csv`."""
+
+
+def _published_row(raw: dict[str, str]) -> PublishedRun:
+    r, completed = _completed(raw)
+    family = "llama" if r["model_family"].lower().startswith("llama") else "gpt"
     layers, hidden, heads = int(r["layers"]), int(r["hidden"]), int(r["heads"])
     kv_heads, ffn, vocab, seq = int(r["kv_heads"]), int(r["ffn_hidden"]), int(r["vocab"]), int(r["seq_len"])
     gbs, gpus = int(r["global_batch"]), int(r["num_gpus"])
@@ -169,10 +249,10 @@ def _published_row(r: dict[str, str]) -> PublishedRun:
     text = f"{r['run']}; {framework}"
     megatron = _megatron_lm(text)
     legacy = megatron and not any(w in text.lower() for w in ("core", "nemo"))
-    unstated, inferred = [], []
+    unstated, inferred = [], completed
     mbs, zero = _int(r["micro_batch"]), _zero_of(r["dp_sharding"])
     recompute = _recompute_of(r["recompute"])
-    sp = {"yes": True, "no": False}.get(r["sequence_parallel"].strip())
+    sp = _flag_of(r["sequence_parallel"])
     if mbs is None:
         unstated.append("micro-batch")
     if zero is None:
@@ -319,8 +399,16 @@ def _fp8_of(precision: str, zero: int | None, inferred: list[str]) -> Float8Reci
 
 
 def load_published_runs(path: Path = PUBLISHED_CSV, *, out_of_sample: bool = False) -> list[PublishedRun]:
+    """The rows of a CSV in `published_runs.csv`'s columns; a row that cannot be read (a shape or a speed that is
+    not a number, a count of GPUs that does not divide) is skipped with a line on stderr naming it and why."""
+    runs = []
     with open(path, newline="") as f:
-        return [dataclasses.replace(_published_row(r), out_of_sample=out_of_sample) for r in csv.DictReader(f)]
+        for line, r in enumerate(csv.DictReader(f), start=2):
+            try:
+                runs.append(dataclasses.replace(_published_row(r), out_of_sample=out_of_sample))
+            except (ValueError, KeyError, TypeError) as e:
+                print(f"{path.name}:{line}: row {(r.get('run') or '?')!r} skipped: {e}", file=sys.stderr)
+    return runs
 
 
 def _korthikanti_rows(r: dict[str, str]) -> list[PublishedRun]:

@@ -123,6 +123,51 @@ def test_an_unstated_schedule_ranges_over_what_the_trainer_runs():
     assert (stated.schedule, stated.virtual_stages, stated.schedules) == (Schedule.INTERLEAVED, 3, None)
 
 
+def test_a_row_with_empty_cells_is_completed_and_a_broken_row_is_skipped(tmp_path, capsys):
+    """What a source leaves out is filled in as stated (degrees 1, dp from the GPUs, kv heads = heads, the family's
+    MLP width and vocabulary, MFU as model TFLOP/s at the catalog's peak); sharding and recompute cells are read in
+    the words sources use; a row that cannot be read is skipped with its line and reason, the others load."""
+    import csv
+
+    from published_reference import CSV_COLUMNS, _published_row, llama_ffn, load_published_runs
+
+    from costmodel.hardware.catalog import get_device
+    from costmodel.strategy import Recompute
+
+    row = _row("Llama 2 7B somewhere", "a trainer") | {
+        "model_family": "llama", "layers": "32", "hidden": "4096", "heads": "32", "kv_heads": "", "ffn_hidden": "",
+        "vocab": "", "tp": "", "pp": "", "dp": "", "num_gpus": "16", "gpus_per_node": "", "iteration_time_s": "",
+        "mfu": "40%", "dp_sharding": "FSDP FULL_SHARD", "recompute": "activation checkpointing",
+        "sequence_parallel": "false"}
+    run = _published_row(row)
+    assert (run.tp, run.pp, run.cp, run.dp, run.gpus_per_node) == (1, 1, 1, 16, 8)
+    assert "ffn_hidden=11008" in run.sets and "vocab=32000" in run.sets and "kv_heads=32" in run.sets
+    assert llama_ffn(4096) == 11008 and llama_ffn(8192) == 22016  # Llama 2 7B and 70B
+    assert run.zero_stage == 3 and run.recompute is Recompute.FULL and run.sequence_parallel is False
+    assert any("MLP width" in n for n in run.inferred)
+    flops = 0.40 * get_device("a100-80gb").flops("bfloat16")
+    from published_reference import dense_training_flops
+    step = dense_training_flops(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000, seq=2048,
+                                batch=64, gated=True) / (flops * 16)
+    assert run.measured_step_s == pytest.approx(step)
+    for cell, stage in (("ZeRO stage 1", 1), ("distributed optimizer", 1), ("SHARD_GRAD_OP", 2), ("DDP", 0)):
+        assert _published_row(row | {"dp_sharding": cell}).zero_stage == stage
+    for cell, mode in (("no", Recompute.NONE), ("selective", Recompute.SELECTIVE), ("full (uniform)", Recompute.FULL)):
+        assert _published_row(row | {"recompute": cell}).recompute is mode
+
+    path = tmp_path / "rows.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerow(row)
+        w.writerow(row | {"run": "broken", "layers": "many"})
+        w.writerow(row | {"run": "no speed", "mfu": ""})
+    runs = load_published_runs(path)
+    assert [r.name for r in runs] == ["Llama 2 7B somewhere"]
+    err = capsys.readouterr().err
+    assert "rows.csv:3: row 'broken' skipped" in err and "rows.csv:4: row 'no speed' skipped: " in err
+
+
 def test_a_named_schedule_that_does_not_fit_is_priced_as_run():
     """A row whose notes name the interleaved schedule keeps it when the model says it does not fit (the run did):
     the fastest virtual-stage count is priced without the memory limit and the memory error shows."""

@@ -160,8 +160,8 @@ def test_a_plan_for_a_tuned_configuration_takes_the_fastest_not_the_simplest_tie
     from planner.api import plan
 
     cluster = Cluster.parse("1x8xa100-80gb")
-    simplest = plan(chain, None, cluster, global_batch=64)
-    fastest = plan(chain, None, cluster, global_batch=64, simplest_tie=False)
+    simplest = plan(chain, None, cluster, global_batch=128)
+    fastest = plan(chain, None, cluster, global_batch=128, simplest_tie=False)
     assert fastest.predicted.step_time_s < simplest.predicted.step_time_s
     assert within_band(simplest.predicted.step_time_s, fastest.predicted.step_time_s, simplest.predicted.error_band)
     assert simplicity_key(simplest.strategy) < simplicity_key(fastest.strategy)
