@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     out = ROOT / "bench" / "results" / "published_runs.json"
     rows, chains = _resumed_rows(out, args), {}
     done = {r["run"] for r in rows}
-    for run in all_runs():
+    runs = all_runs()
+    for run in runs:
         if args.only.lower() not in run.name.lower() or run.name in done:
             continue
         started = time.monotonic()
@@ -286,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"mfu {pred.mfu:5.1%} free/exp {free:5s} | {pred.strategy} | free: {free_label}", flush=True)
         if not args.only:  # each row as it finishes: a run cut short keeps what it measured (--resume)
             _write(out, rows, complete=False, free_plans=not args.no_free)
+    order = {run.name: i for i, run in enumerate(runs)}  # resumed rows back in the tables' order
+    rows.sort(key=lambda r: order.get(r["run"], len(order)))
     summary = _summary(rows)
     result = {"summary": summary, "rows": rows, "complete": True, "free_plans": not args.no_free}
     if not args.only:

@@ -189,6 +189,11 @@ class RuntimeOptions:
     function). Needs the dualpipev schedule; `planner.parallelize` does not run it: plans with it are for
     export."""
 
+    tp_sharded_weights: bool = False
+    """Every linear and embedding weight is split over the tensor-parallel ranks (column, row or vocabulary
+    parallel), as the tensor-parallel plans of Megatron-LM and torchtitan run them. False lets the intra-operator
+    search also keep a weight whole on every tp rank and split its op by sequence (`costmodel.sharding.rules`),
+    which `planner.parallelize` runs but those trainers do not."""
     fp32_grad_pass: bool = False
     """After every micro-batch's backward a separate memory-bound pass adds the 16-bit gradients into fp32
     gradient buffers (`step_time.fp32_grad_pass_time`): DeepSpeed's pipeline engine in bf16, which runs its
@@ -234,10 +239,10 @@ class RuntimeOptions:
 
 
 RUNTIME_FLAGS = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking",
-                 "tp_grad_overlap", "ep_dedup", "ep_overlap", "fused_kernels", "fp32_grad_pass")
+                 "tp_grad_overlap", "ep_dedup", "ep_overlap", "fused_kernels", "fp32_grad_pass", "tp_sharded_weights")
 """The true/false fields of `RuntimeOptions`, in the order plans write them."""
 _LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking", "tp_grad_overlap", "ep_dedup", "ep_overlap",
-                          "fused_kernels", "fp32_grad_pass"})
+                          "fused_kernels", "fp32_grad_pass", "tp_sharded_weights"})
 RUNTIME_OPTION_NAMES = (*RUNTIME_FLAGS, "offload", "fp8")
 """Every field of `RuntimeOptions` (the keys of its JSON)."""
 

@@ -213,7 +213,7 @@ def _estimate_with_sharding(chain: LayerChain, cluster: Cluster, strategy: Strat
                             dtype: str, profile: Any) -> tuple[Estimate, tuple[ModuleSharding, ...]]:
     chain = strategy.runtime.priced_chain(chain)
     table = LayerCostTable(chain, cluster, dtype=dtype, profile=profile, fp8=strategy.runtime.fp8,
-                           ep_dedup=strategy.runtime.ep_dedup)
+                           ep_dedup=strategy.runtime.ep_dedup, sharded_weights=strategy.runtime.tp_sharded_weights)
     builder = StageProblemBuilder(chain, cluster, table, dtype)
     cand = Candidate.of(strategy)
     placements = builder.placements(cand)

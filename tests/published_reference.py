@@ -324,11 +324,13 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
     # gradients after the backward and scattered/gathered pipeline sends over the tp ranks by default
     # (--scatter-gather-tensors-in-pipeline), as the Korthikanti rows are priced; a row that says it overlapped
     # the reduction keeps the overlap.
+    # Every trainer of these rows splits each linear's and embedding's weight over tp (Megatron's column / row /
+    # vocab-parallel layers, torchtitan's TP plan), never the sequence-sharded whole weight the ILP may also pick.
     fused = _runs_fused_kernels(text)
     runtime = RuntimeOptions(dp_overlap="Megatron-DeepSpeed" not in framework
                              and not (legacy and "overlap" not in framework.lower()),
                              fused_kernels=fused, reshard_after_forward=not torchtitan_pipeline,
-                             tp_grad_overlap=megatron,
+                             tp_grad_overlap=megatron, tp_sharded_weights=int(r["tp"]) > 1,
                              tp_overlap="TP/PP communication enabled" in framework or "AsyncTP" in framework,
                              p2p_scatter_gather=deepspeed_pipeline or (legacy and int(r["pp"]) > 1),
                              p2p_blocking=deepspeed_pipeline, fp8=fp8,
@@ -427,7 +429,8 @@ def _korthikanti_rows(r: dict[str, str]) -> list[PublishedRun]:
                   # on by default; Narayanan et al. 2021 Sec. 4.1).
                   # Megatron-LM of 2022 also reduced a column-parallel linear's input gradient during its
                   # weight-gradient GEMM (LinearWithGradAccumulationAndAsyncCommunication, on by default).
-                  runtime=RuntimeOptions(dp_overlap=False, p2p_scatter_gather=True, tp_grad_overlap=True))
+                  runtime=RuntimeOptions(dp_overlap=False, p2p_scatter_gather=True, tp_grad_overlap=True,
+                                         tp_sharded_weights=tp > 1))
     out = []
     for col, recompute, sp in (("full_recompute", Recompute.FULL, False),
                                ("present_work_seqpar_plus_selective", Recompute.SELECTIVE, True)):

@@ -184,6 +184,25 @@ def test_memory_weight_trades_time_for_memory() -> None:
     assert tight.choices(solve_problem(tight.problem()).assignment) != (("fc", "replicate"),)
 
 
+def test_sharded_weights_keep_only_the_strategies_that_split_a_weight() -> None:
+    """`tp_sharded_weights` (Megatron-LM's and torchtitan's TP plans): a linear is colwise or rowwise, never
+    replicated or sequence-sharded with its weight whole; ops without weights keep every strategy."""
+    nodes = small_graphs()["mlp"]
+    free = build_sharding_model(nodes, tp=4, sequence_parallel=True, traced_batch=2, microbatch_size=2,
+                                pricer=pricer())
+    split = build_sharding_model(nodes, tp=4, sequence_parallel=True, traced_batch=2, microbatch_size=2,
+                                 pricer=pricer(), sharded_weights=True)
+    for node, before, after in zip(nodes, free.options, split.options, strict=True):
+        names = {o.strategy.name for o in after}
+        if node.op_kind is OpKind.LINEAR:
+            assert {o.strategy.name for o in before} >= {"replicate", "sequence"}
+            assert names and names <= {"colwise", "rowwise"}
+        else:
+            assert names == {o.strategy.name for o in before}
+    chosen = dict(split.choices(solve_problem(split.problem()).assignment))
+    assert {chosen[n.name] for n in nodes if n.op_kind is OpKind.LINEAR} == {"colwise", "rowwise"}
+
+
 def test_too_small_a_time_limit_raises_a_user_error() -> None:
     model = build_sharding_model(small_graphs()["mlp"], tp=4, sequence_parallel=True, traced_batch=2,
                                  microbatch_size=2, pricer=pricer())

@@ -43,10 +43,13 @@ def golden() -> dict[str, tuple[Plan, BlockLayout, ModelShape]]:
 
 def planned_for(plan: Plan, trainer: Trainer) -> Plan:
     """The plan as a user of `trainer` makes it: for Megatron-LM, priced with the fused kernels it runs
-    (`--fix fused_kernels=true`), which its files carry as the default --transformer-impl."""
-    if trainer is not Trainer.MEGATRON:
-        return plan
-    runtime = replace(plan.strategy.runtime, fused_kernels=True)
+    (`--fix fused_kernels=true`), which its files carry as the default --transformer-impl; for the trainers with
+    tensor-parallel layers of their own, with every weight split over tp (`--fix tp_sharded_weights=true`)."""
+    runtime = plan.strategy.runtime
+    if trainer is Trainer.MEGATRON:
+        runtime = replace(runtime, fused_kernels=True)
+    if trainer in (Trainer.MEGATRON, Trainer.TORCHTITAN, Trainer.MEGATRON_DEEPSPEED) and plan.strategy.tp > 1:
+        runtime = replace(runtime, tp_sharded_weights=True)
     return replace(plan, strategy=replace(plan.strategy, runtime=runtime))
 
 
@@ -222,6 +225,7 @@ def test_launch_scripts_and_bash_arrays_are_read() -> None:
     assert (cfg.tp, cfg.pp, cfg.microbatch_size, cfg.global_batch) == (2, 2, 2, 64)
     assert cfg.sequence_parallel and cfg.zero_stage == 1 and cfg.recompute is Recompute.FULL
     assert cfg.runtime.dp_overlap is False  # no --overlap-grad-reduce: Megatron-LM does not overlap then
+    assert cfg.runtime.tp_sharded_weights  # Megatron-LM's tp layers split every weight
     assert cfg.num_layers == 24 and cfg.seq_len == 2048 and cfg.dtype == "bfloat16"
 
 
@@ -264,10 +268,10 @@ def test_cli_estimate_from_equals_estimate_flags(tmp_path: Path, capsys) -> None
     base = ["estimate", "gpt-tiny", "--cluster", "1x8xa100-80gb", "--json"]
     assert main([*base, "--from", f"megatron:{args_file}"]) == 0
     imported = json.loads(capsys.readouterr().out)
-    # Megatron-LM reduces input gradients during the weight-gradient GEMMs unless told not to, and runs
-    # Transformer Engine's fused kernels by default
+    # Megatron-LM reduces input gradients during the weight-gradient GEMMs unless told not to, runs Transformer
+    # Engine's fused kernels by default, and its tensor-parallel layers split every weight
     assert main([*base, "--tp", "2", "--pp", "2", "--dp", "2", "--mbs", "2", "--batch", "16", "--sp",
-                 "--tp-grad-overlap", "--fused-kernels"]) == 0
+                 "--tp-grad-overlap", "--fused-kernels", "--tp-sharded-weights"]) == 0
     flags = json.loads(capsys.readouterr().out)
     assert imported["strategy"] == flags["strategy"]
     assert imported["predicted"]["step_time_s"] == flags["predicted"]["step_time_s"]

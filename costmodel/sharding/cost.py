@@ -227,6 +227,15 @@ def _needs_grad(nodes: Sequence[Node], index: Mapping[str, int]) -> dict[str, bo
     return needs
 
 
+def weight_splitting(node: Node, strategies: Sequence[NodeStrategy]) -> Sequence[NodeStrategy]:
+    """A linear's or embedding's strategies that split its weight over the tp ranks, when it has any (the
+    tensor-parallel plans of Megatron-LM and torchtitan: colwise, rowwise, vocab)."""
+    if node.op_kind not in (OpKind.LINEAR, OpKind.EMBEDDING) or not node.param_specs:
+        return strategies
+    split = [s for s in strategies if any(d is not None for d in s.param_dims)]
+    return split or strategies
+
+
 def _runtime_strategies(node: Node, strategies: Sequence[NodeStrategy], sequence_parallel: bool
                         ) -> Sequence[NodeStrategy]:
     """The strategies the runtime can run: under sequence parallelism `planner.runtime.apply_tp` runs every norm on its
@@ -242,12 +251,15 @@ def build_sharding_model(nodes: Sequence[Node], *, tp: int, sequence_parallel: b
                          microbatch_size: int, pricer: Pricer, memory_weight: float = DEFAULT_MEMORY_WEIGHT,
                          outputs: Sequence[str] | None = None, num_microbatches: int = 1,
                          dtype: str = "bfloat16", traced_dtype: str | None = None,
-                         sequence_norms: bool = True, token_divisor: int = 1) -> ShardingModel:
+                         sequence_norms: bool = True, token_divisor: int = 1,
+                         sharded_weights: bool = False) -> ShardingModel:
     """Price every strategy of every node and every move of every tensor of a segment (see module docstring).
     `sequence_norms`: under sequence parallelism, give norms only their sequence-sharded strategies, as the
     runtime runs them (`_runtime_strategies`); False offers every strategy (when forcing leaves none feasible).
     `token_divisor`: the tensor-parallel group holds that share of every sample's tokens (context parallelism):
-    activations, their moves and token work are priced at microbatch_size / token_divisor samples."""
+    activations, their moves and token work are priced at microbatch_size / token_divisor samples.
+    `sharded_weights`: a linear or embedding whose weight can be split gets only the strategies that split it
+    (`RuntimeOptions.tp_sharded_weights`)."""
     _validate(nodes, tp, sequence_parallel, traced_batch, microbatch_size, memory_weight, num_microbatches,
               token_divisor)
     nodes = tuple(nodes)
@@ -267,9 +279,10 @@ def build_sharding_model(nodes: Sequence[Node], *, tp: int, sequence_parallel: b
         out_labels = labels.get(node.name, ())
         ctx = StrategyContext(tp, sequence_parallel, in_labels, out_labels)
         scale = cfg.batch_scale if _has_batch((*in_labels, out_labels)) else 1.0
-        options.append(tuple(_price_option(node, st, scale, cfg)
-                             for st in _runtime_strategies(node, node_strategies(node, ctx),
-                                                           sequence_parallel and sequence_norms)))
+        strategies = _runtime_strategies(node, node_strategies(node, ctx), sequence_parallel and sequence_norms)
+        if sharded_weights:
+            strategies = weight_splitting(node, strategies)
+        options.append(tuple(_price_option(node, st, scale, cfg) for st in strategies))
         in_scales.append(tuple(cfg.batch_scale if DimLabel.BATCH in labs else 1.0 for labs in in_labels))
     flows, inputs_saved, boundary = _build_flows(nodes, index, options, labels, set(out_names), cfg, traced_batch)
     region = selective_recompute_region(nodes)

@@ -112,6 +112,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(Megatron-LM before Megatron-Core, DeepSpeed's pipeline engine)")
     p.add_argument("--p2p-blocking", action="store_true",
                    help="each pipeline send and receive blocks both ends (DeepSpeed's pipeline engine)")
+    p.add_argument("--tp-sharded-weights", action="store_true",
+                   help="every linear and embedding weight split over tp (column / row / vocab parallel), as the "
+                        "tensor-parallel plans of Megatron-LM and torchtitan run them")
     p.add_argument("--fp32-grad-pass", action="store_true",
                    help="each micro-batch's 16-bit gradients are upcast and added into fp32 buffers in a pass of "
                         "their own (DeepSpeed's BF16_Optimizer: bf16 with ZeRO 0-1, its pipeline engine)")
@@ -128,7 +131,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 STRATEGY_FLAGS = ("batch", "tp", "pp", "dp", "cp", "ep", "mbs", "schedule", "recompute", "zero", "sp", "no_dp_overlap",
                   "keep_gathered", "tp_overlap", "tp_grad_overlap", "p2p_scatter_gather", "p2p_blocking",
-                  "fused_kernels", "fp32_grad_pass", "offload")
+                  "fused_kernels", "fp32_grad_pass", "tp_sharded_weights", "offload")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -170,6 +173,7 @@ def _estimate_flags(args: argparse.Namespace, cluster: Any, profile: Any) -> Any
                                                    p2p_blocking=args.p2p_blocking,
                                                    fused_kernels=args.fused_kernels,
                                                    fp32_grad_pass=args.fp32_grad_pass,
+                                                   tp_sharded_weights=args.tp_sharded_weights,
                                                    offload=Offload(args.offload or Offload.NONE.value),
                                                    fp8=args.fp8))
     except ValueError as e:

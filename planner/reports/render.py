@@ -120,6 +120,8 @@ def runtime_line(s: Strategy) -> str:
         parts.append(f"tensor-parallel overlap {'on' if r.tp_overlap else 'off'}")
         if r.tp_grad_overlap:
             parts.append("input-gradient all-reduce during the weight-gradient GEMM")
+        if r.tp_sharded_weights:
+            parts.append("every weight split over tp")
     if s.pp > 1 and (r.p2p_scatter_gather or r.p2p_blocking):
         how = [w for w, on in (("scatter/gather", r.p2p_scatter_gather), ("blocking", r.p2p_blocking)) if on]
         parts.append(f"pipeline sends {' and '.join(how)}")

@@ -420,7 +420,8 @@ def solve_layer_sharding(nodes: Sequence[Node], cluster: Cluster, device: Device
                          outputs: Sequence[str] | None = None, num_microbatches: int = 1,
                          cache: ShardingCache | None = None, time_limit: float = DEFAULT_TIME_LIMIT,
                          profile: OpProfile | None = None, traced_dtype: str | None = None,
-                         fp8: Float8Recipe | None = None, token_divisor: int = 1) -> LayerSharding:
+                         fp8: Float8Recipe | None = None, token_divisor: int = 1,
+                         sharded_weights: bool = False) -> LayerSharding:
     """Choose the tensor-parallel strategy of every node of one segment (a layer) and price it.
 
     `nodes` are the segment's nodes in graph order; values they read from outside and the values they hand on
@@ -431,8 +432,9 @@ def solve_layer_sharding(nodes: Sequence[Node], cluster: Cluster, device: Device
     parameters are spread over `num_microbatches`. `traced_dtype` is the graph's dtype (`Graph.dtype`; inferred
     from the parameters when None): tensors in it are priced in `dtype`; `fp8` runs the linear layers in FP8
     (`costmodel.float8`). `token_divisor`: the group holds that share of every sample's tokens (a context-parallel
-    rank), so the sharding is chosen for the tokens it really has. Results are reused from `cache` for
-    structurally identical segments.
+    rank), so the sharding is chosen for the tokens it really has. `sharded_weights` splits every linear's and
+    embedding's weight (`RuntimeOptions.tp_sharded_weights`). Results are reused from `cache` for structurally
+    identical segments.
     """
     if tp_group.size != tp:
         raise ValueError(f"tp_group has {tp_group.size} ranks but tp={tp}")
@@ -449,7 +451,8 @@ def solve_layer_sharding(nodes: Sequence[Node], cluster: Cluster, device: Device
     settings = (False,) if tp == 1 else ((False, True) if sequence_parallel is None else (sequence_parallel,))
     key = (structural_key(nodes), tuple(index[o] for o in outs), tp, tp_group, settings,
            microbatch_size, traced_batch, device.name, dtype, memory_weight, num_microbatches, time_limit,
-           traced_dtype, _cluster_key(cluster), id(profile) if profile is not None else None, fp8, token_divisor)
+           traced_dtype, _cluster_key(cluster), id(profile) if profile is not None else None, fp8, token_divisor,
+           sharded_weights)
     started = time.perf_counter()
     solved = cache.get(key) if cache is not None else None
     if solved is not None:
@@ -458,7 +461,7 @@ def solve_layer_sharding(nodes: Sequence[Node], cluster: Cluster, device: Device
                          framework=FrameworkCosts.from_profile(profile, device.name), fp8=fp8)
     build = dict(tp=tp, traced_batch=traced_batch, microbatch_size=microbatch_size, pricer=pricer,
                  memory_weight=memory_weight, num_microbatches=num_microbatches, dtype=dtype,
-                 traced_dtype=traced_dtype, token_divisor=token_divisor)
+                 traced_dtype=traced_dtype, token_divisor=token_divisor, sharded_weights=sharded_weights)
     candidates = [_solve_setting(nodes, sp, outs, build, time_limit) for sp in settings]
     solved = min(candidates, key=lambda c: c[1])[0]  # the first (no SP) wins ties
     solved = dataclasses.replace(solved, cost=with_training_loss(solved.cost, solved.loss_input_bytes, device, dtype))

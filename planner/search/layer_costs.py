@@ -65,6 +65,9 @@ class LayerCostTable:
     """Linear layers in FP8 with this recipe (`costmodel.float8`), as `RuntimeOptions.fp8` of every candidate."""
     ep_dedup: bool = False
     """Expert-parallel dispatch deduplicated per node (`RuntimeOptions.ep_dedup` of every candidate)."""
+    sharded_weights: bool = False
+    """Every linear's and embedding's weight split over tp (`RuntimeOptions.tp_sharded_weights` of every
+    candidate)."""
     solves: int = 0
     """Class-level pricings actually computed (cache misses), for the search statistics."""
     _cache: dict[tuple[str, int, int, bool, int, int], ClassPrices] = field(default_factory=dict)
@@ -200,7 +203,7 @@ class LayerCostTable:
                 tp_group=type_group(self.cluster, device.name, tp, tp_stride),
                 microbatch_size=mbs, traced_batch=self.chain.graph.batch_size, sequence_parallel=sp,
                 dtype=self.dtype, cache=self._sharding_cache, profile=self.profile, fp8=self.fp8,
-                token_divisor=divisor)
+                token_divisor=divisor, sharded_weights=self.sharded_weights)
             owned = owned_param_tensors(self.chain, segment)
             cost = _without_earlier_params(solved.cost, segment.param_count, self.chain.nodes_of(segment))
             # The layer's glue between its ops (module calls, Python) is paid whole on every tp rank.

@@ -21,6 +21,7 @@ are in planner/trainers/data/megatron_lm_arguments.json). What maps to what:
                          priced without it exports with a note, not with the flag that would slow Megatron down)
     fused_kernels        --transformer-impl transformer_engine (Megatron-LM's default: Transformer Engine's fused
                          norms, bias-activation, bias-dropout-add and rotary kernels); local reads as eager ops
+    tp_sharded_weights   always with tp > 1 (Megatron-LM's column / row / vocab-parallel layers)
     dtype                --bf16 / --fp16
 
 Megatron-LM has no GPipe schedule, no zero-bubble schedule and no per-op recomputation; those export as 1F1B,
@@ -207,6 +208,7 @@ def read(text: str, *, source: str) -> TrainerConfig:
                                tp_grad_overlap=ns.async_tensor_model_parallel_allreduce
                                and ns.tensor_model_parallel_size > 1,
                                fused_kernels=ns.transformer_impl == "transformer_engine",
+                               tp_sharded_weights=ns.tensor_model_parallel_size > 1,
                                offload=_read_offload(ns, notes)),
         mesh_order=PP_INSIDE_DP if ns.use_tp_pp_dp_mapping else DEFAULT_MESH_ORDER,
         seq_len=ns.seq_length, dtype="bfloat16" if ns.bf16 else "float16" if ns.fp16 else "float32",

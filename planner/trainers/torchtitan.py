@@ -22,6 +22,7 @@ command-line overrides. What maps to what:
     tp_overlap            enable_async_tensor_parallel (needs compile.enable)
     fused_kernels         compile.enable with the model among compile.components (torch.compile fuses the
                           memory-bound ops; enabled too for async TP and FP8, which need it)
+    tp_sharded_weights    always with tp > 1 (torchtitan's TP plan: colwise / rowwise linears, a rowwise embedding)
     fp8                   model.converters = ["float8"] with [quantize.linear.float8] recipe_name, filter_fqns =
                           ["output"] and, for tensorwise scaling under FSDP, enable_fsdp_float8_all_gather and
                           precompute_float8_dynamic_scale_for_fsdp (torchtitan's llama3_405b.toml); compile is
@@ -187,7 +188,7 @@ def read(text: str, *, source: str) -> TrainerConfig:
         recompute=_read_recompute(_section(doc, "activation_checkpoint", source), notes),
         runtime=RuntimeOptions(reshard_after_forward=reshard,
                                tp_overlap=bool(par.get("enable_async_tensor_parallel", False)),
-                               fused_kernels=_compiles_model(doc, source),
+                               fused_kernels=_compiles_model(doc, source), tp_sharded_weights=tp > 1,
                                offload=Offload.PARAMS if train.get("enable_cpu_offload") and zero == 3
                                else Offload.NONE,
                                fp8=_read_float8(doc, source, notes)),
