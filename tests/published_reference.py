@@ -198,6 +198,9 @@ def _completed(r: dict[str, str]) -> tuple[dict[str, str], list[str]]:
     for key in ("tp", "pp", "cp"):
         row[key] = row[key] or "1"
     row["gpus_per_node"] = row["gpus_per_node"] or "8"
+    row["device"], named = _device_of(row["device"], row["device_notes"])
+    if named:
+        notes.append(named)
     if not row["dp"]:
         model_parallel = int(row["tp"]) * int(row["pp"]) * int(row["cp"])
         if int(row["num_gpus"]) % model_parallel:
@@ -221,6 +224,22 @@ def _completed(r: dict[str, str]) -> tuple[dict[str, str], list[str]]:
         row["tflops_per_gpu"] = str((mfu / 100 if mfu > 1 else mfu) * get_device(row["device"]).flops("bfloat16") / 1e12)
         row["tflops_counts"] = row["tflops_counts"] or "model FLOPs (MFU x the catalog's bf16 peak)"
     return row, notes
+
+
+def _device_of(cell: str, notes: str) -> tuple[str, str]:
+    """The catalog device a row names, and a note when it had to be read from a looser name ("A100 SXM 80GB",
+    "a100" with 40GB in the notes, "H100 80GB"); a name that matches nothing is left for the catalog to refuse."""
+    try:
+        return get_device(cell).name, ""
+    except ValueError:
+        pass
+    low = f"{cell} {notes}".lower().replace(" ", "")
+    guesses = (("a100", "a100-40gb" if "40gb" in low else "a100-80gb"), ("h100", "h100-sxm"), ("h800", "h800"),
+               ("h200", "h200"), ("v100", "v100-32gb"), ("b200", "b200"))
+    for prefix, name in guesses:
+        if cell.lower().replace(" ", "").startswith(prefix):
+            return name, f"device {name} (the row names {cell!r})"
+    return cell, ""
 
 
 CSV_COLUMNS = ("run", "device", "device_notes", "num_gpus", "gpus_per_node", "model_family", "params", "layers",
@@ -358,15 +377,21 @@ and one with interleaving ...)" (NVIDIA/Megatron-LM docs/api-guide/core/pipeline
 DualPipe schedule. DeepSpeed's pipeline engine runs 1F1B only (its `TrainSchedule`)."""
 
 
-NAMED_INTERLEAVED = re.compile(r"(?<!non-)\binterleaved (?:1f1b )?(?:pipeline )?schedul")
-"""Notes that name the interleaved schedule as the one the run used ("interleaved 1F1B pipeline schedule")."""
+NAMED_INTERLEAVED = re.compile(r"\binterleav(?:ed|ing)\b")
+"""Notes that name the interleaved schedule as the one the run used ("interleaved 1F1B pipeline schedule",
+"pipeline with interleaving"), unless a negation precedes it (`_names_interleaved`)."""
+_NEGATIONS = ("non-", "non ", "no ", "not ", "without ")
+
+
+def _names_interleaved(low: str) -> bool:
+    return any(not low[max(0, m.start() - 9):m.start()].endswith(_NEGATIONS) for m in NAMED_INTERLEAVED.finditer(low))
 
 
 def trainer_schedules(text: str) -> frozenset[Schedule] | None:
     """The schedule families a row may have run, from its name and framework notes: the interleaved schedule alone
     where the notes name it (Meta's Llama 3 stack), else those its trainer runs; None for any."""
     low = text.lower()
-    if NAMED_INTERLEAVED.search(low):
+    if _names_interleaved(low):
         return frozenset({Schedule.INTERLEAVED})
     if "deepspeed" in low:
         return frozenset({Schedule.ONE_F_ONE_B})

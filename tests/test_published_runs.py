@@ -119,6 +119,8 @@ def test_an_unstated_schedule_ranges_over_what_the_trainer_runs():
     named = space("Llama", "Meta's stack; interleaved 1F1B pipeline schedule")
     assert named.schedules == {Schedule.INTERLEAVED}
     assert space("GPT", "Megatron-LM, non-interleaved schedule").schedules == core.schedules
+    assert space("GPT", "Megatron-LM without interleaving").schedules == core.schedules
+    assert space("GPT", "Megatron-LM, pipeline with interleaving").schedules == {Schedule.INTERLEAVED}
     stated = space("Megatron-Core GPT", "overlap", virtual_stages="3")
     assert (stated.schedule, stated.virtual_stages, stated.schedules) == (Schedule.INTERLEAVED, 3, None)
 
@@ -138,9 +140,10 @@ def test_a_row_with_empty_cells_is_completed_and_a_broken_row_is_skipped(tmp_pat
         "model_family": "llama", "layers": "32", "hidden": "4096", "heads": "32", "kv_heads": "", "ffn_hidden": "",
         "vocab": "", "tp": "", "pp": "", "dp": "", "num_gpus": "16", "gpus_per_node": "", "iteration_time_s": "",
         "mfu": "40%", "dp_sharding": "FSDP FULL_SHARD", "recompute": "activation checkpointing",
-        "sequence_parallel": "false"}
+        "sequence_parallel": "false", "device": "A100 SXM 80GB"}
     run = _published_row(row)
     assert (run.tp, run.pp, run.cp, run.dp, run.gpus_per_node) == (1, 1, 1, 16, 8)
+    assert run.device == "a100-80gb" and any("the row names 'A100 SXM 80GB'" in n for n in run.inferred)
     assert "ffn_hidden=11008" in run.sets and "vocab=32000" in run.sets and "kv_heads=32" in run.sets
     assert llama_ffn(4096) == 11008 and llama_ffn(8192) == 22016  # Llama 2 7B and 70B
     assert run.zero_stage == 3 and run.recompute is Recompute.FULL and run.sequence_parallel is False
