@@ -436,7 +436,7 @@ def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: Sea
     options = options or SearchOptions()
     if global_batch < 1:
         raise UserError(f"--batch must be a positive integer, got {global_batch}")
-    runtime = space.runtime  # a table's prices hold for one chain, one FP8 and one dispatch setting only
+    runtime = space.runtime  # a table's prices hold for one chain and one FP8, dispatch and weight-split setting
     chain = runtime.priced_chain(chain)
     if table is None or table.chain is not chain or ((table.fp8, table.ep_dedup, table.sharded_weights)
                                                      != (runtime.fp8, runtime.ep_dedup, runtime.tp_sharded_weights)):
