@@ -275,7 +275,8 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
     if mbs is None:
         unstated.append("micro-batch")
     if zero is None:
-        unstated.append("ZeRO stage (0 or 1: Megatron-LM has no ZeRO-2/3)")
+        unstated.append("ZeRO stage (0 or 1: Megatron-LM has no ZeRO-2/3)" if megatron
+                        else "ZeRO stage (searched over 0 and 1)")
     if "Megatron-DeepSpeed" in framework or legacy:
         # Megatron-LM before Megatron-Core and its Megatron-DeepSpeed forks of 2021-22 (BLOOM, MT-NLG) predate what
         # Korthikanti et al. (May 2022) and FlashAttention (Dao et al., May 2022) introduced; their attention was
