@@ -190,9 +190,10 @@ class RuntimeOptions:
     export."""
 
     tp_sharded_weights: bool = False
-    """Every linear and embedding weight is split over the tensor-parallel ranks (column, row or vocabulary
-    parallel), as the tensor-parallel plans of Megatron-LM and torchtitan run them. False lets the intra-operator
-    search also keep a weight whole on every tp rank and split its op by sequence (`costmodel.sharding.rules`),
+    """Every linear layer's and the token embedding's weight is split over the tensor-parallel ranks (column, row
+    or vocabulary parallel), as the tensor-parallel plans of Megatron-LM and torchtitan run them (a learned
+    position embedding is left to the search: Megatron-LM replicates it). False lets the intra-operator search
+    also keep such a weight whole on every tp rank and split the op by sequence (`costmodel.sharding.rules`),
     which `planner.parallelize` runs but those trainers do not."""
     fp32_grad_pass: bool = False
     """After every micro-batch's backward a separate memory-bound pass adds the 16-bit gradients into fp32

@@ -344,8 +344,8 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
     # gradients after the backward and scattered/gathered pipeline sends over the tp ranks by default
     # (--scatter-gather-tensors-in-pipeline), as the Korthikanti rows are priced; a row that says it overlapped
     # the reduction keeps the overlap.
-    # Every trainer of these rows splits each linear's and embedding's weight over tp (Megatron's column / row /
-    # vocab-parallel layers, torchtitan's TP plan), never the sequence-sharded whole weight the ILP may also pick.
+    # Every trainer of these rows splits each linear's and the token embedding's weight over tp (Megatron's column
+    # / row / vocab-parallel layers, torchtitan's TP plan), never a whole weight the ILP may also keep.
     fused = _runs_fused_kernels(text)
     runtime = RuntimeOptions(dp_overlap="Megatron-DeepSpeed" not in framework
                              and not (legacy and "overlap" not in framework.lower()),

@@ -227,10 +227,16 @@ def _needs_grad(nodes: Sequence[Node], index: Mapping[str, int]) -> dict[str, bo
     return needs
 
 
-def weight_splitting(node: Node, strategies: Sequence[NodeStrategy]) -> Sequence[NodeStrategy]:
-    """A linear's or embedding's strategies that split its weight over the tp ranks, when it has any (the
-    tensor-parallel plans of Megatron-LM and torchtitan: colwise, rowwise, vocab)."""
-    if node.op_kind not in (OpKind.LINEAR, OpKind.EMBEDDING) or not node.param_specs:
+def weight_splitting(node: Node, strategies: Sequence[NodeStrategy], in_labels: Sequence[Labels]
+                     ) -> Sequence[NodeStrategy]:
+    """The strategies that split the node's weight over the tp ranks, when it has any, as the tensor-parallel plans
+    of Megatron-LM and torchtitan run them: a linear colwise or rowwise, an embedding looked up with per-sample ids
+    (a batch dim: the token embedding) vocabulary-parallel. Ids shared by the batch keep every strategy; a learned
+    position embedding whose ids the model expands over the batch is split too, where Megatron-LM replicates that
+    small table (the difference is one partial sum in the embedding's all-reduce)."""
+    token_embedding = (node.op_kind is OpKind.EMBEDDING and bool(in_labels)
+                       and DimLabel.BATCH in in_labels[0])
+    if not node.param_specs or not (node.op_kind is OpKind.LINEAR or token_embedding):
         return strategies
     split = [s for s in strategies if any(d is not None for d in s.param_dims)]
     return split or strategies
@@ -258,8 +264,8 @@ def build_sharding_model(nodes: Sequence[Node], *, tp: int, sequence_parallel: b
     runtime runs them (`_runtime_strategies`); False offers every strategy (when forcing leaves none feasible).
     `token_divisor`: the tensor-parallel group holds that share of every sample's tokens (context parallelism):
     activations, their moves and token work are priced at microbatch_size / token_divisor samples.
-    `sharded_weights`: a linear or embedding whose weight can be split gets only the strategies that split it
-    (`RuntimeOptions.tp_sharded_weights`)."""
+    `sharded_weights`: a linear or token embedding whose weight can be split gets only the strategies that split
+    it (`RuntimeOptions.tp_sharded_weights`)."""
     _validate(nodes, tp, sequence_parallel, traced_batch, microbatch_size, memory_weight, num_microbatches,
               token_divisor)
     nodes = tuple(nodes)
@@ -281,7 +287,7 @@ def build_sharding_model(nodes: Sequence[Node], *, tp: int, sequence_parallel: b
         scale = cfg.batch_scale if _has_batch((*in_labels, out_labels)) else 1.0
         strategies = _runtime_strategies(node, node_strategies(node, ctx), sequence_parallel and sequence_norms)
         if sharded_weights:
-            strategies = weight_splitting(node, strategies)
+            strategies = weight_splitting(node, strategies, in_labels)
         options.append(tuple(_price_option(node, st, scale, cfg) for st in strategies))
         in_scales.append(tuple(cfg.batch_scale if DimLabel.BATCH in labs else 1.0 for labs in in_labels))
     flows, inputs_saved, boundary = _build_flows(nodes, index, options, labels, set(out_names), cfg, traced_batch)

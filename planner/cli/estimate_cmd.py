@@ -113,8 +113,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--p2p-blocking", action="store_true",
                    help="each pipeline send and receive blocks both ends (DeepSpeed's pipeline engine)")
     p.add_argument("--tp-sharded-weights", action="store_true",
-                   help="every linear and embedding weight split over tp (column / row / vocab parallel), as the "
-                        "tensor-parallel plans of Megatron-LM and torchtitan run them")
+                   help="every linear layer's and the token embedding's weight split over tp (column / row / "
+                        "vocab parallel), as the tensor-parallel plans of Megatron-LM and torchtitan run them")
     p.add_argument("--fp32-grad-pass", action="store_true",
                    help="each micro-batch's 16-bit gradients are upcast and added into fp32 buffers in a pass of "
                         "their own (DeepSpeed's BF16_Optimizer: bf16 with ZeRO 0-1, its pipeline engine)")

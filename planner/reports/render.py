@@ -121,7 +121,7 @@ def runtime_line(s: Strategy) -> str:
         if r.tp_grad_overlap:
             parts.append("input-gradient all-reduce during the weight-gradient GEMM")
         if r.tp_sharded_weights:
-            parts.append("every weight split over tp")
+            parts.append("linear and embedding weights split over tp")
     if s.pp > 1 and (r.p2p_scatter_gather or r.p2p_blocking):
         how = [w for w, on in (("scatter/gather", r.p2p_scatter_gather), ("blocking", r.p2p_blocking)) if on]
         parts.append(f"pipeline sends {' and '.join(how)}")

@@ -433,7 +433,7 @@ def solve_layer_sharding(nodes: Sequence[Node], cluster: Cluster, device: Device
     from the parameters when None): tensors in it are priced in `dtype`; `fp8` runs the linear layers in FP8
     (`costmodel.float8`). `token_divisor`: the group holds that share of every sample's tokens (a context-parallel
     rank), so the sharding is chosen for the tokens it really has. `sharded_weights` splits every linear's and
-    embedding's weight (`RuntimeOptions.tp_sharded_weights`). Results are reused from `cache` for structurally
+    token embedding's weight (`RuntimeOptions.tp_sharded_weights`). Results are reused from `cache` for structurally
     identical segments.
     """
     if tp_group.size != tp:

@@ -66,7 +66,7 @@ class LayerCostTable:
     ep_dedup: bool = False
     """Expert-parallel dispatch deduplicated per node (`RuntimeOptions.ep_dedup` of every candidate)."""
     sharded_weights: bool = False
-    """Every linear's and embedding's weight split over tp (`RuntimeOptions.tp_sharded_weights` of every
+    """Every linear's and token embedding's weight split over tp (`RuntimeOptions.tp_sharded_weights` of every
     candidate)."""
     solves: int = 0
     """Class-level pricings actually computed (cache misses), for the search statistics."""

@@ -21,7 +21,7 @@ are in planner/trainers/data/megatron_lm_arguments.json). What maps to what:
                          priced without it exports with a note, not with the flag that would slow Megatron down)
     fused_kernels        --transformer-impl transformer_engine (Megatron-LM's default: Transformer Engine's fused
                          norms, bias-activation, bias-dropout-add and rotary kernels); local reads as eager ops
-    tp_sharded_weights   always with tp > 1 (Megatron-LM's column / row / vocab-parallel layers)
+    tp_sharded_weights   always with tp > 1 (Megatron-LM's column / row-parallel linears, vocab-parallel embedding)
     dtype                --bf16 / --fp16
 
 Megatron-LM has no GPipe schedule, no zero-bubble schedule and no per-op recomputation; those export as 1F1B,

@@ -22,7 +22,7 @@ command-line overrides. What maps to what:
     tp_overlap            enable_async_tensor_parallel (needs compile.enable)
     fused_kernels         compile.enable with the model among compile.components (torch.compile fuses the
                           memory-bound ops; enabled too for async TP and FP8, which need it)
-    tp_sharded_weights    always with tp > 1 (torchtitan's TP plan: colwise / rowwise linears, a rowwise embedding)
+    tp_sharded_weights    always with tp > 1 (torchtitan's TP plan: colwise / rowwise linears, rowwise embedding)
     fp8                   model.converters = ["float8"] with [quantize.linear.float8] recipe_name, filter_fqns =
                           ["output"] and, for tensorwise scaling under FSDP, enable_fsdp_float8_all_gather and
                           precompute_float8_dynamic_scale_for_fsdp (torchtitan's llama3_405b.toml); compile is
