@@ -105,9 +105,7 @@ def optimizer_step_time(local_param_count: int, device: DeviceSpec, *, speed: fl
     whatever its size). The host work is measured as the ranks run it, so the device speed does not scale it."""
     if local_param_count <= 0:
         return 0.0
-    nbytes = local_param_count * ADAM_BYTES_PER_PARAM
-    bandwidth = device.memory_bandwidth * device.memory_efficiency * device.training_efficiency
-    return max(nbytes / bandwidth, T_KERNEL_FLOOR_S) / speed + host_s
+    return _memory_bound_time(local_param_count * ADAM_BYTES_PER_PARAM, device, speed) + host_s
 
 
 def fp32_grad_pass_time(local_param_count: float, device: DeviceSpec, *, dtype_bytes: int, speed: float = 1.0
@@ -116,7 +114,11 @@ def fp32_grad_pass_time(local_param_count: float, device: DeviceSpec, *, dtype_b
     (`RuntimeOptions.fp32_grad_pass`, module docstring)."""
     if local_param_count <= 0:
         return 0.0
-    nbytes = local_param_count * (dtype_bytes + FP32_GRAD_PASS_EXTRA_BYTES)
+    return _memory_bound_time(local_param_count * (dtype_bytes + FP32_GRAD_PASS_EXTRA_BYTES), device, speed)
+
+
+def _memory_bound_time(nbytes: float, device: DeviceSpec, speed: float) -> float:
+    """A pass over `nbytes` of HBM at the device's sustained bandwidth, at least one kernel launch."""
     bandwidth = device.memory_bandwidth * device.memory_efficiency * device.training_efficiency
     return max(nbytes / bandwidth, T_KERNEL_FLOOR_S) / speed
 

@@ -233,11 +233,12 @@ def _device_of(cell: str, notes: str) -> tuple[str, str]:
         return get_device(cell).name, ""
     except ValueError:
         pass
-    low = f"{cell} {notes}".lower().replace(" ", "")
-    guesses = (("a100", "a100-40gb" if "40gb" in low else "a100-80gb"), ("h100", "h100-sxm"), ("h800", "h800"),
-               ("h200", "h200"), ("v100", "v100-32gb"), ("b200", "b200"))
+    name_only = cell.lower().replace(" ", "")
+    with_notes = name_only + notes.lower().replace(" ", "")
+    guesses = (("a100", "a100-40gb" if "40gb" in with_notes else "a100-80gb"), ("h100", "h100-sxm"),
+               ("h800", "h800"), ("h200", "h200"), ("v100", "v100-32gb"), ("b200", "b200"))
     for prefix, name in guesses:
-        if cell.lower().replace(" ", "").startswith(prefix):
+        if name_only.startswith(prefix):
             return name, f"device {name} (the row names {cell!r})"
     return cell, ""
 
@@ -269,6 +270,8 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
     megatron = _megatron_lm(text)
     legacy = megatron and not any(w in text.lower() for w in ("core", "nemo"))
     unstated, inferred = [], completed
+    # DeepSpeed's pipeline engine in bf16 runs BF16_Optimizer's gradient pass (`RuntimeOptions.fp32_grad_pass`).
+    deepspeed_bf16 = "Megatron-DeepSpeed" in framework and r["precision"].lower() == "bf16"
     mbs, zero = _int(r["micro_batch"]), _zero_of(r["dp_sharding"])
     recompute = _recompute_of(r["recompute"])
     sp = _flag_of(r["sequence_parallel"])
@@ -300,18 +303,18 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
                         "pipeline flush)")
         inferred.append("pipeline sends as DeepSpeed's pipeline engine runs them: partitioned over the tp ranks "
                         "(pipe_partitioned), each send and receive blocking both ends")
-        if r["precision"].strip().lower() == "bf16":
+        if deepspeed_bf16:
             inferred.append("DeepSpeed's BF16_Optimizer (bf16 with ZeRO-1 under its pipeline engine): each "
                             "micro-batch's gradients upcast and added into fp32 buffers in a pass of their own")
     if recompute is None:
         unstated.append("recompute")
     if sp is None and int(r["tp"]) > 1:
         unstated.append("sequence parallelism")
-    if not r["virtual_stages"].strip() and int(r["pp"]) > 1:
+    if not r["virtual_stages"] and int(r["pp"]) > 1:
         unstated.append("schedule / virtual stages")
     step = _float(r["iteration_time_s"])
     counts = r["tflops_counts"] or "iteration time"
-    if step is None and r["tflops_per_gpu"].strip():
+    if step is None and r["tflops_per_gpu"]:
         flops = dense_training_flops(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn,
                                      vocab=vocab, seq=seq, batch=gbs, gated=family == "llama",
                                      recomputed="with full recomputation" in counts)
@@ -354,10 +357,10 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
                              tp_overlap="TP/PP communication enabled" in framework or "AsyncTP" in framework,
                              p2p_scatter_gather=deepspeed_pipeline or (legacy and int(r["pp"]) > 1),
                              p2p_blocking=deepspeed_pipeline, fp8=fp8,
-                             fp32_grad_pass="Megatron-DeepSpeed" in framework and r["precision"].strip().lower() == "bf16")
+                             fp32_grad_pass=deepspeed_bf16)
     return PublishedRun(
         name=r["run"], family=family, sets=tuple(sets), seq=seq, schedules=trainer_schedules(text),
-        device=r["device"], num_gpus=gpus, gpus_per_node=int(r["gpus_per_node"]), tp=int(r["tp"]), pp=int(r["pp"]), cp=int(r["cp"] or 1),
+        device=r["device"], num_gpus=gpus, gpus_per_node=int(r["gpus_per_node"]), tp=int(r["tp"]), pp=int(r["pp"]), cp=int(r["cp"]),
         dp=int(r["dp"]), global_batch=gbs, microbatch_size=mbs, virtual_stages=_int(r["virtual_stages"]),
         zero_stage=zero, recompute=recompute, sequence_parallel=sp, measured_step_s=step,
         measured_memory_gib=_float(r["peak_memory_gib"]), counts=counts, framework=framework,
