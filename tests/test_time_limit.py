@@ -1,4 +1,4 @@
-"""Time limits: `--time-limit 1` returns within 1.5 s with the best plan found so far and says it was cut short.
+"""Time limits: `--time-limit 1` returns within 1.5 s (unloaded) with the best plan found so far and says so.
 
 The instance is GPT-3 175B on 128 DGX A100 nodes (1024 GPUs, global batch 1536, the Megatron-LM setting of
 Narayanan et al., SC'21, Table 1): thousands of candidates over meshes, micro-batch sizes, schedules and ZeRO
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -30,8 +31,21 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL, CLUSTER, BATCH = "gpt3-175b", "128x8xa100-80gb", 1536
 LIMIT_S = 1.0
 GRACE_S = 0.5
-"""How far past the limit the search may return: the clock is checked between heap entries and every few hundred
-candidates of a device count's expansion (`planner.search.branch_and_bound.CLOCK_EVERY`)."""
+"""How far past the limit the search may return, in seconds of its own CPU time: the clock is checked between heap
+entries and every few hundred candidates of a device count's expansion
+(`planner.search.branch_and_bound.CLOCK_EVERY`)."""
+
+
+def allowed_wall_s(wall_s: float, cpu_s: float) -> float:
+    """The wall-clock bound for a call that took `wall_s` while its process used `cpu_s` of CPU.
+
+    The limit is wall-clock time and is honoured at the next clock check; the work between two checks is CPU work,
+    which a machine with more runnable processes than cores stretches by wall / cpu. So the grace is scaled by the
+    slowdown the call itself saw: unloaded (cpu ~ wall) the bound is the plain limit + grace; the limit's semantics
+    (stop at the first check past it) are not loosened.
+    """
+    slowdown = max(1.0, wall_s / max(cpu_s, 1e-9))
+    return LIMIT_S + GRACE_S * slowdown
 
 
 @cache
@@ -40,27 +54,28 @@ def gpt3_chain() -> LayerChain:
     return ir.build_layer_chain(ir.trace(built.module, built.example_inputs, model_name=MODEL))
 
 
-def _timed_plan() -> tuple[planner.Plan, float]:
+def _timed_plan() -> tuple[planner.Plan, float, float]:
     chain, cluster = gpt3_chain(), Cluster.parse(CLUSTER)
-    start = time.monotonic()
+    start, cpu_start = time.monotonic(), time.process_time()
     plan = planner.api.plan(chain, None, cluster, global_batch=BATCH, time_limit_s=LIMIT_S, model_name=MODEL)
-    return plan, time.monotonic() - start
+    return plan, time.monotonic() - start, time.process_time() - cpu_start
 
 
 @cache
-def limited_plan() -> tuple[planner.Plan, float]:
+def limited_plan() -> tuple[planner.Plan, float, float]:
     return _timed_plan()
 
 
 def test_one_second_limit_returns_in_time_with_a_plan() -> None:
-    plan, wall = limited_plan()
-    if wall > LIMIT_S + GRACE_S:
-        # A wall-clock bound on a shared machine: another process can take the core for a moment (seen once in a
-        # full run here at load 1.1, 1.64 s, where 9 runs alone took 1.05-1.07 s). A second try must hold it.
+    plan, wall, cpu = limited_plan()
+    if wall > allowed_wall_s(wall, cpu):
+        # Another process can take the core for a moment without the load showing in this call's own CPU time
+        # (seen once in a full run here at load 1.1, 1.64 s, where 9 runs alone took 1.05-1.07 s): one more try.
         first = wall
-        plan, wall = _timed_plan()
-        assert wall <= LIMIT_S + GRACE_S, (f"a {LIMIT_S:g} s limit took {first:.2f} s, then {wall:.2f} s "
-                                           f"(load average {_load()})")
+        plan, wall, cpu = _timed_plan()
+        assert wall <= allowed_wall_s(wall, cpu), (
+            f"a {LIMIT_S:g} s limit took {first:.2f} s, then {wall:.2f} s wall for {cpu:.2f} s CPU "
+            f"(load average {_load()})")
     assert plan.search.time_s <= wall
     # cut short, and it says so: not proven optimal, with the gap to the best unexplored bound
     assert plan.search.status == "feasible"
@@ -77,7 +92,7 @@ def test_one_second_limit_returns_in_time_with_a_plan() -> None:
 def test_full_search_takes_longer_and_is_no_worse() -> None:
     """The instance is big enough: without a limit the search runs past the limit and proves optimality, and
     the cut-short plan is never better than the optimum, nor below its own stated lower bound."""
-    limited, _ = limited_plan()
+    limited, _, _ = limited_plan()
     start = time.monotonic()
     full = planner.api.plan(gpt3_chain(), None, Cluster.parse(CLUSTER), global_batch=BATCH, model_name=MODEL)
     assert time.monotonic() - start > LIMIT_S + GRACE_S
@@ -91,10 +106,13 @@ def test_full_search_takes_longer_and_is_no_worse() -> None:
 
 def test_cli_says_it_was_cut_short(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
+    start, children_cpu = time.monotonic(), _children_cpu_s()
     proc = subprocess.run(
         [sys.executable, "-m", "planner.cli.main", "plan", MODEL, "--cluster", CLUSTER, "--batch", str(BATCH),
          "--time-limit", str(LIMIT_S), "-o", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    # The whole run (start-up, tracing, search) sees the same load as its search: its wall / CPU is the slowdown.
+    wall, cpu = time.monotonic() - start, _children_cpu_s() - children_cpu
     assert proc.returncode == 0, proc.stderr
     assert "cut short by --time-limit" in proc.stdout
     # one line says the limit was reached, with the proven gap (stdout carries the plan and the same gap)
@@ -104,7 +122,14 @@ def test_cli_says_it_was_cut_short(tmp_path: Path) -> None:
     assert f"optimality gap {100 * gap:.1f}%" in proc.stdout
     search = json.loads(out.read_text())["search"]
     assert search["status"] == "feasible"
-    assert search["time_s"] <= LIMIT_S + GRACE_S, f"search took {search['time_s']:.2f} s (load average {_load()})"
+    slowed = allowed_wall_s(wall, cpu)
+    assert search["time_s"] <= slowed, (f"search took {search['time_s']:.2f} s, allowed {slowed:.2f} s for a run of "
+                                        f"{wall:.2f} s wall, {cpu:.2f} s CPU (load average {_load()})")
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _load() -> str:
