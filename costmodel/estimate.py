@@ -492,7 +492,8 @@ def _stage_estimates(priced: Sequence[Sequence[PricedSegment]], stage_times: Seq
                              zero_stage=strategy.zero_stage, dp=strategy.dp * strategy.cp,
                              dtype=dtype, device_name=rank.device.name, extra_params=shared[r], ep=strategy.ep,
                              reshard_after_forward=strategy.runtime.reshard_after_forward,
-                             offload=strategy.runtime.offload, pipelined=pp > 1)
+                             offload=strategy.runtime.offload, pipelined=pp > 1,
+                             inplace_cross_entropy=strategy.runtime.inplace_cross_entropy)
         capacity = rank.device.memory_bytes
         if memory.total > capacity:
             problems.append(f"stage {r} needs {memory.total / GIB:.1f} GiB > {capacity / GIB:.1f} GiB "

@@ -72,3 +72,7 @@ class LayerCost:
     ep_comm_s: float = 0.0
     """Of `fwd_comm_s`, and likewise of `bwd_comm_s`, the expert-parallel all-to-alls (dispatch and combine,
     `costmodel.expert_parallel`): what DualPipe's paired chunks can hide (`RuntimeOptions.ep_overlap`)."""
+    loss_elements: int = 0
+    """Elements of the model output this device computes the training loss on (its local logits; 0 for every
+    segment but the last): the loss's transient buffers depend on how the trainer computes it
+    (`training_loss.loss_transient_bytes`), so they are added where the runtime is known (`memory.rank_memory`)."""

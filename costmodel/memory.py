@@ -31,7 +31,8 @@ s*b*h*(34 + 5*a*s/h) bytes without recomputation, 34*s*b*h with selective recomp
 tensor parallelism divides the parts it shards and sequence parallelism the rest (34/t) -- see
 `korthikanti_layer_activation_bytes`.
 
-Temporary buffers: the largest transient of any segment (`LayerCost.peak_temp_bytes`), plus the activations a
+Temporary buffers: the largest transient of any segment (`LayerCost.peak_temp_bytes`, or for the segment that
+returns the logits the training loss's buffers, `training_loss.loss_transient_bytes`, if larger), plus the activations a
 recomputed segment re-materializes while its backward runs (saved-with-none minus saved-with-its-choice, for the
 largest such segment), plus under ZeRO-3 the gathered full weights of the largest segment twice (the one running
 and the one prefetched) -- or, without `reshard_after_forward`, the gathered weights of every segment of the rank;
@@ -58,6 +59,7 @@ from dataclasses import dataclass
 from costmodel.breakdown import MemoryBreakdown
 from costmodel.layer_cost import LayerCost
 from costmodel.strategy import Offload, Recompute
+from costmodel.training_loss import loss_transient_bytes
 from ir.graph import dtype_bytes
 
 GIB = 1024 ** 3
@@ -152,12 +154,13 @@ class PricedSegment:
 def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[int], *, zero_stage: int = 0,
                 dp: int = 1, dtype: str = "bfloat16", device_name: str = "gpu", extra_params: int = 0,
                 ep: int = 1, reshard_after_forward: bool = True, offload: Offload = Offload.NONE,
-                pipelined: bool = False) -> MemoryBreakdown:
+                pipelined: bool = False, inplace_cross_entropy: bool = False) -> MemoryBreakdown:
     """Peak bytes on one device holding `chunks` (one per virtual stage) with `in_flight[c]` micro-batches each.
 
     `extra_params`: parameters the device holds besides its segments' own (a copy of a weight shared with another
     pipeline rank, such as tied embeddings on the last stage), with their gradients and optimizer state.
-    `ep`: expert-parallel degree; ZeRO shards expert weights (`LayerCost.expert_param_count`) over dp / ep ranks."""
+    `ep`: expert-parallel degree; ZeRO shards expert weights (`LayerCost.expert_param_count`) over dp / ep ranks.
+    `inplace_cross_entropy`: the trainer's loss works in place (`RuntimeOptions.inplace_cross_entropy`)."""
     if len(chunks) != len(in_flight):
         raise ValueError(f"{len(chunks)} chunks but {len(in_flight)} in-flight counts")
     segments = [s for chunk in chunks for s in chunk]
@@ -173,7 +176,10 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
     activations = sum(n * sum(saved_bytes(s.cost, s.recompute) for s in chunk)
                       for chunk, n in zip(chunks, in_flight, strict=True))
     rematerialized = max((s.cost.saved_bytes_none - saved_bytes(s.cost, s.recompute) for s in segments), default=0)
-    temporary = max((s.cost.peak_temp_bytes for s in segments), default=0) + max(rematerialized, 0)
+    transient = (max(s.cost.peak_temp_bytes,
+                     loss_transient_bytes(s.cost.loss_elements, dtype, inplace=inplace_cross_entropy))
+                 for s in segments)
+    temporary = round(max(transient, default=0)) + max(rematerialized, 0)
     w = dtype_bytes(dtype)
     if zero_stage >= 2:
         # The unit being reduced has its whole gradient for a moment: in the training dtype, plus the fp32 copy

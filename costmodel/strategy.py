@@ -204,6 +204,15 @@ class RuntimeOptions:
     main grads inside the weight-gradient GEMM, `--gradient-accumulation-fusion`). `planner.parallelize` does not
     run it: plans with it are for export."""
 
+    inplace_cross_entropy: bool = False
+    """The training loss computes its softmax and gradient in place in the fp32 copy of the logits (Megatron-LM's
+    vocab-parallel cross-entropy, `_VocabParallelCrossEntropy`, in Megatron-Core, NeMo and the Megatron-DeepSpeed
+    forks): the logits' fp32 copy is what backward keeps, and the only transient is the 16-bit logits or their
+    gradient beside it (`costmodel.training_loss`). False: PyTorch's `cross_entropy(logits.float(), labels)`, as
+    `planner.parallelize`, torchtitan and Hugging Face models compute it, whose backward allocates the
+    log-probabilities' gradient and the input gradient beside the saved log-probabilities. `planner.parallelize`
+    does not run it: plans with it are for export."""
+
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "offload", Offload(self.offload))
@@ -240,10 +249,11 @@ class RuntimeOptions:
 
 
 RUNTIME_FLAGS = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking",
-                 "tp_grad_overlap", "ep_dedup", "ep_overlap", "fused_kernels", "fp32_grad_pass", "tp_sharded_weights")
+                 "tp_grad_overlap", "ep_dedup", "ep_overlap", "fused_kernels", "fp32_grad_pass", "tp_sharded_weights",
+                 "inplace_cross_entropy")
 """The true/false fields of `RuntimeOptions`, in the order plans write them."""
 _LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking", "tp_grad_overlap", "ep_dedup", "ep_overlap",
-                          "fused_kernels", "fp32_grad_pass", "tp_sharded_weights"})
+                          "fused_kernels", "fp32_grad_pass", "tp_sharded_weights", "inplace_cross_entropy"})
 RUNTIME_OPTION_NAMES = (*RUNTIME_FLAGS, "offload", "fp8")
 """Every field of `RuntimeOptions` (the keys of its JSON)."""
 

@@ -347,6 +347,7 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
     # gradients after the backward and scattered/gathered pipeline sends over the tp ranks by default
     # (--scatter-gather-tensors-in-pipeline), as the Korthikanti rows are priced; a row that says it overlapped
     # the reduction keeps the overlap.
+    # Megatron-LM and its forks compute the loss with their vocab-parallel cross-entropy, in place in the fp32 logits.
     # Every trainer of these rows splits each linear's and the token embedding's weight over tp (Megatron's column
     # / row / vocab-parallel layers, torchtitan's TP plan), never a whole weight the ILP may also keep.
     fused = _runs_fused_kernels(text)
@@ -357,7 +358,8 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
                              tp_overlap="TP/PP communication enabled" in framework or "AsyncTP" in framework,
                              p2p_scatter_gather=deepspeed_pipeline or (legacy and int(r["pp"]) > 1),
                              p2p_blocking=deepspeed_pipeline, fp8=fp8,
-                             fp32_grad_pass=deepspeed_bf16)
+                             fp32_grad_pass=deepspeed_bf16,
+                             inplace_cross_entropy="megatron" in text.lower() or "nemo" in text.lower())
     return PublishedRun(
         name=r["run"], family=family, sets=tuple(sets), seq=seq, schedules=trainer_schedules(text),
         device=r["device"], num_gpus=gpus, gpus_per_node=int(r["gpus_per_node"]), tp=int(r["tp"]), pp=int(r["pp"]), cp=int(r["cp"]),

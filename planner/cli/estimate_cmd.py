@@ -118,6 +118,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--fp32-grad-pass", action="store_true",
                    help="each micro-batch's 16-bit gradients are upcast and added into fp32 buffers in a pass of "
                         "their own (DeepSpeed's BF16_Optimizer: bf16 with ZeRO 0-1, its pipeline engine)")
+    p.add_argument("--inplace-cross-entropy", action="store_true",
+                   help="the loss computes its softmax and gradient in place in the fp32 logits (Megatron-LM's "
+                        "vocab-parallel cross-entropy) instead of PyTorch's cross_entropy buffers")
     p.add_argument("--fused-kernels", action="store_true",
                    help="the memory-bound ops run as fused kernels (torch.compile, Megatron-Core with Transformer "
                         "Engine) instead of one eager kernel each")
@@ -131,7 +134,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 STRATEGY_FLAGS = ("batch", "tp", "pp", "dp", "cp", "ep", "mbs", "schedule", "recompute", "zero", "sp", "no_dp_overlap",
                   "keep_gathered", "tp_overlap", "tp_grad_overlap", "p2p_scatter_gather", "p2p_blocking",
-                  "fused_kernels", "fp32_grad_pass", "tp_sharded_weights", "offload")
+                  "fused_kernels", "fp32_grad_pass", "tp_sharded_weights", "inplace_cross_entropy", "offload")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -174,6 +177,7 @@ def _estimate_flags(args: argparse.Namespace, cluster: Any, profile: Any) -> Any
                                                    fused_kernels=args.fused_kernels,
                                                    fp32_grad_pass=args.fp32_grad_pass,
                                                    tp_sharded_weights=args.tp_sharded_weights,
+                                                   inplace_cross_entropy=args.inplace_cross_entropy,
                                                    offload=Offload(args.offload or Offload.NONE.value),
                                                    fp8=args.fp8))
     except ValueError as e:

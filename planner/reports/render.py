@@ -129,6 +129,8 @@ def runtime_line(s: Strategy) -> str:
         parts.append("fused kernels")
     if r.fp32_grad_pass:
         parts.append("fp32 gradient pass per micro-batch")
+    if r.inplace_cross_entropy:
+        parts.append("in-place cross-entropy")
     if r.offload is not Offload.NONE:
         parts.append(f"offload {r.offload.value}")
     if r.fp8 is not None:

@@ -304,7 +304,8 @@ class StageProblemBuilder:
         return bytes_to_fit(rank_memory(chunks, counts, zero_stage=cand.zero_stage, dp=m.dp * m.cp, dtype=self.dtype,
                                         device_name=ctx.device.name, extra_params=shared, ep=m.ep,
                                         reshard_after_forward=cand.runtime.reshard_after_forward, offload=offload,
-                                        pipelined=m.pp > 1),
+                                        pipelined=m.pp > 1,
+                                        inplace_cross_entropy=cand.runtime.inplace_cross_entropy),
                             offload, ctx.device.name)
 
     def rank_terms_of(self, cand: Candidate, ctx: RankContext, chunks: Sequence[Sequence[PricedSegment]],

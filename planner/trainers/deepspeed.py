@@ -231,7 +231,8 @@ def read_arguments(text: str, *, source: str, folder: Path) -> TrainerConfig:
     grad_overlap = bool(ns.async_tensor_model_parallel_allreduce) and ns.tensor_model_parallel_size > 1
     dtype = "bfloat16" if ns.bf16 else "float16" if ns.fp16 else "float32"
     pipe = RuntimeOptions(dp_overlap=pp == 1, tp_grad_overlap=grad_overlap,
-                          tp_sharded_weights=ns.tensor_model_parallel_size > 1, **pipeline_runtime({}, pp, dtype))
+                          tp_sharded_weights=ns.tensor_model_parallel_size > 1, inplace_cross_entropy=True,
+                          **pipeline_runtime({}, pp, dtype))
     if ds_path is not None and ds_path.is_file():
         ds = read_json(ds_path.read_text(encoding="utf-8"), source=str(ds_path))
         zero = ds.zero_stage

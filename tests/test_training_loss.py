@@ -1,0 +1,125 @@
+"""The training loss's memory, measured: the live bytes of every tensor the loss creates, on the CPU, against
+`costmodel.training_loss` (4E saved + `loss_transient_bytes`), for PyTorch's cross-entropy and for an in-place
+cross-entropy written as Megatron-LM's `_VocabParallelCrossEntropy` computes it (on one rank)."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from costmodel.training_loss import FP32_BYTES, loss_transient_bytes
+
+TOKENS, VOCAB, HIDDEN = 2048, 4096, 16
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages that ops create inside the mode and that are still referenced; `peak` since `reset`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._storages: set[int] = set()
+
+    def reset(self) -> None:
+        self.peak = self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes == 0 or key in self._storages:  # a view or an in-place result: no new memory
+            return
+        self._storages.add(key)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key, nbytes)
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._storages.discard(key)
+        self.live -= nbytes
+
+
+class InPlaceCrossEntropy(torch.autograd.Function):
+    """Softmax cross-entropy in place in its fp32 input, as Megatron-LM's vocab-parallel cross-entropy does it:
+    the input becomes the softmax that backward keeps and turns into the gradient."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        logits.sub_(logits.max(dim=-1)[0].unsqueeze(-1))
+        predicted = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        torch.exp(logits, out=logits)
+        total = logits.sum(dim=-1)
+        logits.div_(total.unsqueeze(-1))
+        ctx.save_for_backward(logits, target)
+        return torch.log(total) - predicted
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        softmax, target = ctx.saved_tensors
+        softmax[torch.arange(softmax.size(0)), target] -= 1.0
+        softmax.mul_(grad.unsqueeze(-1))
+        return softmax, None
+
+
+def _pytorch(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.float(), target)
+
+
+def _in_place(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return InPlaceCrossEntropy.apply(logits.float(), target).mean()
+
+
+def _measured(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes saved by the loss after its forward, peak bytes of the loss over forward and backward), logits
+    excluded: they are the model's output, created before the loss and freed by the trainer before backward."""
+    torch.manual_seed(0)
+    h = torch.randn(TOKENS, HIDDEN, dtype=dtype, requires_grad=True)
+    w = torch.randn(VOCAB, HIDDEN, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, VOCAB, (TOKENS,))
+    with LiveBytes() as mem:
+        logits = h @ w.t()
+        before = mem.live
+        mem.reset()
+        loss = loss_fn(logits, target)
+        forward_peak = mem.peak - before
+        del logits  # torchtitan's train step and this project's runtime keep no reference to the output
+        saved = mem.live - before + logits_bytes(dtype)
+        mem.reset()
+        loss.backward()
+        backward_peak = mem.peak - before + logits_bytes(dtype)
+    return saved, max(forward_peak + logits_bytes(dtype), backward_peak)
+
+
+def logits_bytes(dtype: torch.dtype) -> int:
+    return TOKENS * VOCAB * dtype.itemsize
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("loss_fn", "inplace"), [(_pytorch, False), (_in_place, True)])
+def test_loss_memory_is_what_the_model_prices(loss_fn, inplace: bool, dtype: torch.dtype) -> None:  # noqa: ANN001
+    elements = TOKENS * VOCAB
+    saved, peak = _measured(loss_fn, dtype)
+    # besides: the gradients of h and w, and row-sized tensors (maxima, sums, per-row losses), under 1% of E
+    slack = (TOKENS + VOCAB) * HIDDEN * FP32_BYTES + 0.01 * elements
+    assert abs(saved - FP32_BYTES * elements) <= slack, saved / elements
+    name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
+    priced = FP32_BYTES * elements + loss_transient_bytes(elements, name, inplace=inplace)
+    assert abs(peak - priced) <= slack, (peak / elements, priced / elements)
+
+
+def test_pytorch_loss_needs_more_than_in_place() -> None:
+    # bf16: 12E bytes for PyTorch's cross-entropy (8E beside the saved 4E) against 6E in place
+    assert loss_transient_bytes(1, "bfloat16", inplace=False) == 8
+    assert loss_transient_bytes(1, "bfloat16", inplace=True) == 2
+    assert loss_transient_bytes(1, "float32", inplace=True) == 0
