@@ -123,3 +123,30 @@ def test_pytorch_loss_needs_more_than_in_place() -> None:
     assert loss_transient_bytes(1, "bfloat16", inplace=False) == 8
     assert loss_transient_bytes(1, "bfloat16", inplace=True) == 2
     assert loss_transient_bytes(1, "float32", inplace=True) == 0
+
+
+def test_estimate_prices_the_trainers_loss_on_the_last_stage() -> None:
+    """A traced GPT whose 32K-token vocabulary makes the loss the largest transient, priced in bf16: the last
+    stage's temporary memory is PyTorch's 8E, and in place the larger of the loss's 2E and the bf16 logits with
+    their gradient (4E, the segment's own largest transient); the first stage, which has no loss, is unchanged."""
+    import ir
+    from costmodel import Cluster, RuntimeOptions, Strategy
+    from costmodel.estimate import estimate
+    from models.registry import build_model
+
+    batch, seq, vocab = 2, 256, 32000
+    built = build_model("gpt-tiny", ("vocab=32000",), batch=batch, seq=seq, device="meta")
+    chain = ir.build_layer_chain(ir.trace(built.module, built.example_inputs, model_name="gpt-tiny"))
+    cluster = Cluster.parse("1x8xa100-80gb")
+
+    def stages(inplace: bool):  # noqa: ANN202
+        strategy = Strategy(dp=1, pp=2, microbatch_size=batch, num_microbatches=4,
+                            runtime=RuntimeOptions(inplace_cross_entropy=inplace))
+        return estimate(chain, cluster, strategy).stages
+
+    torch_loss, in_place = stages(False), stages(True)
+    elements = batch * seq * vocab
+    assert torch_loss[0].memory == in_place[0].memory
+    assert torch_loss[-1].memory.temporary == 8 * elements
+    assert in_place[-1].memory.temporary == 4 * elements
+    assert torch_loss[-1].memory.activations == in_place[-1].memory.activations

@@ -6,14 +6,15 @@ prints its Plan JSON and `-o FILE` writes it. A strategy that cannot run (degree
 batch that does not divide, tp that does not divide the heads) is an error that says why (exit 2); one that runs
 out of memory is still priced and reported as not fitting, with the memory each stage needs.
 
-Six flags price the strategy as another trainer runs it (`costmodel.strategy.RuntimeOptions`): `--no-dp-overlap`
+These flags price the strategy as another trainer runs it (`costmodel.strategy.RuntimeOptions`): `--no-dp-overlap`
 (data-parallel communication after the backward, as Megatron-LM before its overlap flags or DeepSpeed's pipeline
 engine), `--keep-gathered` (ZeRO-3 keeps gathered weights from forward to backward: FSDP2
 `reshard_after_forward=False`), `--tp-overlap` (Megatron-Core / Transformer Engine `--tp-comm-overlap`), `--tp-grad-overlap` (each
 column-parallel linear's input-gradient all-reduce runs during its weight-gradient GEMM: Megatron-LM's default),
 `--p2p-scatter-gather` (pipeline sends of 1/tp of a replicated activation, all-gathered by the receiver:
 Megatron-LM before Megatron-Core, DeepSpeed's pipeline engine) and `--p2p-blocking` (each pipeline send and
-receive blocks both ends: DeepSpeed's pipeline engine).
+receive blocks both ends: DeepSpeed's pipeline engine); `--fused-kernels`, `--fp32-grad-pass`,
+`--tp-sharded-weights` and `--inplace-cross-entropy` are the other `RuntimeOptions` of the same name.
 `--offload optimizer|params` keeps model state in host memory (`costmodel.offload`): the optimizer state alone
 (ZeRO-Offload) or, under `--zero 3`, the sharded parameters, gradients and optimizer state (FSDP2
 `CPUOffloadPolicy`).
