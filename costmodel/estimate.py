@@ -67,7 +67,8 @@ from costmodel.step_time import (
     step_breakdown,
     tp_grad_sync_time,
 )
-from costmodel.strategy import Offload, Recompute, Schedule, StageSpec, Strategy
+from costmodel.strategy import CrossEntropy, Offload, Recompute, Schedule, StageSpec, Strategy
+from costmodel.training_loss import loss_time_change
 from costmodel.validation import error_band
 from ir import build_layer_chain
 from ir.graph import Graph, dtype_bytes
@@ -402,6 +403,13 @@ def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSet
                        tp_overlap_chunks=strategy.tp if runtime.tp_overlap else 0,
                        tp_grad_overlap=runtime.tp_grad_overlap,
                        offload_fwd_s=comm.offload_fwd_s, offload_bwd_s=comm.offload_bwd_s)
+    if runtime.cross_entropy is not CrossEntropy.TORCH:
+        # The chunk's segments are priced with PyTorch's loss (`training_loss.with_training_loss`).
+        changes = [loss_time_change(s.cost.loss_elements, weight_bytes, runtime.cross_entropy, rank.device)
+                   for s in segs]
+        fwd, bwd = sum(c[0] for c in changes), sum(c[1] for c in changes)
+        chunk = replace(chunk, compute_fwd_s=chunk.compute_fwd_s + fwd / rank.speed,
+                        compute_bwd_s=chunk.compute_bwd_s + bwd / rank.speed)
     if runtime.fp32_grad_pass:
         grad_pass = fp32_grad_pass_time(sum(s.cost.param_count for s in segs), rank.device,
                                         dtype_bytes=weight_bytes, speed=rank.speed)
@@ -493,7 +501,7 @@ def _stage_estimates(priced: Sequence[Sequence[PricedSegment]], stage_times: Seq
                              dtype=dtype, device_name=rank.device.name, extra_params=shared[r], ep=strategy.ep,
                              reshard_after_forward=strategy.runtime.reshard_after_forward,
                              offload=strategy.runtime.offload, pipelined=pp > 1,
-                             inplace_cross_entropy=strategy.runtime.inplace_cross_entropy)
+                             cross_entropy=strategy.runtime.cross_entropy)
         capacity = rank.device.memory_bytes
         if memory.total > capacity:
             problems.append(f"stage {r} needs {memory.total / GIB:.1f} GiB > {capacity / GIB:.1f} GiB "

@@ -24,7 +24,7 @@ memory per device by `costmodel.offload`):
   copied host-to-device before the all-gather (a temporary, beside the gathered weights).
 
 Activations: for each model chunk on the device, the bytes its segments save for one micro-batch under their
-recomputation choice (`LayerCost.saved_bytes_*`), times the micro-batches in flight on that chunk at the schedule's
+recomputation choice (`LayerCost.saved_bytes_*`, and what the training loss keeps: `kept_bytes`), times the micro-batches in flight on that chunk at the schedule's
 peak (`costmodel.pipeline.in_flight_per_chunk`: GPipe m, 1F1B p - rank, interleaved Megatron's count).
 Korthikanti et al. 2022 (Sec. 4) give the closed forms this reproduces for a GPT layer:
 s*b*h*(34 + 5*a*s/h) bytes without recomputation, 34*s*b*h with selective recomputation, 2*s*b*h with full;
@@ -58,8 +58,8 @@ from dataclasses import dataclass
 
 from costmodel.breakdown import MemoryBreakdown
 from costmodel.layer_cost import LayerCost
-from costmodel.strategy import Offload, Recompute
-from costmodel.training_loss import loss_transient_bytes
+from costmodel.strategy import CrossEntropy, Offload, Recompute
+from costmodel.training_loss import loss_saved_bytes, loss_transient_bytes
 from ir.graph import dtype_bytes
 
 GIB = 1024 ** 3
@@ -139,6 +139,15 @@ def saved_bytes(cost: LayerCost, recompute: Recompute) -> int:
     return cost.saved_bytes_none
 
 
+def kept_bytes(cost: LayerCost, recompute: Recompute, cross_entropy: CrossEntropy, dtype: str) -> float:
+    """What a segment keeps per micro-batch in flight: its activations under `recompute` and, on the segment that
+    returns the logits, what the loss keeps for backward (`training_loss.loss_saved_bytes`)."""
+    saved = saved_bytes(cost, recompute)
+    if cost.loss_elements:
+        saved += loss_saved_bytes(cost.loss_elements, dtype, cross_entropy)
+    return saved
+
+
 def framework_overhead_bytes(device_name: str) -> int:
     return CPU_FRAMEWORK_OVERHEAD_BYTES if device_name == "cpu" else GPU_FRAMEWORK_OVERHEAD_BYTES
 
@@ -154,13 +163,13 @@ class PricedSegment:
 def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[int], *, zero_stage: int = 0,
                 dp: int = 1, dtype: str = "bfloat16", device_name: str = "gpu", extra_params: int = 0,
                 ep: int = 1, reshard_after_forward: bool = True, offload: Offload = Offload.NONE,
-                pipelined: bool = False, inplace_cross_entropy: bool = False) -> MemoryBreakdown:
+                pipelined: bool = False, cross_entropy: CrossEntropy = CrossEntropy.TORCH) -> MemoryBreakdown:
     """Peak bytes on one device holding `chunks` (one per virtual stage) with `in_flight[c]` micro-batches each.
 
     `extra_params`: parameters the device holds besides its segments' own (a copy of a weight shared with another
     pipeline rank, such as tied embeddings on the last stage), with their gradients and optimizer state.
     `ep`: expert-parallel degree; ZeRO shards expert weights (`LayerCost.expert_param_count`) over dp / ep ranks.
-    `inplace_cross_entropy`: the trainer's loss works in place (`RuntimeOptions.inplace_cross_entropy`)."""
+    `cross_entropy`: the trainer's loss kernel (`RuntimeOptions.cross_entropy`)."""
     if len(chunks) != len(in_flight):
         raise ValueError(f"{len(chunks)} chunks but {len(in_flight)} in-flight counts")
     segments = [s for chunk in chunks for s in chunk]
@@ -173,11 +182,10 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
     if experts:
         state += model_state_bytes(experts, zero_stage=zero_stage, dp=max(dp // ep, 1), dtype=dtype,
                                    offload=offload, pipelined=pipelined)
-    activations = sum(n * sum(saved_bytes(s.cost, s.recompute) for s in chunk)
-                      for chunk, n in zip(chunks, in_flight, strict=True))
+    activations = round(sum(n * sum(kept_bytes(s.cost, s.recompute, cross_entropy, dtype) for s in chunk)
+                            for chunk, n in zip(chunks, in_flight, strict=True)))
     rematerialized = max((s.cost.saved_bytes_none - saved_bytes(s.cost, s.recompute) for s in segments), default=0)
-    transient = (max(s.cost.peak_temp_bytes,
-                     loss_transient_bytes(s.cost.loss_elements, dtype, inplace=inplace_cross_entropy))
+    transient = (max(s.cost.peak_temp_bytes, loss_transient_bytes(s.cost.loss_elements, dtype, cross_entropy))
                  for s in segments)
     temporary = round(max(transient, default=0)) + max(rematerialized, 0)
     w = dtype_bytes(dtype)

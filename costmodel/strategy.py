@@ -89,6 +89,23 @@ class Recompute(enum.StrEnum):
     everything else (norms, activations, the other matmuls) in backward (`costmodel.layer_pricing`)."""
 
 
+class CrossEntropy(enum.StrEnum):
+    """How the trainer computes the softmax cross-entropy loss on the logits (`costmodel.training_loss` prices its
+    memory and time)."""
+
+    TORCH = "torch"
+    """PyTorch's `cross_entropy(logits.float(), labels)`: `planner.parallelize`, torchtitan, Hugging Face models."""
+    INPLACE = "inplace"
+    """In place in the fp32 copy of the logits: Megatron-LM's vocab-parallel cross-entropy (Megatron-Core, NeMo,
+    the Megatron-DeepSpeed forks)."""
+    FUSED = "fused"
+    """One kernel each way on the 16-bit logits, which it keeps, with an fp32 log-sum-exp per row: flash-attn's
+    cross-entropy (`flash_attn.losses.cross_entropy`), MosaicML llm-foundry's default `fused_crossentropy`."""
+
+
+CROSS_ENTROPY_CHOICES = ", ".join(c.value for c in CrossEntropy)
+
+
 class Offload(enum.StrEnum):
     """What of the model state lives in host memory instead of on the device (`costmodel.offload` prices it)."""
 
@@ -204,14 +221,9 @@ class RuntimeOptions:
     main grads inside the weight-gradient GEMM, `--gradient-accumulation-fusion`). `planner.parallelize` does not
     run it: plans with it are for export."""
 
-    inplace_cross_entropy: bool = False
-    """The training loss computes its softmax and gradient in place in the fp32 copy of the logits (Megatron-LM's
-    vocab-parallel cross-entropy, `_VocabParallelCrossEntropy`, in Megatron-Core, NeMo and the Megatron-DeepSpeed
-    forks): the logits' fp32 copy is what backward keeps, and the only transient is the 16-bit logits or their
-    gradient beside it (`costmodel.training_loss`). False: PyTorch's `cross_entropy(logits.float(), labels)`, as
-    `planner.parallelize`, torchtitan and Hugging Face models compute it, whose backward allocates the
-    log-probabilities' gradient and the input gradient beside the saved log-probabilities. `planner.parallelize`
-    does not run it: plans with it are for export."""
+    cross_entropy: CrossEntropy = CrossEntropy.TORCH
+    """The loss kernel (`CrossEntropy`): what it keeps for backward, its transient buffers and its passes over the
+    logits (`costmodel.training_loss`). `planner.parallelize` runs `torch`: plans with another are for export."""
 
     def __post_init__(self) -> None:
         try:
@@ -220,6 +232,11 @@ class RuntimeOptions:
             raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {self.offload!r}") from None
         if self.fp8 is not None:
             object.__setattr__(self, "fp8", Float8Recipe(self.fp8))
+        try:
+            object.__setattr__(self, "cross_entropy", CrossEntropy(self.cross_entropy))
+        except ValueError:
+            raise ValueError(f"cross_entropy must be one of {CROSS_ENTROPY_CHOICES}, got {self.cross_entropy!r}"
+                             ) from None
 
     def priced_chain(self, chain: LayerChain) -> LayerChain:
         """`chain` with its kernels as this runtime runs them: fused (`LayerChain.fused_kernels`) or as traced."""
@@ -235,6 +252,8 @@ class RuntimeOptions:
             out["offload"] = self.offload.value
         if self.fp8 is not None:
             out["fp8"] = self.fp8.value
+        if self.cross_entropy is not CrossEntropy.TORCH:
+            out["cross_entropy"] = self.cross_entropy.value
         return out
 
     @classmethod
@@ -245,16 +264,16 @@ class RuntimeOptions:
         flags = {k: bool(v) for k, v in d.items() if k in RUNTIME_FLAGS}
         fp8 = d.get("fp8")
         return cls(**flags, offload=Offload(d.get("offload", "none")),
-                   fp8=Float8Recipe(fp8) if fp8 is not None else None)
+                   fp8=Float8Recipe(fp8) if fp8 is not None else None,
+                   cross_entropy=d.get("cross_entropy", CrossEntropy.TORCH.value))
 
 
 RUNTIME_FLAGS = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking",
-                 "tp_grad_overlap", "ep_dedup", "ep_overlap", "fused_kernels", "fp32_grad_pass", "tp_sharded_weights",
-                 "inplace_cross_entropy")
+                 "tp_grad_overlap", "ep_dedup", "ep_overlap", "fused_kernels", "fp32_grad_pass", "tp_sharded_weights")
 """The true/false fields of `RuntimeOptions`, in the order plans write them."""
 _LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking", "tp_grad_overlap", "ep_dedup", "ep_overlap",
-                          "fused_kernels", "fp32_grad_pass", "tp_sharded_weights", "inplace_cross_entropy"})
-RUNTIME_OPTION_NAMES = (*RUNTIME_FLAGS, "offload", "fp8")
+                          "fused_kernels", "fp32_grad_pass", "tp_sharded_weights"})
+RUNTIME_OPTION_NAMES = (*RUNTIME_FLAGS, "offload", "fp8", "cross_entropy")
 """Every field of `RuntimeOptions` (the keys of its JSON)."""
 
 

@@ -1,27 +1,34 @@
 """The training loss on the model's output: softmax cross-entropy in fp32, priced on the segment that returns it.
 
 The traced graph ends at the model's output (logits for a language model); the trainer then computes the loss,
-which for a large vocabulary is neither small nor free. Trainers compute it in fp32 on the device's local share of
-the logits (E elements; 1/tp of them when the head is vocabulary-sharded), w the training dtype's bytes:
+which for a large vocabulary is neither small nor free. Trainers compute it on the device's local share of the
+logits (E elements; 1/tp of them when the head is vocabulary-sharded), w the training dtype's bytes, with one of
+three kernels (`strategy.CrossEntropy`, `RuntimeOptions.cross_entropy`), whose memory differs by up to 3x:
 
-- saved for backward: 4E bytes of fp32 (PyTorch's `log_softmax` saves its output; Megatron keeps the fp32
-  softmax), priced as saved activations of the last segment;
-- transient, on top of the saved 4E and depending on the trainer (`loss_transient_bytes`, added by
-  `memory.rank_memory` where the runtime is known):
-  * PyTorch's `cross_entropy(logits.float(), labels)` (this project's runtime, torchtitan, Hugging Face models):
-    forward holds the w-byte logits and their fp32 copy while `log_softmax` writes its output, (w + 4)E; backward
-    allocates the gradient of the log-probabilities (`nll_loss`'s dense one-hot gradient, fp32) and
-    `log_softmax`'s input gradient beside the saved output, 8E. The peak is 8E for w <= 4.
-  * in place (`RuntimeOptions.inplace_cross_entropy`, Megatron-LM's vocab-parallel cross-entropy): the fp32 copy
-    is itself normalized into the softmax that backward keeps and turns into the gradient, so only the w-byte
-    logits (forward) or their gradient's cast (backward) sit beside it: wE, and nothing when training in fp32 (the
-    copy is the logits).
-  Both are measured on the CPU by `tests/test_training_loss.py` (live bytes of every tensor the loss creates).
-- time, memory-bound (HBM roofline, like the other elementwise kernels of `costmodel.operators`):
-  forward reads the w-byte logits and writes the fp32 copy, `log_softmax` reads it twice (max and sum, then the
-  normalization) and writes the result, the loss gathers one value per row: (w + 4 + 8 + 4) E bytes in 3 kernels;
-  backward writes the one-hot gradient, `log_softmax`'s backward reads it and the saved output and writes the
-  input gradient, the cast writes it back in w bytes: (4 + 8 + 4 + 4 + w) E bytes in 3 kernels.
+    kernel    kept for backward        transient beside it, at the peak
+    torch     4E  fp32 log-probs       8E: backward's fp32 one-hot gradient from `nll_loss` and `log_softmax`'s
+                                       input gradient (forward holds (w + 4)E: the logits and their fp32 copy)
+    inplace   4E  fp32 softmax         wE: the 16-bit logits beside their fp32 copy (forward) or the gradient's
+                                       cast (backward); 0 in fp32, where the copy is the logits
+    fused     wE  the logits           wE: their gradient (flash-attn's kernel writes it in one pass)
+
+`torch` is PyTorch's `cross_entropy(logits.float(), labels)` (this project's runtime, torchtitan, Hugging Face
+models); `inplace` Megatron-LM's vocab-parallel cross-entropy, which normalizes the fp32 copy in place into the
+softmax it keeps and turns into the gradient; `fused` flash-attn's cross-entropy (llm-foundry's default
+`fused_crossentropy`), which reads the 16-bit logits once per pass and keeps only a log-sum-exp per row beside them.
+The first two are measured on the CPU by `tests/test_training_loss.py` (live bytes of every tensor the loss creates);
+the third follows from flash-attn's `save_for_backward(logits, lse, labels)` and its `empty_like(logits)` gradient.
+What is kept is priced as activations of the last segment's micro-batches in flight, the transient as the largest
+temporary (`memory.rank_memory`), both where the runtime is known: `LayerCost.loss_elements` carries E.
+
+Time, memory-bound (HBM roofline, like the other elementwise kernels of `costmodel.operators`), priced here for
+`torch`: forward reads the w-byte logits and writes the fp32 copy, `log_softmax` reads it twice (max and sum, then
+the normalization) and writes the result, the loss gathers one value per row: (w + 4 + 8 + 4) E bytes in 3 kernels;
+backward writes the one-hot gradient, `log_softmax`'s backward reads it and the saved output and writes the input
+gradient, the cast writes it back in w bytes: (4 + 8 + 4 + 4 + w) E bytes in 3 kernels. `inplace` makes about the
+same passes (its forward's in-place subtract, exp and divide add 8E, its backward saves the one-hot and the
+log-softmax gradient, -8E) and is priced the same; `fused` reads wE forward and reads and writes wE backward, one
+kernel each (`loss_time_change`).
 Outputs that are not floating point, or scalars (a model that returns its own loss), add nothing.
 """
 
@@ -33,6 +40,7 @@ from collections.abc import Sequence
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.operators import T_KERNEL_FLOOR_S
+from costmodel.strategy import CrossEntropy
 from ir.graph import Node, OpKind, dtype_bytes
 
 FP32_BYTES = 4
@@ -48,33 +56,52 @@ def loss_inputs(nodes: Sequence[Node]) -> frozenset[str]:
                      and n.output_specs[0].dtype.startswith(("float", "bfloat")))
 
 
-def loss_transient_bytes(elements: float, dtype: str, *, inplace: bool) -> float:
-    """Bytes the loss over `elements` local logits holds beside its saved fp32 output at its peak (module
-    docstring): 8E for PyTorch's cross-entropy, wE in place (0 in fp32)."""
+def loss_saved_bytes(elements: float, dtype: str, kernel: CrossEntropy) -> float:
+    """Bytes the loss over `elements` local logits keeps for backward (module docstring)."""
+    return (dtype_bytes(dtype) if kernel is CrossEntropy.FUSED else FP32_BYTES) * elements
+
+
+def loss_transient_bytes(elements: float, dtype: str, kernel: CrossEntropy) -> float:
+    """Bytes the loss over `elements` local logits holds beside what it keeps, at its peak (module docstring)."""
     w = dtype_bytes(dtype)
-    if inplace:
+    if kernel is CrossEntropy.TORCH:
+        return max(2 * FP32_BYTES, w + FP32_BYTES) * elements
+    if kernel is CrossEntropy.INPLACE:
         return (w if w < FP32_BYTES else 0) * elements
-    return max(2 * FP32_BYTES, w + FP32_BYTES) * elements
+    return w * elements
+
+
+def _bandwidth(device: DeviceSpec) -> float:
+    return device.memory_bandwidth * device.memory_efficiency * device.training_efficiency
+
+
+def _torch_pass_times(elements: float, w: int, device: DeviceSpec) -> tuple[float, float]:
+    floor = LOSS_KERNELS_PER_PASS * T_KERNEL_FLOOR_S
+    return (max((w + 4 + 8 + 4) * elements / _bandwidth(device), floor),
+            max((4 + 8 + 4 + 4 + w) * elements / _bandwidth(device), floor))
+
+
+def loss_time_change(elements: float, w: int, kernel: CrossEntropy, device: DeviceSpec) -> tuple[float, float]:
+    """(forward, backward) seconds that `kernel` takes over the `torch` price of the same loss over `elements`
+    logits of `w` bytes (0 or less)."""
+    if kernel is not CrossEntropy.FUSED or elements <= 0:
+        return 0.0, 0.0
+    fwd, bwd = _torch_pass_times(elements, w, device)
+    return (max(w * elements / _bandwidth(device), T_KERNEL_FLOOR_S) - fwd,
+            max(2 * w * elements / _bandwidth(device), T_KERNEL_FLOOR_S) - bwd)
 
 
 def with_training_loss(cost: LayerCost, input_bytes: float, device: DeviceSpec, dtype: str) -> LayerCost:
-    """`cost` plus the fp32 cross-entropy over a local output of `input_bytes` in the training dtype."""
+    """`cost` plus the `torch` cross-entropy's time over a local output of `input_bytes` in the training dtype, and
+    its element count (its memory depends on the kernel: `memory.rank_memory`)."""
     if input_bytes <= 0:
         return cost
     w = dtype_bytes(dtype)
     elements = input_bytes / w
-    bandwidth = device.memory_bandwidth * device.memory_efficiency * device.training_efficiency
-    floor = LOSS_KERNELS_PER_PASS * T_KERNEL_FLOOR_S
-    fwd = max((w + 4 + 8 + 4) * elements / bandwidth, floor)
-    bwd = max((4 + 8 + 4 + 4 + w) * elements / bandwidth, floor)
-    saved = round(FP32_BYTES * elements)
+    fwd, bwd = _torch_pass_times(elements, w, device)
     return dataclasses.replace(
         cost,
         fwd_compute_s=cost.fwd_compute_s + fwd,
         bwd_compute_s=cost.bwd_compute_s + bwd,
-        saved_bytes_none=cost.saved_bytes_none + saved,
-        saved_bytes_selective=cost.saved_bytes_selective + saved,
-        saved_bytes_full=cost.saved_bytes_full + saved,
-        saved_bytes_op=cost.saved_bytes_op + saved,
         loss_elements=cost.loss_elements + round(elements),
     )

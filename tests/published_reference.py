@@ -36,7 +36,7 @@ from pathlib import Path
 
 from costmodel.float8 import Float8Recipe
 from costmodel.hardware.catalog import get_device
-from costmodel.strategy import Recompute, RuntimeOptions, Schedule
+from costmodel.strategy import CrossEntropy, Recompute, RuntimeOptions, Schedule
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 PUBLISHED_CSV = DATA_DIR / "published_runs.csv"
@@ -347,7 +347,7 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
     # gradients after the backward and scattered/gathered pipeline sends over the tp ranks by default
     # (--scatter-gather-tensors-in-pipeline), as the Korthikanti rows are priced; a row that says it overlapped
     # the reduction keeps the overlap.
-    # Megatron-LM and its forks compute the loss with their vocab-parallel cross-entropy, in place in the fp32 logits.
+    # The loss kernel of the row's trainer (`_cross_entropy_of`).
     # Every trainer of these rows splits each linear's and the token embedding's weight over tp (Megatron's column
     # / row / vocab-parallel layers, torchtitan's TP plan), never a whole weight the ILP may also keep.
     fused = _runs_fused_kernels(text)
@@ -359,7 +359,7 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
                              p2p_scatter_gather=deepspeed_pipeline or (legacy and int(r["pp"]) > 1),
                              p2p_blocking=deepspeed_pipeline, fp8=fp8,
                              fp32_grad_pass=deepspeed_bf16,
-                             inplace_cross_entropy="megatron" in text.lower() or "nemo" in text.lower())
+                             cross_entropy=_cross_entropy_of(text))
     return PublishedRun(
         name=r["run"], family=family, sets=tuple(sets), seq=seq, schedules=trainer_schedules(text),
         device=r["device"], num_gpus=gpus, gpus_per_node=int(r["gpus_per_node"]), tp=int(r["tp"]), pp=int(r["pp"]), cp=int(r["cp"]),
@@ -410,6 +410,18 @@ def _megatron_lm(text: str) -> bool:
     """Whether a row ran Megatron-LM itself (Megatron-Core, NeMo, Megatron-LM), not a Megatron-DeepSpeed fork."""
     low = text.lower()
     return ("megatron" in low or "nemo" in low) and "deepspeed" not in low
+
+
+def _cross_entropy_of(text: str) -> CrossEntropy:
+    """The loss kernel a row's trainer runs: Megatron-LM and its forks their in-place vocab-parallel cross-entropy,
+    llm-foundry (Composer) flash-attn's fused one (`loss_fn` defaults to `fused_crossentropy` in
+    llmfoundry/models/mpt/modeling_mpt.py), the others PyTorch's."""
+    low = text.lower()
+    if "megatron" in low or "nemo" in low:
+        return CrossEntropy.INPLACE
+    if "llm-foundry" in low or "composer" in low:
+        return CrossEntropy.FUSED
+    return CrossEntropy.TORCH
 
 
 def _runs_fused_kernels(text: str) -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from costmodel.strategy import Recompute, RuntimeOptions, Schedule, StageSpec
+from costmodel.strategy import CrossEntropy, Recompute, RuntimeOptions, Schedule, StageSpec
 from planner.cli.common import plan_model
 from planner.cli.main import main
 from planner.errors import UserError
@@ -44,13 +44,13 @@ def golden() -> dict[str, tuple[Plan, BlockLayout, ModelShape]]:
 def planned_for(plan: Plan, trainer: Trainer) -> Plan:
     """The plan as a user of `trainer` makes it: for Megatron-LM, priced with the fused kernels it runs
     (`--fix fused_kernels=true`), which its files carry as the default --transformer-impl; for Megatron-LM and
-    its DeepSpeed fork, with their in-place cross-entropy (`--fix inplace_cross_entropy=true`); for the trainers
+    its DeepSpeed fork, with their in-place cross-entropy (`--fix cross_entropy=inplace`); for the trainers
     with tensor-parallel layers of their own, with every weight split over tp (`--fix tp_sharded_weights=true`)."""
     runtime = plan.strategy.runtime
     if trainer is Trainer.MEGATRON:
         runtime = replace(runtime, fused_kernels=True)
     if trainer in (Trainer.MEGATRON, Trainer.MEGATRON_DEEPSPEED):
-        runtime = replace(runtime, inplace_cross_entropy=True)
+        runtime = replace(runtime, cross_entropy=CrossEntropy.INPLACE)
     if trainer in (Trainer.MEGATRON, Trainer.TORCHTITAN, Trainer.MEGATRON_DEEPSPEED) and plan.strategy.tp > 1:
         runtime = replace(runtime, tp_sharded_weights=True)
     return replace(plan, strategy=replace(plan.strategy, runtime=runtime))
@@ -274,7 +274,7 @@ def test_cli_estimate_from_equals_estimate_flags(tmp_path: Path, capsys) -> None
     # Megatron-LM reduces input gradients during the weight-gradient GEMMs unless told not to, runs Transformer
     # Engine's fused kernels by default, its tensor-parallel layers split every weight and its loss works in place
     assert main([*base, "--tp", "2", "--pp", "2", "--dp", "2", "--mbs", "2", "--batch", "16", "--sp",
-                 "--tp-grad-overlap", "--fused-kernels", "--tp-sharded-weights", "--inplace-cross-entropy"]) == 0
+                 "--tp-grad-overlap", "--fused-kernels", "--tp-sharded-weights", "--cross-entropy", "inplace"]) == 0
     flags = json.loads(capsys.readouterr().out)
     assert imported["strategy"] == flags["strategy"]
     assert imported["predicted"]["step_time_s"] == flags["predicted"]["step_time_s"]

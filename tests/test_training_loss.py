@@ -1,6 +1,8 @@
 """The training loss's memory, measured: the live bytes of every tensor the loss creates, on the CPU, against
-`costmodel.training_loss` (4E saved + `loss_transient_bytes`), for PyTorch's cross-entropy and for an in-place
-cross-entropy written as Megatron-LM's `_VocabParallelCrossEntropy` computes it (on one rank)."""
+`costmodel.training_loss` (`loss_saved_bytes` + `loss_transient_bytes`), for PyTorch's cross-entropy, for an in-place
+cross-entropy written as Megatron-LM's `_VocabParallelCrossEntropy` computes it (on one rank), and for a fused one
+written as flash-attn's kernel works (row blocks stand in for its thread blocks: nothing logits-sized but the
+gradient it writes)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from costmodel.training_loss import FP32_BYTES, loss_transient_bytes
+from costmodel.strategy import CrossEntropy
+from costmodel.training_loss import loss_saved_bytes, loss_transient_bytes
 
 TOKENS, VOCAB, HIDDEN = 2048, 4096, 16
 
@@ -72,12 +75,40 @@ class InPlaceCrossEntropy(torch.autograd.Function):
         return softmax, None
 
 
+class FusedCrossEntropy(torch.autograd.Function):
+    """Softmax cross-entropy as flash-attn's kernel computes it: a log-sum-exp per row, the 16-bit logits kept for
+    backward, which writes their gradient in one pass."""
+
+    ROWS = 4
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        lse = torch.cat([torch.logsumexp(block.float(), dim=-1) for block in logits.split(FusedCrossEntropy.ROWS)])
+        ctx.save_for_backward(logits, lse, target)
+        return lse - logits.gather(-1, target.unsqueeze(-1)).squeeze(-1).float()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        logits, lse, target = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        for start in range(0, logits.size(0), FusedCrossEntropy.ROWS):
+            rows = slice(start, start + FusedCrossEntropy.ROWS)
+            block = torch.exp(logits[rows].float() - lse[rows].unsqueeze(-1))
+            block[torch.arange(block.size(0)), target[rows]] -= 1.0
+            out[rows] = block * grad[rows].unsqueeze(-1)
+        return out, None
+
+
 def _pytorch(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.float(), target)
 
 
 def _in_place(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return InPlaceCrossEntropy.apply(logits.float(), target).mean()
+
+
+def _fused(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return FusedCrossEntropy.apply(logits, target).mean()
 
 
 def _measured(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dtype: torch.dtype) -> tuple[int, int]:
@@ -106,29 +137,31 @@ def logits_bytes(dtype: torch.dtype) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("loss_fn", "inplace"), [(_pytorch, False), (_in_place, True)])
-def test_loss_memory_is_what_the_model_prices(loss_fn, inplace: bool, dtype: torch.dtype) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(("loss_fn", "kernel"), [(_pytorch, CrossEntropy.TORCH), (_in_place, CrossEntropy.INPLACE),
+                                               (_fused, CrossEntropy.FUSED)])
+def test_loss_memory_is_what_the_model_prices(loss_fn, kernel: CrossEntropy, dtype: torch.dtype) -> None:  # noqa: ANN001
     elements = TOKENS * VOCAB
     saved, peak = _measured(loss_fn, dtype)
-    # besides: the gradients of h and w, and row-sized tensors (maxima, sums, per-row losses), under 1% of E
-    slack = (TOKENS + VOCAB) * HIDDEN * FP32_BYTES + 0.01 * elements
-    assert abs(saved - FP32_BYTES * elements) <= slack, saved / elements
     name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
-    priced = FP32_BYTES * elements + loss_transient_bytes(elements, name, inplace=inplace)
+    # besides: the gradients of h and w, one row block, and row-sized tensors (maxima, sums, per-row losses)
+    slack = (TOKENS + VOCAB) * HIDDEN * 4 + 0.02 * elements
+    assert abs(saved - loss_saved_bytes(elements, name, kernel)) <= slack, saved / elements
+    priced = loss_saved_bytes(elements, name, kernel) + loss_transient_bytes(elements, name, kernel)
     assert abs(peak - priced) <= slack, (peak / elements, priced / elements)
 
 
-def test_pytorch_loss_needs_more_than_in_place() -> None:
-    # bf16: 12E bytes for PyTorch's cross-entropy (8E beside the saved 4E) against 6E in place
-    assert loss_transient_bytes(1, "bfloat16", inplace=False) == 8
-    assert loss_transient_bytes(1, "bfloat16", inplace=True) == 2
-    assert loss_transient_bytes(1, "float32", inplace=True) == 0
+def test_the_kernels_differ_up_to_threefold() -> None:
+    # bf16 bytes per logit, kept + transient: PyTorch 4 + 8, in place 4 + 2, fused 2 + 2
+    peaks = {k: loss_saved_bytes(1, "bfloat16", k) + loss_transient_bytes(1, "bfloat16", k) for k in CrossEntropy}
+    assert peaks == {CrossEntropy.TORCH: 12, CrossEntropy.INPLACE: 6, CrossEntropy.FUSED: 4}
+    assert loss_transient_bytes(1, "float32", CrossEntropy.INPLACE) == 0
 
 
 def test_estimate_prices_the_trainers_loss_on_the_last_stage() -> None:
     """A traced GPT whose 32K-token vocabulary makes the loss the largest transient, priced in bf16: the last
-    stage's temporary memory is PyTorch's 8E, and in place the larger of the loss's 2E and the bf16 logits with
-    their gradient (4E, the segment's own largest transient); the first stage, which has no loss, is unchanged."""
+    stage's temporary memory is PyTorch's 8E, and in place or fused the larger of the loss's 2E and the bf16 logits
+    with their gradient (4E, the segment's own largest transient); what the loss keeps is 4E for every micro-batch
+    in flight (2E fused); the first stage, which has no loss, is unchanged; the fused loss is faster."""
     import ir
     from costmodel import Cluster, RuntimeOptions, Strategy
     from costmodel.estimate import estimate
@@ -139,14 +172,17 @@ def test_estimate_prices_the_trainers_loss_on_the_last_stage() -> None:
     chain = ir.build_layer_chain(ir.trace(built.module, built.example_inputs, model_name="gpt-tiny"))
     cluster = Cluster.parse("1x8xa100-80gb")
 
-    def stages(inplace: bool):  # noqa: ANN202
+    def priced(kernel: CrossEntropy):  # noqa: ANN202
         strategy = Strategy(dp=1, pp=2, microbatch_size=batch, num_microbatches=4,
-                            runtime=RuntimeOptions(inplace_cross_entropy=inplace))
-        return estimate(chain, cluster, strategy).stages
+                            runtime=RuntimeOptions(cross_entropy=kernel))
+        return estimate(chain, cluster, strategy)
 
-    torch_loss, in_place = stages(False), stages(True)
+    torch_loss, in_place, fused = (priced(k) for k in CrossEntropy)
     elements = batch * seq * vocab
-    assert torch_loss[0].memory == in_place[0].memory
-    assert torch_loss[-1].memory.temporary == 8 * elements
-    assert in_place[-1].memory.temporary == 4 * elements
-    assert torch_loss[-1].memory.activations == in_place[-1].memory.activations
+    assert torch_loss.stages[0].memory == in_place.stages[0].memory == fused.stages[0].memory
+    last = [e.stages[-1] for e in (torch_loss, in_place, fused)]
+    assert [s.memory.temporary for s in last] == [8 * elements, 4 * elements, 4 * elements]
+    in_flight = last[0].in_flight_microbatches
+    assert last[0].memory.activations == last[1].memory.activations
+    assert last[0].memory.activations - last[2].memory.activations == in_flight * 2 * elements
+    assert torch_loss.stages[-1].bwd_s == in_place.stages[-1].bwd_s > fused.stages[-1].bwd_s

@@ -11,7 +11,7 @@ from costmodel.hardware.host import host_of
 from costmodel.memory import GIB
 from costmodel.pipeline import chunk_stages
 from costmodel.rank_layout import axis_strides
-from costmodel.strategy import MeshAxis, Offload, Strategy
+from costmodel.strategy import CrossEntropy, MeshAxis, Offload, Strategy
 from costmodel.validation import within_band
 from planner.plan import Plan, SearchInfo
 
@@ -129,8 +129,8 @@ def runtime_line(s: Strategy) -> str:
         parts.append("fused kernels")
     if r.fp32_grad_pass:
         parts.append("fp32 gradient pass per micro-batch")
-    if r.inplace_cross_entropy:
-        parts.append("in-place cross-entropy")
+    if r.cross_entropy is not CrossEntropy.TORCH:
+        parts.append(f"{r.cross_entropy.value} cross-entropy")
     if r.offload is not Offload.NONE:
         parts.append(f"offload {r.offload.value}")
     if r.fp8 is not None:

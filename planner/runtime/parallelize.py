@@ -22,7 +22,7 @@ from torch import nn
 from costmodel.estimate import recomputes
 from costmodel.pipeline import split_backward_problem, stage_rank
 from costmodel.rank_layout import even_stages
-from costmodel.strategy import Offload, Schedule, StageSpec, Strategy
+from costmodel.strategy import CrossEntropy, Offload, Schedule, StageSpec, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import PlanLoadError, UserError
 from planner.plan import Plan
@@ -425,10 +425,9 @@ def runtime_unsupported(strategy: Strategy) -> str:
     if r.fp32_grad_pass:
         return ("the plan prices a separate fp32 gradient pass per micro-batch (fp32_grad_pass, DeepSpeed's "
                 "BF16_Optimizer); this runtime does not run one: plan with fp32_grad_pass=false, or export the plan")
-    if r.inplace_cross_entropy:
-        return ("the plan prices the loss's memory as an in-place cross-entropy computes it (inplace_cross_entropy, "
-                "Megatron-LM); this runtime calls PyTorch's cross_entropy: plan with inplace_cross_entropy=false, or "
-                "export the plan")
+    if r.cross_entropy is not CrossEntropy.TORCH:
+        return (f"the plan prices the loss as another trainer computes it (cross_entropy={r.cross_entropy.value}); "
+                f"this runtime calls PyTorch's cross_entropy: plan with cross_entropy=torch, or export the plan")
     if r.ep_overlap:
         return ("the plan prices DualPipe's overlap of the paired chunks' all-to-alls (ep_overlap); this runtime runs "
                 "torch's ScheduleDualPipeV, whose pairs run one after the other: plan with ep_overlap=false, or "

@@ -13,8 +13,10 @@ from typing import Any
 
 from costmodel.float8 import FP8_RECIPES, parse_recipe
 from costmodel.strategy import (
+    CROSS_ENTROPY_CHOICES,
     OFFLOAD_CHOICES,
     RUNTIME_FLAGS,
+    CrossEntropy,
     Offload,
     Recompute,
     RuntimeOptions,
@@ -22,7 +24,7 @@ from costmodel.strategy import (
     parse_schedule,
 )
 
-RUNTIME_FIELDS = frozenset({*RUNTIME_FLAGS, "fp8"})
+RUNTIME_FIELDS = frozenset({*RUNTIME_FLAGS, "fp8", "cross_entropy"})
 """`--fix` keys that set a `RuntimeOptions` field (how the trainer runs the strategy) rather than a dimension."""
 
 
@@ -42,7 +44,7 @@ FIX_KEYS: Mapping[str, str] = {
     "zero": "zero_stage", "zero_stage": "zero_stage",
     "sp": "sequence_parallel", "sequence_parallel": "sequence_parallel",
     "recompute": "recompute", "offload": "offload",
-    **{name: name for name in RUNTIME_FLAGS}, "fp8": "fp8",
+    **{name: name for name in RUNTIME_FLAGS}, "fp8": "fp8", "cross_entropy": "cross_entropy",
 }
 """`--fix` key (and its aliases) -> SearchSpace field."""
 
@@ -160,7 +162,8 @@ class SearchSpace:
                 raise ValueError(f"--fix {item!r}: unknown key {key!r}; valid: {', '.join(FIX_KEYS)}")
             field = FIX_KEYS[key]
             if field in RUNTIME_FIELDS:
-                runtime[field] = _fp8(key, value) if field == "fp8" else _boolean(key, value)
+                runtime[field] = (_fp8(key, value) if field == "fp8" else _cross_entropy(key, value)
+                                  if field == "cross_entropy" else _boolean(key, value))
                 continue
             for name, parsed in _parse_fix(field, key, value).items():
                 if name in pinned and pinned[name] != parsed:
@@ -227,6 +230,13 @@ def _fp8(key: str, value: str) -> Any:
         return parse_recipe(value)
     except ValueError:
         raise ValueError(f"--fix {key}={value}: valid: {FP8_RECIPES}, off") from None
+
+
+def _cross_entropy(key: str, value: str) -> CrossEntropy:
+    try:
+        return CrossEntropy(value.lower())
+    except ValueError:
+        raise ValueError(f"--fix {key}={value}: valid: {CROSS_ENTROPY_CHOICES}") from None
 
 
 def _boolean(key: str, value: str) -> bool:

@@ -43,7 +43,7 @@ from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import CommGroup, spans
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
-from costmodel.memory import PricedSegment, rank_memory, saved_bytes
+from costmodel.memory import PricedSegment, kept_bytes, rank_memory
 from costmodel.offload import bytes_to_fit
 from costmodel.pipeline import in_flight_per_chunk, stage_rank, zero_bubble_fill
 from costmodel.rank_layout import (
@@ -296,7 +296,9 @@ class StageProblemBuilder:
         """(peak bytes with no micro-batch in flight, per chunk the bytes one micro-batch saves there):
         `memory.rank_memory` is affine in the in-flight counts."""
         mem0 = self._rank_memory(cand, ctx, chunks, shared, [0] * len(chunks))
-        return mem0, tuple(float(sum(saved_bytes(s.cost, s.recompute) for s in chunk)) for chunk in chunks)
+        kernel = cand.runtime.cross_entropy
+        return mem0, tuple(float(sum(kept_bytes(s.cost, s.recompute, kernel, self.dtype) for s in chunk))
+                           for chunk in chunks)
 
     def _rank_memory(self, cand: Candidate, ctx: RankContext, chunks: Sequence[Sequence[PricedSegment]],
                      shared: int, counts: Sequence[int]) -> float:
@@ -305,7 +307,7 @@ class StageProblemBuilder:
                                         device_name=ctx.device.name, extra_params=shared, ep=m.ep,
                                         reshard_after_forward=cand.runtime.reshard_after_forward, offload=offload,
                                         pipelined=m.pp > 1,
-                                        inplace_cross_entropy=cand.runtime.inplace_cross_entropy),
+                                        cross_entropy=cand.runtime.cross_entropy),
                             offload, ctx.device.name)
 
     def rank_terms_of(self, cand: Candidate, ctx: RankContext, chunks: Sequence[Sequence[PricedSegment]],

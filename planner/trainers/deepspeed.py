@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from costmodel.strategy import Offload, Recompute, RuntimeOptions, Schedule
+from costmodel.strategy import CrossEntropy, Offload, Recompute, RuntimeOptions, Schedule
 from planner.errors import UserError
 from planner.trainers.argtable import argument_tokens, load_table
 from planner.trainers.common import ModelShape, Notes, Trainer, TrainerConfig
@@ -231,7 +231,8 @@ def read_arguments(text: str, *, source: str, folder: Path) -> TrainerConfig:
     grad_overlap = bool(ns.async_tensor_model_parallel_allreduce) and ns.tensor_model_parallel_size > 1
     dtype = "bfloat16" if ns.bf16 else "float16" if ns.fp16 else "float32"
     pipe = RuntimeOptions(dp_overlap=pp == 1, tp_grad_overlap=grad_overlap,
-                          tp_sharded_weights=ns.tensor_model_parallel_size > 1, inplace_cross_entropy=True,
+                          tp_sharded_weights=ns.tensor_model_parallel_size > 1,
+                          cross_entropy=CrossEntropy.INPLACE,
                           **pipeline_runtime({}, pp, dtype))
     if ds_path is not None and ds_path.is_file():
         ds = read_json(ds_path.read_text(encoding="utf-8"), source=str(ds_path))

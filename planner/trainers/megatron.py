@@ -22,7 +22,7 @@ are in planner/trainers/data/megatron_lm_arguments.json). What maps to what:
     fused_kernels        --transformer-impl transformer_engine (Megatron-LM's default: Transformer Engine's fused
                          norms, bias-activation, bias-dropout-add and rotary kernels); local reads as eager ops
     tp_sharded_weights   always with tp > 1 (Megatron-LM's column / row-parallel linears, vocab-parallel embedding)
-    inplace_cross_entropy  always (Megatron-LM's vocab-parallel cross-entropy works in place in the fp32 logits)
+    cross_entropy        inplace (Megatron-LM's vocab-parallel cross-entropy works in place in the fp32 logits)
     dtype                --bf16 / --fp16
 
 Megatron-LM has no GPipe schedule, no zero-bubble schedule and no per-op recomputation; those export as 1F1B,
@@ -34,7 +34,7 @@ from __future__ import annotations
 import argparse
 
 from costmodel.rank_layout import even_shares
-from costmodel.strategy import DEFAULT_MESH_ORDER, Offload, Recompute, RuntimeOptions, Schedule
+from costmodel.strategy import DEFAULT_MESH_ORDER, CrossEntropy, Offload, Recompute, RuntimeOptions, Schedule
 from planner.errors import UserError
 from planner.trainers.argtable import argument_tokens, load_table
 from planner.trainers.common import ModelShape, Notes, Trainer, TrainerConfig
@@ -210,7 +210,7 @@ def read(text: str, *, source: str) -> TrainerConfig:
                                and ns.tensor_model_parallel_size > 1,
                                fused_kernels=ns.transformer_impl == "transformer_engine",
                                tp_sharded_weights=ns.tensor_model_parallel_size > 1,
-                               inplace_cross_entropy=True, offload=_read_offload(ns, notes)),
+                               cross_entropy=CrossEntropy.INPLACE, offload=_read_offload(ns, notes)),
         mesh_order=PP_INSIDE_DP if ns.use_tp_pp_dp_mapping else DEFAULT_MESH_ORDER,
         seq_len=ns.seq_length, dtype="bfloat16" if ns.bf16 else "float16" if ns.fp16 else "float32",
         num_layers=ns.num_layers, notes=tuple(notes.items))
