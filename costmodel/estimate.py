@@ -68,7 +68,7 @@ from costmodel.step_time import (
     tp_grad_sync_time,
 )
 from costmodel.strategy import CrossEntropy, Offload, Recompute, Schedule, StageSpec, Strategy
-from costmodel.training_loss import loss_time_change
+from costmodel.training_loss import loss_time_change, metric_pass_time
 from costmodel.validation import error_band
 from ir import build_layer_chain
 from ir.graph import Graph, dtype_bytes
@@ -410,6 +410,10 @@ def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSet
         fwd, bwd = sum(c[0] for c in changes), sum(c[1] for c in changes)
         chunk = replace(chunk, compute_fwd_s=chunk.compute_fwd_s + fwd / rank.speed,
                         compute_bwd_s=chunk.compute_bwd_s + bwd / rank.speed)
+    if runtime.metric_passes:
+        metrics = runtime.metric_passes * sum(metric_pass_time(s.cost.loss_elements, weight_bytes, rank.device)
+                                              for s in segs)
+        chunk = replace(chunk, compute_bwd_s=chunk.compute_bwd_s + metrics / rank.speed)
     if runtime.fp32_grad_pass:
         grad_pass = fp32_grad_pass_time(sum(s.cost.param_count for s in segs), rank.device,
                                         dtype_bytes=weight_bytes, speed=rank.speed)

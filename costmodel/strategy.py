@@ -104,6 +104,8 @@ class CrossEntropy(enum.StrEnum):
 
 
 CROSS_ENTROPY_CHOICES = ", ".join(c.value for c in CrossEntropy)
+MAX_METRIC_PASSES = 8
+"""Most loss-metric passes a runtime may state (`RuntimeOptions.metric_passes`): trainers compute one or two."""
 
 
 class Offload(enum.StrEnum):
@@ -224,6 +226,12 @@ class RuntimeOptions:
     cross_entropy: CrossEntropy = CrossEntropy.TORCH
     """The loss kernel (`CrossEntropy`): what it keeps for backward, its transient buffers and its passes over the
     logits (`costmodel.training_loss`). `planner.parallelize` runs `torch`: plans with another are for export."""
+    metric_passes: int = 0
+    """Forward passes of PyTorch's cross-entropy over the logits, without gradient, that the trainer adds to every
+    micro-batch for its training metrics (`training_loss.metric_pass_time`): MosaicML Composer updates its model's
+    train metrics on each micro-batch's outputs after the backward (`Trainer._eval_train_metrics`), and
+    llm-foundry's MPT has two, LanguageCrossEntropy and LanguagePerplexity, each a `CrossEntropyLoss` of the
+    logits: 2. `planner.parallelize` computes none: plans with them are for export."""
 
     def __post_init__(self) -> None:
         try:
@@ -232,6 +240,10 @@ class RuntimeOptions:
             raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {self.offload!r}") from None
         if self.fp8 is not None:
             object.__setattr__(self, "fp8", Float8Recipe(self.fp8))
+        if not isinstance(self.metric_passes, int) or isinstance(self.metric_passes, bool) \
+                or not 0 <= self.metric_passes <= MAX_METRIC_PASSES:
+            raise ValueError(f"metric_passes must be an integer from 0 to {MAX_METRIC_PASSES}, "
+                             f"got {self.metric_passes!r}")
         try:
             object.__setattr__(self, "cross_entropy", CrossEntropy(self.cross_entropy))
         except ValueError:
@@ -254,6 +266,8 @@ class RuntimeOptions:
             out["fp8"] = self.fp8.value
         if self.cross_entropy is not CrossEntropy.TORCH:
             out["cross_entropy"] = self.cross_entropy.value
+        if self.metric_passes:
+            out["metric_passes"] = self.metric_passes
         return out
 
     @classmethod
@@ -265,7 +279,8 @@ class RuntimeOptions:
         fp8 = d.get("fp8")
         return cls(**flags, offload=Offload(d.get("offload", "none")),
                    fp8=Float8Recipe(fp8) if fp8 is not None else None,
-                   cross_entropy=d.get("cross_entropy", CrossEntropy.TORCH.value))
+                   cross_entropy=d.get("cross_entropy", CrossEntropy.TORCH.value),
+                   metric_passes=d.get("metric_passes", 0))
 
 
 RUNTIME_FLAGS = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking",
@@ -273,7 +288,7 @@ RUNTIME_FLAGS = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatt
 """The true/false fields of `RuntimeOptions`, in the order plans write them."""
 _LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking", "tp_grad_overlap", "ep_dedup", "ep_overlap",
                           "fused_kernels", "fp32_grad_pass", "tp_sharded_weights"})
-RUNTIME_OPTION_NAMES = (*RUNTIME_FLAGS, "offload", "fp8", "cross_entropy")
+RUNTIME_OPTION_NAMES = (*RUNTIME_FLAGS, "offload", "fp8", "cross_entropy", "metric_passes")
 """Every field of `RuntimeOptions` (the keys of its JSON)."""
 
 

@@ -28,7 +28,9 @@ backward writes the one-hot gradient, `log_softmax`'s backward reads it and the 
 gradient, the cast writes it back in w bytes: (4 + 8 + 4 + 4 + w) E bytes in 3 kernels. `inplace` makes about the
 same passes (its forward's in-place subtract, exp and divide add 8E, its backward saves the one-hot and the
 log-softmax gradient, -8E) and is priced the same; `fused` reads wE forward and reads and writes wE backward, one
-kernel each (`loss_time_change`).
+kernel each (`loss_time_change`). A trainer that also computes training metrics from the logits adds that many
+`torch` forwards without gradient per micro-batch (`metric_pass_time`, `RuntimeOptions.metric_passes`), after the
+backward: their buffers come when the activations are gone and are not priced as memory.
 Outputs that are not floating point, or scalars (a model that returns its own loss), add nothing.
 """
 
@@ -89,6 +91,14 @@ def loss_time_change(elements: float, w: int, kernel: CrossEntropy, device: Devi
     fwd, bwd = _torch_pass_times(elements, w, device)
     return (max(w * elements / _bandwidth(device), T_KERNEL_FLOOR_S) - fwd,
             max(2 * w * elements / _bandwidth(device), T_KERNEL_FLOOR_S) - bwd)
+
+
+def metric_pass_time(elements: float, w: int, device: DeviceSpec) -> float:
+    """Seconds of one forward of PyTorch's cross-entropy over `elements` logits of `w` bytes, without gradient: a
+    training metric's pass (`RuntimeOptions.metric_passes`), the `torch` forward of the module docstring."""
+    if elements <= 0:
+        return 0.0
+    return _torch_pass_times(elements, w, device)[0]
 
 
 def with_training_loss(cost: LayerCost, input_bytes: float, device: DeviceSpec, dtype: str) -> LayerCost:

@@ -359,7 +359,7 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
                              p2p_scatter_gather=deepspeed_pipeline or (legacy and int(r["pp"]) > 1),
                              p2p_blocking=deepspeed_pipeline, fp8=fp8,
                              fp32_grad_pass=deepspeed_bf16,
-                             cross_entropy=_cross_entropy_of(text))
+                             cross_entropy=_cross_entropy_of(text), metric_passes=_metric_passes_of(text))
     return PublishedRun(
         name=r["run"], family=family, sets=tuple(sets), seq=seq, schedules=trainer_schedules(text),
         device=r["device"], num_gpus=gpus, gpus_per_node=int(r["gpus_per_node"]), tp=int(r["tp"]), pp=int(r["pp"]), cp=int(r["cp"]),
@@ -422,6 +422,14 @@ def _cross_entropy_of(text: str) -> CrossEntropy:
     if "llm-foundry" in low or "composer" in low:
         return CrossEntropy.FUSED
     return CrossEntropy.TORCH
+
+
+def _metric_passes_of(text: str) -> int:
+    """Training-metric passes over the logits per micro-batch: MosaicML Composer updates llm-foundry MPT's two train
+    metrics (LanguageCrossEntropy, LanguagePerplexity; llmfoundry/models/mpt/modeling_mpt.py) on every
+    micro-batch (composer/trainer/trainer.py `_eval_train_metrics`, 2023)."""
+    low = text.lower()
+    return 2 if "llm-foundry" in low or "composer" in low else 0
 
 
 def _runs_fused_kernels(text: str) -> bool:

@@ -186,3 +186,37 @@ def test_estimate_prices_the_trainers_loss_on_the_last_stage() -> None:
     assert last[0].memory.activations == last[1].memory.activations
     assert last[0].memory.activations - last[2].memory.activations == in_flight * 2 * elements
     assert torch_loss.stages[-1].bwd_s == in_place.stages[-1].bwd_s > fused.stages[-1].bwd_s
+
+
+def test_training_metric_passes_add_loss_forwards_after_the_backward() -> None:
+    """Composer's two train metrics over an MPT's logits: two `torch` loss forwards per micro-batch on the stage
+    that returns the logits, priced in its backward; recorded in plan JSON and settable with --fix."""
+    import ir
+    from costmodel import Cluster, RuntimeOptions, Strategy
+    from costmodel.estimate import estimate
+    from costmodel.hardware.catalog import get_device
+    from costmodel.training_loss import metric_pass_time
+    from models.registry import build_model
+    from planner.search.space import SearchSpace
+
+    batch, seq, vocab = 2, 256, 32000
+    built = build_model("gpt-tiny", ("vocab=32000",), batch=batch, seq=seq, device="meta")
+    chain = ir.build_layer_chain(ir.trace(built.module, built.example_inputs, model_name="gpt-tiny"))
+    cluster = Cluster.parse("1x8xa100-80gb")
+
+    def priced(passes: int):  # noqa: ANN202
+        return estimate(chain, cluster, Strategy(dp=1, pp=2, microbatch_size=batch, num_microbatches=4,
+                                                 runtime=RuntimeOptions(metric_passes=passes)))
+
+    plain, composer = priced(0), priced(2)
+    added = 2 * metric_pass_time(batch * seq * vocab, 2, get_device("a100-80gb"))
+    assert added > 0
+    assert composer.stages[-1].bwd_s - plain.stages[-1].bwd_s == pytest.approx(added)
+    assert composer.stages[0].bwd_s == plain.stages[0].bwd_s
+    assert RuntimeOptions.from_dict(RuntimeOptions(metric_passes=2).to_dict()).metric_passes == 2
+    assert "metric_passes" not in RuntimeOptions().to_dict()
+    assert SearchSpace.from_fixes(["metric_passes=2"]).runtime.metric_passes == 2
+    with pytest.raises(ValueError, match="metric_passes=two: expected an integer from 0 to 8"):
+        SearchSpace.from_fixes(["metric_passes=two"])
+    with pytest.raises(ValueError, match="metric_passes must be an integer from 0 to 8"):
+        RuntimeOptions(metric_passes=-1)

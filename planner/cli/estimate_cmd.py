@@ -14,7 +14,8 @@ column-parallel linear's input-gradient all-reduce runs during its weight-gradie
 `--p2p-scatter-gather` (pipeline sends of 1/tp of a replicated activation, all-gathered by the receiver:
 Megatron-LM before Megatron-Core, DeepSpeed's pipeline engine) and `--p2p-blocking` (each pipeline send and
 receive blocks both ends: DeepSpeed's pipeline engine); `--fused-kernels`, `--fp32-grad-pass`,
-`--tp-sharded-weights` and `--cross-entropy torch|inplace|fused` are the other `RuntimeOptions` of the same name.
+`--tp-sharded-weights`, `--cross-entropy torch|inplace|fused` and `--metric-passes N` are the other `RuntimeOptions`
+of the same name.
 `--offload optimizer|params` keeps model state in host memory (`costmodel.offload`): the optimizer state alone
 (ZeRO-Offload) or, under `--zero 3`, the sharded parameters, gradients and optimizer state (FSDP2
 `CPUOffloadPolicy`).
@@ -123,6 +124,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cross-entropy", choices=[c.value for c in CrossEntropy], default=None,
                    help="the loss kernel: torch (PyTorch's cross_entropy, the default), inplace (Megatron-LM's "
                         "vocab-parallel cross-entropy) or fused (flash-attn's, llm-foundry's default)")
+    p.add_argument("--metric-passes", type=int, default=None, metavar="N",
+                   help="forward passes of PyTorch's cross-entropy over the logits per micro-batch for training "
+                        "metrics (MosaicML Composer with llm-foundry's MPT: 2); default 0")
     p.add_argument("--fused-kernels", action="store_true",
                    help="the memory-bound ops run as fused kernels (torch.compile, Megatron-Core with Transformer "
                         "Engine) instead of one eager kernel each")
@@ -136,7 +140,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 STRATEGY_FLAGS = ("batch", "tp", "pp", "dp", "cp", "ep", "mbs", "schedule", "recompute", "zero", "sp", "no_dp_overlap",
                   "keep_gathered", "tp_overlap", "tp_grad_overlap", "p2p_scatter_gather", "p2p_blocking",
-                  "fused_kernels", "fp32_grad_pass", "tp_sharded_weights", "cross_entropy", "offload")
+                  "fused_kernels", "fp32_grad_pass", "tp_sharded_weights", "cross_entropy", "metric_passes", "offload")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -180,6 +184,7 @@ def _estimate_flags(args: argparse.Namespace, cluster: Any, profile: Any) -> Any
                                                    fp32_grad_pass=args.fp32_grad_pass,
                                                    tp_sharded_weights=args.tp_sharded_weights,
                                                    cross_entropy=CrossEntropy(args.cross_entropy or "torch"),
+                                                   metric_passes=args.metric_passes or 0,
                                                    offload=Offload(args.offload or Offload.NONE.value),
                                                    fp8=args.fp8))
     except ValueError as e:

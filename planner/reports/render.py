@@ -131,6 +131,8 @@ def runtime_line(s: Strategy) -> str:
         parts.append("fp32 gradient pass per micro-batch")
     if r.cross_entropy is not CrossEntropy.TORCH:
         parts.append(f"{r.cross_entropy.value} cross-entropy")
+    if r.metric_passes:
+        parts.append(f"{r.metric_passes} cross-entropy metric pass{'es' if r.metric_passes > 1 else ''} per micro-batch")
     if r.offload is not Offload.NONE:
         parts.append(f"offload {r.offload.value}")
     if r.fp8 is not None:

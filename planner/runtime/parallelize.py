@@ -425,6 +425,10 @@ def runtime_unsupported(strategy: Strategy) -> str:
     if r.fp32_grad_pass:
         return ("the plan prices a separate fp32 gradient pass per micro-batch (fp32_grad_pass, DeepSpeed's "
                 "BF16_Optimizer); this runtime does not run one: plan with fp32_grad_pass=false, or export the plan")
+    if r.metric_passes:
+        return (f"the plan prices {r.metric_passes} training-metric passes over the logits per micro-batch "
+                f"(metric_passes, MosaicML Composer); this runtime computes none: plan with metric_passes=0, or "
+                f"export the plan")
     if r.cross_entropy is not CrossEntropy.TORCH:
         return (f"the plan prices the loss as another trainer computes it (cross_entropy={r.cross_entropy.value}); "
                 f"this runtime calls PyTorch's cross_entropy: plan with cross_entropy=torch, or export the plan")

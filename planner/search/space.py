@@ -14,6 +14,7 @@ from typing import Any
 from costmodel.float8 import FP8_RECIPES, parse_recipe
 from costmodel.strategy import (
     CROSS_ENTROPY_CHOICES,
+    MAX_METRIC_PASSES,
     OFFLOAD_CHOICES,
     RUNTIME_FLAGS,
     CrossEntropy,
@@ -24,7 +25,7 @@ from costmodel.strategy import (
     parse_schedule,
 )
 
-RUNTIME_FIELDS = frozenset({*RUNTIME_FLAGS, "fp8", "cross_entropy"})
+RUNTIME_FIELDS = frozenset({*RUNTIME_FLAGS, "fp8", "cross_entropy", "metric_passes"})
 """`--fix` keys that set a `RuntimeOptions` field (how the trainer runs the strategy) rather than a dimension."""
 
 
@@ -45,6 +46,7 @@ FIX_KEYS: Mapping[str, str] = {
     "sp": "sequence_parallel", "sequence_parallel": "sequence_parallel",
     "recompute": "recompute", "offload": "offload",
     **{name: name for name in RUNTIME_FLAGS}, "fp8": "fp8", "cross_entropy": "cross_entropy",
+    "metric_passes": "metric_passes",
 }
 """`--fix` key (and its aliases) -> SearchSpace field."""
 
@@ -162,8 +164,7 @@ class SearchSpace:
                 raise ValueError(f"--fix {item!r}: unknown key {key!r}; valid: {', '.join(FIX_KEYS)}")
             field = FIX_KEYS[key]
             if field in RUNTIME_FIELDS:
-                runtime[field] = (_fp8(key, value) if field == "fp8" else _cross_entropy(key, value)
-                                  if field == "cross_entropy" else _boolean(key, value))
+                runtime[field] = _runtime_value(field, key, value)
                 continue
             for name, parsed in _parse_fix(field, key, value).items():
                 if name in pinned and pinned[name] != parsed:
@@ -230,6 +231,18 @@ def _fp8(key: str, value: str) -> Any:
         return parse_recipe(value)
     except ValueError:
         raise ValueError(f"--fix {key}={value}: valid: {FP8_RECIPES}, off") from None
+
+
+def _runtime_value(field: str, key: str, value: str) -> Any:
+    if field == "fp8":
+        return _fp8(key, value)
+    if field == "cross_entropy":
+        return _cross_entropy(key, value)
+    if field == "metric_passes":
+        if not value.isdigit() or int(value) > MAX_METRIC_PASSES:
+            raise ValueError(f"--fix {key}={value}: expected an integer from 0 to {MAX_METRIC_PASSES}")
+        return int(value)
+    return _boolean(key, value)
 
 
 def _cross_entropy(key: str, value: str) -> CrossEntropy:
