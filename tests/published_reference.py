@@ -36,7 +36,7 @@ from pathlib import Path
 
 from costmodel.float8 import Float8Recipe
 from costmodel.hardware.catalog import get_device
-from costmodel.strategy import CrossEntropy, Recompute, RuntimeOptions, Schedule
+from costmodel.strategy import CrossEntropy, Offload, Recompute, RuntimeOptions, Schedule
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 PUBLISHED_CSV = DATA_DIR / "published_runs.csv"
@@ -620,13 +620,17 @@ def cluster_of(run: PublishedRun, training_efficiency: float | None = None):
 
 
 def search_space(run: PublishedRun, zero_stage: int | None):
-    """The row's pins; an unstated schedule ranges over the families its trainer runs (`trainer_schedules`)."""
+    """The row's pins; an unstated schedule ranges over the families its trainer runs (`trainer_schedules`). Nothing
+    is offloaded to host memory unless the row's runtime says so: no source of these rows offloads, and a search
+    free to offload would make a configuration that the model says does not fit look like a slower one that does
+    (before this pin, llm-foundry MPT-760M was priced with the optimizer state on the CPU)."""
     from planner.search.space import SearchSpace
 
     schedule, v = schedule_of(run)
     return SearchSpace(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep, microbatch_size=run.microbatch_size,
                        schedule=schedule, schedules=run.schedules if schedule is None else None, virtual_stages=v, zero_stage=zero_stage,
-                       recompute=run.recompute, sequence_parallel=run.sequence_parallel, runtime=run.runtime)
+                       recompute=run.recompute, sequence_parallel=run.sequence_parallel, runtime=run.runtime,
+                       offload=run.runtime.offload)
 
 
 def describe(strategy) -> str:
@@ -636,7 +640,8 @@ def describe(strategy) -> str:
     return (f"dp{s.dp} tp{s.tp} pp{s.pp} cp{s.cp}{f' ep{s.ep}' if s.ep > 1 else ''} "
             f"mbs{s.microbatch_size}x{s.num_microbatches} {sched} "
             f"zero{s.zero_stage} {s.recompute.value}{'(part)' if any(st.recomputed for st in s.stages) else ''}"
-            f"{' sp' if s.sequence_parallel else ''}")
+            f"{' sp' if s.sequence_parallel else ''}"
+            f"{f' offload-{s.runtime.offload.value}' if s.runtime.offload is not Offload.NONE else ''}")
 
 
 PINNED_TIME_LIMIT_S = 300.0
