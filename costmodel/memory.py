@@ -24,17 +24,18 @@ memory per device by `costmodel.offload`):
   copied host-to-device before the all-gather (a temporary, beside the gathered weights).
 
 Activations: for each model chunk on the device, the bytes its segments save for one micro-batch under their
-recomputation choice (`LayerCost.saved_bytes_*`, and what the training loss keeps: `kept_bytes`), times the micro-batches in flight on that chunk at the schedule's
-peak (`costmodel.pipeline.in_flight_per_chunk`: GPipe m, 1F1B p - rank, interleaved Megatron's count).
+recomputation choice (`LayerCost.saved_bytes_*`, and what the training loss keeps: `kept_bytes`), times the
+micro-batches in flight on that chunk at the schedule's peak (`costmodel.pipeline.in_flight_per_chunk`: GPipe m,
+1F1B p - rank, interleaved Megatron's count).
 Korthikanti et al. 2022 (Sec. 4) give the closed forms this reproduces for a GPT layer:
 s*b*h*(34 + 5*a*s/h) bytes without recomputation, 34*s*b*h with selective recomputation, 2*s*b*h with full;
 tensor parallelism divides the parts it shards and sequence parallelism the rest (34/t) -- see
 `korthikanti_layer_activation_bytes`.
 
 Temporary buffers: the largest transient of any segment (`LayerCost.peak_temp_bytes`, or for the segment that
-returns the logits the training loss's buffers, `training_loss.loss_transient_bytes`, if larger), plus the activations a
-recomputed segment re-materializes while its backward runs (saved-with-none minus saved-with-its-choice, for the
-largest such segment), plus under ZeRO-3 the gathered full weights of the largest segment twice (the one running
+returns the logits the training loss's buffers, `training_loss.loss_transient_bytes`, if larger), plus the
+activations a recomputed segment re-materializes while its backward runs (saved-with-none minus
+saved-with-its-choice, for the largest such segment), plus under ZeRO-3 the gathered full weights of the largest segment twice (the one running
 and the one prefetched) -- or, without `reshard_after_forward`, the gathered weights of every segment of the rank;
 under ZeRO-2/3 also the whole gradient of the largest unit while it is reduce-scattered (16-bit and its fp32
 copy: FSDP2's `reduce_dtype=float32`).

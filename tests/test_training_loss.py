@@ -139,7 +139,8 @@ def logits_bytes(dtype: torch.dtype) -> int:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("loss_fn", "kernel"), [(_pytorch, CrossEntropy.TORCH), (_in_place, CrossEntropy.INPLACE),
                                                (_fused, CrossEntropy.FUSED)])
-def test_loss_memory_is_what_the_model_prices(loss_fn, kernel: CrossEntropy, dtype: torch.dtype) -> None:  # noqa: ANN001
+def test_loss_memory_is_what_the_model_prices(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                                              kernel: CrossEntropy, dtype: torch.dtype) -> None:
     elements = TOKENS * VOCAB
     saved, peak = _measured(loss_fn, dtype)
     name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
