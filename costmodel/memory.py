@@ -35,10 +35,10 @@ tensor parallelism divides the parts it shards and sequence parallelism the rest
 Temporary buffers: the largest transient of any segment (`LayerCost.peak_temp_bytes`, or for the segment that
 returns the logits the training loss's buffers, `training_loss.loss_transient_bytes`, if larger), plus the
 activations a recomputed segment re-materializes while its backward runs (saved-with-none minus
-saved-with-its-choice, for the largest such segment), plus under ZeRO-3 the gathered full weights of the largest segment twice (the one running
-and the one prefetched) -- or, without `reshard_after_forward`, the gathered weights of every segment of the rank;
-under ZeRO-2/3 also the whole gradient of the largest unit while it is reduce-scattered (16-bit and its fp32
-copy: FSDP2's `reduce_dtype=float32`).
+saved-with-its-choice, for the largest such segment), plus under ZeRO-3 the gathered full weights of the largest
+segment twice (the one running and the one prefetched) -- or, without `reshard_after_forward`, the gathered
+weights of every segment of the rank; under ZeRO-2/3 also the whole gradient of the largest unit while it is
+reduce-scattered (16-bit and its fp32 copy: FSDP2's `reduce_dtype=float32`).
 
 Under pipeline parallelism (`pipelined`: torch.distributed.pipelining runs FSDP's backward without gradient sync
 and without resharding for every micro-batch but the last, `step_time.data_parallel_comm(pipelined=True)`) ZeRO-2/3 keep the

@@ -155,6 +155,13 @@ def roofline_time(flops: float, nbytes: float, rate: float, device: DeviceSpec, 
     return max(max(compute, memory) / device.training_efficiency, floor_s)
 
 
+def memory_pass_time(nbytes: float, device: DeviceSpec, *, floor_s: float = T_KERNEL_FLOOR_S) -> float:
+    """A memory-bound pass over `nbytes` of HBM at the device's sustained training bandwidth (bandwidth x memory
+    efficiency x training efficiency), at least `floor_s`: what optimizer steps, gradient passes and the training
+    loss cost outside the traced graph."""
+    return max(nbytes / (device.memory_bandwidth * device.memory_efficiency * device.training_efficiency), floor_s)
+
+
 def retype_ratio(traced_dtype: str, dtype: str) -> float:
     """Bytes of `dtype` per byte of a floating tensor traced in `traced_dtype` (1 for non-float tensors)."""
     if traced_dtype not in _FLOAT_DTYPES or dtype not in _FLOAT_DTYPES:

@@ -79,7 +79,7 @@ from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment
 from costmodel.offload import HostCopy
-from costmodel.operators import T_KERNEL_FLOOR_S
+from costmodel.operators import memory_pass_time
 from costmodel.pipeline import ChunkWork, chunk_stages, drain_slack, paired_overlap, pipeline_times
 from costmodel.strategy import Recompute, Schedule
 
@@ -105,7 +105,7 @@ def optimizer_step_time(local_param_count: int, device: DeviceSpec, *, speed: fl
     whatever its size). The host work is measured as the ranks run it, so the device speed does not scale it."""
     if local_param_count <= 0:
         return 0.0
-    return _memory_bound_time(local_param_count * ADAM_BYTES_PER_PARAM, device, speed) + host_s
+    return memory_pass_time(local_param_count * ADAM_BYTES_PER_PARAM, device) / speed + host_s
 
 
 def fp32_grad_pass_time(local_param_count: float, device: DeviceSpec, *, dtype_bytes: int, speed: float = 1.0
@@ -114,13 +114,7 @@ def fp32_grad_pass_time(local_param_count: float, device: DeviceSpec, *, dtype_b
     (`RuntimeOptions.fp32_grad_pass`, module docstring)."""
     if local_param_count <= 0:
         return 0.0
-    return _memory_bound_time(local_param_count * (dtype_bytes + FP32_GRAD_PASS_EXTRA_BYTES), device, speed)
-
-
-def _memory_bound_time(nbytes: float, device: DeviceSpec, speed: float) -> float:
-    """A pass over `nbytes` of HBM at the device's sustained bandwidth, at least one kernel launch."""
-    bandwidth = device.memory_bandwidth * device.memory_efficiency * device.training_efficiency
-    return max(nbytes / bandwidth, T_KERNEL_FLOOR_S) / speed
+    return memory_pass_time(local_param_count * (dtype_bytes + FP32_GRAD_PASS_EXTRA_BYTES), device) / speed
 
 
 def tp_grad_sync_time(sync_bytes: float, sync_tensors: int, group: CommGroup, cluster: Cluster, *,

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
-from costmodel.operators import T_KERNEL_FLOOR_S
+from costmodel.operators import T_KERNEL_FLOOR_S, memory_pass_time
 from costmodel.strategy import CrossEntropy
 from ir.graph import Node, OpKind, dtype_bytes
 
@@ -73,14 +73,10 @@ def loss_transient_bytes(elements: float, dtype: str, kernel: CrossEntropy) -> f
     return w * elements
 
 
-def _bandwidth(device: DeviceSpec) -> float:
-    return device.memory_bandwidth * device.memory_efficiency * device.training_efficiency
-
-
 def _torch_pass_times(elements: float, w: int, device: DeviceSpec) -> tuple[float, float]:
     floor = LOSS_KERNELS_PER_PASS * T_KERNEL_FLOOR_S
-    return (max((w + 4 + 8 + 4) * elements / _bandwidth(device), floor),
-            max((4 + 8 + 4 + 4 + w) * elements / _bandwidth(device), floor))
+    return (memory_pass_time((w + 4 + 8 + 4) * elements, device, floor_s=floor),
+            memory_pass_time((4 + 8 + 4 + 4 + w) * elements, device, floor_s=floor))
 
 
 def loss_time_change(elements: float, w: int, kernel: CrossEntropy, device: DeviceSpec) -> tuple[float, float]:
@@ -89,8 +85,7 @@ def loss_time_change(elements: float, w: int, kernel: CrossEntropy, device: Devi
     if kernel is not CrossEntropy.FUSED or elements <= 0:
         return 0.0, 0.0
     fwd, bwd = _torch_pass_times(elements, w, device)
-    return (max(w * elements / _bandwidth(device), T_KERNEL_FLOOR_S) - fwd,
-            max(2 * w * elements / _bandwidth(device), T_KERNEL_FLOOR_S) - bwd)
+    return memory_pass_time(w * elements, device) - fwd, memory_pass_time(2 * w * elements, device) - bwd
 
 
 def metric_pass_time(elements: float, w: int, device: DeviceSpec) -> float:

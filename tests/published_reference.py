@@ -419,17 +419,20 @@ def _cross_entropy_of(text: str) -> CrossEntropy:
     low = text.lower()
     if "megatron" in low or "nemo" in low:
         return CrossEntropy.INPLACE
-    if "llm-foundry" in low or "composer" in low:
-        return CrossEntropy.FUSED
-    return CrossEntropy.TORCH
+    return CrossEntropy.FUSED if _runs_composer(text) else CrossEntropy.TORCH
 
 
 def _metric_passes_of(text: str) -> int:
     """Training-metric passes over the logits per micro-batch: MosaicML Composer updates llm-foundry MPT's two train
     metrics (LanguageCrossEntropy, LanguagePerplexity; llmfoundry/models/mpt/modeling_mpt.py) on every
     micro-batch (composer/trainer/trainer.py `_eval_train_metrics`, 2023)."""
+    return 2 if _runs_composer(text) else 0
+
+
+def _runs_composer(text: str) -> bool:
+    """Whether a row ran MosaicML llm-foundry on Composer."""
     low = text.lower()
-    return 2 if "llm-foundry" in low or "composer" in low else 0
+    return "llm-foundry" in low or "composer" in low
 
 
 def _runs_fused_kernels(text: str) -> bool:
