@@ -19,7 +19,14 @@ dense linear layers too (rowwise), its FP8 experts and dispatch, which the cost 
 `--fp8-rows` prices only the rows priced in FP8, each also without FP8 (what the FP8 pricing moves), writes
 bench/results/published_fp8_runs.json and the FP8 block of docs/fidelity.md.
 
+`--csv FILE` (repeatable) prices the rows of other tables in published_runs.csv's columns instead -- runs of your
+own, or a held-out set -- as out-of-sample rows: the same conversion and pinning, a table on stdout and the JSON in
+`--output` (default bench/results/published_runs_<first file's name>.json); the committed results and docs are
+left alone. Cells a source leaves empty are completed as `tests/published_reference.py` states (and listed per row
+under "inferred"); a row that cannot be read is skipped with its line and the reason.
+
 Usage: python bench/published_runs.py [--only SUBSTRING] [--no-free] [--json] [--fit] [--resume] [--fp8-rows]
+                                      [--csv FILE ... [--output JSON]]
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from tests.published_reference import (  # noqa: E402
     describe,
     fit_efficiency,
     leave_one_out,
+    load_published_runs,
     predict,
 )
 
@@ -241,7 +249,32 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
                     help="keep the rows of an earlier run that was cut short and price only the rest")
     ap.add_argument("--fp8-rows", action="store_true",
                     help="only the rows priced in FP8, each also without FP8; writes their JSON and docs block")
-    return ap.parse_args(argv)
+    ap.add_argument("--csv", action="append", type=Path, default=[], metavar="FILE",
+                    help="price the rows of this table (published_runs.csv's columns) instead, as out-of-sample "
+                         "rows; repeatable")
+    ap.add_argument("--output", type=Path, metavar="JSON",
+                    help="with --csv: where the JSON goes (default bench/results/published_runs_<name>.json)")
+    args = ap.parse_args(argv)
+    missing = [str(p) for p in args.csv if not p.is_file()]
+    if missing:
+        ap.exit(2, f"published_runs.py: error: --csv {missing[0]}: no such file\n")
+    if args.output is not None and not args.csv:
+        ap.exit(2, "published_runs.py: error: --output goes with --csv (the committed tables have a fixed place)\n")
+    if args.output is not None and any(args.output.resolve() == p.resolve() for p in args.csv):
+        ap.exit(2, f"published_runs.py: error: --output {args.output} is one of the --csv tables; name another file\n")
+    if args.csv and (args.fit or args.fp8_rows):
+        ap.exit(2, "published_runs.py: error: --csv prices rows; it does not combine with --fit or --fp8-rows\n")
+    return args
+
+
+def _runs_and_output(args: argparse.Namespace) -> tuple[list[PublishedRun], Path, bool]:
+    """The rows to price, where their JSON goes, and whether they are the committed tables (which also update the
+    docs)."""
+    if not args.csv:
+        return all_runs(), ROOT / "bench" / "results" / "published_runs.json", True
+    runs = [run for path in args.csv for run in load_published_runs(path, out_of_sample=True)]
+    out = args.output or ROOT / "bench" / "results" / f"published_runs_{args.csv[0].stem}.json"
+    return runs, out, False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,10 +286,12 @@ def main(argv: list[str] | None = None) -> int:
         fit([r for r in all_runs() if args.only.lower() in r.name.lower() and r.precision == "bf16"
              and not r.out_of_sample])
         return 0
-    out = ROOT / "bench" / "results" / "published_runs.json"
+    runs, out, committed = _runs_and_output(args)
+    if not runs:
+        print("published_runs.py: error: no row of the --csv tables could be read (see above)", file=sys.stderr)
+        return 2
     rows, chains = _resumed_rows(out, args), {}
     done = {r["run"] for r in rows}
-    runs = all_runs()
     for run in runs:
         if args.only.lower() not in run.name.lower() or run.name in done:
             continue
@@ -293,13 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {"summary": summary, "rows": rows, "complete": True, "free_plans": not args.no_free}
     if not args.only:
         _write(out, rows, complete=True, free_plans=not args.no_free, summary=summary)
-        if not args.no_free:
+        if not args.no_free and committed:
             update_doc(result)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
+        memory = summary["mean_abs_memory_error"]
         print(f"\nmean |error| {summary['mean_abs_error']:.1%}, worst {summary['max_abs_error']:.1%}; "
-              f"memory mean |error| {summary['mean_abs_memory_error'] or 0:.1%}")
+              f"memory mean |error| {'-' if memory is None else f'{memory:.1%}'}")
         if summary.get("out_of_sample_rows"):
             print(f"out of sample: mean |error| {summary['out_of_sample_mean_abs_error']:.1%}, worst "
                   f"{summary['out_of_sample_max_abs_error']:.1%} over {summary['out_of_sample_rows']} rows")

@@ -1,11 +1,13 @@
 """GPT-2 / GPT-3 decoder (Radford et al. 2019; Brown et al. 2020, Table 2.1).
 
 Learned absolute positions, pre-LayerNorm blocks, multi-head causal attention, GELU MLP of 4 x hidden,
-biases everywhere, LM head tied to the token embedding.
+biases everywhere, LM head tied to the token embedding. `kv_heads` below `heads` gives grouped-query attention
+(Megatron-Core's `num_query_groups`, as GPT-style models such as Nemotron-4 and Falcon train with).
 
 Parameter count (tied, with biases), per Narayanan et al. SC'21 eq. (2) plus biases and norms:
     P = V*h + s*h + L*(12*h^2 + 13*h) + 2*h        (h = hidden, s = seq, V = vocab, L = layers, ffn = 4h)
-gpt3-175b with V = 51200 (Megatron-LM's padded vocabulary) and s = 2048 gives 174.6e9.
+gpt3-175b with V = 51200 (Megatron-LM's padded vocabulary) and s = 2048 gives 174.6e9. With g = kv_heads of
+a = heads, the k and v projections are h x (g/a) h each: attention holds 2 h^2 (1 + g/a) instead of 4 h^2.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class GPTConfig:
     """Number of transformer blocks."""
     heads: int = 12
     """Attention heads; hidden must be divisible by heads."""
+    kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None means `heads` (multi-head). heads must be divisible by it."""
     seq: int = 1024
     """Context length; also the size of the learned position table."""
     ffn_hidden: int | None = None
@@ -65,6 +69,9 @@ class GPTConfig:
         if self.ffn_hidden is not None:
             require_positive(self, "ffn_hidden")
         require_divisible(self, "hidden", "heads")
+        if self.kv_heads is not None:
+            require_positive(self, "kv_heads")
+            require_divisible(self, "heads", "kv_heads")
         require_positive_number(self, "norm_eps")
         require_probability(self, "dropout")
         coerce_enum(self, "attn_impl", AttnImpl)
@@ -82,7 +89,8 @@ class GPTBlock(nn.Module):
         c = config
         self.attn_norm = nn.LayerNorm(c.hidden, eps=c.norm_eps, bias=c.bias)
         self.attn = Attention(
-            hidden=c.hidden, num_heads=c.heads, bias=c.bias, causal=True, impl=c.attn_impl, dropout=c.dropout
+            hidden=c.hidden, num_heads=c.heads, num_kv_heads=c.kv_heads, bias=c.bias, causal=True,
+            impl=c.attn_impl, dropout=c.dropout,
         )
         self.mlp_norm = nn.LayerNorm(c.hidden, eps=c.norm_eps, bias=c.bias)
         self.mlp = MLP(c.hidden, c.ffn, activation=Activation.GELU_TANH, bias=c.bias)
@@ -150,8 +158,9 @@ class GPT(nn.Module):
 def num_params(c: GPTConfig) -> int:
     """Closed form of the built model's unique parameters."""
     h, f = c.hidden, c.ffn
+    kv = h // c.heads * (c.kv_heads or c.heads)
     norm = 2 * h if c.bias else h
-    attention = 4 * h * h + (4 * h if c.bias else 0)
+    attention = 2 * h * h + 2 * h * kv + (2 * h + 2 * kv if c.bias else 0)
     mlp = 2 * h * f + (f + h if c.bias else 0)
     head = 0 if c.tie_embeddings else c.vocab * h
     return c.vocab * h + c.seq * h + c.layers * (attention + mlp + 2 * norm) + norm + head
@@ -176,7 +185,7 @@ def loss(output: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor
 
 FAMILY = Family(
     name="gpt",
-    description="GPT-2/GPT-3 decoder: learned positions, MHA, GELU MLP, LayerNorm, tied embeddings",
+    description="GPT-2/GPT-3 decoder: learned positions, MHA (or GQA), GELU MLP, LayerNorm, tied embeddings",
     config_type=GPTConfig,
     build=build,
     example_inputs=example_inputs,

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from costmodel.float8 import Float8Recipe
+from costmodel.float8 import Float8Recipe, fp8_problem
 from costmodel.hardware.catalog import get_device
 from costmodel.strategy import CrossEntropy, Offload, Recompute, RuntimeOptions, Schedule
 
@@ -253,18 +253,19 @@ CSV_COLUMNS = ("run", "device", "device_notes", "num_gpus", "gpus_per_node", "mo
 
 def _published_row(raw: dict[str, str]) -> PublishedRun:
     r, completed = _completed(raw)
-    family = "llama" if r["model_family"].lower().startswith("llama") else "gpt"
     layers, hidden, heads = int(r["layers"]), int(r["hidden"]), int(r["heads"])
     kv_heads, ffn, vocab, seq = int(r["kv_heads"]), int(r["ffn_hidden"]), int(r["vocab"]), int(r["seq_len"])
     gbs, gpus = int(r["global_batch"]), int(r["num_gpus"])
+    family, family_note = _family_of(r)
+    if family_note:
+        completed.append(family_note)
     sets = [f"layers={layers}", f"hidden={hidden}", f"heads={heads}", f"ffn_hidden={ffn}", f"vocab={vocab}"]
-    if family == "llama":
+    if family == "llama" or kv_heads != heads:
         sets.append(f"kv_heads={kv_heads}")
-    else:
+    if family == "gpt" and not _tied(r):
         # Megatron-LM GPTs untie the output layer (the published sizes count it: 1.7B = 24 layers + 2 x V x h);
         # a row whose framework notes say "tied embeddings" (MPT) keeps the zoo GPT's tied head.
-        if "tied embeddings" not in r["framework_notes"]:
-            sets.append("tie_embeddings=false")
+        sets.append("tie_embeddings=false")
     framework = r["framework_notes"]
     text = f"{r['run']}; {framework}"
     megatron = _megatron_lm(text)
@@ -332,6 +333,9 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
     hbm = re.search(r"(\d+) GB HBM\w* \(([\d.]+) TB/s\)", r["device_notes"])
     deepspeed_pipeline = "Megatron-DeepSpeed" in framework and int(r["pp"]) > 1
     fp8 = _fp8_of(r["precision"], zero, inferred)
+    if fp8 is not None and (why := fp8_problem([get_device(r["device"])])):
+        inferred.append(f"priced in bf16: the row says FP8, but {why}")
+        fp8 = None
     # torchtitan's default FSDP policy keeps a pipeline stage's weights gathered from forward to backward
     # (`reshard_after_forward = not pp_enabled`, models/llama3/infra/parallelize.py, the "default" of
     # fsdp_reshard_after_forward), so that each micro-batch does not gather them twice.
@@ -370,6 +374,55 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
         memory_bandwidth_tbps=float(hbm.group(2)) if hbm else None,
         power_capped_h100=CAPPED_H100_NOTE in r["device_notes"], stage_layers=stage_layers, runtime=runtime,
         unstated=tuple(unstated), inferred=tuple(inferred), precision="fp8" if fp8 is not None else "bf16")
+
+
+GATED_FAMILIES = ("llama", "mistral", "mixtral", "qwen", "yi", "internlm", "baichuan", "deepseek", "gemma", "olmo")
+"""Model families whose MLP is gated (SwiGLU / GeGLU: three h x f matrices) with rotary positions and no biases: the
+zoo's `llama`. Any other name is read as a GPT (two h x f matrices, GELU, learned positions, biases)."""
+
+PARAM_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+
+
+def _param_count(text: str) -> float | None:
+    """The parameter count a params cell states ("70.6B", "356M", "1T", "1.7 B"), None when it states none."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([kmbt])?\w*\s*", text.lower())
+    if not m:
+        return None
+    return float(m.group(1)) * PARAM_SUFFIXES.get(m.group(2) or "", 1.0)
+
+
+def _tied(r: dict[str, str]) -> bool:
+    return "tied embeddings" in r["framework_notes"]
+
+
+def _family_of(r: dict[str, str]) -> tuple[str, str]:
+    """The zoo family a row's shape is built with, and a note when its name alone did not decide it.
+
+    The name decides when it is a known gated family (`GATED_FAMILIES`) or says GPT. Otherwise the stated
+    parameter count does: the family whose closed form (`models.llama.num_params`, `models.gpt.num_params`)
+    with the row's shape comes closer to it -- a gated MLP holds 3 h f weights where a GELU one holds 2 h f, so
+    the two differ by a third of the MLP, far more than embeddings or biases. Without a count, a GPT."""
+    name = r["model_family"].lower()
+    if name.startswith(GATED_FAMILIES):
+        return "llama", ""
+    stated = _param_count(r["params"])
+    if name.startswith("gpt") or stated is None:
+        return "gpt", ""
+    from models.gpt import GPTConfig
+    from models.gpt import num_params as gpt_params
+    from models.llama import LlamaConfig
+    from models.llama import num_params as llama_params
+
+    shape = dict(layers=int(r["layers"]), hidden=int(r["hidden"]), heads=int(r["heads"]),
+                 kv_heads=int(r["kv_heads"]), ffn_hidden=int(r["ffn_hidden"]), vocab=int(r["vocab"]),
+                 seq=int(r["seq_len"]))
+    counts = {"llama": llama_params(LlamaConfig(**shape, tie_embeddings=_tied(r))),
+              "gpt": gpt_params(GPTConfig(**shape, tie_embeddings=_tied(r)))}
+    family = min(counts, key=lambda f: (abs(counts[f] - stated), f))
+    other = "gpt" if family == "llama" else "llama"
+    mlp = "a gated MLP (llama)" if family == "llama" else "a GELU MLP (gpt)"
+    return family, (f"{mlp} for family {r['model_family']!r}: {counts[family] / 1e9:.2f}B parameters with this "
+                    f"shape against {stated / 1e9:.2f}B stated ({counts[other] / 1e9:.2f}B as {other})")
 
 
 FUSING_RUNTIMES = ("torch.compile", "Megatron-Core", "NeMo", "Transformer Engine")
@@ -445,7 +498,7 @@ def _fp8_of(precision: str, zero: int | None, inferred: list[str]) -> Float8Reci
     """The FP8 recipe a row's precision column names ("float8 linear layers (torchao dynamic tensorwise ...)"),
     noting in `inferred` what the row leaves unstated about it."""
     low = precision.lower()
-    if "float8" not in low:
+    if "float8" not in low and "fp8" not in low:
         return None
     recipe = Float8Recipe.ROWWISE if "rowwise" in low else Float8Recipe.TENSORWISE
     if recipe.fp8_all_gather and zero == 3:

@@ -48,7 +48,7 @@ def test_json_has_counts_and_default_configs(capsys) -> None:
     assert (m["kind"], m["family"], m["params"], m["published_params"]) == (
         "preset", "gpt", 174_615_846_912, 174_600_000_000)
     assert m["config"] == {
-        "vocab": 51200, "hidden": 12288, "layers": 96, "heads": 96, "seq": 2048, "ffn_hidden": None,
+        "vocab": 51200, "hidden": 12288, "layers": 96, "heads": 96, "kv_heads": None, "seq": 2048, "ffn_hidden": None,
         "dropout": 0.0, "attn_impl": "sdpa", "fused_dropout_add": False, "bias": True, "tie_embeddings": True,
         "norm_eps": 1e-05,
     }

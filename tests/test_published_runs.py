@@ -171,6 +171,39 @@ def test_a_row_with_empty_cells_is_completed_and_a_broken_row_is_skipped(tmp_pat
     assert "rows.csv:3: row 'broken' skipped" in err and "rows.csv:4: row 'no speed' skipped: " in err
 
 
+def test_a_rows_family_is_read_from_its_name_or_its_parameter_count():
+    """Known gated families build the zoo's llama; any other name is resolved by the stated parameter count (a gated
+    MLP holds 3hf weights, a GELU one 2hf), and grouped-query heads are kept for a GPT too: a Mistral-style row is
+    not priced with two thirds of its MLP, nor a GQA GPT (Nemotron-4 340B's shape) with full K/V projections."""
+    from published_reference import _param_count, _published_row
+
+    from models.gpt import GPTConfig
+    from models.gpt import num_params as gpt_params
+
+    assert [_param_count(t) for t in ("70.6B", "356M", "1T", "1.7 B", "", "n/a")] == [
+        70.6e9, 356e6, 1e12, 1.7e9, None, None]
+    mistral = _row("Mistral 7B", "a trainer") | {
+        "model_family": "mistral", "params": "7.2B", "layers": "32", "hidden": "4096", "heads": "32", "kv_heads": "8",
+        "ffn_hidden": "14336", "vocab": "32000", "seq_len": "4096", "global_batch": "64", "device": "h100-sxm"}
+    run = _published_row(mistral)
+    assert run.family == "llama" and "kv_heads=8" in run.sets
+    unnamed = _published_row(mistral | {"model_family": "some decoder"})
+    assert unnamed.family == "llama" and any("a gated MLP (llama)" in n for n in unnamed.inferred)
+    nemotron = mistral | {"model_family": "nemotron-4", "params": "341B", "layers": "96", "hidden": "18432",
+                          "heads": "96", "kv_heads": "8", "ffn_hidden": "73728", "vocab": "256000",
+                          "num_gpus": "64"}
+    run = _published_row(nemotron)
+    assert run.family == "gpt" and "kv_heads=8" in run.sets and "tie_embeddings=false" in run.sets
+    assert any("a GELU MLP (gpt)" in n for n in run.inferred)
+    shape = GPTConfig(layers=96, hidden=18432, heads=96, kv_heads=8, ffn_hidden=73728, vocab=256000, seq=4096,
+                      tie_embeddings=False)
+    assert gpt_params(shape) == pytest.approx(341e9, rel=0.01)
+    assert _published_row(mistral | {"precision": "FP8 (Transformer Engine)"}).runtime.fp8 is not None
+    assert _published_row(mistral).runtime.fp8 is None
+    on_a100 = _published_row(mistral | {"precision": "fp8", "device": "a100-80gb"})
+    assert on_a100.runtime.fp8 is None and any("priced in bf16" in n for n in on_a100.inferred)
+
+
 def test_a_named_schedule_that_does_not_fit_is_priced_as_run():
     """A row whose notes name the interleaved schedule keeps it when the model says it does not fit (the run did):
     the fastest virtual-stage count is priced without the memory limit and the memory error shows."""
