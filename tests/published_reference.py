@@ -234,9 +234,12 @@ def _device_of(cell: str, notes: str) -> tuple[str, str]:
     except ValueError:
         pass
     name_only = cell.lower().replace(" ", "")
+    for vendor in ("nvidia", "amd", "instinct", "tesla"):
+        name_only = name_only.removeprefix(vendor)
     with_notes = name_only + notes.lower().replace(" ", "")
     guesses = (("a100", "a100-40gb" if "40gb" in with_notes else "a100-80gb"), ("h100", "h100-sxm"),
-               ("h800", "h800"), ("h200", "h200"), ("v100", "v100-32gb"), ("b200", "b200"))
+               ("h800", "h800"), ("h200", "h200"), ("v100", "v100-32gb"), ("b200", "b200"),
+               ("mi300", "mi300x"), ("mi250", "mi250x"))
     for prefix, name in guesses:
         if name_only.startswith(prefix):
             return name, f"device {name} (the row names {cell!r})"

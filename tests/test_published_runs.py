@@ -200,6 +200,9 @@ def test_a_rows_family_is_read_from_its_name_or_its_parameter_count():
     assert gpt_params(shape) == pytest.approx(341e9, rel=0.01)
     assert _published_row(mistral | {"precision": "FP8 (Transformer Engine)"}).runtime.fp8 is not None
     assert _published_row(mistral).runtime.fp8 is None
+    from published_reference import _device_of
+    assert [_device_of(c, "")[0] for c in ("NVIDIA H100 80GB HBM3", "AMD Instinct MI250X", "Tesla V100")] == [
+        "h100-sxm", "mi250x", "v100-32gb"]
     on_a100 = _published_row(mistral | {"precision": "fp8", "device": "a100-80gb"})
     assert on_a100.runtime.fp8 is None and any("priced in bf16" in n for n in on_a100.inferred)
 
