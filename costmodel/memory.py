@@ -183,12 +183,17 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
     if experts:
         state += model_state_bytes(experts, zero_stage=zero_stage, dp=max(dp // ep, 1), dtype=dtype,
                                    offload=offload, pipelined=pipelined)
+    # With nothing in flight (the search's affine memory terms ask for that first) every product is 0.
     activations = round(sum(n * sum(kept_bytes(s.cost, s.recompute, cross_entropy, dtype) for s in chunk)
-                            for chunk, n in zip(chunks, in_flight, strict=True)))
-    rematerialized = max((s.cost.saved_bytes_none - saved_bytes(s.cost, s.recompute) for s in segments), default=0)
-    transient = (max(s.cost.peak_temp_bytes, loss_transient_bytes(s.cost.loss_elements, dtype, cross_entropy))
-                 for s in segments)
-    temporary = round(max(transient, default=0)) + max(rematerialized, 0)
+                            for chunk, n in zip(chunks, in_flight, strict=True) if n))
+    rematerialized, transient = 0, 0
+    for s in segments:
+        c = s.cost
+        rematerialized = max(rematerialized, c.saved_bytes_none - saved_bytes(c, s.recompute))
+        # Only the segment that returns the logits has a loss (its transient is 0 elsewhere).
+        transient = max(transient, max(c.peak_temp_bytes, loss_transient_bytes(c.loss_elements, dtype, cross_entropy))
+                        if c.loss_elements else c.peak_temp_bytes)
+    temporary = round(transient) + rematerialized
     w = dtype_bytes(dtype)
     if zero_stage >= 2:
         # The unit being reduced has its whole gradient for a moment: in the training dtype, plus the fp32 copy

@@ -142,16 +142,22 @@ def split_backward_problem(schedule: Schedule, *, recomputed: bool, resharded: b
 def chunk_stages(schedule: Schedule, pp: int, virtual_stages: int, rank: int) -> tuple[int, ...]:
     """The virtual stages pipeline rank `rank` holds, in its chunk order: r, r + p, ... (looped), or r and
     2p - 1 - r (V-shaped)."""
-    if Schedule(schedule).v_shape:
+    if _as_schedule(schedule).v_shape:
         return (rank, 2 * pp - 1 - rank)
     return tuple(range(rank, pp * virtual_stages, pp))
 
 
 def stage_rank(schedule: Schedule, pp: int, stage: int) -> int:
     """The pipeline rank that runs virtual stage `stage`."""
-    if Schedule(schedule).v_shape and stage >= pp:
+    if stage >= pp and _as_schedule(schedule).v_shape:
         return 2 * pp - 1 - stage
     return stage % pp
+
+
+def _as_schedule(schedule: Schedule | str) -> Schedule:
+    """`Schedule(schedule)` without the enum's lookup when it is one already (the search asks hundreds of
+    thousands of times)."""
+    return schedule if schedule.__class__ is Schedule else Schedule(schedule)
 
 
 def bubble_fraction(schedule: Schedule, pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:

@@ -179,6 +179,12 @@ class Cluster:
         return tuple(starts)
 
     @functools.cached_property
+    def derived(self) -> dict[tuple, Any]:
+        """A memo of what its users derive from this (immutable) cluster alone, keyed by what they derive it from
+        (`collectives.spans` of a rank group): the search prices the same groups tens of thousands of times."""
+        return {}
+
+    @functools.cached_property
     def _uniform_node_size(self) -> int | None:
         sizes = {g.devices_per_node for g in self.groups}
         return sizes.pop() if len(sizes) == 1 else None

@@ -130,7 +130,16 @@ class CollectiveCost:
 
 
 def spans(group: CommGroup, cluster: Cluster) -> tuple[TierSpan, ...]:
-    """The tiers `group` spans, innermost first (empty for a single rank)."""
+    """The tiers `group` spans, innermost first (empty for a single rank); computed once per group and cluster
+    (`Cluster.derived`)."""
+    key = ("spans", group.size, group.stride, group.start)
+    hit = cluster.derived.get(key)
+    if hit is None:
+        hit = cluster.derived[key] = _spans(group, cluster)
+    return hit
+
+
+def _spans(group: CommGroup, cluster: Cluster) -> tuple[TierSpan, ...]:
     counts = (group.size, *cluster.domain_counts(group.size, group.stride, group.start))
     out = []
     for t in range(len(cluster.tiers)):

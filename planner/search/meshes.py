@@ -33,7 +33,7 @@ deterministic.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from costmodel.rank_layout import strides_of
 from costmodel.strategy import DEFAULT_MESH_ORDER, MeshAxis, Strategy
@@ -54,6 +54,13 @@ class MeshCandidate:
     cp: int = 1
     ep: int = 1
     mesh_order: tuple[MeshAxis, ...] = DEFAULT_MESH_ORDER
+    _strides: dict[MeshAxis, int] = field(init=False, repr=False, compare=False, hash=False)
+    """`costmodel.rank_layout.strides_of` of the mesh, computed once: the search asks for strides hundreds of
+    thousands of times (cache keys of every priced candidate)."""
+
+    def __post_init__(self) -> None:
+        sizes = {MeshAxis.DP: self.dp, MeshAxis.TP: self.tp, MeshAxis.PP: self.pp, MeshAxis.CP: self.cp}
+        object.__setattr__(self, "_strides", strides_of(sizes, self.mesh_order))
 
     @property
     def num_devices(self) -> int:
@@ -61,8 +68,7 @@ class MeshCandidate:
 
     def stride(self, axis: MeshAxis) -> int:
         """Rank distance between neighbours along `axis` (`costmodel.rank_layout`; ep has the dp stride)."""
-        sizes = {MeshAxis.DP: self.dp, MeshAxis.TP: self.tp, MeshAxis.PP: self.pp, MeshAxis.CP: self.cp}
-        return strides_of(sizes, self.mesh_order)[axis]
+        return self._strides[axis]
 
     @property
     def label(self) -> str:

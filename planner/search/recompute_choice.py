@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment
@@ -40,11 +40,17 @@ class RecomputeChoice:
 
     mode: Recompute
     quarters: int = _WHOLE
+    _hash: int = field(init=False, repr=False, compare=False)
+    """The hash, computed once: choices key the search's caches, looked up millions of times per plan."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Recompute(self.mode))
         if not 1 <= self.quarters <= _WHOLE:
             raise ValueError(f"a recompute share is 1..4 quarters, got {self.quarters}")
+        object.__setattr__(self, "_hash", hash((self.mode, self.quarters)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def partial(self) -> bool:
@@ -84,14 +90,18 @@ class RecomputeChoice:
         return StageSpec(start, stop, self.mode, recomputed=tuple(start + pos for pos in sorted(chosen)))
 
 
-NO_RECOMPUTE = RecomputeChoice(Recompute.NONE)
+_CHOICES = {(mode, q): RecomputeChoice(mode, q) for mode in Recompute for q in (*PARTIAL_QUARTERS, _WHOLE)}
+"""One instance per choice, which the search hands out (`search_choices`): its cache lookups then match by
+identity, before any comparison."""
+
+NO_RECOMPUTE = _CHOICES[(Recompute.NONE, _WHOLE)]
 """Recomputing nothing: partial recomputation is offered only where this does not fit."""
 
 
 def search_choices(options: Sequence[Recompute], partial: bool) -> tuple[RecomputeChoice, ...]:
     """The choices of a search over `options`; with `partial`, full recomputation of each share of
     `PARTIAL_QUARTERS` too (when full recomputation is an option)."""
-    whole = tuple(RecomputeChoice(o) for o in options)
+    whole = tuple(_CHOICES[(Recompute(o), _WHOLE)] for o in options)
     if not partial or Recompute.FULL not in options:
         return whole
-    return whole + tuple(RecomputeChoice(Recompute.FULL, q) for q in PARTIAL_QUARTERS)
+    return whole + tuple(_CHOICES[(Recompute.FULL, q)] for q in PARTIAL_QUARTERS)
