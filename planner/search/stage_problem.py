@@ -368,9 +368,18 @@ class StageProblemBuilder:
             p, n = cand.mesh.pp, cand.mesh.pp * cand.virtual_stages
             costs = {pl.device.name: self.segment_costs(cand, pl.device) for pl in placements}
             last = ([c.stop - 1 for c in layout.fixed] if layout.fixed else [layout.pre] * n)
-            hit = self._sends[key] = [
-                self._p2p(cand, j, costs[placements[stage_rank(cand.schedule, p, j)].device.name][last[j]]
-                          .boundary_bytes) for j in range(n - 1)]
+            # A send depends on its boundary only through the ranks on either side (`_p2p`): with p ranks and
+            # v chunks each, n - 1 boundaries have at most 2p pairs.
+            by_pair: dict[tuple[int, int, float], float] = {}
+            hit = []
+            for j in range(n - 1):
+                sender = stage_rank(cand.schedule, p, j)
+                nbytes = costs[placements[sender].device.name][last[j]].boundary_bytes
+                pair = (sender, stage_rank(cand.schedule, p, j + 1), nbytes)
+                if pair not in by_pair:
+                    by_pair[pair] = self._p2p(cand, j, nbytes)
+                hit.append(by_pair[pair])
+            self._sends[key] = hit
         return list(hit)
 
     def contiguous_sends(self, cand: Candidate, placements: Sequence[RankPlacement]) -> list[float]:
