@@ -10,7 +10,7 @@ batch and `SearchSpace`, per device count (`device_counts`); the space is spelle
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from costmodel.context_parallel import cp_options
@@ -200,7 +200,8 @@ def candidates_for(num_devices: int, chain: LayerChain, cluster: Cluster, global
     meshes = enumerate_meshes(num_devices, devices_per_node=node_size(cluster), global_batch=global_batch,
                               max_pp=len(chain.segments), dp=space.dp, tp=space.tp, pp=space.pp,
                               tp_across_nodes=space.tp_across_nodes, cp_options=cps, ep_options=eps)
-    offloads = offload_options(space, cluster)
+    # One runtime per offload choice, shared by every candidate (hashed and compared in the search's caches).
+    runtimes = {o: replace(space.runtime, offload=o) for o in offload_options(space, cluster)}
     heads: dict[int, str] = {}  # head_problem scans every node: once per tp degree, not per mesh
     for mesh in meshes:
         if mesh.tp not in heads:
@@ -212,12 +213,13 @@ def candidates_for(num_devices: int, chain: LayerChain, cluster: Cluster, global
         if why:
             invalid[(mesh.dp, mesh.tp, mesh.pp)] = why
             continue
-        out.extend(_mesh_candidates(mesh, chain, global_batch, space, units, offloads))
+        out.extend(_mesh_candidates(mesh, chain, global_batch, space, units, runtimes))
     return out
 
 
 def _mesh_candidates(mesh: MeshCandidate, chain: LayerChain, global_batch: int, space: SearchSpace,
-                     units: ChainUnits, offloads: Sequence[Offload] = (Offload.NONE,)) -> list[Candidate]:
+                     units: ChainUnits, runtimes: Mapping[Offload, RuntimeOptions]) -> list[Candidate]:
+    """The candidates of one mesh; `runtimes`: the space's runtime with each offload choice."""
     out = []
     per_replica = global_batch // mesh.dp
     for mbs in divisors(per_replica):
@@ -242,8 +244,7 @@ def _mesh_candidates(mesh: MeshCandidate, chain: LayerChain, global_batch: int, 
                 resharded = zero == 3 and space.runtime.reshard_after_forward
                 if split_backward_problem(schedule, recomputed=False, resharded=resharded):
                     continue
-                runtimes = [replace(space.runtime, offload=o) for o in offloads
-                            if _offload_applies(o, zero, mesh.dp * mesh.cp, space)]
+                applies = [rt for o, rt in runtimes.items() if _offload_applies(o, zero, mesh.dp * mesh.cp, space)]
                 for sp in sps:
-                    out.extend(Candidate(mesh, mbs, m, schedule, v, zero, sp, rt) for rt in runtimes)
+                    out.extend(Candidate(mesh, mbs, m, schedule, v, zero, sp, rt) for rt in applies)
     return out
