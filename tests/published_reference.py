@@ -207,7 +207,7 @@ def _completed(r: dict[str, str]) -> tuple[dict[str, str], list[str]]:
             raise ValueError(f"{row['run']}: {row['num_gpus']} GPUs are not a multiple of tp x pp x cp = "
                              f"{model_parallel}")
         row["dp"] = str(int(row["num_gpus"]) // model_parallel)
-    llama = row["model_family"].lower().startswith("llama")
+    llama = _gated_by_name(row["model_family"])  # the defaults of a gated family; other names get GPT's
     if not row["kv_heads"]:
         row["kv_heads"] = row["heads"]
     if not row["ffn_hidden"]:
@@ -386,6 +386,11 @@ zoo's `llama`. Any other name is read as a GPT (two h x f matrices, GELU, learne
 PARAM_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
 
+def _gated_by_name(family: str) -> bool:
+    """Whether a row's family names a gated family (`GATED_FAMILIES`)."""
+    return family.lower().startswith(GATED_FAMILIES)
+
+
 def _param_count(text: str) -> float | None:
     """The parameter count a params cell states ("70.6B", "356M", "1T", "1.7 B"), None when it states none."""
     m = re.fullmatch(r"\s*([\d.]+)\s*([kmbt])?\w*\s*", text.lower())
@@ -406,7 +411,7 @@ def _family_of(r: dict[str, str]) -> tuple[str, str]:
     with the row's shape comes closer to it -- a gated MLP holds 3 h f weights where a GELU one holds 2 h f, so
     the two differ by a third of the MLP, far more than embeddings or biases. Without a count, a GPT."""
     name = r["model_family"].lower()
-    if name.startswith(GATED_FAMILIES):
+    if _gated_by_name(name):
         return "llama", ""
     stated = _param_count(r["params"])
     if name.startswith("gpt") or stated is None:

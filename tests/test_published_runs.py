@@ -187,6 +187,7 @@ def test_a_rows_family_is_read_from_its_name_or_its_parameter_count():
         "ffn_hidden": "14336", "vocab": "32000", "seq_len": "4096", "global_batch": "64", "device": "h100-sxm"}
     run = _published_row(mistral)
     assert run.family == "llama" and "kv_heads=8" in run.sets
+    assert "ffn_hidden=11008" in _published_row(mistral | {"ffn_hidden": ""}).sets  # a gated family's default
     unnamed = _published_row(mistral | {"model_family": "some decoder"})
     assert unnamed.family == "llama" and any("a gated MLP (llama)" in n for n in unnamed.inferred)
     nemotron = mistral | {"model_family": "nemotron-4", "params": "341B", "layers": "96", "hidden": "18432",
