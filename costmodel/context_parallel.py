@@ -27,6 +27,25 @@ block already there (the first block is local), so with W the attention compute 
 
 which is added to the segment's forward / backward communication.
 
+Causal attention on a cp rank is not one causal kernel over the whole sequence: with the load-balanced split, a
+rank's two query chunks (of c = S / (2 cp) tokens) meet 2cp - 1 key chunks wholly below the diagonal, computed as
+unmasked c x c blocks (ring steps, or the blocks of Llama 3's all-gathered K/V), and 2 chunks on the diagonal,
+computed as causal c x c kernels. Against the unmasked attention of the same queries (4cp blocks), the rank saves
+
+    speedup(cp) = 4 cp / (2 cp - 1 + 2 / CAUSAL_SPEEDUP)        (1.93 at cp = 2, 1.99 at cp = 16)
+
+where one causal kernel over the whole sequence saves CAUSAL_SPEEDUP (1.75, `costmodel.operators`: a causal
+FlashAttention kernel skips the tiles above the diagonal but runs below the unmasked kernel's rate). The ring runs
+a rank's attention as cp kernels (one per step) of (S / cp) x (S / cp): each is priced at its own size on the GEMM
+size curve (`operators.node_time` with cp groups), which is what makes short sequences split thin cost more than
+their FLOPs. So a rank's attention -- forward, backward and what recomputation reruns -- is
+
+    t_ring = t(its 1/cp of the queries, in cp kernels) * CAUSAL_SPEEDUP / speedup(cp)     (causal)
+    t_ring = t(its 1/cp of the queries, in cp kernels)                                    (unmasked)
+
+in place of the one-kernel price of `base`, and each ring transfer overlaps 1/cp of t_ring (W / cp above).
+Windowed (sliding-window) attention keeps its one-kernel band price.
+
 Which chains can use cp (`cp_options`): every attention op is a fused SDPA without an explicit mask (a mask or
 position bias of S x S would have to be split too), the sequence divides into 2 * cp chunks, and each rank keeps
 at least `MIN_TOKENS_PER_RANK` tokens (below that the ring's latency-bound steps dominate; Megatron-LM documents
@@ -42,7 +61,9 @@ from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
-from costmodel.operators import node_time, retype_ratio
+from costmodel.layer_pricing import selective_recompute_region
+from costmodel.operators import CAUSAL_SPEEDUP, node_time, retype_ratio
+from costmodel.profile_db import OpProfile
 from ir.graph import Node, OpKind
 from ir.layer_chain import LayerChain
 
@@ -99,29 +120,70 @@ def kv_bytes(node: Node, *, scale: float, tp: int, dtype: str) -> float:
     return kv * scale * min(kv_heads / traced_heads, 1.0) / min(tp, kv_heads)
 
 
+def ring_causal_speedup(cp: int) -> float:
+    """How many times less a cp rank's causal attention takes than the unmasked attention of its queries (module
+    docstring): CAUSAL_SPEEDUP for one kernel over the whole sequence (cp = 1)."""
+    if cp == 1:
+        return CAUSAL_SPEEDUP
+    return 4 * cp / (2 * cp - 1 + 2 / CAUSAL_SPEEDUP)
+
+
+def _ring_causal(node: Node) -> bool:
+    return bool(node.attr("is_causal", False)) and node.attr("window") is None
+
+
+def ring_causal_attention_s(nodes: Sequence[Node], device: DeviceSpec, *, scale: float, dtype: str = "bfloat16",
+                            profile: OpProfile | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of the causal attention among `nodes` priced as one kernel each, at `scale`:
+    the part of a segment that context parallelism runs CAUSAL_SPEEDUP / ring_causal_speedup(cp) as long."""
+    times = [node_time(n, device, flops_scale=scale, bytes_scale=scale, dtype=dtype, profile=profile)
+             for n in attention_nodes(nodes) if _ring_causal(n)]
+    return sum(t[0] for t in times), sum(t[1] for t in times)
+
+
 def context_parallel_cost(base: LayerCost, nodes: Sequence[Node], device: DeviceSpec, cluster: Cluster, *,
                           cp: int, group: CommGroup, concurrent: int, microbatch_size: int, traced_batch: int,
-                          tp: int = 1, dtype: str = "bfloat16") -> LayerCost:
+                          tp: int = 1, dtype: str = "bfloat16", profile: OpProfile | None = None) -> LayerCost:
     """The `LayerCost` of a segment whose tokens are split over `cp` ranks (module docstring), from its cost for
-    one rank's share of the micro-batch (`base`, priced for microbatch_size / cp samples at the same tp): plus
-    the ring exchange of each attention op and its K/V blocks in flight."""
+    one rank's share of the micro-batch (`base`, priced for microbatch_size / cp samples at the same tp): its
+    causal attention run as the ring's blocks, plus the ring exchange of each attention op and its K/V blocks in
+    flight."""
     if cp == 1:
         return base
     scale = microbatch_size / traced_batch
-    fwd_ring = bwd_ring = 0.0
-    kv_block = 0.0
+    keep = CAUSAL_SPEEDUP / ring_causal_speedup(cp)
+    region = selective_recompute_region(nodes)
+    fwd_ring = bwd_ring = kv_block = 0.0
+    saved_fwd = saved_bwd = saved_selective = 0.0
     for node in attention_nodes(nodes):
         kv = kv_bytes(node, scale=scale, tp=tp, dtype=dtype)
-        w_fwd, w_bwd = node_time(node, device, flops_scale=scale / tp, bytes_scale=scale / tp, dtype=dtype)
-        fwd_ring += ring_exchange_s(kv, cp, group, cluster, window_s=w_fwd / cp, concurrent=concurrent)
-        bwd_ring += ring_exchange_s(kv, cp, group, cluster, window_s=w_bwd / cp, concurrent=concurrent,
-                                    factor=2.0)
+        # the rank's attention as `base` prices it (its 1/cp of the queries against every key, one kernel), and
+        # as the ring runs it: cp kernels of (S/cp) x (S/cp), causal ones as unmasked and diagonal blocks
+        own = node_time(node, device, flops_scale=scale / (tp * cp), bytes_scale=scale / (tp * cp), dtype=dtype,
+                        profile=profile)
+        ring = own
+        if node.attr("window") is None:
+            factor = keep if _ring_causal(node) else 1.0
+            blocks = node_time(node, device, flops_scale=scale / (tp * cp), bytes_scale=scale / (tp * cp),
+                               dtype=dtype, profile=profile, gemm_groups=cp)
+            ring = (factor * blocks[0], factor * blocks[1])
+        saved_fwd += own[0] - ring[0]
+        saved_bwd += own[1] - ring[1]
+        saved_selective += own[0] - ring[0] if node.name in region else 0.0
+        fwd_ring += ring_exchange_s(kv, cp, group, cluster, window_s=ring[0], concurrent=concurrent)
+        bwd_ring += ring_exchange_s(kv, cp, group, cluster, window_s=ring[1], concurrent=concurrent, factor=2.0)
         kv_block = max(kv_block, kv / cp)
+    bwd = base.bwd_compute_s - saved_bwd
     return dataclasses.replace(
         base,
+        fwd_compute_s=base.fwd_compute_s - saved_fwd,
+        bwd_compute_s=bwd,
+        # attention computes no weight gradient: the deferred weight-gradient work stays what it was
+        weight_grad_share=base.weight_grad_share * base.bwd_compute_s / bwd if bwd > 0 else 0.0,
         fwd_comm_s=base.fwd_comm_s + fwd_ring,
         bwd_comm_s=base.bwd_comm_s + bwd_ring,
-        recompute_full_s=base.recompute_full_s + fwd_ring,
+        recompute_full_s=base.recompute_full_s - saved_fwd + fwd_ring,
+        recompute_selective_s=base.recompute_selective_s - saved_selective,
         recompute_op_s=base.recompute_op_s + fwd_ring,
         peak_temp_bytes=base.peak_temp_bytes + round(2 * kv_block),
     )

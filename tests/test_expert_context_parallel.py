@@ -177,7 +177,7 @@ def test_context_parallel_rank_costs_what_a_cp_th_of_the_micro_batch_costs():
     share = table.segment_costs(device, tp=1, tp_stride=1, sequence_parallel=False, microbatch_size=mbs // cp)[i]
     split = table.segment_costs(device, tp=1, tp_stride=1, sequence_parallel=False, microbatch_size=mbs,
                                 split=AxisSplit(cp=cp, cp_stride=1, num_devices=8))[i]
-    assert split.fwd_compute_s == share.fwd_compute_s and split.saved_bytes_none == share.saved_bytes_none
+    assert split.saved_bytes_none == share.saved_bytes_none
     assert split.saved_bytes_none * cp == pytest.approx(whole.saved_bytes_none, rel=1e-6)  # the memory saving
     # Ring: K and V of the whole sequence, (mbs, kv heads, seq, head_dim) each in bf16, once around forward.
     kv = 2 * mbs * 2 * seq * 64 * 2
@@ -191,9 +191,25 @@ def test_context_parallel_rank_costs_what_a_cp_th_of_the_micro_batch_costs():
     assert kv_bytes(attention[0], scale=mbs, tp=2, dtype="bfloat16") == kv / 2
     assert kv_bytes(attention[0], scale=mbs, tp=4, dtype="bfloat16") == kv / 2  # kv heads replicated past 2
     w_fwd, w_bwd = node_time(attention[0], device, flops_scale=mbs, bytes_scale=mbs)
-    group = CommGroup(cp, 1)
-    fwd_ring = ring_exchange_s(kv, cp, group, cluster, window_s=w_fwd / cp, concurrent=4)
-    bwd_ring = ring_exchange_s(kv, cp, group, cluster, window_s=w_bwd / cp, concurrent=4, factor=2.0)
+    # Causal attention on a rank: 2cp - 1 = 3 unmasked chunk blocks and 2 causal diagonal ones (of c = S/4 tokens)
+    # against 4cp = 8 unmasked blocks for its queries; one causal kernel takes 1/1.75 of the unmasked time.
+    assert attention[0].attr("is_causal")
+    # The ring runs them as cp kernels of (S/cp) x (S/cp), each on the GEMM size curve at its own size.
+    own_fwd, own_bwd = node_time(attention[0], device, flops_scale=mbs / cp, bytes_scale=mbs / cp)
+    step_fwd, step_bwd = node_time(attention[0], device, flops_scale=mbs / cp / cp, bytes_scale=mbs / cp / cp)
+    blocks_fwd, blocks_bwd = node_time(attention[0], device, flops_scale=mbs / cp, bytes_scale=mbs / cp,
+                                       gemm_groups=cp)
+    assert blocks_fwd > own_fwd and blocks_fwd == pytest.approx(cp * step_fwd, rel=0.05)  # floors, bytes aside
+    ring_fwd, ring_bwd = blocks_fwd * 1.75 * (3 + 2 / 1.75) / 8, blocks_bwd * 1.75 * (3 + 2 / 1.75) / 8
+    assert split.fwd_compute_s == pytest.approx(share.fwd_compute_s - own_fwd + ring_fwd, rel=1e-12)
+    assert split.bwd_compute_s == pytest.approx(share.bwd_compute_s - own_bwd + ring_bwd, rel=1e-12)
+    assert split.recompute_full_s - split.fwd_comm_s == pytest.approx(split.fwd_compute_s, rel=1e-12)
+    # the weight-gradient work (none of it attention's) is what it was
+    assert split.weight_grad_share * split.bwd_compute_s == pytest.approx(
+        share.weight_grad_share * share.bwd_compute_s, rel=1e-12)
+    group = CommGroup(cp, 1)  # each transfer overlaps one step's attention: 1/cp of the rank's
+    fwd_ring = ring_exchange_s(kv, cp, group, cluster, window_s=ring_fwd, concurrent=4)
+    bwd_ring = ring_exchange_s(kv, cp, group, cluster, window_s=ring_bwd, concurrent=4, factor=2.0)
     assert split.fwd_comm_s == pytest.approx(share.fwd_comm_s + fwd_ring, rel=1e-12)
     assert split.bwd_comm_s == pytest.approx(share.bwd_comm_s + bwd_ring, rel=1e-12)
     assert split.param_count == whole.param_count
@@ -219,10 +235,19 @@ def test_fp8_weight_casts_stay_whole_on_every_context_parallel_rank():
 
     share = price_segment(chain, chain.segments[i], device, microbatch_size=1, fp8=Float8Recipe.TENSORWISE,
                           token_divisor=cp)
-    assert (split.fwd_compute_s, split.bwd_compute_s) == (share.fwd_compute_s, share.bwd_compute_s)
+    # the same, but for causal attention run as the ring's blocks (1.75 / speedup(4) of one causal kernel)
+    from costmodel.operators import node_time
+
+    attention = [n for n in chain.nodes_of(chain.segments[i]) if n.op_kind.value == "attention"]
+    scale = 1 / chain.graph.batch_size / cp
+    a_f, a_b = node_time(attention[0], device, flops_scale=scale, bytes_scale=scale)
+    r_f, r_b = node_time(attention[0], device, flops_scale=scale, bytes_scale=scale, gemm_groups=cp)
+    keep = 1.75 * (2 * cp - 1 + 2 / 1.75) / (4 * cp)
+    assert split.fwd_compute_s == pytest.approx(share.fwd_compute_s - a_f + keep * r_f, rel=1e-9)
+    assert split.bwd_compute_s == pytest.approx(share.bwd_compute_s - a_b + keep * r_b, rel=1e-9)
     # a quarter of the tokens is never cheaper than a quarter of the time: smaller GEMMs run less efficiently
-    assert split.fwd_compute_s >= (whole.fwd_compute_s - cast_f) / cp + cast_f
-    assert split.bwd_compute_s >= (whole.bwd_compute_s - cast_b) / cp + cast_b
+    assert share.fwd_compute_s >= (whole.fwd_compute_s - cast_f) / cp + cast_f
+    assert share.bwd_compute_s >= (whole.bwd_compute_s - cast_b) / cp + cast_b
 
 
 def test_a_context_parallel_rank_is_tensor_sharded_for_the_tokens_it_holds():
@@ -269,3 +294,32 @@ def test_search_equals_the_best_of_its_pinned_cp_ep_subspaces():
     pinned = [_best(chain, space.with_changes(cp=c, ep=e), batch=64)
               for c in cp_options(chain, 8) for e in ep_options(chain, 8 // c)]
     assert free.objective == pytest.approx(min(p.objective for p in pinned), rel=1e-12)
+
+
+def test_ring_attention_saves_the_causal_mask_and_pays_its_block_size():
+    """A cp rank's causal attention is 2cp - 1 unmasked chunk blocks and 2 causal ones: 4cp / (2cp - 1 + 2/1.75)
+    times less than unmasked, against 1.75 for one causal kernel. Large blocks keep that saving; a short sequence
+    split thin runs small kernels low on the size curve and costs more than its one-kernel price."""
+    from costmodel.context_parallel import ring_causal_speedup
+
+    assert ring_causal_speedup(1) == 1.75
+    assert ring_causal_speedup(2) == pytest.approx(8 / (3 + 2 / 1.75))
+    assert ring_causal_speedup(16) == pytest.approx(64 / (31 + 2 / 1.75))
+    assert 1.93 < ring_causal_speedup(2) < ring_causal_speedup(16) < 2.0
+
+    def attention_s(seq: int, cp: int) -> float:
+        chain = _chain("llama", ("layers=1", "hidden=4096", "heads=32", "kv_heads=8", "ffn_hidden=14336",
+                                 "vocab=1024"), seq=seq)
+        cluster = Cluster.parse(H100)
+        table = LayerCostTable(chain, cluster)
+        i = _block(chain)
+        split = AxisSplit(cp=cp, cp_stride=1, num_devices=8) if cp > 1 else None
+        cost = table.segment_costs(cluster.device_of(0), tp=1, tp_stride=1, sequence_parallel=False,
+                                   microbatch_size=cp, split=split)[i]
+        return cost.fwd_compute_s + cost.bwd_compute_s
+
+    # 131K tokens over 8 ranks: 16K-token blocks, as fast per FLOP as one kernel; the rank saves 12% of its attention
+    long_one, long_ring = attention_s(131072, 1), attention_s(131072, 8)
+    assert long_ring < long_one
+    # 2K tokens over 8 ranks: 256-token blocks run far below the rate of one 2K-token kernel
+    assert attention_s(2048, 8) > attention_s(2048, 1)

@@ -11,11 +11,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from costmodel.context_parallel import ring_causal_attention_s, ring_causal_speedup
 from costmodel.estimate import optimizer_terms
 from costmodel.expert_parallel import expert_param_numel, num_experts, optimizer_params
 from costmodel.expert_parallel import model_state_bytes as expert_state_bytes
 from costmodel.hardware.device import DeviceSpec
 from costmodel.memory import PricedSegment, framework_overhead_bytes, saved_bytes
+from costmodel.operators import CAUSAL_SPEEDUP
 from costmodel.pipeline import in_flight_per_chunk
 from costmodel.step_time import optimizer_step_time
 from costmodel.strategy import MeshAxis, Offload, Recompute
@@ -33,7 +35,7 @@ class CandidateBounds:
     dtype: str
     builder: StageProblemBuilder
     _memory_need: dict[tuple, float] = field(default_factory=dict)
-    _replicated: dict[tuple, tuple[float, float]] = field(default_factory=dict)
+    _replicated: dict[tuple, tuple[float, float, tuple[float, float]]] = field(default_factory=dict)
     _optimizer: dict[tuple, float] = field(default_factory=dict)
     _pipeline_bound: dict[tuple, float] = field(default_factory=dict)
     _least_saved: dict[tuple, tuple[tuple, int]] = field(default_factory=dict)
@@ -62,8 +64,11 @@ class CandidateBounds:
         kinds = self._kinds(placements)
         if need > max(device.memory_bytes for device, _ in kinds):
             return math.inf, need
-        total = min(self._replicated_total(device, cand.microbatch_size)[0] / speed for device, speed in kinds)
-        forward = min(self._replicated_total(device, cand.microbatch_size)[1] / speed for device, speed in kinds)
+        # Context parallelism runs causal attention as blocks that take `keep` of one causal kernel.
+        keep = CAUSAL_SPEEDUP / ring_causal_speedup(m.cp)
+        sums = [(self._replicated_total(device, cand.microbatch_size), speed) for device, speed in kinds]
+        total = min((t - (1 - keep) * (af + ab)) / speed for (t, _, (af, ab)), speed in sums)
+        forward = min((f - (1 - keep) * af) / speed for (_, f, (af, _)), speed in sums)
         return cheap_lower_bound(cand, total, optimizer_s=self.optimizer_bound(cand, placements),
                                  forward_s=forward), None
 
@@ -137,14 +142,21 @@ class CandidateBounds:
             state += params * dtype_bytes(self.dtype)
         return state
 
-    def _replicated_total(self, device: DeviceSpec, mbs: int) -> tuple[float, float]:
-        """(forward + backward, forward) compute of one micro-batch of the whole chain on one `device`."""
+    def _replicated_total(self, device: DeviceSpec, mbs: int) -> tuple[float, float, tuple[float, float]]:
+        """(forward + backward, forward, (forward, backward) of its causal attention) compute of one micro-batch
+        of the whole chain on one `device`."""
         key = (device.name, mbs)
         if key not in self._replicated:
-            costs = self.builder.table.segment_costs(device, tp=1, tp_stride=1, sequence_parallel=False,
-                                                     microbatch_size=mbs)
+            table = self.builder.table
+            costs = table.segment_costs(device, tp=1, tp_stride=1, sequence_parallel=False, microbatch_size=mbs)
+            attention = {cid: ring_causal_attention_s(self.chain.nodes_of(self.chain.representative(cid)), device,
+                                                      scale=mbs / self.chain.graph.batch_size, dtype=table.dtype,
+                                                      profile=table.profile)
+                         for cid in {s.class_id for s in self.chain.segments}}
+            per_segment = [attention[s.class_id] for s in self.chain.segments]
             self._replicated[key] = (sum(c.fwd_compute_s + c.bwd_compute_s for c in costs),
-                                     sum(c.fwd_compute_s for c in costs))
+                                     sum(c.fwd_compute_s for c in costs),
+                                     (sum(a[0] for a in per_segment), sum(a[1] for a in per_segment)))
         return self._replicated[key]
 
     def expert_numel(self) -> int:

@@ -140,7 +140,7 @@ class LayerCostTable:
             cost = context_parallel_cost(cost, nodes, device, self.cluster, cp=split.cp,
                                          group=type_group(self.cluster, device.name, split.cp, split.cp_stride),
                                          concurrent=split.num_devices // split.cp, microbatch_size=mbs,
-                                         traced_batch=batch, tp=tp, dtype=self.dtype)
+                                         traced_batch=batch, tp=tp, dtype=self.dtype, profile=self.profile)
             setting = ExpertSetting(
                 ep=split.ep, microbatch_size=mbs, traced_batch=batch,
                 traced_dtype=self.chain.graph.dtype, dtype=self.dtype, token_divisor=split.cp,
