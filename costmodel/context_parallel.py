@@ -132,13 +132,24 @@ def _ring_causal(node: Node) -> bool:
     return bool(node.attr("is_causal", False)) and node.attr("window") is None
 
 
-def ring_causal_attention_s(nodes: Sequence[Node], device: DeviceSpec, *, scale: float, dtype: str = "bfloat16",
-                            profile: OpProfile | None = None) -> tuple[float, float]:
-    """(forward, backward) seconds of the causal attention among `nodes` priced as one kernel each, at `scale`:
-    the part of a segment that context parallelism runs CAUSAL_SPEEDUP / ring_causal_speedup(cp) as long."""
-    times = [node_time(n, device, flops_scale=scale, bytes_scale=scale, dtype=dtype, profile=profile)
-             for n in attention_nodes(nodes) if _ring_causal(n)]
-    return sum(t[0] for t in times), sum(t[1] for t in times)
+def ring_attention_s(nodes: Sequence[Node], device: DeviceSpec, *, scale: float, cp: int, dtype: str = "bfloat16",
+                     profile: OpProfile | None = None) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((forward, backward) of the attention among `nodes` priced as one kernel each at `scale`, (forward,
+    backward) of one of `cp` ranks running it as the ring does at tensor-parallel degree 1): the part of a
+    segment that `context_parallel_cost` reprices. Windowed attention is left out (it keeps its price)."""
+    one, ring = [0.0, 0.0], [0.0, 0.0]
+    keep = CAUSAL_SPEEDUP / ring_causal_speedup(cp)
+    for node in attention_nodes(nodes):
+        if node.attr("window") is not None:
+            continue
+        whole = node_time(node, device, flops_scale=scale, bytes_scale=scale, dtype=dtype, profile=profile)
+        blocks = node_time(node, device, flops_scale=scale / cp, bytes_scale=scale / cp, dtype=dtype,
+                           profile=profile, gemm_groups=cp)
+        factor = keep if _ring_causal(node) else 1.0
+        for i in (0, 1):
+            one[i] += whole[i]
+            ring[i] += factor * blocks[i]
+    return (one[0], one[1]), (ring[0], ring[1])
 
 
 def context_parallel_cost(base: LayerCost, nodes: Sequence[Node], device: DeviceSpec, cluster: Cluster, *,

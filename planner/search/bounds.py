@@ -27,8 +27,8 @@ def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: floa
     ``T >= S/v + (m - 1/v) S/p`` with ``S = replicated_s / tp`` (v = 1 for GPipe and 1F1B), plus the smallest
     possible optimizer step (`optimizer_s`, computed by the caller for an even split). A zero-bubble schedule's
     fill and drain can be less than S/v: ``T >= max(m S/p, (m - 2/v) S/p + F/v)`` with F the forward part of S
-    (`forward_s` replicated; `tight_lower_bound` says why). With cp > 1 both already price causal attention as the
-    ring's blocks run it (`CandidateBounds.cheap`), and cp splits the rest of every op's work cp ways."""
+    (`forward_s` replicated; `tight_lower_bound` says why). With cp > 1 both already hold the attention as cp ranks
+    run it, cp times (`CandidateBounds.cheap`), and cp splits the rest of every op's work cp ways."""
     split = cand.mesh.tp * cand.mesh.cp
     total = replicated_s / split
     m, p = cand.num_microbatches, cand.mesh.pp

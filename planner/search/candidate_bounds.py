@@ -11,13 +11,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from costmodel.context_parallel import ring_causal_attention_s, ring_causal_speedup
+from costmodel.context_parallel import ring_attention_s
 from costmodel.estimate import optimizer_terms
 from costmodel.expert_parallel import expert_param_numel, num_experts, optimizer_params
 from costmodel.expert_parallel import model_state_bytes as expert_state_bytes
 from costmodel.hardware.device import DeviceSpec
 from costmodel.memory import PricedSegment, framework_overhead_bytes, saved_bytes
-from costmodel.operators import CAUSAL_SPEEDUP
 from costmodel.pipeline import in_flight_per_chunk
 from costmodel.step_time import optimizer_step_time
 from costmodel.strategy import MeshAxis, Offload, Recompute
@@ -35,7 +34,7 @@ class CandidateBounds:
     dtype: str
     builder: StageProblemBuilder
     _memory_need: dict[tuple, float] = field(default_factory=dict)
-    _replicated: dict[tuple, tuple[float, float, tuple[float, float]]] = field(default_factory=dict)
+    _replicated: dict[tuple, tuple[float, float]] = field(default_factory=dict)
     _optimizer: dict[tuple, float] = field(default_factory=dict)
     _pipeline_bound: dict[tuple, float] = field(default_factory=dict)
     _least_saved: dict[tuple, tuple[tuple, int]] = field(default_factory=dict)
@@ -64,11 +63,9 @@ class CandidateBounds:
         kinds = self._kinds(placements)
         if need > max(device.memory_bytes for device, _ in kinds):
             return math.inf, need
-        # Context parallelism runs causal attention as blocks that take `keep` of one causal kernel.
-        keep = CAUSAL_SPEEDUP / ring_causal_speedup(m.cp)
-        sums = [(self._replicated_total(device, cand.microbatch_size), speed) for device, speed in kinds]
-        total = min((t - (1 - keep) * (af + ab)) / speed for (t, _, (af, ab)), speed in sums)
-        forward = min((f - (1 - keep) * af) / speed for (_, f, (af, _)), speed in sums)
+        sums = [(self._replicated_total(device, cand.microbatch_size, m.cp), speed) for device, speed in kinds]
+        total = min(t / speed for (t, _), speed in sums)
+        forward = min(f / speed for (_, f), speed in sums)
         return cheap_lower_bound(cand, total, optimizer_s=self.optimizer_bound(cand, placements),
                                  forward_s=forward), None
 
@@ -142,21 +139,26 @@ class CandidateBounds:
             state += params * dtype_bytes(self.dtype)
         return state
 
-    def _replicated_total(self, device: DeviceSpec, mbs: int) -> tuple[float, float, tuple[float, float]]:
-        """(forward + backward, forward, (forward, backward) of its causal attention) compute of one micro-batch
-        of the whole chain on one `device`."""
-        key = (device.name, mbs)
+    def _replicated_total(self, device: DeviceSpec, mbs: int, cp: int = 1) -> tuple[float, float]:
+        """(forward + backward, forward) compute of one micro-batch of the whole chain on one `device`; for cp > 1
+        with its attention as cp ranks run it at tp 1 (`context_parallel.ring_attention_s`, times cp), so that
+        1/(tp cp) of it stays below a rank's compute (the ring's blocks only shrink with tp)."""
+        key = (device.name, mbs, cp)
         if key not in self._replicated:
             table = self.builder.table
             costs = table.segment_costs(device, tp=1, tp_stride=1, sequence_parallel=False, microbatch_size=mbs)
-            attention = {cid: ring_causal_attention_s(self.chain.nodes_of(self.chain.representative(cid)), device,
-                                                      scale=mbs / self.chain.graph.batch_size, dtype=table.dtype,
-                                                      profile=table.profile)
-                         for cid in {s.class_id for s in self.chain.segments}}
-            per_segment = [attention[s.class_id] for s in self.chain.segments]
-            self._replicated[key] = (sum(c.fwd_compute_s + c.bwd_compute_s for c in costs),
-                                     sum(c.fwd_compute_s for c in costs),
-                                     (sum(a[0] for a in per_segment), sum(a[1] for a in per_segment)))
+            total = sum(c.fwd_compute_s + c.bwd_compute_s for c in costs)
+            forward = sum(c.fwd_compute_s for c in costs)
+            if cp > 1:
+                scale = mbs / self.chain.graph.batch_size
+                per_class = {cid: ring_attention_s(self.chain.nodes_of(self.chain.representative(cid)), device,
+                                                   scale=scale, cp=cp, dtype=table.dtype, profile=table.profile)
+                             for cid in {s.class_id for s in self.chain.segments}}
+                for s in self.chain.segments:
+                    (one_f, one_b), (ring_f, ring_b) = per_class[s.class_id]
+                    total += cp * (ring_f + ring_b) - (one_f + one_b)
+                    forward += cp * ring_f - one_f
+            self._replicated[key] = (total, forward)
         return self._replicated[key]
 
     def expert_numel(self) -> int:
