@@ -128,8 +128,17 @@ def ring_causal_speedup(cp: int) -> float:
     return 4 * cp / (2 * cp - 1 + 2 / CAUSAL_SPEEDUP)
 
 
-def _ring_causal(node: Node) -> bool:
-    return bool(node.attr("is_causal", False)) and node.attr("window") is None
+def ring_node_time(node: Node, device: DeviceSpec, *, scale: float, cp: int, dtype: str = "bfloat16",
+                   profile: OpProfile | None = None) -> tuple[float, float] | None:
+    """(forward, backward) seconds of one rank's share of attention `node` at `scale` (already the rank's 1/cp of
+    the queries, and 1/tp of the heads) as the ring runs it: cp kernels at their own size, causal ones saving
+    `ring_causal_speedup(cp)` (module docstring). None for windowed attention, which keeps its one-kernel price."""
+    if node.attr("window") is not None:
+        return None
+    blocks = node_time(node, device, flops_scale=scale, bytes_scale=scale, dtype=dtype, profile=profile,
+                       gemm_groups=cp)
+    factor = CAUSAL_SPEEDUP / ring_causal_speedup(cp) if node.attr("is_causal", False) else 1.0
+    return factor * blocks[0], factor * blocks[1]
 
 
 def ring_attention_s(nodes: Sequence[Node], device: DeviceSpec, *, scale: float, cp: int, dtype: str = "bfloat16",
@@ -138,17 +147,14 @@ def ring_attention_s(nodes: Sequence[Node], device: DeviceSpec, *, scale: float,
     backward) of one of `cp` ranks running it as the ring does at tensor-parallel degree 1): the part of a
     segment that `context_parallel_cost` reprices. Windowed attention is left out (it keeps its price)."""
     one, ring = [0.0, 0.0], [0.0, 0.0]
-    keep = CAUSAL_SPEEDUP / ring_causal_speedup(cp)
     for node in attention_nodes(nodes):
-        if node.attr("window") is not None:
+        rank = ring_node_time(node, device, scale=scale / cp, cp=cp, dtype=dtype, profile=profile)
+        if rank is None:
             continue
         whole = node_time(node, device, flops_scale=scale, bytes_scale=scale, dtype=dtype, profile=profile)
-        blocks = node_time(node, device, flops_scale=scale / cp, bytes_scale=scale / cp, dtype=dtype,
-                           profile=profile, gemm_groups=cp)
-        factor = keep if _ring_causal(node) else 1.0
         for i in (0, 1):
             one[i] += whole[i]
-            ring[i] += factor * blocks[i]
+            ring[i] += rank[i]
     return (one[0], one[1]), (ring[0], ring[1])
 
 
@@ -162,22 +168,16 @@ def context_parallel_cost(base: LayerCost, nodes: Sequence[Node], device: Device
     if cp == 1:
         return base
     scale = microbatch_size / traced_batch
-    keep = CAUSAL_SPEEDUP / ring_causal_speedup(cp)
     region = selective_recompute_region(nodes)
     fwd_ring = bwd_ring = kv_block = 0.0
     saved_fwd = saved_bwd = saved_selective = 0.0
     for node in attention_nodes(nodes):
         kv = kv_bytes(node, scale=scale, tp=tp, dtype=dtype)
         # the rank's attention as `base` prices it (its 1/cp of the queries against every key, one kernel), and
-        # as the ring runs it: cp kernels of (S/cp) x (S/cp), causal ones as unmasked and diagonal blocks
+        # as the ring runs it
         own = node_time(node, device, flops_scale=scale / (tp * cp), bytes_scale=scale / (tp * cp), dtype=dtype,
                         profile=profile)
-        ring = own
-        if node.attr("window") is None:
-            factor = keep if _ring_causal(node) else 1.0
-            blocks = node_time(node, device, flops_scale=scale / (tp * cp), bytes_scale=scale / (tp * cp),
-                               dtype=dtype, profile=profile, gemm_groups=cp)
-            ring = (factor * blocks[0], factor * blocks[1])
+        ring = ring_node_time(node, device, scale=scale / (tp * cp), cp=cp, dtype=dtype, profile=profile) or own
         saved_fwd += own[0] - ring[0]
         saved_bwd += own[1] - ring[1]
         saved_selective += own[0] - ring[0] if node.name in region else 0.0
