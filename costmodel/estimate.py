@@ -46,6 +46,7 @@ from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import op_policy_kept, price_segment, selective_recompute_region
 from costmodel.memory import GIB, GRAD_BYTES, PricedSegment, rank_memory
 from costmodel.offload import HostCopy, host_copy, host_problem, offload_tail
+from costmodel.operators import fp8_weight_copy_time
 from costmodel.pipeline import (
     chunk_stages,
     in_flight_per_chunk,
@@ -353,6 +354,7 @@ def rank_tail(chunks: Sequence[Sequence[PricedSegment]], times: Sequence[StageTi
     optimizer_s, copy_s = optimizer_terms(
         local_params, rank.device, strategy.runtime.offload, dtype=dtype, speed=rank.speed,
         host_s=rank.framework.optimizer_host_s(*param_tensor_kinds(strategy, costs)))
+    optimizer_s += fp8_weight_copy_time(costs, strategy.runtime.fp8, rank.device, dtype=dtype) / rank.speed
     return RankTail(
         end_reduce_s=sum(c.end_reduce_s for c in comms),
         end_reduce_chunks=max(sum(c.end_reduce_chunks for c in comms), 1),

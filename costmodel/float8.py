@@ -1,5 +1,6 @@
-"""FP8 training of linear layers as torchao runs it (`torchao.float8`, the converter torchtitan applies): which
-GEMMs run in FP8, what the conversion adds, and what stays in BF16.
+"""FP8 training of linear layers as torchao runs it (`torchao.float8`, the converter torchtitan applies) or as
+Transformer Engine does (Megatron-Core, NeMo): which GEMMs run in FP8, what the conversion adds, and what stays in
+BF16.
 
 A converted linear y = x W^T keeps its BF16 weight, gradient and optimizer state; each GEMM casts its operands to
 FP8 (e4m3) with dynamic scales and multiplies them on the FP8 tensor cores (`torch._scaled_mm`):
@@ -21,6 +22,24 @@ FP8 (e4m3) with dynamic scales and multiplies them on the FP8 tensor cores (`tor
                 rowwise     x, dy    cast and a transposed copy (2h + 1), then its cast (h + 1): forward and
                                      backward for x, both in backward for dy
                 rowwise     w        cast (h + 1)                    transposed copy (2h) + its cast (h + 1)
+
+Transformer Engine with delayed scaling (`DELAYED`: TE's `DelayedScaling` recipe, Megatron-Core `--fp8-format
+hybrid`, NeMo `fp8: True`) takes each tensor's scale from its amax history, so a cast is one pass that records the
+new amax on the way (no amax pass before it), and it casts where the operand is made:
+
+                x           the norm or activation kernel before the linear writes its output in FP8 (TE's
+                            `LayerNormLinear` / `LayerNormMLP`), and its transposed FP8 copy for the weight-gradient
+                            GEMM comes from the same cast-transpose: 2 FP8 writes per element; an input no fused
+                            kernel writes (the attention output before its projection) pays the read as well
+                w           cast and transposed once per step, on the first micro-batch, and reused by the others
+                            (`is_first_microbatch`): read h, write 2 FP8 bytes per converted weight per step,
+                            priced with the optimizer step (`weight_copy_bytes`), nothing per micro-batch
+                dy          one cast-transpose in backward: read h (none where a fused kernel writes the gradient,
+                            TE's dgelu/dbias cast-transpose), write 2 FP8 bytes
+
+TE's attention stays in BF16 here as in the torchao case (its FP8 attention is off by default). The runtime does
+not run Transformer Engine: plans with `DELAYED` are for pricing a Megatron-Core / NeMo configuration and for
+export to Megatron-LM.
 
 Under tensor parallelism each rank casts its own share of each operand (`costmodel.sharding.cost.fp8_cast_shares`):
 its weight shard, the output gradient in the module's output layout, the input as it arrives -- with sequence
@@ -85,12 +104,26 @@ class Float8Recipe(enum.StrEnum):
     """One dynamic scale per tensor; weights all-gathered in FP8 under FSDP2."""
     ROWWISE = "rowwise"
     """One dynamic scale per row (per column for the weight-gradient GEMM's operands); communication in BF16."""
+    DELAYED = "delayed"
+    """Transformer Engine's delayed scaling (Megatron-Core, NeMo): scales from the amax history, casts fused into
+    the kernels that make the operands, weights cast once per step (module docstring)."""
 
     @property
     def fp8_all_gather(self) -> bool:
         """Whether ZeRO-3 gathers the converted weights in FP8."""
         return self is Float8Recipe.TENSORWISE
 
+    @property
+    def torchao(self) -> bool:
+        """Whether torchao runs the recipe (`planner.runtime` can train with it); Transformer Engine's cannot."""
+        return self is not Float8Recipe.DELAYED
+
+    @property
+    def weight_copy_bytes(self) -> tuple[int, int]:
+        """(training-dtype elements read, FP8 bytes written) per converted weight element once per step: the
+        weight's FP8 copy and its transpose made on the first micro-batch (delayed scaling); (0, 0) where the
+        casts are per micro-batch (`CAST_TRAFFIC`)."""
+        return (1, 2 * FP8_BYTES) if self is Float8Recipe.DELAYED else (0, 0)
 
 
 FP8_RECIPES = ", ".join(r.value for r in Float8Recipe)
@@ -150,6 +183,9 @@ CAST_TRAFFIC: Mapping[tuple[Float8Recipe, Operand], tuple[CastTraffic, CastTraff
     (Float8Recipe.ROWWISE, Operand.WEIGHT): (CastTraffic(reads=1, fp8_writes=1),
                                              CastTraffic(reads=2, writes=1, fp8_writes=1)),
     (Float8Recipe.ROWWISE, Operand.GRAD_OUTPUT): (_NONE, CastTraffic(reads=2, writes=1, fp8_writes=2)),
+    (Float8Recipe.DELAYED, Operand.INPUT): (CastTraffic(reads=1, fp8_writes=2), _NONE),
+    (Float8Recipe.DELAYED, Operand.WEIGHT): (_NONE, _NONE),
+    (Float8Recipe.DELAYED, Operand.GRAD_OUTPUT): (_NONE, CastTraffic(reads=1, fp8_writes=2)),
 }
 """(forward, backward) cast traffic per recipe and operand: the table of the module docstring."""
 

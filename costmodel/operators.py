@@ -57,11 +57,12 @@ A profile entry for the node's signature at these scales (`costmodel.profile_db`
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from costmodel.float8 import Float8Recipe, Operand, converted_node, fused_cast_traffic
 from costmodel.hardware.catalog import FP8_DTYPE, fp8_matmul_efficiency
 from costmodel.hardware.device import DeviceSpec
+from costmodel.layer_cost import LayerCost
 from costmodel.profile_db import OpProfile, op_signature
 from ir.fusion import FUSED_MEMBER_ATTR
 from ir.graph import Node, OpKind, dtype_bytes
@@ -219,6 +220,20 @@ def fp8_weight_cast_times(nodes: Sequence[Node], device: DeviceSpec, recipe: Flo
     times = [fp8_cast_times(n, device, recipe, bytes_scale=0.0, param_scale=param_scale, dtype=dtype,
                             operands=(Operand.WEIGHT,)) for n in nodes if converted_node(n)]
     return sum(t[0] for t in times), sum(t[1] for t in times)
+
+
+def fp8_weight_copy_time(costs: Iterable[LayerCost], recipe: Float8Recipe | None, device: DeviceSpec, *,
+                         dtype: str) -> float:
+    """Seconds per step of the FP8 weight copies a recipe makes once per step (`Float8Recipe.weight_copy_bytes`:
+    Transformer Engine's first-micro-batch cast and transpose) for the converted weights of `costs`, one
+    memory-bound pass; 0 for recipes that cast weights every micro-batch (their casts are in the layers' times)."""
+    if recipe is None:
+        return 0.0
+    reads, fp8_bytes = recipe.weight_copy_bytes
+    converted = sum(c.fp8_weight_share * (c.param_count - c.expert_param_count) for c in costs)
+    if converted <= 0 or fp8_bytes <= 0:
+        return 0.0
+    return memory_pass_time(converted * (reads * dtype_bytes(dtype) + fp8_bytes), device)
 
 
 def node_time(node: Node, device: DeviceSpec, *, flops_scale: float = 1.0, bytes_scale: float = 1.0,

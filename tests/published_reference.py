@@ -335,7 +335,7 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
     inter = OMNI_PATH_PER_GPU_GBPS if "Omni-Path" in r["device_notes"] else None
     hbm = re.search(r"(\d+) GB HBM\w* \(([\d.]+) TB/s\)", r["device_notes"])
     deepspeed_pipeline = "Megatron-DeepSpeed" in framework and int(r["pp"]) > 1
-    fp8 = _fp8_of(r["precision"], zero, inferred)
+    fp8 = _fp8_of(r["precision"], zero, inferred, transformer_engine=_runs_transformer_engine(text))
     if fp8 is not None and (why := fp8_problem([get_device(r["device"])])):
         inferred.append(f"priced in bf16: the row says FP8, but {why}")
         fp8 = None
@@ -502,12 +502,25 @@ def _runs_fused_kernels(text: str) -> bool:
     return any(name.lower() in low for name in FUSING_RUNTIMES) and "eager" not in low
 
 
-def _fp8_of(precision: str, zero: int | None, inferred: list[str]) -> Float8Recipe | None:
-    """The FP8 recipe a row's precision column names ("float8 linear layers (torchao dynamic tensorwise ...)"),
-    noting in `inferred` what the row leaves unstated about it."""
+def _runs_transformer_engine(text: str) -> bool:
+    """Whether a row's trainer runs FP8 through Transformer Engine (Megatron-Core, NeMo, Megatron-LM since it
+    adopted TE) and not torchao."""
+    low = text.lower()
+    return any(name in low for name in ("megatron", "nemo", "transformer engine")) and "torchao" not in low
+
+
+def _fp8_of(precision: str, zero: int | None, inferred: list[str], *, transformer_engine: bool = False
+            ) -> Float8Recipe | None:
+    """The FP8 recipe a row's precision column names ("float8 linear layers (torchao dynamic tensorwise ...)";
+    on a Transformer Engine trainer, TE's delayed scaling unless the cell names a torchao recipe), noting in
+    `inferred` what the row leaves unstated about it."""
     low = precision.lower()
     if "float8" not in low and "fp8" not in low:
         return None
+    if transformer_engine and "torchao" not in low:
+        if "delayed" not in low:
+            inferred.append("FP8 priced as Transformer Engine's delayed scaling (the trainer's default recipe)")
+        return Float8Recipe.DELAYED
     recipe = Float8Recipe.ROWWISE if "rowwise" in low else Float8Recipe.TENSORWISE
     if recipe.fp8_all_gather and zero == 3:
         inferred.append("FSDP float8 all-gather (torchtitan's FP8 launch command in docs/float8.md and its 405B "

@@ -189,11 +189,12 @@ def test_fp8_needs_fp8_tensor_cores(chain):
 
 def test_recipe_choices_and_fix_key():
     assert parse_recipe(" Rowwise ") is ROWWISE
-    with pytest.raises(ValueError, match="valid: tensorwise, rowwise"):
-        parse_recipe("delayed")
+    assert parse_recipe("delayed") is Float8Recipe.DELAYED
+    with pytest.raises(ValueError, match="valid: tensorwise, rowwise, delayed"):
+        parse_recipe("mxfp8")
     assert SearchSpace.from_fixes(["fp8=tensorwise"]).runtime.fp8 is TENSORWISE
     assert SearchSpace.from_fixes(["fp8=off"]).runtime.fp8 is None
-    with pytest.raises(ValueError, match="--fix fp8=mx: valid: tensorwise, rowwise, off"):
+    with pytest.raises(ValueError, match="--fix fp8=mx: valid: tensorwise, rowwise, delayed, off"):
         SearchSpace.from_fixes(["fp8=mx"])
 
 

@@ -119,10 +119,11 @@ def add_dtype_argument(parser: argparse.ArgumentParser, default: str | None = "b
 def add_fp8_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp8", nargs="?", const=Float8Recipe.TENSORWISE.value, default=None,
                         choices=[r.value for r in Float8Recipe], metavar="RECIPE",
-                        help="train linear layers in FP8 (torchao float8 training, as torchtitan converts them: "
-                             "the output layer and MoE routers stay in the training dtype) with dynamic "
-                             f"{' or '.join(r.value for r in Float8Recipe)} scaling (default tensorwise); needs "
-                             f"FP8 tensor cores ({', '.join(fp8_devices())})")
+                        help="train linear layers in FP8 (the output layer and MoE routers stay in the training "
+                             "dtype): tensorwise or rowwise dynamic scaling as torchao runs it (torchtitan; default "
+                             "tensorwise), or delayed: Transformer Engine's delayed scaling as Megatron-Core and "
+                             "NeMo run it (priced and exported, not run here); needs FP8 tensor cores "
+                             f"({', '.join(fp8_devices())})")
 
 
 def add_cluster_argument(parser: argparse.ArgumentParser) -> None:

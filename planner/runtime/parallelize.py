@@ -418,6 +418,9 @@ def runtime_unsupported(strategy: Strategy) -> str:
     if r.ep_dedup and strategy.ep > 1:
         return ("the plan prices expert-parallel dispatch deduplicated per node (ep_dedup, DeepEP's internode "
                 "kernels); this runtime sends a plain all-to-all: plan with ep_dedup=false, or export the plan")
+    if r.fp8 is not None and not r.fp8.torchao:
+        return (f"the plan prices Transformer Engine's FP8 (fp8={r.fp8.value}, Megatron-Core / NeMo); this runtime "
+                "trains FP8 with torchao: plan with --fp8 tensorwise or rowwise, or export the plan to Megatron-LM")
     if r.fused_kernels:
         return ("the plan prices the memory-bound ops as fused kernels (fused_kernels: torch.compile, Megatron-Core "
                 "with Transformer Engine); this runtime runs them eagerly: plan with fused_kernels=false, or export "

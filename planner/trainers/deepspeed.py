@@ -87,8 +87,8 @@ def config_dict(cfg: TrainerConfig, notes: Notes) -> dict[str, Any]:
         notes.add("the DeepSpeed JSON carries no tensor/pipeline/sequence degree: launch it with the arguments of "
                   "`stratagem export --to megatron-deepspeed`")
     if cfg.runtime.fp8 is not None:
-        notes.add("DeepSpeed has no FP8 linear layers of its own; the plan priced them (torchao float8, "
-                  f"{cfg.runtime.fp8.value}): exported in {cfg.dtype or 'float32'}, slower than planned")
+        notes.add("DeepSpeed has no FP8 linear layers of its own; the plan priced them (FP8 "
+                  f"{cfg.runtime.fp8.value} scaling): exported in {cfg.dtype or 'float32'}, slower than planned")
     return out
 
 

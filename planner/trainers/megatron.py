@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 
+from costmodel.float8 import Float8Recipe
 from costmodel.rank_layout import even_shares
 from costmodel.strategy import DEFAULT_MESH_ORDER, CrossEntropy, Offload, Recompute, RuntimeOptions, Schedule
 from planner.errors import UserError
@@ -156,10 +157,13 @@ def _offload_arguments(cfg: TrainerConfig, notes: Notes) -> list[str]:
 
 def _overlap_arguments(cfg: TrainerConfig, notes: Notes) -> list[str]:
     args = []
-    if cfg.runtime.fp8 is not None:
+    fp8 = cfg.runtime.fp8
+    if fp8 is not None and fp8.torchao:
         notes.add("the plan priced torchao's FP8 linear layers; Megatron-LM runs FP8 through Transformer Engine "
                   "(--fp8-format, its own scaling and kernels), not exported: set it yourself or expect the BF16 "
                   "step time")
+    elif fp8 is not None:
+        args += ["--fp8-format hybrid", "--fp8-recipe delayed"]
     if cfg.runtime.dp_overlap:
         args.append("--overlap-grad-reduce")
         if cfg.zero_stage >= 1:
@@ -210,7 +214,8 @@ def read(text: str, *, source: str) -> TrainerConfig:
                                and ns.tensor_model_parallel_size > 1,
                                fused_kernels=ns.transformer_impl == "transformer_engine",
                                tp_sharded_weights=ns.tensor_model_parallel_size > 1,
-                               cross_entropy=CrossEntropy.INPLACE, offload=_read_offload(ns, notes)),
+                               cross_entropy=CrossEntropy.INPLACE, offload=_read_offload(ns, notes),
+                               fp8=_read_fp8(ns, notes)),
         mesh_order=PP_INSIDE_DP if ns.use_tp_pp_dp_mapping else DEFAULT_MESH_ORDER,
         seq_len=ns.seq_length, dtype="bfloat16" if ns.bf16 else "float16" if ns.fp16 else "float32",
         num_layers=ns.num_layers, notes=tuple(notes.items))
@@ -250,6 +255,16 @@ def _read_offload(ns: argparse.Namespace, notes: Notes) -> Offload:
     if fraction < 1:
         notes.add(f"--optimizer-offload-fraction {fraction} offloads part of the optimizer; priced as all of it")
     return Offload.OPTIMIZER
+
+
+def _read_fp8(ns: argparse.Namespace, notes: Notes) -> Float8Recipe | None:
+    """Transformer Engine's FP8 (`--fp8-format`), priced as delayed scaling whatever `--fp8-recipe` says."""
+    if not ns.fp8:
+        return None
+    if ns.fp8_recipe != "delayed":
+        notes.add(f"--fp8-recipe {ns.fp8_recipe} priced as delayed scaling (Transformer Engine's fused casts, "
+                  "weights cast once per step); its own scaling passes are not priced")
+    return Float8Recipe.DELAYED
 
 
 def _read_zero(ns: argparse.Namespace) -> int:

@@ -97,12 +97,16 @@ def sections(cfg: TrainerConfig, shape: ModelShape, notes: Notes) -> dict[str, d
                       "(plan with --fix fused_kernels=true)")
     if cfg.runtime.fp8 is not None:
         out.setdefault("model", {})["converters"] = ["float8"]
-        out["quantize.linear.float8"] = _float8(cfg)
+        out["quantize.linear.float8"] = _float8(cfg, notes)
     return out
 
 
-def _float8(cfg: TrainerConfig) -> dict[str, Any]:
+def _float8(cfg: TrainerConfig, notes: Notes) -> dict[str, Any]:
     fp8 = cfg.runtime.fp8
+    if not fp8.torchao:
+        notes.add(f"the plan priced Transformer Engine's FP8 ({fp8.value} scaling, casts fused, weights cast once "
+                  "per step); torchtitan converts with torchao: exported as tensorwise, slower than planned")
+        fp8 = Float8Recipe.TENSORWISE
     out: dict[str, Any] = {"recipe_name": fp8.value, "filter_fqns": ["output"]}
     if fp8.fp8_all_gather and cfg.zero_stage == 3 and (cfg.dp or 1) > 1:
         out["enable_fsdp_float8_all_gather"] = True
