@@ -44,7 +44,7 @@ from costmodel.hardware.device import DeviceSpec
 from costmodel.hardware.host import host_of
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import op_policy_kept, price_segment, selective_recompute_region
-from costmodel.memory import GIB, GRAD_BYTES, PricedSegment, rank_memory
+from costmodel.memory import GIB, PricedSegment, rank_memory
 from costmodel.offload import HostCopy, host_copy, host_problem, offload_tail
 from costmodel.operators import fp8_weight_copy_time
 from costmodel.pipeline import (
@@ -363,7 +363,8 @@ def rank_tail(chunks: Sequence[Sequence[PricedSegment]], times: Sequence[StageTi
             sum(c.grad_sync_bytes for c in costs), sum(c.grad_sync_tensors for c in costs), tp_group(strategy, r),
             cluster, concurrent=strategy.num_devices // strategy.tp,
             per_tensor_s=rank.framework.grad_sync_per_tensor(strategy.tp)),
-        shared_sync_s=_shared_sync_time(shared_params, strategy, r, cluster),
+        shared_sync_s=_shared_sync_time(shared_params, strategy, r, cluster,
+                                        strategy.runtime.grad_bytes(dtype_bytes(dtype))),
         optimizer_s=optimizer_s, offload_copy_s=copy_s,
         post_step_s=sum(c.post_step_s for c in comms), overlap=strategy.runtime.dp_overlap)
 
@@ -391,9 +392,9 @@ def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSet
     # Expert weights are reduced over dp*cp/ep ranks (costmodel/expert_parallel.py).
     params = dp_synced_params((s.cost for s in segs), dp_size=dp_size, ep=strategy.ep)
     # Every (tp, pp) coordinate runs its own data-parallel reduction at the same time. Gradients are reduced
-    # in fp32 (`memory.GRAD_BYTES`), weights gathered in the training dtype, FP8 weights in one byte
-    # (`costmodel.float8`).
-    comm = dp_comm(zero_stage=strategy.zero_stage, grad_bytes=params * GRAD_BYTES,
+    # in fp32 unless the trainer keeps them 16-bit (`RuntimeOptions.grad_bytes`), weights gathered in the training
+    # dtype, FP8 weights in one byte (`costmodel.float8`).
+    comm = dp_comm(zero_stage=strategy.zero_stage, grad_bytes=params * runtime.grad_bytes(weight_bytes),
                    param_bytes=params * weight_bytes - _fp8_gather_saving(segs, strategy, weight_bytes), num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
                    bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=group, cluster=cluster,
                    concurrent=strategy.tp * pp, overlap=runtime.dp_overlap,
@@ -461,12 +462,13 @@ def _fp8_gather_saving(segs: Sequence[PricedSegment], strategy: Strategy, weight
     return converted * (weight_bytes - FP8_BYTES)
 
 
-def _shared_sync_time(shared_params: int, strategy: Strategy, pp_rank: int, cluster: Cluster) -> float:
+def _shared_sync_time(shared_params: int, strategy: Strategy, pp_rank: int, cluster: Cluster,
+                      grad_bytes: int) -> float:
     """The copy of a shared weight has its gradient all-reduced with the owner (the first rank, for a tied
     embedding)."""
     if not shared_params or pp_rank == 0:
         return 0.0
-    return collective_time(Collective.ALL_REDUCE, shared_params * GRAD_BYTES,
+    return collective_time(Collective.ALL_REDUCE, shared_params * grad_bytes,
                            shared_weight_group(strategy, pp_rank), cluster,
                            concurrent=strategy.num_devices // strategy.pp)
 
@@ -507,7 +509,8 @@ def _stage_estimates(priced: Sequence[Sequence[PricedSegment]], stage_times: Seq
                              dtype=dtype, device_name=rank.device.name, extra_params=shared[r], ep=strategy.ep,
                              reshard_after_forward=strategy.runtime.reshard_after_forward,
                              offload=strategy.runtime.offload, pipelined=pp > 1,
-                             cross_entropy=strategy.runtime.cross_entropy)
+                             cross_entropy=strategy.runtime.cross_entropy,
+                             grad_bytes=strategy.runtime.grad_bytes(dtype_bytes(dtype)))
         capacity = rank.device.memory_bytes
         if memory.total > capacity:
             problems.append(f"stage {r} needs {memory.total / GIB:.1f} GiB > {capacity / GIB:.1f} GiB "

@@ -92,7 +92,7 @@ from costmodel.hardware.collectives import Collective, CommGroup, collective_tim
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import op_policy_kept
-from costmodel.memory import ModelState
+from costmodel.memory import GRAD_BYTES, ModelState
 from costmodel.memory import model_state_bytes as _dense_state_bytes
 from costmodel.operators import node_time, retype_ratio
 from costmodel.profile_db import OpProfile
@@ -357,11 +357,12 @@ def optimizer_params(param_count: int, expert_param_count: int, *, zero_stage: i
 
 
 def model_state_bytes(param_count: int, expert_param_count: int, *, zero_stage: int, dp_size: int, ep: int,
-                      dtype: str, offload: Offload = Offload.NONE, pipelined: bool = False) -> ModelState:
+                      dtype: str, offload: Offload = Offload.NONE, pipelined: bool = False,
+                      grad_bytes: int = GRAD_BYTES) -> ModelState:
     """`memory.model_state_bytes` with expert state sharded over n / ep ranks instead of n."""
     dense = _dense_state_bytes(param_count - expert_param_count, zero_stage=zero_stage, dp=dp_size, dtype=dtype,
-                               offload=offload, pipelined=pipelined)
+                               offload=offload, pipelined=pipelined, grad_bytes=grad_bytes)
     if not expert_param_count:
         return dense
     return dense + _dense_state_bytes(expert_param_count, zero_stage=zero_stage, dp=max(dp_size // ep, 1),
-                                      dtype=dtype, offload=offload, pipelined=pipelined)
+                                      dtype=dtype, offload=offload, pipelined=pipelined, grad_bytes=grad_bytes)

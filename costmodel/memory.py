@@ -9,8 +9,11 @@ Model state, mixed-precision Adam as Megatron-LM and PyTorch FSDP2 keep it (per 
   shards the gradients (2 + 16/d).
 - ZeRO-3 (FSDP2 with mixed precision): the fp32 sharded parameter is the master copy, so 4/d weights + 4/d
   gradients + 8/d Adam state = 16/d; the 16-bit copies of the running and prefetched units are temporary.
-Training in fp32 keeps 4 + 4 + 8 (no master copy), sharded the same way. (Rajbhandari et al., SC'20, Sec. 3.1
-count 2 + 2 + 12 with 16-bit gradients: the same total under ZeRO-3, 2 bytes less without it.)
+A trainer that keeps and reduces its gradients in the 16-bit training dtype (`RuntimeOptions.grads_in_training_dtype`:
+Megatron-LM `--grad-reduce-in-bf16`, NeMo `grad_sync_dtype: bf16`) holds 2 bytes per gradient instead of 4
+(`grad_bytes`): 4 + 12/d under ZeRO-1. Training in fp32 keeps 4 + 4 + 8 (no master copy), sharded the same way.
+(Rajbhandari et al., SC'20, Sec. 3.1 count 2 + 2 + 12 with 16-bit gradients: the same total under ZeRO-3, 2 bytes
+less without it.)
 
 Offload (`strategy.Offload`) moves model state to host memory (`MemoryBreakdown.host`, checked against the host
 memory per device by `costmodel.offload`):
@@ -59,7 +62,7 @@ from dataclasses import dataclass
 
 from costmodel.breakdown import MemoryBreakdown
 from costmodel.layer_cost import LayerCost
-from costmodel.strategy import CrossEntropy, Offload, Recompute
+from costmodel.strategy import FP32_BYTES, CrossEntropy, Offload, Recompute
 from costmodel.training_loss import loss_saved_bytes, loss_transient_bytes
 from ir.graph import dtype_bytes
 
@@ -69,7 +72,7 @@ OPTIMIZER_BYTES_MIXED = 12
 """fp32 master weight + Adam m + v per parameter (ZeRO paper Sec. 3.1)."""
 OPTIMIZER_BYTES_FP32 = 8
 """Adam m + v in fp32 when the weights themselves are fp32 (or, under ZeRO-3, are the fp32 master shard)."""
-GRAD_BYTES = 4
+GRAD_BYTES = FP32_BYTES
 """Gradients are accumulated and reduced in fp32 whatever the training dtype (module docstring)."""
 MASTER_BYTES = 4
 GPU_FRAMEWORK_OVERHEAD_BYTES = 768 * MIB
@@ -101,13 +104,15 @@ def _validate_zero(zero_stage: int, dp: int) -> None:
 
 
 def model_state_bytes(param_count: int, *, zero_stage: int = 0, dp: int = 1, dtype: str = "bfloat16",
-                      offload: Offload = Offload.NONE, pipelined: bool = False) -> ModelState:
+                      offload: Offload = Offload.NONE, pipelined: bool = False,
+                      grad_bytes: int = GRAD_BYTES) -> ModelState:
     """Weights, gradients and Adam state of `param_count` parameters on one rank, and what `offload` moves to
-    the host (see module docstring); `pipelined` keeps ZeRO-2/3 gradients whole (pipelining's no-sync backward)."""
+    the host (see module docstring); `pipelined` keeps ZeRO-2/3 gradients whole (pipelining's no-sync backward);
+    `grad_bytes` per gradient (`RuntimeOptions.grad_bytes`: fp32 unless the trainer keeps them 16-bit)."""
     _validate_zero(zero_stage, dp)
     w = dtype_bytes(dtype)
     shard = math.ceil(param_count / dp)
-    grads = (shard if zero_stage >= 2 and not pipelined else param_count) * GRAD_BYTES
+    grads = (shard if zero_stage >= 2 and not pipelined else param_count) * grad_bytes
     if w >= MASTER_BYTES or zero_stage >= 3:
         # The sharded (or only) fp32 weight is the master copy: no separate 12-byte master + moments.
         state = ModelState(params=(shard if zero_stage >= 3 else param_count) * MASTER_BYTES, grads=grads,
@@ -164,13 +169,15 @@ class PricedSegment:
 def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[int], *, zero_stage: int = 0,
                 dp: int = 1, dtype: str = "bfloat16", device_name: str = "gpu", extra_params: int = 0,
                 ep: int = 1, reshard_after_forward: bool = True, offload: Offload = Offload.NONE,
-                pipelined: bool = False, cross_entropy: CrossEntropy = CrossEntropy.TORCH) -> MemoryBreakdown:
+                pipelined: bool = False, cross_entropy: CrossEntropy = CrossEntropy.TORCH,
+                grad_bytes: int = GRAD_BYTES) -> MemoryBreakdown:
     """Peak bytes on one device holding `chunks` (one per virtual stage) with `in_flight[c]` micro-batches each.
 
     `extra_params`: parameters the device holds besides its segments' own (a copy of a weight shared with another
     pipeline rank, such as tied embeddings on the last stage), with their gradients and optimizer state.
     `ep`: expert-parallel degree; ZeRO shards expert weights (`LayerCost.expert_param_count`) over dp / ep ranks.
-    `cross_entropy`: the trainer's loss kernel (`RuntimeOptions.cross_entropy`)."""
+    `cross_entropy`: the trainer's loss kernel (`RuntimeOptions.cross_entropy`); `grad_bytes`: bytes per gradient
+    (`RuntimeOptions.grad_bytes`)."""
     if len(chunks) != len(in_flight):
         raise ValueError(f"{len(chunks)} chunks but {len(in_flight)} in-flight counts")
     segments = [s for chunk in chunks for s in chunk]
@@ -179,10 +186,11 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
     # Parameter offload keeps FSDP2's per-micro-batch reduction (`step_time.data_parallel_comm`).
     pipelined = pipelined and Offload(offload) is not Offload.PARAMS
     state = model_state_bytes(sum(s.cost.param_count for s in segments) + extra_params - experts,
-                              zero_stage=zero_stage, dp=dp, dtype=dtype, offload=offload, pipelined=pipelined)
+                              zero_stage=zero_stage, dp=dp, dtype=dtype, offload=offload, pipelined=pipelined,
+                              grad_bytes=grad_bytes)
     if experts:
         state += model_state_bytes(experts, zero_stage=zero_stage, dp=max(dp // ep, 1), dtype=dtype,
-                                   offload=offload, pipelined=pipelined)
+                                   offload=offload, pipelined=pipelined, grad_bytes=grad_bytes)
     # With nothing in flight (the search's affine memory terms ask for that first) every product is 0.
     activations = round(sum(n * sum(kept_bytes(s.cost, s.recompute, cross_entropy, dtype) for s in chunk)
                             for chunk, n in zip(chunks, in_flight, strict=True) if n))
@@ -197,8 +205,8 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
     w = dtype_bytes(dtype)
     if zero_stage >= 2:
         # The unit being reduced has its whole gradient for a moment: in the training dtype, plus the fp32 copy
-        # the reduce-scatter sends when training in 16 bits.
-        unit_grad = w + (GRAD_BYTES if w < GRAD_BYTES else 0)
+        # the reduce-scatter sends when training in 16 bits with fp32 reduction.
+        unit_grad = w + (grad_bytes if w < grad_bytes else 0)
         temporary += unit_grad * max((s.cost.param_count for s in segments), default=0)
     if zero_stage >= 3:
         gathered = [s.cost.param_count * w for s in segments]

@@ -222,6 +222,13 @@ class RuntimeOptions:
     added, `hp_grad.add_(lp.grad.to(fp32))`. False: no separate pass is priced (Megatron-LM accumulates into its fp32
     main grads inside the weight-gradient GEMM, `--gradient-accumulation-fusion`). `planner.parallelize` does not
     run it: plans with it are for export."""
+    grads_in_training_dtype: bool = False
+    """Gradient buffers are kept and reduced over the data-parallel ranks in the 16-bit training dtype, 2 bytes
+    per parameter instead of fp32's 4 (`grad_bytes`): Megatron-LM `--grad-reduce-in-bf16`, NeMo's
+    `grad_sync_dtype: bf16` (the Nemotron-4 340B launcher config, NeMo-Framework-Launcher conf/training/nemotron/
+    nemotron_340b.yaml). False: fp32, Megatron-LM's default for bf16 (`--accumulate-allreduce-grads-in-fp32` is
+    forced on) and FSDP2's `reduce_dtype=float32` (`costmodel.memory`). `planner.parallelize` does not run it: plans
+    with it are for export."""
 
     cross_entropy: CrossEntropy = CrossEntropy.TORCH
     """The loss kernel (`CrossEntropy`): what it keeps for backward, its transient buffers and its passes over the
@@ -249,6 +256,11 @@ class RuntimeOptions:
         except ValueError:
             raise ValueError(f"cross_entropy must be one of {CROSS_ENTROPY_CHOICES}, got {self.cross_entropy!r}"
                              ) from None
+
+    def grad_bytes(self, training_bytes: int) -> int:
+        """Bytes per parameter of the gradient buffers and their data-parallel reduction when the training dtype
+        takes `training_bytes` (`grads_in_training_dtype`; fp32, `memory.GRAD_BYTES`, otherwise)."""
+        return training_bytes if self.grads_in_training_dtype else FP32_BYTES
 
     def priced_chain(self, chain: LayerChain) -> LayerChain:
         """`chain` with its kernels as this runtime runs them: fused (`LayerChain.fused_kernels`) or as traced."""
@@ -283,11 +295,14 @@ class RuntimeOptions:
                    metric_passes=d.get("metric_passes", 0))
 
 
+FP32_BYTES = 4
+"""Bytes of an fp32 gradient (`memory.GRAD_BYTES` is this)."""
 RUNTIME_FLAGS = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking",
-                 "tp_grad_overlap", "ep_dedup", "ep_overlap", "fused_kernels", "fp32_grad_pass", "tp_sharded_weights")
+                 "tp_grad_overlap", "ep_dedup", "ep_overlap", "fused_kernels", "fp32_grad_pass", "tp_sharded_weights",
+                 "grads_in_training_dtype")
 """The true/false fields of `RuntimeOptions`, in the order plans write them."""
 _LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking", "tp_grad_overlap", "ep_dedup", "ep_overlap",
-                          "fused_kernels", "fp32_grad_pass", "tp_sharded_weights"})
+                          "fused_kernels", "fp32_grad_pass", "tp_sharded_weights", "grads_in_training_dtype"})
 RUNTIME_OPTION_NAMES = (*RUNTIME_FLAGS, "offload", "fp8", "cross_entropy", "metric_passes")
 """Every field of `RuntimeOptions` (the keys of its JSON)."""
 

@@ -366,6 +366,7 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
                              p2p_scatter_gather=deepspeed_pipeline or (legacy and int(r["pp"]) > 1),
                              p2p_blocking=deepspeed_pipeline, fp8=fp8,
                              fp32_grad_pass=deepspeed_bf16,
+                             grads_in_training_dtype=_grads_in_training_dtype(framework),
                              cross_entropy=_cross_entropy_of(text), metric_passes=_metric_passes_of(text))
     return PublishedRun(
         name=r["run"], family=family, sets=tuple(sets), seq=seq, schedules=trainer_schedules(text),
@@ -500,6 +501,14 @@ def _runs_fused_kernels(text: str) -> bool:
     """Whether a row's name and framework notes name a fusing runtime and not eager execution."""
     low = text.lower()
     return any(name.lower() in low for name in FUSING_RUNTIMES) and "eager" not in low
+
+
+def _grads_in_training_dtype(framework: str) -> bool:
+    """Whether a row's notes say its gradients were kept and reduced in bf16 (NeMo `grad_sync_dtype: bf16`,
+    Megatron-LM `--grad-reduce-in-bf16`); unstated means fp32, every trainer's default."""
+    low = framework.lower()
+    return bool(re.search(r"grad_sync_dtype:? ?bf16|grad-reduce-in-bf16|gradients (?:kept and )?reduced in bf16",
+                          low))
 
 
 def _runs_transformer_engine(text: str) -> bool:

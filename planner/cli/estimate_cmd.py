@@ -121,6 +121,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--fp32-grad-pass", action="store_true",
                    help="each micro-batch's 16-bit gradients are upcast and added into fp32 buffers in a pass of "
                         "their own (DeepSpeed's BF16_Optimizer: bf16 with ZeRO 0-1, its pipeline engine)")
+    p.add_argument("--grads-in-training-dtype", action="store_true",
+                   help="gradient buffers kept and reduced in the 16-bit training dtype instead of fp32 "
+                        "(Megatron-LM --grad-reduce-in-bf16, NeMo grad_sync_dtype: bf16)")
     p.add_argument("--cross-entropy", choices=[c.value for c in CrossEntropy], default=None,
                    help="the loss kernel: torch (PyTorch's cross_entropy, the default), inplace (Megatron-LM's "
                         "vocab-parallel cross-entropy) or fused (flash-attn's, llm-foundry's default)")
@@ -140,7 +143,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 STRATEGY_FLAGS = ("batch", "tp", "pp", "dp", "cp", "ep", "mbs", "schedule", "recompute", "zero", "sp", "no_dp_overlap",
                   "keep_gathered", "tp_overlap", "tp_grad_overlap", "p2p_scatter_gather", "p2p_blocking",
-                  "fused_kernels", "fp32_grad_pass", "tp_sharded_weights", "cross_entropy", "metric_passes", "offload")
+                  "fused_kernels", "fp32_grad_pass", "tp_sharded_weights", "grads_in_training_dtype", "cross_entropy",
+                  "metric_passes", "offload")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -183,6 +187,7 @@ def _estimate_flags(args: argparse.Namespace, cluster: Any, profile: Any) -> Any
                                                    fused_kernels=args.fused_kernels,
                                                    fp32_grad_pass=args.fp32_grad_pass,
                                                    tp_sharded_weights=args.tp_sharded_weights,
+                                                   grads_in_training_dtype=args.grads_in_training_dtype,
                                                    cross_entropy=CrossEntropy(args.cross_entropy or "torch"),
                                                    metric_passes=args.metric_passes or 0,
                                                    offload=Offload(args.offload or Offload.NONE.value),

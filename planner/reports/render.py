@@ -129,6 +129,8 @@ def runtime_line(s: Strategy) -> str:
         parts.append("fused kernels")
     if r.fp32_grad_pass:
         parts.append("fp32 gradient pass per micro-batch")
+    if r.grads_in_training_dtype:
+        parts.append("gradients kept and reduced in the training dtype")
     if r.cross_entropy is not CrossEntropy.TORCH:
         parts.append(f"{r.cross_entropy.value} cross-entropy")
     if r.metric_passes:

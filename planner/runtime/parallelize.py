@@ -418,6 +418,10 @@ def runtime_unsupported(strategy: Strategy) -> str:
     if r.ep_dedup and strategy.ep > 1:
         return ("the plan prices expert-parallel dispatch deduplicated per node (ep_dedup, DeepEP's internode "
                 "kernels); this runtime sends a plain all-to-all: plan with ep_dedup=false, or export the plan")
+    if r.grads_in_training_dtype:
+        return ("the plan prices gradients kept and reduced in the training dtype (grads_in_training_dtype, "
+                "Megatron-LM --grad-reduce-in-bf16); this runtime reduces them in fp32: plan with "
+                "grads_in_training_dtype=false, or export the plan to Megatron-LM")
     if r.fp8 is not None and not r.fp8.torchao:
         return (f"the plan prices Transformer Engine's FP8 (fp8={r.fp8.value}, Megatron-Core / NeMo); this runtime "
                 "trains FP8 with torchao: plan with --fp8 tensorwise or rowwise, or export the plan to Megatron-LM")

@@ -52,13 +52,15 @@ class CandidateBounds:
         if placements is None:
             return math.inf, None
         m = cand.mesh
-        key = (m.tp * m.pp, m.dp * m.cp, m.ep, cand.zero_stage, cand.runtime.offload)
+        grads = cand.runtime.grad_bytes(dtype_bytes(self.dtype))
+        key = (m.tp * m.pp, m.dp * m.cp, m.ep, cand.zero_stage, cand.runtime.offload, grads)
         need = self._memory_need.get(key)
         if need is None:
             # Experts split over ep hold 1/ep of their weights, ZeRO-sharded over dp*cp/ep ranks.
             even, even_experts = self._even_params(m)
             state = expert_state_bytes(even, even_experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp,
-                                       ep=m.ep, dtype=self.dtype, offload=cand.runtime.offload).total
+                                       ep=m.ep, dtype=self.dtype, offload=cand.runtime.offload,
+                                       grad_bytes=grads).total
             need = self._memory_need[key] = state + framework_overhead_bytes(placements[0].device.name)
         kinds = self._kinds(placements)
         if need > max(device.memory_bytes for device, _ in kinds):
@@ -134,7 +136,8 @@ class CandidateBounds:
         m, offload = cand.mesh, cand.runtime.offload
         pipelined = m.pp > 1 and offload is not Offload.PARAMS
         state = expert_state_bytes(params, experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp, ep=m.ep,
-                                   dtype=self.dtype, offload=offload, pipelined=pipelined).total
+                                   dtype=self.dtype, offload=offload, pipelined=pipelined,
+                                   grad_bytes=cand.runtime.grad_bytes(dtype_bytes(self.dtype))).total
         if cand.zero_stage >= 3 and (pipelined or not cand.runtime.reshard_after_forward):
             state += params * dtype_bytes(self.dtype)
         return state

@@ -15,6 +15,7 @@ from costmodel.expert_parallel import (
 from costmodel.hardware.cluster import Cluster
 from costmodel.memory import GIB, framework_overhead_bytes, model_state_bytes
 from costmodel.strategy import MeshAxis, Offload, Strategy
+from ir.graph import dtype_bytes
 from ir.layer_chain import LayerChain
 from planner.plan import Alternative
 from planner.search.candidates import (
@@ -161,7 +162,8 @@ def least_memory(state: SearchState) -> tuple[float, Candidate | None]:
         m = cand.mesh
         even = -(-state.chain.graph.param_count // (m.tp * m.pp))
         need = model_state_bytes(even, zero_stage=cand.zero_stage, dp=m.dp * m.cp, dtype=state.dtype,
-                                 offload=cand.runtime.offload).total
+                                 offload=cand.runtime.offload,
+                                 grad_bytes=cand.runtime.grad_bytes(dtype_bytes(state.dtype))).total
         bounded.append((need + framework_overhead_bytes(placements[0].device.name), cand.sort_key, cand))
     bounded.sort(key=lambda t: (t[0], t[1]))
     best, arg = math.inf, None
@@ -190,8 +192,9 @@ def nothing_fits_message(state: SearchState, space: SearchSpace) -> str:
     n = state.cluster.num_available
     # The least device state the searched offloads leave (parameters offload only where FSDP2 shards, n > 1).
     offloads = [o for o in offload_options(space, state.cluster) if o is not Offload.PARAMS or n > 1]
+    grads = space.runtime.grad_bytes(dtype_bytes(state.dtype))
     sharded = min(model_state_bytes(-(-state.chain.graph.param_count // n), zero_stage=3, dp=1, dtype=state.dtype,
-                                    offload=o).total for o in offloads or [Offload.NONE])
+                                    offload=o, grad_bytes=grads).total for o in offloads or [Offload.NONE])
     if need <= capacity:
         # Only possible when the memory-optimal strategy is outside what the search may return (never for the
         # default space); say so rather than print a contradiction.

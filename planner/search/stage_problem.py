@@ -56,6 +56,7 @@ from costmodel.rank_layout import (
 )
 from costmodel.step_time import DataParallelComm, StageTime, data_parallel_comm, tp_bwd_exposed, tp_exposed
 from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
+from ir.graph import dtype_bytes
 from ir.layer_chain import LayerChain
 from planner.search.candidates import Candidate
 from planner.search.chain_structure import ChainStructure
@@ -306,8 +307,8 @@ class StageProblemBuilder:
         return bytes_to_fit(rank_memory(chunks, counts, zero_stage=cand.zero_stage, dp=m.dp * m.cp, dtype=self.dtype,
                                         device_name=ctx.device.name, extra_params=shared, ep=m.ep,
                                         reshard_after_forward=cand.runtime.reshard_after_forward, offload=offload,
-                                        pipelined=m.pp > 1,
-                                        cross_entropy=cand.runtime.cross_entropy),
+                                        pipelined=m.pp > 1, cross_entropy=cand.runtime.cross_entropy,
+                                        grad_bytes=cand.runtime.grad_bytes(dtype_bytes(self.dtype))),
                             offload, ctx.device.name)
 
     def rank_terms_of(self, cand: Candidate, ctx: RankContext, chunks: Sequence[Sequence[PricedSegment]],

@@ -23,6 +23,9 @@ are in planner/trainers/data/megatron_lm_arguments.json). What maps to what:
                          norms, bias-activation, bias-dropout-add and rotary kernels); local reads as eager ops
     tp_sharded_weights   always with tp > 1 (Megatron-LM's column / row-parallel linears, vocab-parallel embedding)
     cross_entropy        inplace (Megatron-LM's vocab-parallel cross-entropy works in place in the fp32 logits)
+    grads_in_training_dtype  --grad-reduce-in-bf16 (Megatron-LM's default for bf16 is fp32 gradients)
+    fp8 delayed          --fp8-format hybrid --fp8-recipe delayed (Transformer Engine); read back from --fp8-format
+                         whatever --fp8-recipe says, with a note; torchao's recipes are not exported
     dtype                --bf16 / --fp16
 
 Megatron-LM has no GPipe schedule, no zero-bubble schedule and no per-op recomputation; those export as 1F1B,
@@ -164,6 +167,8 @@ def _overlap_arguments(cfg: TrainerConfig, notes: Notes) -> list[str]:
                   "step time")
     elif fp8 is not None:
         args += ["--fp8-format hybrid", "--fp8-recipe delayed"]
+    if cfg.runtime.grads_in_training_dtype:
+        args.append("--grad-reduce-in-bf16")
     if cfg.runtime.dp_overlap:
         args.append("--overlap-grad-reduce")
         if cfg.zero_stage >= 1:
@@ -215,7 +220,7 @@ def read(text: str, *, source: str) -> TrainerConfig:
                                fused_kernels=ns.transformer_impl == "transformer_engine",
                                tp_sharded_weights=ns.tensor_model_parallel_size > 1,
                                cross_entropy=CrossEntropy.INPLACE, offload=_read_offload(ns, notes),
-                               fp8=_read_fp8(ns, notes)),
+                               fp8=_read_fp8(ns, notes), grads_in_training_dtype=ns.grad_reduce_in_bf16),
         mesh_order=PP_INSIDE_DP if ns.use_tp_pp_dp_mapping else DEFAULT_MESH_ORDER,
         seq_len=ns.seq_length, dtype="bfloat16" if ns.bf16 else "float16" if ns.fp16 else "float32",
         num_layers=ns.num_layers, notes=tuple(notes.items))

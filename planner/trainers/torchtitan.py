@@ -26,7 +26,10 @@ command-line overrides. What maps to what:
     fp8                   model.converters = ["float8"] with [quantize.linear.float8] recipe_name, filter_fqns =
                           ["output"] and, for tensorwise scaling under FSDP, enable_fsdp_float8_all_gather and
                           precompute_float8_dynamic_scale_for_fsdp (torchtitan's llama3_405b.toml); compile is
-                          enabled with it, as torchtitan's float8 docs require for speed
+                          enabled with it, as torchtitan's float8 docs require for speed; Transformer Engine's
+                          delayed scaling exports as tensorwise with a note
+    grads_in_training_dtype  training.mixed_precision_reduce = "bfloat16" (FSDP2 reduces in bf16; its sharded
+                          gradients stay fp32)
 """
 
 from __future__ import annotations
@@ -85,6 +88,11 @@ def sections(cfg: TrainerConfig, shape: ModelShape, notes: Notes) -> dict[str, d
             notes.add("torchtitan offloads parameters, gradients and optimizer together (FSDP2's CPUOffloadPolicy); "
                       "the plan's optimizer-only offload exported as enable_cpu_offload: more host-device copies "
                       "than planned")
+    if cfg.runtime.grads_in_training_dtype and cfg.dtype != "float32":
+        out["training"]["mixed_precision_reduce"] = "bfloat16"
+        if cfg.zero_stage >= 2:
+            notes.add("torchtitan reduces gradients in bfloat16 but FSDP2 keeps the sharded gradients in fp32: "
+                      "slightly more memory than planned")
     if cfg.dtype == "float16":
         notes.add("torchtitan trains in bfloat16 or float32, not float16; exported as bfloat16")
     out["parallelism"] = _parallelism(cfg, shape, notes)
@@ -195,7 +203,8 @@ def read(text: str, *, source: str) -> TrainerConfig:
                                fused_kernels=_compiles_model(doc, source), tp_sharded_weights=tp > 1,
                                offload=Offload.PARAMS if train.get("enable_cpu_offload") and zero == 3
                                else Offload.NONE,
-                               fp8=_read_float8(doc, source, notes)),
+                               fp8=_read_float8(doc, source, notes),
+                               grads_in_training_dtype=train.get("mixed_precision_reduce", "float32") == "bfloat16"),
         seq_len=int(train["seq_len"]) if "seq_len" in train else None,
         dtype=str(train.get("mixed_precision_param", "bfloat16")), notes=tuple(notes.items))
 
