@@ -286,7 +286,8 @@ def estimate(chain: LayerChain | Graph, cluster: Cluster, strategy: Strategy, *,
     p2p = [p2p_time(strategy, j, priced[j][-1].cost.boundary_bytes, cluster) for j in range(len(priced) - 1)]
     breakdown = step_breakdown(stage_times, tails, schedule=strategy.schedule,
                                num_microbatches=strategy.num_microbatches, virtual_stages=strategy.virtual_stages,
-                               p2p_time=p2p, ep_overlap=pairs_overlap(strategy))
+                               p2p_time=p2p, ep_overlap=pairs_overlap(strategy),
+                               p2p_overlap=strategy.runtime.p2p_overlap)
     stage_estimates = _stage_estimates(priced, stage_times, stages, ranks, shared, strategy, dtype, problems)
     return _with_throughput(chain, strategy, stages, priced, ranks, breakdown, tuple(stage_estimates),
                             tuple(problems), dtype)

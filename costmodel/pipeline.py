@@ -26,7 +26,16 @@ interleaved analogue is within about +-20% there. Real stages are nearly equal, 
 Pipeline send/recv: `p2p_time[j]` is the seconds to send one micro-batch's boundary activation from virtual stage
 j to j+1 (and its gradient back). Megatron-LM's p2p is blocking, so stage j+1's forward waits for it and stage j's
 backward waits for the returning gradient: f_{j+1} += p2p_time[j], b_j += p2p_time[j]. The p2p share of the step
-is T(with) - T(without).
+is T(with) - T(without). With `p2p_overlap` (Megatron-Core's interleaved schedule, `overlap_p2p_comm`: each
+chunk's send and the next chunk's receive are posted without waiting and waited only before the data is used) a
+transfer runs while the rank computes another chunk, so the steady state does not wait for it and only the fill
+and drain do. The first micro-batch's forward crosses every one of the p v - 1 chunk boundaries in turn, and the
+last one's backward crosses them back, so the step is the step without sends plus 2 sum_j p2p_time[j], whatever
+m: of the interleaved step S / v + (m - 1/v) max_r D_r the sends leave D_r and count v times in S. An event
+simulation of Megatron's interleaved order in which a send delays only the chunk that reads it gives exactly that
+for equal stages (tests/test_pipeline.py; at p 4, v 2, m 8 and sends of a tenth of a forward, 1.4 s of sends in
+a 58.4 s step where blocking sends cost 3.7 s). That assumes a send no longer than the chunk computed meanwhile
+(at one layer of a 340B model per chunk on 8-way tensor parallelism, 0.5 ms against 11 ms).
 
 In-flight micro-batches (activations held at the peak, which is the end of the warm-up phase):
 GPipe holds all m; 1F1B rank r holds min(p - r, m) (Narayanan et al. 2021, Sec. 2.2.1); interleaved rank r runs
@@ -317,10 +326,11 @@ def pipeline_times(stage_fwd: Sequence[float], stage_bwd: Sequence[float], sched
                    num_microbatches: int, virtual_stages: int = 1,
                    p2p_time: float | Sequence[float] = 0.0,
                    stage_wgrad: Sequence[float] | None = None,
-                   rank_hidden: Sequence[float] | None = None) -> PipelineTime:
+                   rank_hidden: Sequence[float] | None = None, p2p_overlap: bool = False) -> PipelineTime:
     """Step time of the pipeline and its busy / bubble / p2p split (formulas in the module docstring).
     `stage_wgrad[j]`: of `stage_bwd[j]`, the weight-gradient seconds (W) the zero-bubble schedules defer.
-    `rank_hidden[r]`: H_r of DualPipeV's paired all-to-all overlap (`paired_overlap`), dualpipev only."""
+    `rank_hidden[r]`: H_r of DualPipeV's paired all-to-all overlap (`paired_overlap`), dualpipev only.
+    `p2p_overlap`: the interleaved schedule's sends wait only in the fill and drain (module docstring)."""
     n = len(stage_fwd)
     if n == 0 or len(stage_bwd) != n or (stage_wgrad is not None and len(stage_wgrad) != n):
         raise ValueError(f"need equally many forward, backward (and weight-gradient) stage times, got {n} and "
@@ -336,8 +346,11 @@ def pipeline_times(stage_fwd: Sequence[float], stage_bwd: Sequence[float], sched
     h = list(rank_hidden) if rank_hidden is not None else [0.0] * pp
     p2p = _p2p_list(p2p_time, n)
     plain = _steady_formula(stage_fwd, stage_bwd, schedule, m, pp, v, stage_wgrad, h)
-    f, b = _with_p2p(stage_fwd, stage_bwd, p2p)
-    total = _steady_formula(f, b, schedule, m, pp, v, stage_wgrad, h)
+    if p2p_overlap and schedule is Schedule.INTERLEAVED:
+        total = plain + 2 * sum(p2p)
+    else:
+        f, b = _with_p2p(stage_fwd, stage_bwd, p2p)
+        total = _steady_formula(f, b, schedule, m, pp, v, stage_wgrad, h)
     d = _rank_sums([x + y for x, y in zip(stage_fwd, stage_bwd, strict=True)], schedule, pp, v)
     rank = max(range(pp), key=lambda r: (m * d[r] - h[r], -r))
     busy = m * d[rank] - h[rank]

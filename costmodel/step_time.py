@@ -374,12 +374,14 @@ class RankTail:
 
 def step_breakdown(stages: Sequence[StageTime], tails: Sequence[RankTail], *, schedule: Schedule,
                    num_microbatches: int, virtual_stages: int = 1,
-                   p2p_time: float | Sequence[float] = 0.0, ep_overlap: bool = False) -> TimeBreakdown:
+                   p2p_time: float | Sequence[float] = 0.0, ep_overlap: bool = False,
+                   p2p_overlap: bool = False) -> TimeBreakdown:
     """The step's critical path split by kind; `total_s` is the step time.
 
     `stages`: one per virtual stage in pipeline order (p*v); `tails`: one per pipeline rank (p). `ep_overlap`:
     DualPipeV's pairs hide expert-parallel all-to-alls (`pipeline.paired_overlap`; what they hide leaves the
-    communication term).
+    communication term). `p2p_overlap`: the interleaved schedule's sends wait only in the fill and drain
+    (`RuntimeOptions.p2p_overlap`).
     """
     pp = len(stages) // virtual_stages
     if len(tails) != pp:
@@ -391,7 +393,7 @@ def step_breakdown(stages: Sequence[StageTime], tails: Sequence[RankTail], *, sc
         work = [ChunkWork(s.compute_fwd_s, s.compute_bwd_s + s.recompute_s, s.ep_fwd_s, s.ep_bwd_s) for s in stages]
         hidden = paired_overlap(work, pp, num_microbatches)
     pipe = pipeline_times(fwd, bwd, schedule, num_microbatches, virtual_stages, p2p_time,
-                          [s.wgrad_s for s in stages], hidden)
+                          [s.wgrad_s for s in stages], hidden, p2p_overlap=p2p_overlap)
     # Busy time of the bottleneck rank, split by kind.
     mine = [stages[j] for j in chunk_stages(schedule, pp, virtual_stages, pipe.bottleneck_rank)]
     m = num_microbatches

@@ -194,6 +194,14 @@ class RuntimeOptions:
     separate instructions of its `TrainSchedule`). False: a step's send is paired with its receive and waited
     later (Megatron-LM's `send_forward_recv_backward`, torch.distributed.pipelining's batched p2p), so only the
     receiver waits."""
+    p2p_overlap: bool = False
+    """The interleaved schedule posts each chunk's pipeline sends and receives without waiting and waits only
+    before their data is used, so in the steady state a transfer runs while another chunk computes and only the
+    fill and drain wait for it (`costmodel.pipeline`, "Pipeline send/recv"): Megatron-Core's `overlap_p2p_comm`,
+    on by default in Megatron-LM (`--no-overlap-p2p-communication` turns it off) and in NeMo's configs. Only the
+    interleaved schedule has it (1F1B and the zero-bubble schedules are priced with blocking sends either way).
+    False: every send blocks (Megatron-LM of 2021-22). `planner.parallelize` does not run it: plans with it are
+    for export."""
     ep_dedup: bool = False
     """Expert-parallel dispatch and combine send a token once per destination node across nodes and forward it to
     its experts' GPUs over NVLink (DeepSeek-V3's node-limited dispatch, arXiv 2412.19437 Sec. 3.2.2; DeepEP's
@@ -299,10 +307,11 @@ FP32_BYTES = 4
 """Bytes of an fp32 gradient (`memory.GRAD_BYTES` is this)."""
 RUNTIME_FLAGS = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking",
                  "tp_grad_overlap", "ep_dedup", "ep_overlap", "fused_kernels", "fp32_grad_pass", "tp_sharded_weights",
-                 "grads_in_training_dtype")
+                 "grads_in_training_dtype", "p2p_overlap")
 """The true/false fields of `RuntimeOptions`, in the order plans write them."""
 _LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking", "tp_grad_overlap", "ep_dedup", "ep_overlap",
-                          "fused_kernels", "fp32_grad_pass", "tp_sharded_weights", "grads_in_training_dtype"})
+                          "fused_kernels", "fp32_grad_pass", "tp_sharded_weights", "grads_in_training_dtype",
+                          "p2p_overlap"})
 RUNTIME_OPTION_NAMES = (*RUNTIME_FLAGS, "offload", "fp8", "cross_entropy", "metric_passes")
 """Every field of `RuntimeOptions` (the keys of its JSON)."""
 

@@ -354,6 +354,9 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
     # gradients after the backward and scattered/gathered pipeline sends over the tp ranks by default
     # (--scatter-gather-tensors-in-pipeline), as the Korthikanti rows are priced; a row that says it overlapped
     # the reduction keeps the overlap.
+    # Megatron-Core's interleaved schedule posts its sends without waiting (`overlap_p2p_comm`, on unless
+    # --no-overlap-p2p-communication; NeMo's configs set it): rows of Megatron-LM itself since Megatron-Core, not
+    # the 2021-22 Megatron-LM of the legacy rows nor the DeepSpeed forks.
     # The loss kernel of the row's trainer (`_cross_entropy_of`).
     # Every trainer of these rows splits each linear's and the token embedding's weight over tp (Megatron's column
     # / row / vocab-parallel layers, torchtitan's TP plan), never a whole weight the ILP may also keep.
@@ -367,6 +370,7 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
                              p2p_blocking=deepspeed_pipeline, fp8=fp8,
                              fp32_grad_pass=deepspeed_bf16,
                              grads_in_training_dtype=_grads_in_training_dtype(framework),
+                             p2p_overlap=megatron and not legacy and "no-overlap-p2p" not in framework,
                              cross_entropy=_cross_entropy_of(text), metric_passes=_metric_passes_of(text))
     return PublishedRun(
         name=r["run"], family=family, sets=tuple(sets), seq=seq, schedules=trainer_schedules(text),

@@ -17,8 +17,10 @@ from costmodel.pipeline import (
 )
 
 
-def simulate(f, b, schedule, m, v=1):
-    """Makespan of the schedule when each op starts as soon as its rank is free and its input is ready.
+def simulate(f, b, schedule, m, v=1, send=0.0):
+    """Makespan of the schedule when each op starts as soon as its rank is free and its input is ready; `send`
+    seconds after the op that produced it for an input from another chunk (a non-blocking send: neither rank waits
+    for it otherwise, as Megatron-Core's overlapped interleaved sends).
 
     Per-rank op order: GPipe all forwards then all backwards; 1F1B warm-up min(p-r-1, m) forwards then alternate;
     interleaved as Megatron-LM's schedules.py (warm-up 2(p-r-1) + (v-1)p, k-th forward on chunk (k//p) % v).
@@ -51,10 +53,12 @@ def simulate(f, b, schedule, m, v=1):
         kind, mb, c = op
         j = c * p + r
         if kind == "F":
-            return 0.0 if j == 0 else done.get(("F", mb, (j - 1) // p, (j - 1) % p))
+            t = 0.0 if j == 0 else done.get(("F", mb, (j - 1) // p, (j - 1) % p))
+            return t if t is None or j == 0 else t + send
         if j == n - 1:
             return done.get(("F", mb, c, r))
-        return done.get(("B", mb, (j + 1) // p, (j + 1) % p))
+        t = done.get(("B", mb, (j + 1) // p, (j + 1) % p))
+        return None if t is None else t + send
 
     remaining = sum(len(o) for o in orders)
     while remaining:
@@ -159,3 +163,21 @@ def test_in_flight_counts():
 def test_drain_slack():
     assert drain_slack([2.0, 3.0, 4.0], 3) == (0.0, 2.0, 5.0)
     assert drain_slack([2.0, 3.0, 4.0], 3, 0.5) == (0.0, 2.5, 6.0)
+
+
+@pytest.mark.parametrize("p, v, m", [(2, 2, 4), (4, 2, 8), (4, 3, 8), (8, 4, 16)])
+def test_overlapped_interleaved_sends_wait_only_in_the_fill_and_drain(p, v, m):
+    """Megatron-Core's overlapped sends (`p2p_overlap`): the step is the step without sends plus 2 sum(p2p), what
+    an event simulation of the schedule gives when a send delays only the chunk that reads it; blocking sends cost
+    every micro-batch's."""
+    f, b, s = [1.0] * (p * v), [2.0] * (p * v), 0.1
+    plain = pipeline_times(f, b, "interleaved", m, v)
+    overlapped = pipeline_times(f, b, "interleaved", m, v, s, p2p_overlap=True)
+    blocking = pipeline_times(f, b, "interleaved", m, v, s)
+    assert overlapped.total_s == pytest.approx(plain.total_s + 2 * s * (p * v - 1))
+    assert overlapped.p2p_s == pytest.approx(2 * s * (p * v - 1)) and overlapped.p2p_s < blocking.p2p_s
+    assert simulate(f, b, "interleaved", m, v) == pytest.approx(plain.total_s)
+    assert simulate(f, b, "interleaved", m, v, send=s) == pytest.approx(overlapped.total_s)
+    # 1F1B has no overlapped sends: the flag changes nothing there
+    assert pipeline_times(f[:p], b[:p], "1f1b", m, 1, s, p2p_overlap=True).total_s == pytest.approx(
+        pipeline_times(f[:p], b[:p], "1f1b", m, 1, s).total_s)

@@ -341,6 +341,10 @@ def _instances(tmp: Path) -> list[tuple[str, ir.LayerChain, Cluster, int, Search
          space.with_changes(runtime=RuntimeOptions(tp_grad_overlap=True))),
         # a slow outer tier: sends and gradient reductions across it cost more than the compute
         ("gpt two datacenters (slow outer tier)", gpt, two_datacenters(tmp), 4, space),
+        # Megatron-Core's overlapped interleaved sends, across the slow tier: they wait only in the fill and drain
+        ("gpt-7-layers interleaved, overlapped sends, two datacenters", chain_of("gpt", GPT_UNEVEN),
+         two_datacenters(tmp), 8, space.with_changes(pp=2, schedule=Schedule.INTERLEAVED, max_virtual_stages=4,
+                                                     max_microbatch_size=1, runtime=RuntimeOptions(p2p_overlap=True))),
     ]
 
 
@@ -381,11 +385,12 @@ def test_search_matches_brute_force(tmp_path: Path) -> None:
     """A quick slice of the grid: plain, memory-bound (recomputation decides), a straggler, ranks sharing host
     cores (speeds that change with the schedule's bubbles), uneven virtual stages, every schedule (zero-bubble ones
     included), a memory-bound V-shaped one, two that fit only by offloading to the host and one with the input-gradient
-    reductions hidden behind weight-gradient GEMMs, and two datacenters behind a slow link."""
+    reductions hidden behind weight-gradient GEMMs, two datacenters behind a slow link, and interleaved sends
+    overlapped across it."""
     instances = _instances(tmp_path)
-    checked, estimates = _check_grid([instances[i] for i in (0, 4, 7, 8, 10, 11, 12, 13, 14, 15, 16)])
+    checked, estimates = _check_grid([instances[i] for i in (0, 4, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17)])
     print(f"search == brute force on {checked} instances ({estimates} brute-force estimates)")
-    assert checked == 11
+    assert checked == 12
 
 
 @pytest.mark.exhaustive

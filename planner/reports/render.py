@@ -122,8 +122,9 @@ def runtime_line(s: Strategy) -> str:
             parts.append("input-gradient all-reduce during the weight-gradient GEMM")
         if r.tp_sharded_weights:
             parts.append("linear and embedding weights split over tp")
-    if s.pp > 1 and (r.p2p_scatter_gather or r.p2p_blocking):
-        how = [w for w, on in (("scatter/gather", r.p2p_scatter_gather), ("blocking", r.p2p_blocking)) if on]
+    if s.pp > 1 and (r.p2p_scatter_gather or r.p2p_blocking or r.p2p_overlap):
+        how = [w for w, on in (("scatter/gather", r.p2p_scatter_gather), ("blocking", r.p2p_blocking),
+                               ("overlapped (interleaved)", r.p2p_overlap)) if on]
         parts.append(f"pipeline sends {' and '.join(how)}")
     if r.fused_kernels:
         parts.append("fused kernels")

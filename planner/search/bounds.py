@@ -75,8 +75,11 @@ def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost]
     per_rank = [work_of[key] for key in keys] if len(keys) == p and len(work_of) > 1 else None
     if layout is not None:
         v = cand.virtual_stages
-        u = interleaved_bottleneck(layout, w, p2p, per_rank)
-        total += 2 * sum(p2p)  # every boundary is sent once and received once
+        # Every boundary is sent once and received once; overlapped sends (`RuntimeOptions.p2p_overlap`) wait
+        # only in the fill and drain, each once: v times in the total, not in U.
+        overlapped = cand.runtime.p2p_overlap and not cand.schedule.zero_bubble
+        u = interleaved_bottleneck(layout, w, [0.0] * len(p2p) if overlapped else p2p, per_rank)
+        total += 2 * sum(p2p) * (v if overlapped else 1)
     else:
         v = 1
         total += sum(rank_sends)

@@ -209,7 +209,7 @@ class CandidateBounds:
                cand.sequence_parallel, cand.microbatch_size, m.pp,
                cand.num_microbatches, cand.virtual_stages if interleaved else 1,
                cand.schedule.zero_bubble, cand.schedule.v_shape,  # the bound's form and the chunks' placement
-               (m.dp, m.cp, m.mesh_order) if m.pp > 1 else (),  # the sends
+               (m.dp, m.cp, m.mesh_order, cand.runtime.p2p_overlap) if m.pp > 1 else (),  # the sends
                # cp / ep change the segment prices (planner.search.layer_costs.AxisSplit).
                (m.cp, m.stride(MeshAxis.CP), m.ep, m.stride(MeshAxis.EP), m.num_devices))
         pipe = self._pipeline_bound.get(key)

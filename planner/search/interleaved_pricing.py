@@ -117,7 +117,11 @@ class ChoicePricer:
         self.counts = [in_flight_per_chunk(cand.schedule, p, k, cand.num_microbatches, cand.virtual_stages)
                        for k in range(p)]
         last = len(self.sends)
-        self.rank_sends = [sum((self.sends[j - 1] if j > 0 else 0.0) + (self.sends[j] if j < last else 0.0)
+        # The sends in a rank's work per micro-batch (its D_r); overlapped sends wait only in the fill and drain,
+        # not in D_r, so the bounds on D_r leave them out (`interleaved_problem.rank_terms`).
+        overlapped = cand.runtime.p2p_overlap and not cand.schedule.zero_bubble
+        self.rank_sends = [0.0 if overlapped else
+                           sum((self.sends[j - 1] if j > 0 else 0.0) + (self.sends[j] if j < last else 0.0)
                                for j in chunk_stages(cand.schedule, p, cand.virtual_stages, k)) for k in range(p)]
 
     def choices(self, rank: int) -> Sequence[RankChoice]:

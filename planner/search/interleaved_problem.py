@@ -18,7 +18,9 @@ and the step (`pipeline.pipeline_times`, `step_time.step_breakdown`) is
 
     T = S / v + (m - 1/v) max_r D_r + max_r post_r + max_r opt_r + max_r (max(tail_r - P_r, 0) + c_r)
 
-with S = sum_r D_r and the drain P_r = sum_{k < r} (b of rank k's first chunk + s_k).
+with S = sum_r D_r and the drain P_r = sum_{k < r} (b of rank k's first chunk + s_k). With overlapped sends
+(`RuntimeOptions.p2p_overlap`) the max takes D_r without its sends and S counts them v times: the step without
+sends plus 2 sum_j s_j (`pipeline.pipeline_times`).
 
 As a `PartitionProblem`: the "segments" are N = p + E tokens, rank r is stage r and takes e_r + 1 of them (so the
 e_r add up to E), and its options are (recomputation, lead larger or not). Stage r's terms depend on its token
@@ -84,10 +86,12 @@ def decode(layout: InterleavedLayout, partition: Partition, rank_costs: Sequence
 
 
 def rank_terms(layout: InterleavedLayout, rank: int, terms: ChoiceTerms, sends: Sequence[float],
-               num_microbatches: int) -> tuple[float, float, float]:
+               num_microbatches: int, p2p_overlap: bool = False) -> tuple[float, float, float]:
     """The rank's (additive, steady, extra) terms of the step (module docstring): D_r, D_r, 0 for interleaved
-    1F1B; E_r, m D_r - E_r / v, X_r / v for the zero-bubble schedules. Sends join the receiving forward and the
-    sending input gradient."""
+    1F1B (with `p2p_overlap` the steady D_r without its sends, which wait only in the fill and drain and count v
+    times in the additive term);
+    E_r, m D_r - E_r / v, X_r / v for the zero-bubble schedules. Sends join the receiving forward and the sending
+    input gradient."""
     schedule, p, v = layout.schedule, layout.pp, layout.virtual_stages
     last = len(sends)
     f = i = w = 0.0
@@ -97,7 +101,10 @@ def rank_terms(layout: InterleavedLayout, rank: int, terms: ChoiceTerms, sends: 
         w += wc
     d = f + i + w
     if not schedule.zero_bubble:
-        return d, d, 0.0
+        if not p2p_overlap:
+            return d, d, 0.0
+        plain = sum(terms.fwd) + sum(terms.bwd)
+        return plain + v * (d - plain), plain, 0.0
     e = zero_bubble_fill(schedule, f, i, w)
     return e, num_microbatches * d - e / v, zero_bubble_extra(schedule, p, f, i) / v
 
@@ -108,12 +115,13 @@ def interleaved_problem(layout: InterleavedLayout, options: Sequence[RecomputeCh
                         capacity: Sequence[float], num_microbatches: int, *,
                         only: Sequence[tuple[int, bool]] | None = None,
                         preferred: tuple[StageChoice, ...] | None = None,
-                        choices: Callable[[int], Sequence[RankChoice]] | None = None) -> PartitionProblem:
+                        choices: Callable[[int], Sequence[RankChoice]] | None = None,
+                        p2p_overlap: bool = False) -> PartitionProblem:
     """The `PartitionProblem` of the module docstring; `price(rank, choice, recompute)` gives a choice's terms
     (None: the choice cannot beat the caller's bound, and never fits; `price` None: no choice can), `sends` one
     time per chunk boundary.
     `only`: per rank the one (extra, lead_large) it may take (the even split); `preferred`: the partition that
-    wins ties; `choices`: `layout.choices`, or a cache of it."""
+    wins ties; `choices`: `layout.choices`, or a cache of it; `p2p_overlap`: `RuntimeOptions.p2p_overlap`."""
     p, extra = layout.pp, layout.extra
     n, profiles = p + extra, min(p, extra + 1)
     names = option_names(layout, options)
@@ -136,7 +144,7 @@ def interleaved_problem(layout: InterleavedLayout, options: Sequence[RecomputeCh
                 t = price(k, choice, rc)
                 if t is None:
                     continue
-                add, steady, paired = rank_terms(layout, k, t, sends, num_microbatches)
+                add, steady, paired = rank_terms(layout, k, t, sends, num_microbatches, p2p_overlap)
                 # The drain behind rank k+1 runs through virtual stage k (this rank's first chunk) and its send;
                 # the zero-bubble schedules fill it with weight gradients (`pipeline.drain_slack`).
                 drain_k = 0.0 if zero_bubble else t.bwd[0] + sends[k]

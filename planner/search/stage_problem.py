@@ -591,6 +591,7 @@ class StageProblemBuilder:
             return None
         sends = self.interleaved_sends(cand, layout, placements)
         chooser = ChoicePricer(self, cand, layout, placements, sends, upper_bound)
+        overlap = cand.runtime.p2p_overlap
         capacity = tuple(float(pl.device.memory_bytes) for pl in placements)
         by_extra: list[tuple[float, ...]] = [(0.0,) * (cand.virtual_stages + 1)] * cand.mesh.pp
 
@@ -612,23 +613,24 @@ class StageProblemBuilder:
         least = [min(row) for row in by_extra]
         if not all(math.isfinite(x) for x in least):  # some rank fits with no choice: the memory alone says why
             problem = interleaved_problem(layout, options, chooser.memory_only, sends, capacity, m,
-                                          choices=chooser.choices)
+                                          choices=chooser.choices, p2p_overlap=overlap)
             return StageProblem(cand, problem, placements, layout=layout)
         if beaten() is not None:
-            problem = interleaved_problem(layout, options, None, sends, capacity, m)
+            problem = interleaved_problem(layout, options, None, sends, capacity, m, p2p_overlap=overlap)
             return StageProblem(cand, problem, placements, layout=layout, pruned=True)
         chooser.set_least_work(least)
 
         def problem(preferred: tuple[StageChoice, ...] | None = None) -> PartitionProblem:
             return interleaved_problem(layout, options, chooser.price, sends, capacity, m, preferred=preferred,
-                                       choices=chooser.choices)
+                                       choices=chooser.choices, p2p_overlap=overlap)
 
         def with_preferred() -> PartitionProblem:
             # Ties go to the even split (what an estimate without stages prices): its best recomputation first.
             even, preferred = layout.even_picks(), None
             if even is not None:
                 best = solve_partition(interleaved_problem(layout, options, chooser.price, sends, capacity, m,
-                                                           only=even, choices=chooser.choices))
+                                                           only=even, choices=chooser.choices,
+                                                           p2p_overlap=overlap))
                 preferred = best.stages if best is not None else None
             return problem(preferred)
 

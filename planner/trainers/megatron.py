@@ -24,6 +24,8 @@ are in planner/trainers/data/megatron_lm_arguments.json). What maps to what:
     tp_sharded_weights   always with tp > 1 (Megatron-LM's column / row-parallel linears, vocab-parallel embedding)
     cross_entropy        inplace (Megatron-LM's vocab-parallel cross-entropy works in place in the fp32 logits)
     grads_in_training_dtype  --grad-reduce-in-bf16 (Megatron-LM's default for bf16 is fp32 gradients)
+    p2p_overlap          Megatron-LM's default for the interleaved schedule; a plan priced without it exports
+                         --no-overlap-p2p-communication
     fp8 delayed          --fp8-format hybrid --fp8-recipe delayed (Transformer Engine); read back from --fp8-format
                          whatever --fp8-recipe says, with a note; torchao's recipes are not exported
     dtype                --bf16 / --fp16
@@ -169,6 +171,8 @@ def _overlap_arguments(cfg: TrainerConfig, notes: Notes) -> list[str]:
         args += ["--fp8-format hybrid", "--fp8-recipe delayed"]
     if cfg.runtime.grads_in_training_dtype:
         args.append("--grad-reduce-in-bf16")
+    if cfg.pp > 1 and cfg.virtual_stages > 1 and not cfg.runtime.p2p_overlap:
+        args.append("--no-overlap-p2p-communication")  # Megatron-LM overlaps them by default; the plan did not
     if cfg.runtime.dp_overlap:
         args.append("--overlap-grad-reduce")
         if cfg.zero_stage >= 1:
@@ -220,7 +224,8 @@ def read(text: str, *, source: str) -> TrainerConfig:
                                fused_kernels=ns.transformer_impl == "transformer_engine",
                                tp_sharded_weights=ns.tensor_model_parallel_size > 1,
                                cross_entropy=CrossEntropy.INPLACE, offload=_read_offload(ns, notes),
-                               fp8=_read_fp8(ns, notes), grads_in_training_dtype=ns.grad_reduce_in_bf16),
+                               fp8=_read_fp8(ns, notes), grads_in_training_dtype=ns.grad_reduce_in_bf16,
+                               p2p_overlap=ns.overlap_p2p_comm and pp > 1 and virtual > 1),
         mesh_order=PP_INSIDE_DP if ns.use_tp_pp_dp_mapping else DEFAULT_MESH_ORDER,
         seq_len=ns.seq_length, dtype="bfloat16" if ns.bf16 else "float16" if ns.fp16 else "float32",
         num_layers=ns.num_layers, notes=tuple(notes.items))
