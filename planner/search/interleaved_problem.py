@@ -88,10 +88,9 @@ def decode(layout: InterleavedLayout, partition: Partition, rank_costs: Sequence
 def rank_terms(layout: InterleavedLayout, rank: int, terms: ChoiceTerms, sends: Sequence[float],
                num_microbatches: int, p2p_overlap: bool = False) -> tuple[float, float, float]:
     """The rank's (additive, steady, extra) terms of the step (module docstring): D_r, D_r, 0 for interleaved
-    1F1B (with `p2p_overlap` the steady D_r without its sends, which wait only in the fill and drain and count v
-    times in the additive term);
-    E_r, m D_r - E_r / v, X_r / v for the zero-bubble schedules. Sends join the receiving forward and the sending
-    input gradient."""
+    1F1B, or with `p2p_overlap` D_r with its sends counted v times, D_r without them, 0 (they wait only in the
+    fill and drain); E_r, m D_r - E_r / v, X_r / v for the zero-bubble schedules. Sends join the receiving forward
+    and the sending input gradient."""
     schedule, p, v = layout.schedule, layout.pp, layout.virtual_stages
     last = len(sends)
     f = i = w = 0.0
