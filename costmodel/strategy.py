@@ -200,8 +200,12 @@ class RuntimeOptions:
     fill and drain wait for it (`costmodel.pipeline`, "Pipeline send/recv"): Megatron-Core's `overlap_p2p_comm`,
     on by default in Megatron-LM (`--no-overlap-p2p-communication` turns it off) and in NeMo's configs. Only the
     interleaved schedule has it (1F1B and the zero-bubble schedules are priced with blocking sends either way).
-    False: every send blocks (Megatron-LM of 2021-22). `planner.parallelize` does not run it: plans with it are
-    for export."""
+    False: every send blocks (Megatron-LM of 2021-22). `planner.parallelize` runs interleaved plans with torch's
+    `ScheduleInterleaved1F1B`, whose runtime (`_PipelineScheduleRuntime` in torch 2.13) also posts each send
+    without waiting (all are waited at the end of the step) and each receive where the peer sends it
+    (`_add_send_recv`), waiting only before the chunk that reads it: it runs such a plan as priced; the planner
+    still prices its own plans with blocking sends unless this is set (an upper bound, until a measurement says
+    which is closer)."""
     ep_dedup: bool = False
     """Expert-parallel dispatch and combine send a token once per destination node across nodes and forward it to
     its experts' GPUs over NVLink (DeepSeek-V3's node-limited dispatch, arXiv 2412.19437 Sec. 3.2.2; DeepEP's

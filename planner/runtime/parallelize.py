@@ -412,10 +412,6 @@ def runtime_unsupported(strategy: Strategy) -> str:
         return ("the plan prices each column-parallel linear's input-gradient all-reduce hidden behind its "
                 "weight-gradient GEMM (tp_grad_overlap, Megatron-LM), which this runtime does not run; plan with "
                 "tp_grad_overlap=false, or export the plan to Megatron-LM")
-    if r.p2p_overlap and strategy.schedule is Schedule.INTERLEAVED:
-        return ("the plan prices the interleaved schedule's sends overlapped with other chunks' compute "
-                "(p2p_overlap, Megatron-Core's overlap_p2p_comm); this runtime's schedule waits for them: plan with "
-                "p2p_overlap=false, or export the plan to Megatron-LM")
     if (r.p2p_scatter_gather or r.p2p_blocking) and strategy.pp > 1:
         return ("the plan prices pipeline sends as another trainer runs them (p2p_scatter_gather / p2p_blocking); "
                 "this runtime sends whole activations, paired: plan with both false, or export the plan")
