@@ -156,6 +156,12 @@ def chunk_stages(schedule: Schedule, pp: int, virtual_stages: int, rank: int) ->
     return tuple(range(rank, pp * virtual_stages, pp))
 
 
+def sends_overlap(schedule: Schedule, p2p_overlap: bool) -> bool:
+    """Whether a schedule's pipeline sends wait only in the fill and drain (`RuntimeOptions.p2p_overlap`, module
+    docstring): only the interleaved schedule has it; every other schedule's sends block."""
+    return p2p_overlap and schedule is Schedule.INTERLEAVED
+
+
 def stage_rank(schedule: Schedule, pp: int, stage: int) -> int:
     """The pipeline rank that runs virtual stage `stage`."""
     if stage >= pp and _as_schedule(schedule).v_shape:
@@ -346,7 +352,7 @@ def pipeline_times(stage_fwd: Sequence[float], stage_bwd: Sequence[float], sched
     h = list(rank_hidden) if rank_hidden is not None else [0.0] * pp
     p2p = _p2p_list(p2p_time, n)
     plain = _steady_formula(stage_fwd, stage_bwd, schedule, m, pp, v, stage_wgrad, h)
-    if p2p_overlap and schedule is Schedule.INTERLEAVED:
+    if sends_overlap(schedule, p2p_overlap):
         total = plain + 2 * sum(p2p)
     else:
         f, b = _with_p2p(stage_fwd, stage_bwd, p2p)

@@ -335,7 +335,9 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
     inter = OMNI_PATH_PER_GPU_GBPS if "Omni-Path" in r["device_notes"] else None
     hbm = re.search(r"(\d+) GB HBM\w* \(([\d.]+) TB/s\)", r["device_notes"])
     deepspeed_pipeline = "Megatron-DeepSpeed" in framework and int(r["pp"]) > 1
-    fp8 = _fp8_of(r["precision"], zero, inferred, transformer_engine=_runs_transformer_engine(text))
+    # Megatron-LM since Megatron-Core runs its layers (FP8 included) as Transformer Engine modules.
+    transformer_engine = (megatron and not legacy) or "transformer engine" in text.lower()
+    fp8 = _fp8_of(r["precision"], zero, inferred, transformer_engine=transformer_engine)
     if fp8 is not None and (why := fp8_problem([get_device(r["device"])])):
         inferred.append(f"priced in bf16: the row says FP8, but {why}")
         fp8 = None
@@ -513,13 +515,6 @@ def _grads_in_training_dtype(framework: str) -> bool:
     low = framework.lower()
     return bool(re.search(r"grad_sync_dtype:? ?bf16|grad-reduce-in-bf16|gradients (?:kept and )?reduced in bf16",
                           low))
-
-
-def _runs_transformer_engine(text: str) -> bool:
-    """Whether a row's trainer runs FP8 through Transformer Engine (Megatron-Core, NeMo, Megatron-LM since it
-    adopted TE) and not torchao."""
-    low = text.lower()
-    return any(name in low for name in ("megatron", "nemo", "transformer engine")) and "torchao" not in low
 
 
 def _fp8_of(precision: str, zero: int | None, inferred: list[str], *, transformer_engine: bool = False

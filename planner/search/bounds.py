@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from costmodel.layer_cost import LayerCost
-from costmodel.pipeline import chunk_stages
+from costmodel.pipeline import chunk_stages, sends_overlap
 from costmodel.step_time import tp_bwd_exposed, tp_exposed
 from costmodel.strategy import Schedule
 from planner.search.candidates import Candidate
@@ -77,7 +77,7 @@ def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost]
         v = cand.virtual_stages
         # Every boundary is sent once and received once; overlapped sends (`RuntimeOptions.p2p_overlap`) wait
         # only in the fill and drain, each once: v times in the total, not in U.
-        overlapped = cand.runtime.p2p_overlap and not cand.schedule.zero_bubble
+        overlapped = sends_overlap(cand.schedule, cand.runtime.p2p_overlap)
         u = interleaved_bottleneck(layout, w, [0.0] * len(p2p) if overlapped else p2p, per_rank)
         total += 2 * sum(p2p) * (v if overlapped else 1)
     else:

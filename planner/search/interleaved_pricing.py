@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from costmodel.memory import PricedSegment
-from costmodel.pipeline import chunk_stages, in_flight_per_chunk
+from costmodel.pipeline import chunk_stages, in_flight_per_chunk, sends_overlap
 from costmodel.step_time import DataParallelComm, StageTime
 from planner.search.candidates import Candidate
 from planner.search.interleaved_layout import InterleavedLayout, RankChoice
@@ -119,7 +119,7 @@ class ChoicePricer:
         last = len(self.sends)
         # The sends in a rank's work per micro-batch (its D_r); overlapped sends wait only in the fill and drain,
         # not in D_r, so the bounds on D_r leave them out (`interleaved_problem.rank_terms`).
-        overlapped = cand.runtime.p2p_overlap and not cand.schedule.zero_bubble
+        overlapped = sends_overlap(cand.schedule, cand.runtime.p2p_overlap)
         self.rank_sends = [0.0 if overlapped else
                            sum((self.sends[j - 1] if j > 0 else 0.0) + (self.sends[j] if j < last else 0.0)
                                for j in chunk_stages(cand.schedule, p, cand.virtual_stages, k)) for k in range(p)]

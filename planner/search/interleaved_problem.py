@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from costmodel.layer_cost import LayerCost
-from costmodel.pipeline import chunk_stages, stage_rank, zero_bubble_extra, zero_bubble_fill
+from costmodel.pipeline import chunk_stages, sends_overlap, stage_rank, zero_bubble_extra, zero_bubble_fill
 from costmodel.strategy import Schedule, StageSpec
 from planner.search.interleaved_layout import InterleavedLayout, RankChoice
 from planner.search.recompute_choice import RecomputeChoice
@@ -99,11 +99,11 @@ def rank_terms(layout: InterleavedLayout, rank: int, terms: ChoiceTerms, sends: 
         i += bc - wc + (sends[j] if j < last else 0.0)
         w += wc
     d = f + i + w
-    if not schedule.zero_bubble:
-        if not p2p_overlap:
-            return d, d, 0.0
+    if sends_overlap(schedule, p2p_overlap):
         plain = sum(terms.fwd) + sum(terms.bwd)
         return plain + v * (d - plain), plain, 0.0
+    if not schedule.zero_bubble:
+        return d, d, 0.0
     e = zero_bubble_fill(schedule, f, i, w)
     return e, num_microbatches * d - e / v, zero_bubble_extra(schedule, p, f, i) / v
 
