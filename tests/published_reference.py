@@ -526,7 +526,13 @@ def _fp8_of(precision: str, zero: int | None, inferred: list[str], *, transforme
     if "float8" not in low and "fp8" not in low:
         return None
     if transformer_engine and "torchao" not in low:
-        if "delayed" not in low:
+        if "current scaling" in low or "fp8-cs" in low:
+            # TE's Float8CurrentScaling takes each activation's amax in the step before casting it: one more read
+            # per cast than delayed scaling, whose other terms (weights cast once per step, fused casts) it shares.
+            inferred.append("FP8 current scaling priced as Transformer Engine's delayed scaling: the amax pass "
+                            "before each activation and gradient cast is not priced (the row's time is a bound "
+                            "from below on that account)")
+        elif "delayed" not in low:
             inferred.append("FP8 priced as Transformer Engine's delayed scaling (the trainer's default recipe)")
         return Float8Recipe.DELAYED
     recipe = Float8Recipe.ROWWISE if "rowwise" in low else Float8Recipe.TENSORWISE
