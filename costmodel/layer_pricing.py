@@ -152,7 +152,8 @@ def price_segment(chain: LayerChain, segment: Segment, device: DeviceSpec, *, mi
     out_bytes = [sum(s.nbytes for s in n.output_specs) for n in nodes]
     largest = max(out_bytes, default=0)
     kept = op_policy_kept(nodes)
-    loss_bytes = sum(b for n, b in zip(nodes, out_bytes, strict=True) if n.name in loss_inputs(nodes)) * act
+    loss = loss_inputs(nodes)
+    loss_bytes = sum(b for n, b in zip(nodes, out_bytes, strict=True) if n.name in loss) * act
     saved_op = min(segment.input_bytes + sum(b for n, b in zip(nodes, out_bytes, strict=True) if n.name in kept),
                    none)
     cost = with_training_loss(LayerCost(

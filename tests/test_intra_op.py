@@ -12,7 +12,7 @@ from costmodel.hardware.catalog import get_device
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import CommGroup
 from costmodel.layer_pricing import price_segment
-from costmodel.sharding.cost import build_sharding_model
+from costmodel.sharding.cost import build_sharding_model, make_pricer
 from costmodel.sharding.dims import propagate_labels
 from costmodel.sharding.layout import Move
 from costmodel.sharding.model import Pricer
@@ -26,8 +26,11 @@ from planner.search.intra_op import (
     LayerSharding,
     ShardingCache,
     SolveStatus,
+    _build,
+    _minimize,
     solve_layer_sharding,
     solve_problem,
+    structure_of,
 )
 
 # ------------------------------------------------------------------------------------------------ brute force
@@ -358,6 +361,49 @@ def test_identical_blocks_share_one_solve(gpt_chain, a100) -> None:
     assert [n for n, _ in second.choices] == names
     assert [s for _, s in second.choices] == [s for _, s in first.choices]
     assert all(t in names or t not in [n.name for n in gpt_chain.nodes_of(1)] for t, _, _ in second.collectives)
+
+
+def test_settings_with_the_same_tokens_share_one_solve(gpt_chain, a100) -> None:
+    """A context-parallel group holding half of 2 samples prices what a group holding 1 whole sample does."""
+    cluster, device = a100
+
+    def solve(mbs: int, divisor: int, cache: ShardingCache | None) -> LayerSharding:
+        return solve_layer_sharding(gpt_chain.nodes_of(1), cluster, device, tp=4, tp_group=CommGroup(4),
+                                    microbatch_size=mbs, traced_batch=gpt_chain.graph.batch_size,
+                                    sequence_parallel=True, token_divisor=divisor, cache=cache)
+
+    cache = ShardingCache()
+    whole = solve(1, 1, cache)
+    halves = solve(2, 2, cache)
+    assert (cache.misses, cache.hits) == (1, 1)
+    assert halves.cost == whole.cost and halves.choices == whole.choices
+    fresh = solve(2, 2, None)
+    assert (fresh.cost, fresh.choices, fresh.collectives) == (halves.cost, halves.choices, halves.collectives)
+    doubled = solve(2, 1, cache)
+    assert cache.misses == 2 and doubled.cost.fwd_compute_s > whole.cost.fwd_compute_s
+
+
+def test_a_model_reused_for_other_prices_is_the_model_a_fresh_build_makes(gpt_chain, a100) -> None:
+    """The CP-SAT model of a problem structure, built for one micro-batch size and given another's prices, is
+    the model built for those prices from scratch (same proto), so it finds the same assignment."""
+    cluster, device = a100
+    pricer = make_pricer(cluster, device, CommGroup(4))
+
+    def problem(mbs: int) -> ShardingProblem:
+        return build_sharding_model(gpt_chain.nodes_of(1), tp=4, sequence_parallel=True, microbatch_size=mbs,
+                                    traced_batch=gpt_chain.graph.batch_size, pricer=pricer).problem()
+
+    one, four = problem(1), problem(4)
+    assert structure_of(one) == structure_of(four) and one != four
+    models: dict = {}
+    first = solve_problem(one, models=models)
+    reused = solve_problem(four, models=models)
+    assert len(models) == 1
+    (built,) = models.values()
+    fresh = _build(four)
+    _minimize(fresh, four)
+    assert str(built.model.Proto()) == str(fresh.model.Proto())
+    assert reused == solve_problem(four) and first == solve_problem(one)
 
 
 def test_solving_a_gpt_block_is_fast_and_deterministic(gpt_chain, a100) -> None:

@@ -291,12 +291,12 @@ def build_sharding_model(nodes: Sequence[Node], *, tp: int, sequence_parallel: b
         options.append(tuple(_price_option(node, st, scale, cfg) for st in strategies))
         in_scales.append(tuple(cfg.batch_scale if DimLabel.BATCH in labs else 1.0 for labs in in_labels))
     flows, inputs_saved, boundary = _build_flows(nodes, index, options, labels, set(out_names), cfg, traced_batch)
-    region = selective_recompute_region(nodes)
+    region, kept, loss = selective_recompute_region(nodes), op_policy_kept(nodes), loss_inputs(nodes)
     return ShardingModel(nodes=nodes, tp=tp, sequence_parallel=sequence_parallel, options=tuple(options),
                          flows=flows, inputs_saved_bytes=round(inputs_saved), boundary_bytes=round(boundary),
                          recompute_region=frozenset(i for i, n in enumerate(nodes) if n.name in region),
-                         op_kept=frozenset(i for i, n in enumerate(nodes) if n.name in op_policy_kept(nodes)),
-                         loss_inputs=frozenset(i for i, n in enumerate(nodes) if n.name in loss_inputs(nodes)),
+                         op_kept=frozenset(i for i, n in enumerate(nodes) if n.name in kept),
+                         loss_inputs=frozenset(i for i, n in enumerate(nodes) if n.name in loss),
                          region_reads=_region_reads(nodes, region, in_scales, cfg))
 
 

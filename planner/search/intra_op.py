@@ -36,13 +36,21 @@ error below 1e-12 of the objective, and the reported objective is the original p
 
 Determinism: one worker, a fixed seed, and the limit in CP-SAT's *deterministic* time, so the same problem gives
 the same assignment on any machine. Identical layers (same structural key) are solved once per setting through a
-``ShardingCache`` the caller passes in (never a global).
+``ShardingCache`` the caller passes in (never a global); settings that price the same tokens (a micro-batch of 2
+split over a context-parallel group of 2, a micro-batch of 1 whole) are one setting.
+
+Reuse: the variables and constraints above depend on the problem's structure (options, layouts, readers, which
+pairs are priced), not on its prices, and a layer's settings (tp, micro-batch size, context split) share a handful
+of structures (12 for DeepSeek-V3's 216 settings). The cache keeps one CP-SAT model per structure and a new problem
+of that structure only sets its objective, which gives the model a fresh build would make, variable for variable:
+the same proto, hence the same assignment whatever was solved before.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -155,26 +163,25 @@ def _pair_indicators(model: cp_model.CpModel, x: Sequence[Sequence[cp_model.IntV
 
 def _add_moves(model: cp_model.CpModel, x: Sequence[Sequence[cp_model.IntVar]], tag: str, source: int,
                source_table: Sequence[int], readers: Sequence[int], reader_tables: Sequence[Sequence[int]],
-               costs: dict[tuple[int, int], int]) -> list[tuple[int, cp_model.LinearExprT]]:
-    """Cost terms of one flow in one direction: each priced (source value, reader value) pair is paid once, when
-    any reader realizes it (m[u, v] >= p_r[u, v] for every reader r)."""
-    if not costs or all(v == NO_GRAD for v in source_table):
+               priced: set[tuple[int, int]]) -> list[tuple[tuple[int, int], cp_model.LinearExprT]]:
+    """(pair, 0/1 expression) of one flow in one direction: each priced (source value, reader value) pair is paid
+    once, when any reader realizes it (m[u, v] >= p_r[u, v] for every reader r); the caller attaches its cost."""
+    if not priced or all(v == NO_GRAD for v in source_table):
         return []
-    wanted = set(costs)
-    per_reader = [_pair_indicators(model, x, f"{tag}_r{i}", source, source_table, r, table, wanted)
+    per_reader = [_pair_indicators(model, x, f"{tag}_r{i}", source, source_table, r, table, priced)
                   for i, (r, table) in enumerate(zip(readers, reader_tables, strict=True))]
     terms = []
-    for key in sorted(wanted):
+    for key in sorted(priced):
         realized = [ind[key] for ind in per_reader if key in ind]
         if not realized:
             continue
         if len(realized) == 1:
-            terms.append((costs[key], realized[0]))
+            terms.append((key, realized[0]))
             continue
         m = model.NewBoolVar(f"{tag}_m_{key[0]}_{key[1]}")
         for ind in realized:
             model.Add(m >= ind)
-        terms.append((costs[key], m))
+        terms.append((key, m))
     return terms
 
 
@@ -191,18 +198,26 @@ def _add_forbidden_moves(model: cp_model.CpModel, x: Sequence[Sequence[cp_model.
                 model.Add(written + wanted <= 1)
 
 
+def _forward_prices(f: ProblemFlow) -> dict[tuple[int, int], int]:
+    """Forward pairs (layout the source writes, layout a reader wants) with their prices."""
+    return {(a, lay): c for a, lay, c in f.forward}
+
+
+def _backward_prices(f: ProblemFlow) -> dict[tuple[int, int], int]:
+    """Backward pairs (gradient layout the source expects, gradient layout a reader produces) with their prices."""
+    return {(e, g): c for g, e, c in f.backward}
+
+
 def _add_forward_moves(model: cp_model.CpModel, x: Sequence[Sequence[cp_model.IntVar]], f: ProblemFlow,
-                       k: int) -> list[tuple[int, cp_model.LinearExprT]]:
-    """Forward: pairs (layout the source writes, layout a reader wants)."""
+                       k: int) -> list[tuple[tuple[int, int], cp_model.LinearExprT]]:
     return _add_moves(model, x, f"f{k}", f.source, f.source_layouts, f.readers, f.reader_layouts,
-                      {(a, lay): c for a, lay, c in f.forward})
+                      set(_forward_prices(f)))
 
 
 def _add_backward_moves(model: cp_model.CpModel, x: Sequence[Sequence[cp_model.IntVar]], f: ProblemFlow,
-                        k: int) -> list[tuple[int, cp_model.LinearExprT]]:
-    """Backward: pairs (gradient layout the source expects, gradient layout a reader produces)."""
+                        k: int) -> list[tuple[tuple[int, int], cp_model.LinearExprT]]:
     return _add_moves(model, x, f"b{k}", f.source, f.source_grads, f.readers, f.reader_grads,
-                      {(e, g): c for g, e, c in f.backward})
+                      set(_backward_prices(f)))
 
 
 def _cost_ceiling(problem: ShardingProblem) -> int:
@@ -227,8 +242,54 @@ def _scaled(problem: ShardingProblem) -> tuple[ShardingProblem, int]:
     return ShardingProblem(tuple(tuple(down(c) for c in costs) for costs in problem.node_costs), flows), factor
 
 
-def solve_problem(problem: ShardingProblem, *, time_limit: float = DEFAULT_TIME_LIMIT) -> Solution:
-    """Minimize `problem.objective` over all assignments (see the module docstring)."""
+@dataclass(frozen=True)
+class BuiltModel:
+    """The CP-SAT model of one problem structure (`structure_of`): its variables and constraints, which do not
+    depend on the prices, and per flow the 0/1 expressions of its priced pairs, forward then backward. A problem of
+    the same structure with other prices reuses it under a new objective (`_minimize`): the model it then solves
+    is the one a fresh build would make, variable for variable (`tests/test_intra_op.py` compares the protos)."""
+
+    model: cp_model.CpModel
+    x: list[list[cp_model.IntVar]]
+    moves: tuple[tuple[list[tuple[tuple[int, int], cp_model.LinearExprT]],
+                       list[tuple[tuple[int, int], cp_model.LinearExprT]]], ...]
+
+
+def structure_of(problem: ShardingProblem) -> tuple:
+    """Everything of a problem the CP-SAT model is built from but its prices: the options per node and, per flow,
+    its layout tables, readers, forbidden pairs and which pairs are priced."""
+    return (tuple(len(c) for c in problem.node_costs),
+            tuple((f.source, f.source_layouts, f.source_grads, f.readers, f.reader_layouts, f.reader_grads,
+                   f.forbidden, tuple(p[:2] for p in f.forward), tuple(p[:2] for p in f.backward))
+                  for f in problem.flows))
+
+
+def _build(problem: ShardingProblem) -> BuiltModel:
+    model = cp_model.CpModel()
+    x = _add_choices(model, problem)
+    moves = []
+    for k, f in enumerate(problem.flows):
+        moves.append((_add_forward_moves(model, x, f, k), _add_backward_moves(model, x, f, k)))
+        _add_forbidden_moves(model, x, f)
+    return BuiltModel(model, x, tuple(moves))
+
+
+def _minimize(built: BuiltModel, problem: ShardingProblem) -> None:
+    """Set the objective of `problem`'s prices on a model built for its structure."""
+    terms: list[tuple[int, cp_model.LinearExprT]] = []
+    for n, costs in enumerate(problem.node_costs):
+        terms.extend((c, built.x[n][s]) for s, c in enumerate(costs) if c)
+    for f, (forward, backward) in zip(problem.flows, built.moves, strict=True):
+        fwd, bwd = _forward_prices(f), _backward_prices(f)
+        terms.extend((fwd[key], v) for key, v in forward)
+        terms.extend((bwd[key], v) for key, v in backward)
+    built.model.Minimize(cp_model.LinearExpr.WeightedSum([v for _, v in terms], [c for c, _ in terms]))
+
+
+def solve_problem(problem: ShardingProblem, *, time_limit: float = DEFAULT_TIME_LIMIT,
+                  models: dict[tuple, BuiltModel] | None = None) -> Solution:
+    """Minimize `problem.objective` over all assignments (see the module docstring). `models`: CP-SAT models by
+    problem structure, reused across calls (the same segment at another micro-batch size or tp)."""
     if all(len(c) == 1 for c in problem.node_costs):
         zero = (0,) * problem.num_nodes
         if not problem.feasible(zero):
@@ -236,16 +297,13 @@ def solve_problem(problem: ShardingProblem, *, time_limit: float = DEFAULT_TIME_
         obj = problem.objective(zero)
         return Solution(zero, obj, obj, SolveStatus.TRIVIAL)
     original, (problem, factor) = problem, _scaled(problem)
-    model = cp_model.CpModel()
-    x = _add_choices(model, problem)
-    terms: list[tuple[int, cp_model.LinearExprT]] = []
-    for n, costs in enumerate(problem.node_costs):
-        terms.extend((c, x[n][s]) for s, c in enumerate(costs) if c)
-    for k, f in enumerate(problem.flows):
-        terms.extend(_add_forward_moves(model, x, f, k))
-        terms.extend(_add_backward_moves(model, x, f, k))
-        _add_forbidden_moves(model, x, f)
-    model.Minimize(sum(c * v for c, v in terms))
+    if models is None:
+        built = _build(problem)
+    else:
+        key = structure_of(problem)
+        built = models.get(key) or models.setdefault(key, _build(problem))
+    _minimize(built, problem)
+    model, x = built.model, built.x
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
@@ -341,6 +399,8 @@ class ShardingCache:
     hits: int = 0
     misses: int = 0
     _entries: dict[tuple[Any, ...], _Solved] = field(default_factory=dict)
+    models: dict[tuple, BuiltModel] = field(default_factory=dict)
+    """CP-SAT models by problem structure (`solve_problem`): a layer's settings share a handful of structures."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -384,16 +444,16 @@ def _module_styles(nodes: Sequence[Node], model: ShardingModel, assignment: Sequ
 
 
 def _solve_setting(nodes: Sequence[Node], sp: bool, outputs: Sequence[str], build: dict[str, Any],
-                   time_limit: float) -> tuple[_Solved, int]:
+                   time_limit: float, models: dict[tuple, BuiltModel] | None) -> tuple[_Solved, int]:
     model = build_sharding_model(nodes, sequence_parallel=sp, outputs=outputs, **build)
     try:
-        solution = solve_problem(model.problem(), time_limit=time_limit)
+        solution = solve_problem(model.problem(), time_limit=time_limit, models=models)
     except IntraOpInfeasibleError:
         if not sp:
             raise
         # Norms forced onto the sequence shard (as the runtime runs them) left no feasible layout: offer all.
         model = build_sharding_model(nodes, sequence_parallel=sp, outputs=outputs, sequence_norms=False, **build)
-        solution = solve_problem(model.problem(), time_limit=time_limit)
+        solution = solve_problem(model.problem(), time_limit=time_limit, models=models)
     names = _positional_names(nodes)
     position = {name: i for i, name in enumerate(names)}
     colls = tuple((position[t], d, str(m)) for t, d, m in model.comm_moves(solution.assignment))
@@ -449,6 +509,10 @@ def solve_layer_sharding(nodes: Sequence[Node], cluster: Cluster, device: Device
     if missing:
         raise ValueError(f"outputs {missing} are not nodes of the segment")
     settings = (False,) if tp == 1 else ((False, True) if sequence_parallel is None else (sequence_parallel,))
+    # The segment is priced at microbatch_size / token_divisor samples (`build_sharding_model`'s batch scale), so
+    # settings with the same ratio (2 samples split over a cp of 2, 1 sample whole) are one problem, solved once.
+    common = math.gcd(microbatch_size, token_divisor)
+    microbatch_size, token_divisor = microbatch_size // common, token_divisor // common
     key = (structural_key(nodes), tuple(index[o] for o in outs), tp, tp_group, settings,
            microbatch_size, traced_batch, device.name, dtype, memory_weight, num_microbatches, time_limit,
            traced_dtype, _cluster_key(cluster), id(profile) if profile is not None else None, fp8, token_divisor,
@@ -462,7 +526,8 @@ def solve_layer_sharding(nodes: Sequence[Node], cluster: Cluster, device: Device
     build = dict(tp=tp, traced_batch=traced_batch, microbatch_size=microbatch_size, pricer=pricer,
                  memory_weight=memory_weight, num_microbatches=num_microbatches, dtype=dtype,
                  traced_dtype=traced_dtype, token_divisor=token_divisor, sharded_weights=sharded_weights)
-    candidates = [_solve_setting(nodes, sp, outs, build, time_limit) for sp in settings]
+    models = cache.models if cache is not None else None
+    candidates = [_solve_setting(nodes, sp, outs, build, time_limit, models) for sp in settings]
     solved = min(candidates, key=lambda c: c[1])[0]  # the first (no SP) wins ties
     solved = dataclasses.replace(solved, cost=with_training_loss(solved.cost, solved.loss_input_bytes, device, dtype))
     if cache is not None:
