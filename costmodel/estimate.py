@@ -361,13 +361,24 @@ def rank_tail(chunks: Sequence[Sequence[PricedSegment]], times: Sequence[StageTi
         end_reduce_chunks=max(sum(c.end_reduce_chunks for c in comms), 1),
         last_bwd_window_s=sum(t.compute_bwd_s + t.recompute_s + t.tp_bwd_s for t in times),
         tp_grad_sync_s=tp_grad_sync_time(
-            sum(c.grad_sync_bytes for c in costs), sum(c.grad_sync_tensors for c in costs), tp_group(strategy, r),
+            sum(c.grad_sync_bytes for c in costs) + _split_expert_grad_bytes(costs, strategy, dtype),
+            sum(c.grad_sync_tensors for c in costs), tp_group(strategy, r),
             cluster, concurrent=strategy.num_devices // strategy.tp,
             per_tensor_s=rank.framework.grad_sync_per_tensor(strategy.tp)),
         shared_sync_s=_shared_sync_time(shared_params, strategy, r, cluster,
                                         strategy.runtime.grad_bytes(dtype_bytes(dtype))),
         optimizer_s=optimizer_s, offload_copy_s=copy_s,
         post_step_s=sum(c.post_step_s for c in comms), overlap=strategy.runtime.dp_overlap)
+
+
+def _split_expert_grad_bytes(costs: Sequence[LayerCost], strategy: Strategy, dtype: str) -> float:
+    """Gradient bytes of experts whose slots the tp ranks split (`costmodel.expert_parallel`), summed over the tp
+    group after the backward: the rank's shard of them under ZeRO (over dp*cp/ep ranks), else all."""
+    params = sum(c.tp_split_expert_params for c in costs)
+    if not params:
+        return 0.0
+    shards = max(strategy.dp * strategy.cp // strategy.ep, 1) if strategy.zero_stage >= 1 else 1
+    return params / shards * strategy.runtime.grad_bytes(dtype_bytes(dtype))
 
 
 def optimizer_terms(local_params: int, device: DeviceSpec, offload: Offload, *, dtype: str, speed: float = 1.0,

@@ -76,8 +76,20 @@ Everything else follows from where the expert parameters live:
   experts when ep = n: each expert has a single owner);
 - ZeRO shards expert state over n / ep ranks instead of n (`model_state_bytes`, `optimizer_params`).
 
-The search's lower bounds take `bound_cost`: the balanced load lambda(1) and one GEMM per projection, below the
-price at every ep.
+Tensor parallelism (tp > 1) keeps the experts whole on every tp rank (the MoE layer runs replicated on the gathered
+sequence), and the tp ranks split every expert's slots: rank r runs 1/tp of them and the results are all-gathered
+over the tp group (`planner.runtime.apply_ep.apply_expert_token_split`; the work Megatron-Core splits the same way
+with expert tensor parallel size 1). Stacked experts only -- one module per expert runs replicated. Then
+
+    expert region            lambda(ep) / tp of the traced work and saved activations, E / ep GEMMs of 1/tp
+    dispatch and combine     A over X / tp                       (the ep group exchanges this rank's slots)
+    forward communication    + G,  G = collective_time(ALL_GATHER, X, tp group)   the experts' outputs
+    backward communication   + G                                 their input gradients, gathered the same way
+    expert gradients         partial on each tp rank: summed over the tp group after the backward, on the
+                             rank's ZeRO shard (`LayerCost.tp_split_expert_params`, `costmodel.estimate`)
+
+The search's lower bounds take `bound_cost`: the balanced load lambda(1) / tp and one GEMM per projection, below
+the price at every ep.
 """
 
 from __future__ import annotations
@@ -190,6 +202,11 @@ class ExpertSetting:
     imbalance: float = EXPERT_IMBALANCE
     dedup: bool = False
     """Dispatch and combine send a token once per node (`RuntimeOptions.ep_dedup`, module docstring)."""
+    tp: int = 1
+    """Tensor-parallel ranks that split every expert's slots (module docstring)."""
+    tp_group: CommGroup = CommGroup(1)
+    tp_concurrent: int = 1
+    """tp groups gathering at once."""
 
     @property
     def token_scale(self) -> float:
@@ -270,8 +287,13 @@ def bound_cost(base: LayerCost, layer: ExpertLayer | None, device: DeviceSpec, s
     """A lower bound on the segment's price at every ep: the balanced load lambda(1), one GEMM per projection."""
     if layer is None:
         return base
-    load = expert_load_factor(layer.found.capacity_factor, 1, setting.imbalance)
+    load = expert_load_factor(layer.found.capacity_factor, 1, setting.imbalance) / slot_split(layer.found, setting)
     return _with_region(base, _region_delta(layer, device, setting, load, 1, profile))
+
+
+def slot_split(found: RoutedExperts, setting: ExpertSetting) -> int:
+    """Ranks that split every expert's slots: the tp ranks for stacked experts, else 1 (module docstring)."""
+    return setting.tp if found.layout is ExpertLayout.STACKED else 1
 
 
 def expert_cost(base: LayerCost, layer: ExpertLayer | None, device: DeviceSpec, cluster: Cluster, *,
@@ -285,14 +307,26 @@ def expert_cost(base: LayerCost, layer: ExpertLayer | None, device: DeviceSpec, 
         return base
     found, ep = layer.found, setting.ep
     load = expert_load_factor(found.capacity_factor, ep, setting.imbalance)
+    split = slot_split(found, setting)
     # Stacked weights run one grouped GEMM of E / ep experts; one module per expert is one GEMM per node already.
     groups = max(found.num_experts // ep, 1) if found.layout is ExpertLayout.STACKED else 1
-    cost = _with_region(base, _region_delta(layer, device, setting, load, groups, profile))
-    if ep == 1 or not found.param_numel:
-        return cost
-    local = round(found.param_numel * base.param_count / segment_params) if segment_params else found.param_numel
-    kept = -(-local // ep)
+    cost = _with_region(base, _region_delta(layer, device, setting, load / split, groups, profile))
     payload = layer.dispatch_bytes * setting.token_scale * retype_ratio(setting.traced_dtype, setting.dtype) * load
+    if split > 1:
+        gather = collective_time(Collective.ALL_GATHER, payload, setting.tp_group, cluster,
+                                 concurrent=setting.tp_concurrent)
+        cost = dataclasses.replace(cost, fwd_comm_s=cost.fwd_comm_s + gather, bwd_comm_s=cost.bwd_comm_s + gather,
+                                   recompute_full_s=cost.recompute_full_s + gather,
+                                   peak_temp_bytes=max(cost.peak_temp_bytes, round(payload)))
+    if not found.param_numel:
+        return cost
+    # Experts are whole on every tp rank: the segment's share of them is all of them unless tp sharded the rest.
+    local = (min(found.param_numel, base.param_count) if split > 1 else
+             round(found.param_numel * base.param_count / segment_params) if segment_params else found.param_numel)
+    kept = -(-local // ep)
+    if ep == 1:
+        return dataclasses.replace(cost, tp_split_expert_params=local if split > 1 else 0)
+    payload /= split
     scale = dedup_tier_scale(found, setting.group, cluster) if setting.dedup else ()
     a2a = collective_time(Collective.ALL_TO_ALL, payload, setting.group, cluster, concurrent=setting.concurrent,
                           tier_scale=scale)
@@ -306,6 +340,7 @@ def expert_cost(base: LayerCost, layer: ExpertLayer | None, device: DeviceSpec, 
         param_count=base.param_count - local + kept,
         param_bytes=round(base.param_bytes - (local - kept) * bytes_per_param),
         expert_param_count=kept,
+        tp_split_expert_params=kept if split > 1 else 0,
         peak_temp_bytes=max(cost.peak_temp_bytes, round(2 * payload)),
     )
 

@@ -39,6 +39,9 @@ class LayerCost:
     expert_param_count: int = 0
     """Of `param_count`, mixture-of-experts weights split over the expert-parallel axis (already divided by ep):
     data parallelism reduces and ZeRO shards them over dp*cp/ep ranks (`costmodel.expert_parallel`)."""
+    tp_split_expert_params: int = 0
+    """Of `param_count`, expert weights whose slots the tp ranks split (`costmodel.expert_parallel`): each rank's
+    gradient is partial, summed over the tp group after the backward."""
     param_tensors: int = 0
     """Parameter tensors this segment owns (a weight first used by an earlier segment is not counted): the
     optimizer's per-tensor framework cost (`costmodel.framework`) counts tensors, not bytes."""

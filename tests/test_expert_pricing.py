@@ -9,10 +9,10 @@ import math
 import pytest
 
 import ir
-from costmodel.expert_parallel import EXPERT_IMBALANCE, expert_load_factor
+from costmodel.expert_parallel import EXPERT_IMBALANCE, ExpertSetting, expert_cost, expert_layer, expert_load_factor
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import Collective, CommGroup, collective_time
-from costmodel.operators import gemm_size_factor
+from costmodel.operators import gemm_size_factor, node_time
 from ir.graph import OpKind
 from ir.moe_structure import expert_region, routed_experts
 from models.registry import build_model
@@ -132,9 +132,44 @@ def test_the_search_bound_is_below_every_expert_parallel_price(imbalance):
     cluster = Cluster.from_dict({**Cluster.parse("1x8xh100").to_dict(), "expert_imbalance": imbalance})
     table = LayerCostTable(chain, cluster)
     device = cluster.device_of(0)
-    bound = table.segment_costs(device, tp=1, tp_stride=1, sequence_parallel=False, microbatch_size=MBS)
-    for ep in (1, 2, 4):
-        priced = table.segment_costs(device, tp=1, tp_stride=1, sequence_parallel=False, microbatch_size=MBS,
-                                     split=AxisSplit(ep=ep, ep_stride=1, num_devices=8))
-        assert sum(c.fwd_compute_s + c.bwd_compute_s for c in bound) <= sum(
-            c.fwd_compute_s + c.bwd_compute_s for c in priced)
+    for tp in (1, 2):
+        bound = table.segment_costs(device, tp=tp, tp_stride=1, sequence_parallel=tp > 1, microbatch_size=MBS)
+        for ep in (1, 2, 4):
+            priced = table.segment_costs(device, tp=tp, tp_stride=1, sequence_parallel=tp > 1,
+                                         microbatch_size=MBS, split=AxisSplit(ep=ep, ep_stride=2, num_devices=8))
+            assert sum(c.fwd_compute_s + c.bwd_compute_s for c in bound) <= sum(
+                c.fwd_compute_s + c.bwd_compute_s for c in priced)
+
+
+def test_tensor_parallel_ranks_split_the_expert_slots():
+    """tp = 2 (experts whole on both ranks): each runs half of every expert's slots -- the grouped GEMMs at half
+    the rows, the ops between them on half the bytes -- the ep group exchanges half the payload, the outputs
+    and the input gradients are all-gathered over tp, and the expert gradients are partial over tp."""
+    chain = _chain()
+    cluster = Cluster.from_dict({**Cluster.parse("1x8xh100").to_dict(), "expert_imbalance": 1.0})
+    device = cluster.device_of(0)
+    block = chain.segments[_block(chain)]
+    nodes = chain.nodes_of(block)
+    layer = expert_layer(nodes)
+    base = LayerCostTable(chain, cluster).prices(device, tp=1, tp_stride=1, sequence_parallel=False,
+                                                 microbatch_size=MBS).costs[block.class_id]
+    ep, tp_group = 2, CommGroup(2)
+    costs = {tp: expert_cost(base, layer, device, cluster, segment_params=block.param_count, setting=ExpertSetting(
+        ep=ep, microbatch_size=MBS, traced_batch=1, traced_dtype="float32", group=CommGroup(ep, stride=2),
+        concurrent=4, imbalance=1.0, tp=tp, tp_group=tp_group, tp_concurrent=4)) for tp in (1, 2)}
+    load = 1 / layer.found.capacity_factor
+    region_fwd = {tp: sum(node_time(n, device, flops_scale=MBS * load / tp, bytes_scale=MBS * load / tp,
+                                    gemm_groups=E // ep if n.name in layer.found.linears else 1,
+                                    param_scale=1 / ep if n.name in layer.found.linears else 1.0)[0]
+                          for n in layer.region) for tp in (1, 2)}
+    payload = MBS * E * math.ceil(K * 1.25 * SEQ / E) * H * 2 * load
+    a2a = {tp: collective_time(Collective.ALL_TO_ALL, payload / tp, CommGroup(ep, stride=2), cluster, concurrent=4)
+           for tp in (1, 2)}
+    gather = collective_time(Collective.ALL_GATHER, payload, tp_group, cluster, concurrent=4)
+    one, two = costs[1], costs[2]
+    assert one.fwd_compute_s - two.fwd_compute_s == pytest.approx(region_fwd[1] - region_fwd[2], rel=1e-9)
+    assert two.fwd_comm_s - one.fwd_comm_s == pytest.approx(gather + 2 * (a2a[2] - a2a[1]), rel=1e-9)
+    assert two.bwd_comm_s - one.bwd_comm_s == pytest.approx(gather + 2 * (a2a[2] - a2a[1]), rel=1e-9)
+    assert one.tp_split_expert_params == 0
+    assert two.tp_split_expert_params == two.expert_param_count == layer.found.param_numel // ep
+    assert two.saved_bytes_none < one.saved_bytes_none

@@ -62,11 +62,11 @@ CONFIGS_2 = ("dp2", "dp2_zero1", "fsdp2", "fsdp2_offload", "tp2", "tp2_sp", "tp2
              "pp2_zbv_untied", "pp2_dualpipev", "pp2_llama_uneven", "user_pp2", "user_dp2_recompute", "recompute_full_dp2",
              "recompute_selective_tp2", "recompute_op_fsdp2", "tp2_sp_selective_island", "tp2_sp_unpaired_colwise", "recompute_pp2",
              "partial_recompute_pp2",
-             "cp2", "cp2_llama_recompute", "ep2", "ep2_fsdp")
+             "cp2", "cp2_llama_recompute", "ep2", "ep2_fsdp", "tp2_sp_moe_odd_slots")
 CONFIGS_4 = ("dp4_fsdp", "tp2_dp2", "tp2_sp_fsdp2", "pp2_dp2", "pp2_fsdp2", "pp2_fsdp2_offload", "pp2_tp2", "pp2_tp2_sp_recompute",
              "pp4_1f1b", "pp2_interleaved_dp2", "pp2_interleaved_uneven_zero1", "pp2_zbv_fsdp2",
              "pp2_zbv_dp2", "pp2_zb_zero1", "pp2_zb_zero2", "pp2_dualpipev_tp2", "user_pp2_fsdp2", "cp2_dp2", "cp2_fsdp2_selective", "cp2_tp2_sp",
-             "cp2_pp2", "ep2_dp4", "ep2_tp2", "ep2_pp2", "cp2_ep2_moe")
+             "cp2_pp2", "ep2_dp4", "ep2_tp2", "tp2_moe_fsdp", "ep2_pp2", "cp2_ep2_moe")
 
 
 def tiny_gpt(**overrides: Any) -> nn.Module:
@@ -605,6 +605,10 @@ def _check_config(name: str, ranks: list[dict[str, Any]]) -> None:
         seen = [r["attention_tokens"] for r in ranks]  # [] on a pipeline rank without blocks
         assert all(t in ([], [seq // strategy.cp]) for t in seen) and any(seen), (
             f"{name}: attention saw {seen} tokens, expected {seq // strategy.cp}")
+    # ...the tp ranks split the experts' slots (each MoE layer's experts module)...
+    if cfg.family == "moe" and strategy.tp > 1:
+        layers = cfg.settings.get("layers", worker.TINY["moe"]["layers"])
+        assert [r["split_experts"] for r in ranks] == [layers] * len(ranks), f"{name}: experts not split over tp"
     # ...and sharding really splits the model over the ranks
     full = ranks[0]["model_numel"]
     # cp ranks hold the same weights (ZeRO shards them over dp x cp); ep ranks hold different experts

@@ -17,11 +17,22 @@ the expert replicas ((dp / ep) x cp ranks, `PlanMeshes.expert_replicas`) then av
 the single-process gradient (dense parameters average over dp x cp ranks, each of which contributes once). So the
 gradient reaching the experts' output is divided by ep, and the gradient leaving their input multiplied by ep
 again: expert weights get 1/ep of the sum, tokens their exact gradient (exact in floating point for powers of 2).
+
+Tensor parallelism (tp > 1) leaves the experts whole on every tp rank, and the MoE layer runs replicated over the
+tp group on the gathered sequence (`apply_tp.replicated_islands`). So that the tp ranks do not all compute every
+expert slot, each takes 1/tp of every expert's slots (`apply_expert_token_split`; Megatron-Core's expert tensor
+parallel size 1, which splits the tokens over the tp ranks): the buffers (E, N, h) are padded to a multiple of tp
+slots, rank r keeps slots [r N/tp, (r+1) N/tp) -- before the all-to-all when ep > 1, so the ep group exchanges
+slices -- and the results are all-gathered over tp. Upstream of the gather the island is replicated, so the
+gather's backward keeps this rank's slice of the (identical) gradient and the slice's backward gathers the slices'
+gradients: tokens get their exact gradient. Each rank's expert gradients then hold only its slots'
+contributions; `sync_split_expert_gradients` sums them over the tp group after the backward (the data-parallel
+reduction over the expert replicas has already run on every tp rank alike, and sums commute).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +126,100 @@ class ExpertParallelForward:
         return self.ep.all_to_all(back)  # (E, N, h') in expert order
 
 
+def _gather_slots(x: torch.Tensor, group: Any) -> torch.Tensor:
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 1, group))
+
+
+class _SliceSlots(torch.autograd.Function):
+    """This tp rank's share of dim 1 forward; the shares' gradients gathered over the tp group backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: EpGroup) -> torch.Tensor:
+        ctx.tp = tp
+        n = x.size(1) // tp.size
+        return x.narrow(1, tp.rank * n, n).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_slots(grad, ctx.tp.group), None
+
+
+class _GatherSlots(torch.autograd.Function):
+    """The tp ranks' shares of dim 1 gathered forward; this rank's share of the replicated gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: EpGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return _gather_slots(x, tp.group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        tp = ctx.tp
+        n = grad.size(1) // tp.size
+        return grad.narrow(1, tp.rank * n, n).contiguous(), None
+
+
+class TokenSplitForward:
+    """An experts module's forward on this tp rank's share of every expert's slots, the results gathered over
+    the tp group (module docstring)."""
+
+    def __init__(self, forward: Callable[..., Any], tp: EpGroup) -> None:
+        self.forward = forward
+        self.tp = tp
+
+    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        slots = x.size(1)
+        pad = -slots % self.tp.size
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        out = _GatherSlots.apply(self.forward(_SliceSlots.apply(x, self.tp), *args, **kwargs), self.tp)
+        return out[:, :slots] if pad else out
+
+
+def apply_expert_token_split(model: nn.Module, tp: EpGroup) -> tuple[nn.Module, ...]:
+    """Let each tp rank run 1/tp of every expert's slots (module docstring); returns the experts modules whose
+    gradients `sync_split_expert_gradients` must sum over the tp group. Experts modules not called with
+    per-expert buffers are left alone (they run replicated, as priced for them)."""
+    done = []
+    for _, module in experts_modules(model):
+        entry = _buffers_entry(module)
+        if entry:
+            setattr(module, entry, TokenSplitForward(getattr(module, entry), tp))
+            done.append(module)
+    return tuple(done)
+
+
+def sync_split_expert_gradients(modules: Sequence[nn.Module], group: Any) -> None:
+    """Sum, over the tp group, the gradients of experts whose slots the tp ranks split, one flat buffer per
+    dtype (the modules and so the buffers are the same on every tp rank)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    buckets: dict[torch.dtype, list[torch.Tensor]] = {}
+    for module in modules:
+        for p in module.parameters(recurse=False):
+            if p.grad is not None:
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                buckets.setdefault(g.dtype, []).append(g)
+    for grads in buckets.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def _buffers_entry(module: nn.Module) -> str:
+    """The method that runs the experts on per-expert buffers ('' when the module has none): an experts module
+    that routes its own tokens may expose it as `expert_buffers_forward` (models/hf_tracing.py)."""
+    if callable(getattr(module, "expert_buffers_forward", None)):
+        return "expert_buffers_forward"
+    return "forward" if _takes_expert_buffers(module) else ""
+
+
 @dataclass(frozen=True)
 class ExpertShards:
     """What `apply_expert_parallel` changed."""
@@ -142,10 +247,8 @@ def apply_expert_parallel(model: nn.Module, ep: EpGroup) -> ExpertShards:
         if experts % ep.size:
             raise UserError(f"ep={ep.size} does not divide the {experts} experts of {path}; valid ep: "
                             f"{', '.join(str(d) for d in range(1, experts + 1) if experts % d == 0)}")
-        # An experts module that routes its own tokens may expose its experts on per-expert buffers as
-        # `expert_buffers_forward` (models/hf_tracing.py); that is what the all-to-alls wrap, not its forward.
-        entry = "expert_buffers_forward" if callable(getattr(module, "expert_buffers_forward", None)) else "forward"
-        if entry == "forward" and not _takes_expert_buffers(module):
+        entry = _buffers_entry(module)
+        if not entry:
             raise UserError(f"expert parallelism: {path} ({type(module).__name__}) is not called with per-expert "
                             "token buffers (experts, tokens, features), the layout whose dispatch it implements; "
                             "plan with ep=1")

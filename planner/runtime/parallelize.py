@@ -33,7 +33,7 @@ from planner.runtime.apply_cp import (
     install_gather_hook,
     install_split_hook,
 )
-from planner.runtime.apply_ep import EpGroup, apply_expert_parallel
+from planner.runtime.apply_ep import EpGroup, apply_expert_parallel, apply_expert_token_split
 from planner.runtime.apply_fp8 import apply_fp8, fp8_runtime_problem
 from planner.runtime.apply_fsdp import apply_data_parallel
 from planner.runtime.apply_pipeline import (
@@ -112,6 +112,9 @@ class ParallelModel:
     """The 1-D meshes of the plan (set by `parallelize`)."""
     expert_params: frozenset[str] = frozenset()
     """FQNs of parameters of which this rank holds a dim-0 slice over the ep group (expert parallelism)."""
+    split_experts: tuple[nn.Module, ...] = ()
+    """Experts modules whose slots the tp ranks split (`apply_ep.apply_expert_token_split`): their gradients are
+    summed over the tp group after the backward."""
 
     @property
     def strategy(self) -> Strategy:
@@ -338,7 +341,8 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: Any = None,
     if strategy.pp == 1:
         _data_parallel(model, model_layers(model), sharded, strategy)
         return ParallelModel(plan=plan, mesh=mesh, parts={0: model}, loss_fn=loss_fn, device=device,
-                             meshes=sharded.meshes, expert_params=sharded.expert_params)
+                             meshes=sharded.meshes, expert_params=sharded.expert_params,
+                             split_experts=sharded.split_experts)
     return _pipeline(model, plan, mesh, layout, chain, stages, loss_fn, device, sharded)
 
 
@@ -349,6 +353,7 @@ class _Sharded:
     meshes: PlanMeshes
     experts: Sequence[nn.Module]
     expert_params: frozenset[str]
+    split_experts: tuple[nn.Module, ...] = ()
 
 
 def _data_parallel(part: nn.Module, layers: Sequence[tuple[str, nn.Module]], sharded: _Sharded,
@@ -378,6 +383,10 @@ def _model_parallel(model: nn.Module, plan: Plan, meshes: PlanMeshes, stages: Se
         shards = apply_expert_parallel(model, EpGroup(strategy.ep, meshes.ep.get_local_rank(),
                                                       meshes.ep.get_group()))
         experts, expert_params = shards.modules, shards.param_names
+    split: tuple[nn.Module, ...] = ()
+    if strategy.tp > 1:  # outside the all-to-alls: the ep group exchanges this tp rank's slots
+        split = apply_expert_token_split(model, EpGroup(strategy.tp, meshes.tp.get_local_rank(),
+                                                        meshes.tp.get_group()))
     cp = None
     if strategy.cp > 1:
         cp = CpGroup(SequenceShard(strategy.cp, meshes.cp.get_local_rank()), meshes.cp.get_group())
@@ -391,7 +400,7 @@ def _model_parallel(model: nn.Module, plan: Plan, meshes: PlanMeshes, stages: Se
         install_sequence_parallel_hooks(model, meshes.tp)
     if cp is not None:
         install_gather_hook(model, cp)
-    return _Sharded(meshes=meshes, experts=experts, expert_params=frozenset(expert_params))
+    return _Sharded(meshes=meshes, experts=experts, expert_params=frozenset(expert_params), split_experts=split)
 
 
 def _fp8_problem(strategy: Strategy, device: torch.device) -> str:
@@ -474,4 +483,4 @@ def _pipeline(model: nn.Module, plan: Plan, mesh: Any, layout: MeshLayout, chain
     schedule = build_schedule(pipeline_stages, strategy.schedule, strategy.num_microbatches, microbatch_loss)
     return ParallelModel(plan=plan, mesh=mesh, parts=parts, loss_fn=loss_fn, schedule=schedule,
                          microbatch_loss=microbatch_loss, tied=tied, device=device, meshes=sharded.meshes,
-                         expert_params=sharded.expert_params)
+                         expert_params=sharded.expert_params, split_experts=sharded.split_experts)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from planner.errors import UserError
+from planner.runtime.apply_ep import sync_split_expert_gradients
 from planner.runtime.parallelize import ParallelModel
 
 
@@ -49,6 +50,8 @@ def train_step(pm: ParallelModel, batch: Sequence[torch.Tensor], optimizer: torc
     loss = _pipelined(pm, batch) if pm.pipelined else _accumulated(pm, batch)
     _sum_tied_gradients(pm)
     sync_partial_gradients(p for _, part in sorted(pm.parts.items()) for p in part.parameters())
+    if pm.split_experts:
+        sync_split_expert_gradients(pm.split_experts, pm.meshes.tp.get_group())
     optimizer.step()
     return _global_mean(pm, loss)
 

@@ -114,7 +114,7 @@ class LayerCostTable:
             key = (device.name, tp, tp_stride, sequence_parallel, microbatch_size, None)
             costs = self._split_cache.get(key)
             if costs is None:
-                costs = self._split_cache[key] = self._bound(device, prices, microbatch_size)
+                costs = self._split_cache[key] = self._bound(device, prices, microbatch_size, tp)
             return tuple(costs[s.class_id] for s in self.chain.segments)
         if split is not None and (split.cp > 1 or split.ep > 1 or self.has_experts):  # on top of the tp prices
             key = (device.name, tp, tp_stride, sequence_parallel, microbatch_size, split)
@@ -145,17 +145,19 @@ class LayerCostTable:
                 ep=split.ep, microbatch_size=mbs, traced_batch=batch,
                 traced_dtype=self.chain.graph.dtype, dtype=self.dtype, token_divisor=split.cp,
                 group=type_group(self.cluster, device.name, split.ep, split.ep_stride),
-                concurrent=split.num_devices // split.ep, imbalance=self.expert_imbalance, dedup=self.ep_dedup)
+                concurrent=split.num_devices // split.ep, imbalance=self.expert_imbalance, dedup=self.ep_dedup,
+                tp=tp, tp_group=type_group(self.cluster, device.name, tp, tp_stride),
+                tp_concurrent=split.num_devices // tp)
             out[cid] = expert_cost(cost, self.expert_layer(cid), device, self.cluster, setting=setting,
                                    segment_params=segment.param_count, profile=self.profile)
         return out
 
-    def _bound(self, device: DeviceSpec, prices: ClassPrices, mbs: int) -> dict[int, LayerCost]:
+    def _bound(self, device: DeviceSpec, prices: ClassPrices, mbs: int, tp: int) -> dict[int, LayerCost]:
         from costmodel.expert_parallel import ExpertSetting, bound_cost
 
         setting = ExpertSetting(ep=1, microbatch_size=mbs, traced_batch=self.chain.graph.batch_size,
                                 traced_dtype=self.chain.graph.dtype, dtype=self.dtype,
-                                imbalance=self.expert_imbalance)
+                                imbalance=self.expert_imbalance, tp=tp)
         return {cid: bound_cost(cost, self.expert_layer(cid), device, setting, self.profile)
                 for cid, cost in prices.costs.items()}
 

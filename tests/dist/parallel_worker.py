@@ -225,6 +225,11 @@ CONFIGS: dict[str, Config] = {
     "ep2_dp4": Config("moe", dict(dp=4, ep=2, microbatch_size=1, num_microbatches=2)),
     "ep2_tp2": Config("moe", dict(dp=2, tp=2, ep=2, microbatch_size=2, num_microbatches=2),
                       TP_ATTENTION + TP_EMBED_HEAD),
+    # tp ranks split the experts' slots (ep 1, and 5 slots per expert: padded to 6)
+    "tp2_sp_moe_odd_slots": Config("moe", dict(tp=2, microbatch_size=1, num_microbatches=2, sequence_parallel=True),
+                         TP_ATTENTION + TP_EMBED_HEAD + SP_NORMS, settings=dict(group_size=8)),
+    "tp2_moe_fsdp": Config("moe", dict(dp=2, tp=2, microbatch_size=2, num_microbatches=1, zero_stage=3),
+                           TP_ATTENTION + TP_EMBED_HEAD),
     "ep2_pp2": Config("moe", dict(pp=2, dp=2, ep=2, microbatch_size=1, num_microbatches=4)),
     "cp2_ep2_moe": Config("moe", dict(dp=2, cp=2, ep=2, microbatch_size=2, num_microbatches=1, zero_stage=3),
                           settings=dict(capacity_factor=2.0)),
@@ -329,7 +334,8 @@ def run_config(name: str) -> dict[str, Any]:
                          _max_abs(ref - init)]
     return {"losses": losses, "ref_losses": ref_losses, "params": params, "param_groups": _param_groups(cfg),
             "local_numel": local_numel, "model_numel": count_trainable_params(build(cfg)[0]), "seconds": elapsed,
-            "attention_tokens": sorted(set(seen)), "offload_policies": _offload_policies(pm)}
+            "attention_tokens": sorted(set(seen)), "offload_policies": _offload_policies(pm),
+            "split_experts": len(pm.split_experts)}
 
 
 def _offload_policies(pm: Any) -> list[str]:
