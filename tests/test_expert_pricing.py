@@ -9,7 +9,13 @@ import math
 import pytest
 
 import ir
-from costmodel.expert_parallel import EXPERT_IMBALANCE, ExpertSetting, expert_cost, expert_layer, expert_load_factor
+from costmodel.expert_parallel import (
+    EXPERT_IMBALANCE,
+    ExpertSetting,
+    expert_cost,
+    expert_layer,
+    expert_load_factor,
+)
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.operators import gemm_size_factor, node_time
