@@ -213,8 +213,6 @@ def _validity_problems(chain: LayerChain, strategy: Strategy, global_batch: int 
                         f"{strategy.num_microbatches} = {strategy.global_batch}")
     # Context / expert parallelism must fit the model (costmodel/context_parallel.py, expert_parallel.py).
     problems += [p for p in (cp_problem(chain, strategy.cp), ep_problem(chain, strategy.ep)) if p]
-    if strategy.dp % strategy.ep:
-        problems.append(f"ep={strategy.ep} must divide dp={strategy.dp} (expert groups are data-parallel ranks)")
     if strategy.runtime.ep_overlap and strategy.schedule is not Schedule.DUALPIPEV:
         problems.append(f"ep_overlap overlaps the all-to-alls of DualPipeV's paired forward and backward chunks; "
                         f"the {strategy.schedule.value} schedule runs each chunk alone: use schedule dualpipev or "
@@ -347,10 +345,10 @@ def rank_tail(chunks: Sequence[Sequence[PricedSegment]], times: Sequence[StageTi
     """What the rank does after its last backward, from its chunks' times and communication (`rank_step_terms`'
     second half)."""
     costs = [s.cost for c in chunks for s in c]
-    experts = sum(c.expert_param_count for c in costs)  # ZeRO shards expert state over dp*cp/ep
+    experts = sum(c.expert_param_count for c in costs)  # ZeRO shards expert state over dp*cp/ep_dp
     local_params = optimizer_params(sum(c.param_count for c in costs) + shared_params, experts,
                                     zero_stage=strategy.zero_stage, dp_size=strategy.dp * strategy.cp,
-                                    ep=strategy.ep)
+                                    ep_dp=strategy.ep_dp)
     r = rank.index
     optimizer_s, copy_s = optimizer_terms(
         local_params, rank.device, strategy.runtime.offload, dtype=dtype, speed=rank.speed,
@@ -373,11 +371,11 @@ def rank_tail(chunks: Sequence[Sequence[PricedSegment]], times: Sequence[StageTi
 
 def _split_expert_grad_bytes(costs: Sequence[LayerCost], strategy: Strategy, dtype: str) -> float:
     """Gradient bytes of experts whose slots the tp ranks split (`costmodel.expert_parallel`), summed over the tp
-    group after the backward: the rank's shard of them under ZeRO (over dp*cp/ep ranks), else all."""
+    group after the backward: the rank's shard of them under ZeRO (over dp*cp/ep_dp ranks), else all."""
     params = sum(c.tp_split_expert_params for c in costs)
     if not params:
         return 0.0
-    shards = max(strategy.dp * strategy.cp // strategy.ep, 1) if strategy.zero_stage >= 1 else 1
+    shards = max(strategy.dp * strategy.cp // strategy.ep_dp, 1) if strategy.zero_stage >= 1 else 1
     return params / shards * strategy.runtime.grad_bytes(dtype_bytes(dtype))
 
 
@@ -401,8 +399,8 @@ def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSet
     pp, dp_size, runtime = strategy.pp, strategy.dp * strategy.cp, strategy.runtime
     segs = _fp8_shard_casts(segs, strategy)
     plain = stage_time(segs, speed=rank.speed)
-    # Expert weights are reduced over dp*cp/ep ranks (costmodel/expert_parallel.py).
-    params = dp_synced_params((s.cost for s in segs), dp_size=dp_size, ep=strategy.ep)
+    # Expert weights are reduced over dp*cp/ep_dp ranks (costmodel/expert_parallel.py).
+    params = dp_synced_params((s.cost for s in segs), dp_size=dp_size, ep_dp=strategy.ep_dp)
     # Every (tp, pp) coordinate runs its own data-parallel reduction at the same time. Gradients are reduced
     # in fp32 unless the trainer keeps them 16-bit (`RuntimeOptions.grad_bytes`), weights gathered in the training
     # dtype, FP8 weights in one byte (`costmodel.float8`).
@@ -442,7 +440,8 @@ def _stage_host_copy(segs: Sequence[PricedSegment], strategy: Strategy, device: 
     if strategy.runtime.offload is not Offload.PARAMS or host is None:
         return None
     shard = optimizer_params(sum(s.cost.param_count for s in segs), sum(s.cost.expert_param_count for s in segs),
-                             zero_stage=strategy.zero_stage, dp_size=strategy.dp * strategy.cp, ep=strategy.ep)
+                             zero_stage=strategy.zero_stage, dp_size=strategy.dp * strategy.cp,
+                             ep_dp=strategy.ep_dp)
     return host_copy(shard, host, num_microbatches=strategy.num_microbatches)
 
 
@@ -518,7 +517,7 @@ def _stage_estimates(priced: Sequence[Sequence[PricedSegment]], stage_times: Seq
         mine = [stage_times[j] for j in _rank_stages(strategy, r)]
         memory = rank_memory([priced[j] for j in _rank_stages(strategy, r)], counts,
                              zero_stage=strategy.zero_stage, dp=strategy.dp * strategy.cp,
-                             dtype=dtype, device_name=rank.device.name, extra_params=shared[r], ep=strategy.ep,
+                             dtype=dtype, device_name=rank.device.name, extra_params=shared[r], ep_dp=strategy.ep_dp,
                              reshard_after_forward=strategy.runtime.reshard_after_forward,
                              offload=strategy.runtime.offload, pipelined=pp > 1,
                              cross_entropy=strategy.runtime.cross_entropy,

@@ -1,8 +1,9 @@
 r"""Routed experts priced as they run: grouped GEMMs, the busiest rank's load, and expert parallelism (ep).
 
-Layout (GShard, Lepikhin et al. 2021, Sec. 2.2-3; Megatron-LM's expert parallelism): the ep axis reuses
-data-parallel ranks (`Strategy.ep` divides dp * cp; the search uses ep | dp). Each rank of an ep group holds E / ep
-of the experts; every rank routes its own tokens, an all-to-all *dispatch* sends each expert's tokens to the rank
+Layout (GShard, Lepikhin et al. 2021, Sec. 2.2-3; Megatron-Core's expert parallelism with MoE parallel folding,
+arXiv 2504.14960): the ep axis reuses tensor- and data-parallel ranks -- a group is ep consecutive ranks of a
+stage's tp x dp ranks (`costmodel.strategy.expert_span`: inside a tp group, or whole tp groups of ep_dp = ep / tp
+dp coordinates; with tp = 1, ep_dp = ep). Each rank of an ep group holds E / ep of the experts; every rank routes its own tokens, an all-to-all *dispatch* sends each expert's tokens to the rank
 that holds the expert, the experts run, and an all-to-all *combine* brings the results back.
 
 The trace (`models.expert_dispatch`) computes per-expert buffers of C slots per routing group: c = the capacity
@@ -69,12 +70,13 @@ traced ops: a small GEMM and memory-bound passes over the tokens, priced by the 
 
 Everything else follows from where the expert parameters live:
 
-- gradient reduction: dense gradients are reduced over the n = dp * cp ranks, an expert's over the n / ep ranks
-  holding a copy. A ring over n / ep ranks moves 2 (n/ep - 1) / (n/ep) of the expert bytes per device, which is
-  what the n-rank reduction of a buffer (n - ep) / (n - 1) times as large moves, so the data-parallel collectives
-  are priced on ``P_dense + P_expert / ep * (n - ep) / (n - 1)`` parameters (`dp_synced_params`; 0 for the
-  experts when ep = n: each expert has a single owner);
-- ZeRO shards expert state over n / ep ranks instead of n (`model_state_bytes`, `optimizer_params`).
+- gradient reduction: dense gradients are reduced over the n = dp * cp ranks, an expert's over the n / ep_dp
+  data-parallel ranks holding a copy (and, when ep < tp, the tp / ep ranks of a tp group holding it: the tp sum
+  below). A ring over n / ep_dp ranks moves 2 (n/ep_dp - 1) / (n/ep_dp) of the expert bytes per device, which is
+  what the n-rank reduction of a buffer (n - ep_dp) / (n - 1) times as large moves, so the data-parallel
+  collectives are priced on ``P_dense + P_expert / ep * (n - ep_dp) / (n - 1)`` parameters (`dp_synced_params`;
+  0 for the experts when ep_dp = n: each expert has a single owner among the data-parallel ranks);
+- ZeRO shards expert state over n / ep_dp ranks instead of n (`model_state_bytes`, `optimizer_params`).
 
 Tensor parallelism (tp > 1) keeps the experts whole on every tp rank (the MoE layer runs replicated on the gathered
 sequence), and the tp ranks split every expert's slots: rank r runs 1/tp of them and the results are all-gathered
@@ -85,8 +87,10 @@ with expert tensor parallel size 1). Stacked experts only -- one module per expe
     dispatch and combine     A over X / tp                       (the ep group exchanges this rank's slots)
     forward communication    + G,  G = collective_time(ALL_GATHER, X, tp group)   the experts' outputs
     backward communication   + G                                 their input gradients, gathered the same way
-    expert gradients         partial on each tp rank: summed over the tp group after the backward, on the
-                             rank's ZeRO shard (`LayerCost.tp_split_expert_params`, `costmodel.estimate`)
+    expert gradients         when ep < tp, the tp / ep ranks of a tp group that hold the same experts each have
+                             a part: summed after the backward, on the rank's ZeRO shard, priced as an
+                             all-reduce over the tp group (`LayerCost.tp_split_expert_params`,
+                             `costmodel.estimate`; an upper bound: the subgroup is smaller)
 
 The search's lower bounds take `bound_cost`: the balanced load lambda(1) / tp and one GEMM per projection, below
 the price at every ep.
@@ -324,8 +328,10 @@ def expert_cost(base: LayerCost, layer: ExpertLayer | None, device: DeviceSpec, 
     local = (min(found.param_numel, base.param_count) if split > 1 else
              round(found.param_numel * base.param_count / segment_params) if segment_params else found.param_numel)
     kept = -(-local // ep)
+    # The tp ranks holding the same experts (ep < tp; 1 when ep groups take whole tp groups) each hold a part.
+    partial = split > math.gcd(split, ep)
     if ep == 1:
-        return dataclasses.replace(cost, tp_split_expert_params=local if split > 1 else 0)
+        return dataclasses.replace(cost, tp_split_expert_params=local if partial else 0)
     payload /= split
     scale = dedup_tier_scale(found, setting.group, cluster) if setting.dedup else ()
     a2a = collective_time(Collective.ALL_TO_ALL, payload, setting.group, cluster, concurrent=setting.concurrent,
@@ -340,7 +346,7 @@ def expert_cost(base: LayerCost, layer: ExpertLayer | None, device: DeviceSpec, 
         param_count=base.param_count - local + kept,
         param_bytes=round(base.param_bytes - (local - kept) * bytes_per_param),
         expert_param_count=kept,
-        tp_split_expert_params=kept if split > 1 else 0,
+        tp_split_expert_params=kept if partial else 0,
         peak_temp_bytes=max(cost.peak_temp_bytes, round(2 * payload)),
     )
 
@@ -371,33 +377,34 @@ def dedup_tier_scale(found: RoutedExperts, group: CommGroup, cluster: Cluster) -
 
 # ---- what the data-parallel side does with expert parameters ----------------------------------------------------
 
-def dp_synced_params(costs: Iterable[LayerCost], *, dp_size: int, ep: int) -> float:
+def dp_synced_params(costs: Iterable[LayerCost], *, dp_size: int, ep_dp: int) -> float:
     """Parameters whose gradients (and ZeRO-3 weights) the n = dp*cp data-parallel collectives move, in units of
-    the n-rank group: dense ones, plus expert ones scaled by (n - ep) / (n - 1) (module docstring)."""
+    the n-rank group: dense ones, plus expert ones scaled by (n - ep_dp) / (n - 1) (module docstring)."""
     total = 0.0
     for c in costs:
         dense = c.param_count - c.expert_param_count
         total += dense
         if c.expert_param_count:
-            total += c.expert_param_count * ((dp_size - ep) / (dp_size - 1) if dp_size > 1 else 1.0)
+            total += c.expert_param_count * ((dp_size - ep_dp) / (dp_size - 1) if dp_size > 1 else 1.0)
     return total
 
 
-def optimizer_params(param_count: int, expert_param_count: int, *, zero_stage: int, dp_size: int, ep: int) -> int:
-    """Parameters whose optimizer step runs on one rank: dense / n and experts / (n / ep) under ZeRO >= 1."""
+def optimizer_params(param_count: int, expert_param_count: int, *, zero_stage: int, dp_size: int,
+                     ep_dp: int) -> int:
+    """Parameters whose optimizer step runs on one rank: dense / n and experts / (n / ep_dp) under ZeRO >= 1."""
     if zero_stage < 1:
         return param_count
     dense = param_count - expert_param_count
-    return -(-dense // dp_size) + -(-expert_param_count // max(dp_size // ep, 1))
+    return -(-dense // dp_size) + -(-expert_param_count // max(dp_size // ep_dp, 1))
 
 
-def model_state_bytes(param_count: int, expert_param_count: int, *, zero_stage: int, dp_size: int, ep: int,
+def model_state_bytes(param_count: int, expert_param_count: int, *, zero_stage: int, dp_size: int, ep_dp: int,
                       dtype: str, offload: Offload = Offload.NONE, pipelined: bool = False,
                       grad_bytes: int = GRAD_BYTES) -> ModelState:
-    """`memory.model_state_bytes` with expert state sharded over n / ep ranks instead of n."""
+    """`memory.model_state_bytes` with expert state sharded over n / ep_dp ranks instead of n."""
     dense = _dense_state_bytes(param_count - expert_param_count, zero_stage=zero_stage, dp=dp_size, dtype=dtype,
                                offload=offload, pipelined=pipelined, grad_bytes=grad_bytes)
     if not expert_param_count:
         return dense
-    return dense + _dense_state_bytes(expert_param_count, zero_stage=zero_stage, dp=max(dp_size // ep, 1),
+    return dense + _dense_state_bytes(expert_param_count, zero_stage=zero_stage, dp=max(dp_size // ep_dp, 1),
                                       dtype=dtype, offload=offload, pipelined=pipelined, grad_bytes=grad_bytes)

@@ -168,20 +168,21 @@ class PricedSegment:
 
 def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[int], *, zero_stage: int = 0,
                 dp: int = 1, dtype: str = "bfloat16", device_name: str = "gpu", extra_params: int = 0,
-                ep: int = 1, reshard_after_forward: bool = True, offload: Offload = Offload.NONE,
+                ep_dp: int = 1, reshard_after_forward: bool = True, offload: Offload = Offload.NONE,
                 pipelined: bool = False, cross_entropy: CrossEntropy = CrossEntropy.TORCH,
                 grad_bytes: int = GRAD_BYTES) -> MemoryBreakdown:
     """Peak bytes on one device holding `chunks` (one per virtual stage) with `in_flight[c]` micro-batches each.
 
     `extra_params`: parameters the device holds besides its segments' own (a copy of a weight shared with another
     pipeline rank, such as tied embeddings on the last stage), with their gradients and optimizer state.
-    `ep`: expert-parallel degree; ZeRO shards expert weights (`LayerCost.expert_param_count`) over dp / ep ranks.
+    `ep_dp`: data-parallel ranks an expert-parallel group spans (`Strategy.ep_dp`); ZeRO shards expert weights
+    (`LayerCost.expert_param_count`) over dp / ep_dp ranks.
     `cross_entropy`: the trainer's loss kernel (`RuntimeOptions.cross_entropy`); `grad_bytes`: bytes per gradient
     (`RuntimeOptions.grad_bytes`)."""
     if len(chunks) != len(in_flight):
         raise ValueError(f"{len(chunks)} chunks but {len(in_flight)} in-flight counts")
     segments = [s for chunk in chunks for s in chunk]
-    # Expert parallelism (costmodel/expert_parallel.py): expert state is sharded over dp / ep ranks.
+    # Expert parallelism (costmodel/expert_parallel.py): expert state is sharded over dp / ep_dp ranks.
     experts = sum(s.cost.expert_param_count for s in segments)
     # Parameter offload keeps FSDP2's per-micro-batch reduction (`step_time.data_parallel_comm`).
     pipelined = pipelined and Offload(offload) is not Offload.PARAMS
@@ -189,7 +190,7 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
                               zero_stage=zero_stage, dp=dp, dtype=dtype, offload=offload, pipelined=pipelined,
                               grad_bytes=grad_bytes)
     if experts:
-        state += model_state_bytes(experts, zero_stage=zero_stage, dp=max(dp // ep, 1), dtype=dtype,
+        state += model_state_bytes(experts, zero_stage=zero_stage, dp=max(dp // ep_dp, 1), dtype=dtype,
                                    offload=offload, pipelined=pipelined, grad_bytes=grad_bytes)
     # With nothing in flight (the search's affine memory terms ask for that first) every product is 0.
     activations = round(sum(n * sum(kept_bytes(s.cost, s.recompute, cross_entropy, dtype) for s in chunk)

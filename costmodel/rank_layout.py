@@ -6,8 +6,11 @@ Megatron-LM orders ranks): the rank at coordinates (t, c, d, p) is
     t * stride(tp) + c * stride(cp) + d * stride(dp) + p * stride(pp)
 
 where the stride of an axis is the product of the sizes of the axes inside it (`mesh_axes`, `axis_strides`).
-Expert parallelism has no axis of its own: an ep group is `ep` consecutive dp coordinates, so its stride is the dp
-stride. `planner.runtime.device_mesh` builds its `DeviceMesh` from `mesh_axes` reversed (row-major, outermost
+Expert parallelism has no axis of its own: an ep group is `ep` consecutive ranks of the stage's tp x dp ranks, tp
+fastest (`strategy.expert_span`): inside one tp group when ep divides tp (the tp stride), else whole tp groups of
+ep / tp consecutive dp coordinates, priced as one group of stride dp stride / tp -- the ranks themselves when tp
+and dp are adjacent in the mesh order (stride 1, the default with cp = 1), the same span and ranks per node as the
+true group (tp consecutive ranks every dp stride) otherwise. With tp = 1 that is the dp stride. `planner.runtime.device_mesh` builds its `DeviceMesh` from `mesh_axes` reversed (row-major, outermost
 first), so the ranks it communicates over are the ones priced here.
 
 Groups. A collective runs over ranks start, start + stride, ... (`CommGroup`). Priced are the groups of the first
@@ -58,7 +61,8 @@ def mesh_axes(strategy: Strategy) -> tuple[tuple[MeshAxis, int], ...]:
 
 
 def strides_of(sizes: Mapping[MeshAxis, int], order: Sequence[MeshAxis]) -> dict[MeshAxis, int]:
-    """Rank stride of each axis of `order` (innermost first) with these sizes; ep gets the dp stride."""
+    """Rank stride of each axis of `order` (innermost first) with these sizes; ep's as its group is priced (module
+    docstring)."""
     strides: dict[MeshAxis, int] = {}
     stride = 1
     for axis in order:
@@ -66,12 +70,16 @@ def strides_of(sizes: Mapping[MeshAxis, int], order: Sequence[MeshAxis]) -> dict
             continue
         strides[axis] = stride
         stride *= sizes[axis]
-    strides[MeshAxis.EP] = strides[MeshAxis.DP]
+    tp, ep = sizes[MeshAxis.TP], sizes[MeshAxis.EP]
+    if ep > 1 and tp % ep == 0:
+        strides[MeshAxis.EP] = strides[MeshAxis.TP]
+    else:  # ep 1 has no group; tp = 1 gives the dp stride
+        strides[MeshAxis.EP] = max(strides[MeshAxis.DP] // tp, 1) if ep > 1 else strides[MeshAxis.DP]
     return strides
 
 
 def axis_strides(strategy: Strategy) -> dict[MeshAxis, int]:
-    """Rank stride of each mesh axis of `strategy` (ep shares the dp stride)."""
+    """Rank stride of each mesh axis of `strategy` (ep's as its group is priced)."""
     return strides_of(axis_sizes(strategy), strategy.mesh_order)
 
 
@@ -127,8 +135,7 @@ def cp_group(strategy: Strategy, pp_rank: int) -> CommGroup:
 
 
 def ep_group(strategy: Strategy, pp_rank: int) -> CommGroup:
-    """The expert-parallel group of the first device of pipeline rank `pp_rank`: `ep` consecutive dp
-    coordinates."""
+    """The expert-parallel group of the first device of pipeline rank `pp_rank` (module docstring)."""
     st = axis_strides(strategy)
     return CommGroup(strategy.ep, stride=st[MeshAxis.EP], start=pp_rank * st[MeshAxis.PP])
 

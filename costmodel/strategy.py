@@ -384,11 +384,32 @@ class StageSpec:
                    device_group=d.get("device_group"), recomputed=None if chosen is None else tuple(chosen))
 
 
+def expert_span(tp: int, dp: int, ep: int) -> tuple[int, int] | None:
+    """(tp ranks, dp coordinates) an expert-parallel group spans, None when `ep` fits neither way.
+
+    The ep ranks of a pipeline stage are its tp x dp ranks, tp fastest, and a group is `ep` consecutive ones
+    (Megatron-Core's MoE parallel folding with expert tensor parallel size 1, Liu et al. 2025, arXiv 2504.14960):
+    inside one tp group when ep divides tp, else whole tp groups of ep / tp consecutive dp coordinates. Context-
+    parallel ranks hold the same experts (tp = 1: ep consecutive dp coordinates, as in GShard)."""
+    if tp % ep == 0:
+        return ep, 1
+    if ep % tp == 0 and dp % (ep // tp) == 0:
+        return tp, ep // tp
+    return None
+
+
+def expert_span_problem(tp: int, dp: int, ep: int) -> str:
+    """The one-line error for an ep that `expert_span` rejects."""
+    valid = sorted({e for e in range(1, tp + 1) if tp % e == 0} | {tp * d for d in range(1, dp + 1) if dp % d == 0})
+    return (f"ep={ep} must divide tp={tp} or be tp times a divisor of dp={dp} (an expert-parallel group is "
+            f"consecutive tp x dp ranks); valid ep: {', '.join(map(str, valid))}")
+
+
 @dataclass(frozen=True, slots=True)
 class Strategy:
     """Degrees and settings of one training step. `dp * tp * pp * cp * ep`... see `num_devices`.
 
-    Expert parallelism reuses data-parallel ranks (as in Megatron-LM), so `ep` must divide `dp * cp` and does not
+    Expert parallelism reuses tensor- and data-parallel ranks (`expert_span`, as in Megatron-Core) and does not
     multiply the device count. `stages` lists `pp * virtual_stages` stages in pipeline order; when empty, the
     estimator splits the chain evenly and applies `recompute` everywhere.
     """
@@ -437,14 +458,21 @@ class Strategy:
             raise ValueError(f"the {self.schedule.value} schedule needs pp > 1")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism needs tp > 1")
-        if (self.dp * self.cp) % self.ep:
-            raise ValueError(f"ep={self.ep} must divide dp*cp={self.dp * self.cp}")
+        if expert_span(self.tp, self.dp, self.ep) is None:
+            raise ValueError(expert_span_problem(self.tp, self.dp, self.ep))
         if self.stages and len(self.stages) != self.pp * self.virtual_stages:
             raise ValueError(f"{len(self.stages)} stages given, pp*virtual_stages={self.pp * self.virtual_stages}")
 
     @property
     def num_devices(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def ep_dp(self) -> int:
+        """Data-parallel coordinates an expert-parallel group spans (`expert_span`)."""
+        span = expert_span(self.tp, self.dp, self.ep)
+        assert span is not None  # validated in __post_init__
+        return span[1]
 
     @property
     def global_batch(self) -> int:

@@ -74,11 +74,11 @@ def test_expert_gradients_and_state_follow_the_expert_groups():
                      saved_bytes_full=0, recompute_selective_s=0, recompute_full_s=0, boundary_bytes=0,
                      expert_param_count=250)
     # n = 8 data-parallel ranks: a ring over n/ep ranks moves (n-ep)/(n-1) of what the n-rank ring would.
-    assert dp_synced_params([cost], dp_size=8, ep=4) == pytest.approx(1000 + 250 * 4 / 7)
-    assert dp_synced_params([cost], dp_size=8, ep=8) == 1000   # one owner per expert: nothing to reduce
-    assert optimizer_params(1250, 250, zero_stage=1, dp_size=8, ep=4) == 125 + 125
-    assert optimizer_params(1250, 250, zero_stage=0, dp_size=8, ep=4) == 1250
-    mem = rank_memory([[PricedSegment(cost)]], [1], zero_stage=1, dp=8, ep=4)
+    assert dp_synced_params([cost], dp_size=8, ep_dp=4) == pytest.approx(1000 + 250 * 4 / 7)
+    assert dp_synced_params([cost], dp_size=8, ep_dp=8) == 1000   # one owner per expert: nothing to reduce
+    assert optimizer_params(1250, 250, zero_stage=1, dp_size=8, ep_dp=4) == 125 + 125
+    assert optimizer_params(1250, 250, zero_stage=0, dp_size=8, ep_dp=4) == 1250
+    mem = rank_memory([[PricedSegment(cost)]], [1], zero_stage=1, dp=8, ep_dp=4)
     dense, experts = model_state_bytes(1000, zero_stage=1, dp=8), model_state_bytes(250, zero_stage=1, dp=2)
     assert mem.optimizer == dense.optimizer + experts.optimizer
 

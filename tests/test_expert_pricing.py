@@ -176,6 +176,15 @@ def test_tensor_parallel_ranks_split_the_expert_slots():
     assert one.fwd_compute_s - two.fwd_compute_s == pytest.approx(region_fwd[1] - region_fwd[2], rel=1e-9)
     assert two.fwd_comm_s - one.fwd_comm_s == pytest.approx(gather + 2 * (a2a[2] - a2a[1]), rel=1e-9)
     assert two.bwd_comm_s - one.bwd_comm_s == pytest.approx(gather + 2 * (a2a[2] - a2a[1]), rel=1e-9)
-    assert one.tp_split_expert_params == 0
-    assert two.tp_split_expert_params == two.expert_param_count == layer.found.param_numel // ep
     assert two.saved_bytes_none < one.saved_bytes_none
+    assert two.expert_param_count == layer.found.param_numel // ep
+
+    def partial(tp: int, ep: int) -> int:
+        setting = ExpertSetting(ep=ep, microbatch_size=MBS, traced_batch=1, traced_dtype="float32", tp=tp,
+                                tp_group=CommGroup(tp))
+        return expert_cost(base, layer, device, cluster, segment_params=block.param_count,
+                           setting=setting).tp_split_expert_params
+    # Gradients partial over tp where several ranks of a tp group hold the same experts: all of them at ep = 1, the
+    # rank's E / ep when ep < tp, none when each ep group takes whole tp groups (ep 2 over tp 2, ep 4 over tp 2).
+    assert (partial(1, 1), partial(2, 1), partial(4, 2)) == (0, layer.found.param_numel, layer.found.param_numel // 2)
+    assert partial(2, 2) == partial(2, 4) == 0

@@ -66,7 +66,8 @@ CONFIGS_2 = ("dp2", "dp2_zero1", "fsdp2", "fsdp2_offload", "tp2", "tp2_sp", "tp2
 CONFIGS_4 = ("dp4_fsdp", "tp2_dp2", "tp2_sp_fsdp2", "pp2_dp2", "pp2_fsdp2", "pp2_fsdp2_offload", "pp2_tp2", "pp2_tp2_sp_recompute",
              "pp4_1f1b", "pp2_interleaved_dp2", "pp2_interleaved_uneven_zero1", "pp2_zbv_fsdp2",
              "pp2_zbv_dp2", "pp2_zb_zero1", "pp2_zb_zero2", "pp2_dualpipev_tp2", "user_pp2_fsdp2", "cp2_dp2", "cp2_fsdp2_selective", "cp2_tp2_sp",
-             "cp2_pp2", "ep2_dp4", "ep2_tp2", "tp2_moe_fsdp", "ep2_pp2", "cp2_ep2_moe")
+             "cp2_pp2", "ep2_dp4", "ep2_tp2", "tp2_moe_fsdp", "ep4_tp2", "ep2_tp4", "ep2_pp2",
+             "cp2_ep2_moe")
 
 
 def tiny_gpt(**overrides: Any) -> nn.Module:

@@ -4,6 +4,7 @@ runtime's device mesh (a real `DeviceMesh` on a fake process group) against the 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -43,6 +44,8 @@ SHAPES = [
     Strategy(dp=2, tp=2, pp=2),
     Strategy(dp=4, tp=2, pp=2, mesh_order=PP_INSIDE_DP),
     Strategy(dp=2, tp=2, pp=2, cp=2, ep=2),
+    Strategy(dp=4, tp=2, pp=1, ep=4),
+    Strategy(dp=2, tp=2, pp=2, cp=2, ep=4),
     Strategy(dp=4, tp=1, pp=3, ep=2, mesh_order=PP_INSIDE_DP),
     Strategy(dp=3, tp=2, pp=1, cp=2),
     Strategy(dp=2, tp=4, pp=2, mesh_order=DP_INNERMOST),
@@ -88,13 +91,31 @@ def test_stage_ranks_are_the_ranks_of_a_pipeline_coordinate(strategy):
     assert sorted(r for k in range(strategy.pp) for r in stage_ranks(strategy, k)) == list(range(strategy.num_devices))
 
 
+def _first_ep_group(strategy: Strategy, k: int) -> list[int]:
+    """The first ep of pipeline rank k's tp x dp ranks (cp 0), tp fastest, written out from the coordinates."""
+    grid = sorted(((c[DP], c[TP]), r) for r, c in coordinates(strategy) if c[PP] == k and c[CP] == 0)
+    return [r for _, r in grid[:strategy.ep]]
+
+
+def _check_ep_group(strategy: Strategy, k: int) -> None:
+    """The priced ep group against `_first_ep_group`: the same ranks where the group is one stride, else the same
+    number in every run of dp-stride consecutive ranks."""
+    true = _first_ep_group(strategy, k)
+    priced = list(ep_group(strategy, k).ranks)
+    st = axis_strides(strategy)
+    if strategy.tp % strategy.ep == 0 or strategy.tp == 1 or st[DP] == strategy.tp * st[TP]:
+        assert priced == true
+    else:  # tp consecutive ranks every dp stride, priced as one stride: the same count in every dp-stride run
+        assert Counter(r // st[DP] for r in priced) == Counter(r // st[DP] for r in true)
+
+
 @pytest.mark.parametrize("strategy", SHAPES, ids=IDS)
 def test_groups_of_each_pipeline_rank_are_its_peers_along_the_axis(strategy):
     for k in range(strategy.pp):
         first = {TP: 0, CP: 0, DP: 0, PP: k}
         assert list(tp_group(strategy, k).ranks) == ranks_along(strategy, TP, first)
         assert list(cp_group(strategy, k).ranks) == ranks_along(strategy, CP, first)
-        assert list(ep_group(strategy, k).ranks) == ranks_along(strategy, DP, first)[:strategy.ep]
+        _check_ep_group(strategy, k)
         # the gradient reduction spans every dp x cp coordinate of the first tp coordinate
         assert sorted(dp_group(strategy, k).ranks) == ranks_where(strategy, pp=k, tp=0)
         if k:
@@ -213,7 +234,7 @@ def test_runtime_groups_are_the_priced_groups(strategy, fake_world):
     assert sorted(meshes.replicas.mesh.flatten().tolist()) == sorted(dp_group(strategy, k).ranks)
     assert meshes.pp.mesh.tolist() == [rank_of(strategy, {PP: j}) for j in range(strategy.pp)]
     if strategy.ep > 1:
-        assert meshes.ep.mesh.tolist() == list(ep_group(strategy, k).ranks)
+        assert meshes.ep.mesh.tolist() == _first_ep_group(strategy, k)
 
 
 @pytest.mark.parametrize("strategy", SHAPES, ids=IDS)

@@ -48,6 +48,10 @@ def exports() -> dict[str, tuple[Plan, dict[Trainer, str]]]:
             for zero, offload in ((1, "optimizer"), (3, "params")):
                 variants[f"{path.stem}+zero{zero}+offload-{offload}"] = replace(plan, strategy=replace(
                     plan.strategy, zero_stage=zero, runtime=replace(plan.strategy.runtime, offload=offload)))
+        if plan.strategy.ep > 1:  # expert parallelism over tp x dp ranks (whole tp groups)
+            variants[path.stem + "+tp2+ep4"] = replace(plan, strategy=replace(
+                plan.strategy, tp=2, dp=plan.strategy.dp // 2, ep=4, sequence_parallel=True,
+                num_microbatches=plan.strategy.num_microbatches * 2))
         for name, p in variants.items():
             out[name] = (p, {t: export_plan(p, t, layout, shape).text for t in Trainer})
     return out
@@ -122,6 +126,7 @@ def _megatron_core_config(ns: SimpleNamespace):
         pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=_virtual(ns), context_parallel_size=ns.context_parallel_size,
         expert_model_parallel_size=ns.expert_model_parallel_size, sequence_parallel=ns.sequence_parallel,
+        expert_tensor_parallel_size=ns.expert_tensor_parallel_size,
         pipeline_dtype=torch.bfloat16 if ns.bf16 else torch.float16 if ns.fp16 else torch.float32,
         bf16=ns.bf16, fp16=ns.fp16, recompute_granularity=ns.recompute_granularity,
         recompute_method=ns.recompute_method, recompute_num_layers=ns.recompute_num_layers,
@@ -150,6 +155,8 @@ def test_megatron_core_accepts_the_export(exports) -> None:
         config = _megatron_core_config(ns)
         s = plan.strategy
         assert config.pipeline_model_parallel_size == s.pp and config.tensor_model_parallel_size == s.tp, name
+        if s.ep > 1:  # experts whole on each tp rank, as priced
+            assert (config.expert_model_parallel_size, config.expert_tensor_parallel_size) == (s.ep, 1), name
         dp = s.num_devices // (s.tp * s.pp * s.cp)
         init_num_microbatches_calculator(0, None, ns.global_batch_size, ns.micro_batch_size, dp)
         try:

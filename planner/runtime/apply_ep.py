@@ -1,8 +1,8 @@
 """Expert parallelism: the experts of every mixture-of-experts layer are split over the plan's ep ranks.
 
 Layout (GShard, Lepikhin et al. 2021, sec. 2.2-3; Megatron-LM's expert parallelism; priced by
-`costmodel.expert_parallel`): an ep group is `ep` data-parallel ranks (`PlanMeshes.ep`); rank j of the group
-keeps experts [j E/ep, (j+1) E/ep) of each layer. Every rank routes its own tokens as before; the experts module
+`costmodel.expert_parallel`): an ep group is `ep` consecutive tp x dp ranks (`PlanMeshes.ep`,
+`costmodel.strategy.expert_span`); rank j of the group keeps experts [j E/ep, (j+1) E/ep) of each layer. Every rank routes its own tokens as before; the experts module
 receives per-expert token buffers (E, N, h) -- the zoo's `Experts` layout (models/feedforward.py): a module with
 an integer `num_experts` whose parameters stack one matrix per expert on dim 0 -- and here
 1. an all-to-all *dispatch* sends each expert's buffer to the rank that holds the expert, which then holds
@@ -12,11 +12,13 @@ an integer `num_experts` whose parameters stack one matrix per expert on dim 0 -
 Both all-to-alls are differentiable (`torch.distributed._functional_collectives.all_to_all_single`, whose
 backward is the reverse all-to-all).
 
-Gradients: an expert's gradient on its owner sums the contributions of the ep ranks whose tokens it took, and
-the expert replicas ((dp / ep) x cp ranks, `PlanMeshes.expert_replicas`) then average it, which would be ep times
-the single-process gradient (dense parameters average over dp x cp ranks, each of which contributes once). So the
-gradient reaching the experts' output is divided by ep, and the gradient leaving their input multiplied by ep
-again: expert weights get 1/ep of the sum, tokens their exact gradient (exact in floating point for powers of 2).
+Gradients: an expert's gradient on its owner sums the contributions of the ep ranks whose tokens it took -- the
+tokens of ep_dp data-parallel replicas (`Strategy.ep_dp`; their tp ranks hold disjoint slots, below) -- and the
+expert replicas ((dp / ep_dp) x cp ranks, `PlanMeshes.expert_replicas`) then average it, which would be ep_dp
+times the single-process gradient (dense parameters average over dp x cp ranks, each of which contributes once).
+So the gradient reaching the experts' output is divided by ep_dp, and the gradient leaving their input multiplied
+by ep_dp again: expert weights get 1/ep_dp of the sum, tokens their exact gradient (exact in floating point for
+powers of 2).
 
 Tensor parallelism (tp > 1) leaves the experts whole on every tp rank, and the MoE layer runs replicated over the
 tp group on the gathered sequence (`apply_tp.replicated_islands`). So that the tp ranks do not all compute every
@@ -26,8 +28,10 @@ slots, rank r keeps slots [r N/tp, (r+1) N/tp) -- before the all-to-all when ep 
 slices -- and the results are all-gathered over tp. Upstream of the gather the island is replicated, so the
 gather's backward keeps this rank's slice of the (identical) gradient and the slice's backward gathers the slices'
 gradients: tokens get their exact gradient. Each rank's expert gradients then hold only its slots'
-contributions; `sync_split_expert_gradients` sums them over the tp group after the backward (the data-parallel
-reduction over the expert replicas has already run on every tp rank alike, and sums commute).
+contributions: where several ranks of a tp group hold the same experts (ep < tp, `PlanMeshes.expert_tp_sum`)
+`sync_split_expert_gradients` sums their gradients after the backward (the data-parallel reduction over the
+expert replicas has already run on each of them alike, and sums commute); where ep groups take whole tp groups,
+the all-to-alls bring every slot of the group's replicas to the expert's one owner.
 """
 
 from __future__ import annotations
@@ -106,11 +110,14 @@ class ExpertParallelForward:
     """An experts module's forward with all-to-all dispatch and combine around its local experts (set as the
     instance's `forward`, so FQNs, hooks, FSDP2 and checkpointing see the module unchanged)."""
 
-    def __init__(self, forward: Callable[..., Any], ep: EpGroup, num_experts: int, path: str) -> None:
+    def __init__(self, forward: Callable[..., Any], ep: EpGroup, num_experts: int, path: str,
+                 replicas: int) -> None:
         self.forward = forward
         self.ep = ep
         self.num_experts = num_experts
         self.path = path
+        self.replicas = replicas
+        """Data-parallel replicas whose tokens the group's experts take (`Strategy.ep_dp`, module docstring)."""
 
     def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         ep, experts = self.ep.size, self.num_experts
@@ -120,8 +127,8 @@ class ExpertParallelForward:
         local, tokens = experts // ep, x.size(1)
         received = self.ep.all_to_all(x)  # (ep [source rank], local, N, h) flattened on dim 0
         mine = received.unflatten(0, (ep, local)).transpose(0, 1).flatten(1, 2)  # (local, ep * N, h)
-        out = self.forward(scale_gradient(mine, float(ep)), *args, **kwargs)  # (local, ep * N, h')
-        out = scale_gradient(out, 1.0 / ep)
+        out = self.forward(scale_gradient(mine, float(self.replicas)), *args, **kwargs)  # (local, ep * N, h')
+        out = scale_gradient(out, 1.0 / self.replicas)
         back = out.unflatten(1, (ep, tokens)).transpose(0, 1).flatten(0, 1)  # (ep [owner], local, N, h')
         return self.ep.all_to_all(back)  # (E, N, h') in expert order
 
@@ -178,12 +185,12 @@ class TokenSplitForward:
         return out[:, :slots] if pad else out
 
 
-def apply_expert_token_split(model: nn.Module, tp: EpGroup) -> tuple[nn.Module, ...]:
-    """Let each tp rank run 1/tp of every expert's slots (module docstring); returns the experts modules whose
-    gradients `sync_split_expert_gradients` must sum over the tp group. Experts modules not called with
-    per-expert buffers are left alone (they run replicated, as priced for them)."""
+def apply_expert_token_split(modules: Sequence[nn.Module], tp: EpGroup) -> tuple[nn.Module, ...]:
+    """Let each tp rank run 1/tp of every expert's slots (module docstring) of the experts `modules` (those of
+    `experts_modules`, or after `apply_expert_parallel` its `ExpertShards.modules`); returns the ones it split.
+    Experts modules not called with per-expert buffers are left alone (they run replicated, as priced for them)."""
     done = []
-    for _, module in experts_modules(model):
+    for module in modules:
         entry = _buffers_entry(module)
         if entry:
             setattr(module, entry, TokenSplitForward(getattr(module, entry), tp))
@@ -230,8 +237,9 @@ class ExpertShards:
     """FQNs of the sliced parameters (each a slice of dim 0 over the ep group)."""
 
 
-def apply_expert_parallel(model: nn.Module, ep: EpGroup) -> ExpertShards:
-    """Keep this rank's slice of every experts module's parameters and route its tokens with all-to-alls."""
+def apply_expert_parallel(model: nn.Module, ep: EpGroup, replicas: int) -> ExpertShards:
+    """Keep this rank's slice of every experts module's parameters and route its tokens with all-to-alls;
+    `replicas`: the data-parallel replicas an ep group spans (`Strategy.ep_dp`)."""
     found = experts_modules(model)
     if not found:
         raise UserError(f"expert parallelism (ep={ep.size}): {type(model).__name__} has no experts module (a "
@@ -259,5 +267,5 @@ def apply_expert_parallel(model: nn.Module, ep: EpGroup) -> ExpertShards:
             part = p.detach().narrow(0, ep.rank * local, local).clone()
             setattr(module, pname, nn.Parameter(part, requires_grad=p.requires_grad))
             names.append(f"{path}.{pname}" if path else pname)
-        setattr(module, entry, ExpertParallelForward(getattr(module, entry), ep, experts, path))
+        setattr(module, entry, ExpertParallelForward(getattr(module, entry), ep, experts, path, replicas))
     return ExpertShards(modules=tuple(m for _, m in found), param_names=tuple(names))

@@ -5,17 +5,22 @@ derived from it that `parallelize` communicates over.
 orders ranks; `torch.distributed.device_mesh.init_device_mesh` takes dims outermost first (row-major), so the mesh
 is built from the reversed order and the innermost axis (tp by default) gets rank stride 1.
 
-Expert parallelism reuses data-parallel ranks and has no axis of its own: the dp axis is split into
-(dp / ep, ep), ep innermost, so an ep group is `ep` consecutive dp coordinates -- the group
-`costmodel.rank_layout.ep_group` prices (its ep stride is the dp stride). Derived meshes (`PlanMeshes`):
+Expert parallelism reuses tensor- and data-parallel ranks and has no axis of its own: a group is ep consecutive
+ranks of the stage's tp x dp ranks, tp fastest (`costmodel.strategy.expert_span`, the group
+`costmodel.rank_layout.ep_group` prices). When ep divides tp the tp axis is split into (tp / ep, ep); otherwise
+the dp axis into (dp / ep_dp, ep_dp) and the group is ep_dp x tp flattened. Derived meshes (`PlanMeshes`):
 - `replicas`: the ranks over which dense parameters are data-parallel: dp, or dp x cp flattened when cp > 1
   (context-parallel ranks hold the same weights and see different tokens of the same samples);
 - `ep`: the expert-parallel group (all-to-all dispatch and combine);
-- `expert_replicas`: the ranks holding the same experts: (dp / ep) x cp.
+- `expert_replicas`: the data-parallel ranks holding the same experts: (dp / ep_dp) x cp;
+- `expert_tp_sum`: the ranks of a tp group holding the same experts, which split their slots
+  (`apply_ep.apply_expert_token_split`) and sum their gradients: the tp group when ep = 1, tp / ep ranks when ep
+  divides tp, none when ep groups take whole tp groups.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +33,8 @@ from planner.strategy_label import Detail, strategy_label
 EXPERT_REPLICA_AXIS = "edp"
 """Name of the outer part of dp when ep > 1: ranks with the same ep coordinate hold the same experts
 ("expert data parallel" in Megatron-Core)."""
+EXPERT_TP_AXIS = "etp_rep"
+"""Name of the outer part of tp when ep divides tp: ranks with the same ep coordinate hold the same experts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,15 +66,8 @@ class MeshLayout:
 def mesh_layout(strategy: Strategy) -> MeshLayout:
     """The mesh of `strategy`: `costmodel.rank_layout.mesh_axes` (tp, cp, dp and pp, size 1 included), outermost
     first, so that a rank's coordinates are the ones the cost model priced."""
-    if strategy.dp % strategy.ep:
-        raise UserError(f"ep={strategy.ep} must divide dp={strategy.dp}: expert-parallel groups are data-parallel "
-                        f"ranks (valid ep: {', '.join(str(e) for e in _divisors(strategy.dp))})")
     outermost_first = tuple(reversed(mesh_axes(strategy)))
     return MeshLayout(names=tuple(a.value for a, _ in outermost_first), sizes=tuple(n for _, n in outermost_first))
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_world_size(strategy: Strategy, world_size: int) -> None:
@@ -93,7 +93,9 @@ class PlanMeshes:
     ep: Any = None
     """Expert-parallel mesh (None when ep == 1)."""
     expert_replicas: Any = None
-    """Data-parallel mesh of expert parameters: (dp / ep) x cp (None when ep == 1)."""
+    """Data-parallel mesh of expert parameters: (dp / ep_dp) x cp (None when ep == 1)."""
+    expert_tp_sum: Any = None
+    """Ranks of a tp group holding the same experts, whose expert gradients are summed (module docstring)."""
 
 
 def build_mesh(strategy: Strategy, device_type: str):  # -> DeviceMesh (torch import kept local: CLI start-up)
@@ -114,14 +116,20 @@ def derive_meshes(root: Any, strategy: Strategy) -> PlanMeshes:
     names = tuple(root.mesh_dim_names)
     dp_cp = [n for n in names if n in (MeshAxis.DP.value, MeshAxis.CP.value)]  # root order
     replicas = root[tuple(dp_cp)]._flatten("dp_cp") if strategy.cp > 1 else root[MeshAxis.DP.value]
-    ep = expert_replicas = None
-    if strategy.ep > 1:
-        split = root._unflatten(MeshAxis.DP.value, (strategy.dp // strategy.ep, strategy.ep),
-                                (EXPERT_REPLICA_AXIS, MeshAxis.EP.value))
-        ep = split[MeshAxis.EP.value]
+    ep = expert_replicas = tp_sum = None
+    tp_ranks, ep_dp = strategy.tp // math.gcd(strategy.tp, strategy.ep), strategy.ep_dp
+    if strategy.ep > 1 and ep_dp == 1:  # inside a tp group
+        split = root._unflatten(MeshAxis.TP.value, (tp_ranks, strategy.ep), (EXPERT_TP_AXIS, MeshAxis.EP.value))
+        ep, expert_replicas = split[MeshAxis.EP.value], replicas
+        tp_sum = split[EXPERT_TP_AXIS] if tp_ranks > 1 else None
+    elif strategy.ep > 1:  # whole tp groups of ep_dp consecutive dp coordinates
+        split = root._unflatten(MeshAxis.DP.value, (strategy.dp // ep_dp, ep_dp), (EXPERT_REPLICA_AXIS, "ep_dp"))
+        ep = split[("ep_dp", MeshAxis.TP.value)]._flatten(MeshAxis.EP.value) if strategy.tp > 1 else split["ep_dp"]
         outer = [n for n in split.mesh_dim_names if n in (EXPERT_REPLICA_AXIS, MeshAxis.CP.value)]
         expert_replicas = (split[tuple(outer)]._flatten("edp_cp") if strategy.cp > 1
                            else split[EXPERT_REPLICA_AXIS])
+    elif strategy.tp > 1:
+        tp_sum = root[MeshAxis.TP.value]
     return PlanMeshes(root=root, tp=root[MeshAxis.TP.value], cp=root[MeshAxis.CP.value],
                       dp=root[MeshAxis.DP.value], pp=root[MeshAxis.PP.value], replicas=replicas, ep=ep,
-                      expert_replicas=expert_replicas)
+                      expert_replicas=expert_replicas, expert_tp_sum=tp_sum)

@@ -33,7 +33,7 @@ from planner.runtime.apply_cp import (
     install_gather_hook,
     install_split_hook,
 )
-from planner.runtime.apply_ep import EpGroup, apply_expert_parallel, apply_expert_token_split
+from planner.runtime.apply_ep import EpGroup, apply_expert_parallel, apply_expert_token_split, experts_modules
 from planner.runtime.apply_fp8 import apply_fp8, fp8_runtime_problem
 from planner.runtime.apply_fsdp import apply_data_parallel
 from planner.runtime.apply_pipeline import (
@@ -113,8 +113,8 @@ class ParallelModel:
     expert_params: frozenset[str] = frozenset()
     """FQNs of parameters of which this rank holds a dim-0 slice over the ep group (expert parallelism)."""
     split_experts: tuple[nn.Module, ...] = ()
-    """Experts modules whose slots the tp ranks split (`apply_ep.apply_expert_token_split`): their gradients are
-    summed over the tp group after the backward."""
+    """Experts modules whose slots the tp ranks split (`apply_ep.apply_expert_token_split`) and whose gradients
+    are summed over `PlanMeshes.expert_tp_sum` after the backward."""
 
     @property
     def strategy(self) -> Strategy:
@@ -381,12 +381,14 @@ def _model_parallel(model: nn.Module, plan: Plan, meshes: PlanMeshes, stages: Se
     experts: tuple[nn.Module, ...] = ()
     if strategy.ep > 1:
         shards = apply_expert_parallel(model, EpGroup(strategy.ep, meshes.ep.get_local_rank(),
-                                                      meshes.ep.get_group()))
+                                                      meshes.ep.get_group()), strategy.ep_dp)
         experts, expert_params = shards.modules, shards.param_names
     split: tuple[nn.Module, ...] = ()
     if strategy.tp > 1:  # outside the all-to-alls: the ep group exchanges this tp rank's slots
-        split = apply_expert_token_split(model, EpGroup(strategy.tp, meshes.tp.get_local_rank(),
+        found = experts if strategy.ep > 1 else tuple(m for _, m in experts_modules(model))
+        split = apply_expert_token_split(found, EpGroup(strategy.tp, meshes.tp.get_local_rank(),
                                                         meshes.tp.get_group()))
+        split = split if meshes.expert_tp_sum is not None else ()
     cp = None
     if strategy.cp > 1:
         cp = CpGroup(SequenceShard(strategy.cp, meshes.cp.get_local_rank()), meshes.cp.get_group())

@@ -51,7 +51,7 @@ def train_step(pm: ParallelModel, batch: Sequence[torch.Tensor], optimizer: torc
     _sum_tied_gradients(pm)
     sync_partial_gradients(p for _, part in sorted(pm.parts.items()) for p in part.parameters())
     if pm.split_experts:
-        sync_split_expert_gradients(pm.split_experts, pm.meshes.tp.get_group())
+        sync_split_expert_gradients(pm.split_experts, pm.meshes.expert_tp_sum.get_group())
     optimizer.step()
     return _global_mean(pm, loss)
 

@@ -53,13 +53,13 @@ class CandidateBounds:
             return math.inf, None
         m = cand.mesh
         grads = cand.runtime.grad_bytes(dtype_bytes(self.dtype))
-        key = (m.tp * m.pp, m.dp * m.cp, m.ep, cand.zero_stage, cand.runtime.offload, grads)
+        key = (m.tp * m.pp, m.dp * m.cp, m.ep, m.ep_dp, cand.zero_stage, cand.runtime.offload, grads)
         need = self._memory_need.get(key)
         if need is None:
-            # Experts split over ep hold 1/ep of their weights, ZeRO-sharded over dp*cp/ep ranks.
+            # Experts split over ep hold 1/ep of their weights, ZeRO-sharded over dp*cp/ep_dp ranks.
             even, even_experts = self._even_params(m)
             state = expert_state_bytes(even, even_experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp,
-                                       ep=m.ep, dtype=self.dtype, offload=cand.runtime.offload,
+                                       ep_dp=m.ep_dp, dtype=self.dtype, offload=cand.runtime.offload,
                                        grad_bytes=grads).total
             need = self._memory_need[key] = state + framework_overhead_bytes(placements[0].device.name)
         kinds = self._kinds(placements)
@@ -135,7 +135,7 @@ class CandidateBounds:
         keeps it, and ZeRO-3 weights kept gathered), for `params` of which `experts` are expert weights."""
         m, offload = cand.mesh, cand.runtime.offload
         pipelined = m.pp > 1 and offload is not Offload.PARAMS
-        state = expert_state_bytes(params, experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp, ep=m.ep,
+        state = expert_state_bytes(params, experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp, ep_dp=m.ep_dp,
                                    dtype=self.dtype, offload=offload, pipelined=pipelined,
                                    grad_bytes=cand.runtime.grad_bytes(dtype_bytes(self.dtype))).total
         if cand.zero_stage >= 3 and (pipelined or not cand.runtime.reshard_after_forward):
@@ -188,7 +188,8 @@ class CandidateBounds:
         key = (m, cand.zero_stage, fastest.device.name, fastest.speed, cand.runtime.offload)
         if key not in self._optimizer:
             even, even_experts = self._even_params(m)
-            local = optimizer_params(even, even_experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp, ep=m.ep)
+            local = optimizer_params(even, even_experts, zero_stage=cand.zero_stage, dp_size=m.dp * m.cp,
+                                     ep_dp=m.ep_dp)
             if cand.runtime.offload is Offload.NONE:
                 self._optimizer[key] = optimizer_step_time(local, fastest.device, speed=fastest.speed)
             else:  # the host CPU's step does not scale with the device's speed: the cheapest host bounds it

@@ -1,4 +1,5 @@
-"""The outer search: device meshes (dp x tp x pp [x cp], with ep riding on dp) and their order over network tiers.
+"""The outer search: device meshes (dp x tp x pp [x cp], with ep riding on tp x dp) and their order over network
+tiers.
 
 Formulation
 -----------
@@ -9,9 +10,9 @@ For a device count ``N`` the meshes are every ordered factorization ``N = dp * t
   parallelism within a node");
 - ``dp`` divides the global batch (each replica gets ``global_batch / dp`` samples);
 - ``pp`` is at most the number of chain segments (every stage holds at least one segment);
-- ``ep`` (expert parallelism) rides on the data-parallel ranks: the caller's ``ep_options`` (divisors
-  of the experts, `costmodel.expert_parallel.ep_options`) that divide ``dp``; it does not multiply the device
-  count. ``cp`` (context parallelism) comes from ``cp_options`` (`costmodel.context_parallel.cp_options`).
+- ``ep`` (expert parallelism) rides on the tensor- and data-parallel ranks: the caller's ``ep_options``
+  (divisors of the experts, `costmodel.expert_parallel.ep_options`) that divide ``tp`` or are ``tp`` times a
+  divisor of ``dp`` (`costmodel.strategy.expert_span`); it does not multiply the device count. ``cp`` (context parallelism) comes from ``cp_options`` (`costmodel.context_parallel.cp_options`).
 
 Each mesh comes with a rank order (`Strategy.mesh_order`, innermost axis first = stride 1 = fastest tier). ``tp``
 is always innermost; the data-parallel and pipeline axes are tried in both orders, because which one crosses the
@@ -36,7 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from costmodel.rank_layout import strides_of
-from costmodel.strategy import DEFAULT_MESH_ORDER, MeshAxis, Strategy
+from costmodel.strategy import DEFAULT_MESH_ORDER, MeshAxis, Strategy, expert_span
 from planner.strategy_label import Detail, strategy_label
 
 DP_INSIDE_PP: tuple[MeshAxis, ...] = DEFAULT_MESH_ORDER
@@ -59,15 +60,23 @@ class MeshCandidate:
     thousands of times (cache keys of every priced candidate)."""
 
     def __post_init__(self) -> None:
-        sizes = {MeshAxis.DP: self.dp, MeshAxis.TP: self.tp, MeshAxis.PP: self.pp, MeshAxis.CP: self.cp}
+        sizes = {MeshAxis.DP: self.dp, MeshAxis.TP: self.tp, MeshAxis.PP: self.pp, MeshAxis.CP: self.cp,
+                 MeshAxis.EP: self.ep}
         object.__setattr__(self, "_strides", strides_of(sizes, self.mesh_order))
 
     @property
     def num_devices(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
+    @property
+    def ep_dp(self) -> int:
+        """Data-parallel coordinates an expert-parallel group spans (`costmodel.strategy.expert_span`)."""
+        span = expert_span(self.tp, self.dp, self.ep)
+        assert span is not None, "enumerate_meshes places ep where expert_span does"
+        return span[1]
+
     def stride(self, axis: MeshAxis) -> int:
-        """Rank distance between neighbours along `axis` (`costmodel.rank_layout`; ep has the dp stride)."""
+        """Rank distance between neighbours along `axis` (`costmodel.rank_layout`, ep's as its group is priced)."""
         return self._strides[axis]
 
     @property
@@ -112,7 +121,7 @@ def enumerate_meshes(num_devices: int, *, devices_per_node: int, global_batch: i
     """Every mesh of exactly `num_devices` devices allowed by the rules in the module docstring, in a fixed order.
 
     `dp`, `tp`, `pp` pin a degree (None: free); `cp_options` / `ep_options` are the context- and expert-parallel
-    degrees to try (ep only where it divides dp).
+    degrees to try (ep only where `expert_span` places it).
     """
     out: list[MeshCandidate] = []
     for cp in sorted(set(cp_options)):
@@ -132,9 +141,8 @@ def enumerate_meshes(num_devices: int, *, devices_per_node: int, global_batch: i
                 if p > max_pp or global_batch % d:
                     continue
                 for order in _distinct_orders(d, p, orders, cp):
-                    # Expert parallelism rides on the dp ranks (ep divides dp).
                     out.extend(MeshCandidate(dp=d, tp=t, pp=p, cp=cp, ep=e, mesh_order=order)
-                               for e in sorted(set(ep_options)) if d % e == 0)
+                               for e in sorted(set(ep_options)) if expert_span(t, d, e) is not None)
     return out
 
 

@@ -305,7 +305,7 @@ class StageProblemBuilder:
                      shared: int, counts: Sequence[int]) -> float:
         m, offload = cand.mesh, cand.runtime.offload
         return bytes_to_fit(rank_memory(chunks, counts, zero_stage=cand.zero_stage, dp=m.dp * m.cp, dtype=self.dtype,
-                                        device_name=ctx.device.name, extra_params=shared, ep=m.ep,
+                                        device_name=ctx.device.name, extra_params=shared, ep_dp=m.ep_dp,
                                         reshard_after_forward=cand.runtime.reshard_after_forward, offload=offload,
                                         pipelined=m.pp > 1, cross_entropy=cand.runtime.cross_entropy,
                                         grad_bytes=cand.runtime.grad_bytes(dtype_bytes(self.dtype))),

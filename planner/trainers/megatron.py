@@ -4,6 +4,8 @@ The arguments are those of Megatron-LM core_v0.16.1 (`megatron/training/argument
 are in planner/trainers/data/megatron_lm_arguments.json). What maps to what:
 
     tp, pp, cp, ep       --tensor-/--pipeline-/--context-/--expert-model-parallel-size (dp is the rest of the world)
+    experts with tp      --expert-tensor-parallel-size 1 (MoE parallel folding: experts whole, their tokens split
+                         over the tp ranks, ep groups over tp x dp ranks); read back, another size is a note
     interleaved:V        --num-layers-per-virtual-pipeline-stage (equal chunks) or --pipeline-model-parallel-layout
     uneven stages        --decoder-first/last-pipeline-num-layers (equal middle stages) or the layout string
     mbs, global batch    --micro-batch-size, --global-batch-size
@@ -82,6 +84,9 @@ def parallel_arguments(cfg: TrainerConfig, num_layers: int, notes: Notes) -> lis
     args += ["--use-tp-pp-dp-mapping"] if cfg.mesh_order == PP_INSIDE_DP and cfg.pp > 1 and cfg.dp != 1 else []
     args += [f"--context-parallel-size {cfg.cp}"] if cfg.cp > 1 else []
     args += [f"--expert-model-parallel-size {cfg.ep}"] if cfg.ep > 1 else []
+    # Megatron-Core shards experts over tp by default (expert tensor parallel size = tp); the plan keeps them whole
+    # and splits their tokens over the tp ranks (costmodel.expert_parallel), expert tensor parallel size 1.
+    args += ["--expert-tensor-parallel-size 1"] if cfg.ep > 1 and cfg.tp > 1 else []
     args += ["--sequence-parallel"] if cfg.sequence_parallel else []
     args += _pipeline_arguments(cfg, num_layers, notes)
     args += [f"--micro-batch-size {cfg.microbatch_size}", f"--global-batch-size {cfg.global_batch}"]
@@ -212,6 +217,10 @@ def read(text: str, *, source: str) -> TrainerConfig:
         raise UserError(f"{source}: --micro-batch-size is missing (Megatron-LM requires it)")
     pp = ns.pipeline_model_parallel_size
     virtual, blocks = _read_pipeline(ns, pp, source)
+    etp = ns.expert_tensor_parallel_size or ns.tensor_model_parallel_size  # Megatron-Core's default: tp
+    if ns.expert_model_parallel_size > 1 and etp != 1:
+        notes.add(f"expert tensor parallel size {etp} shards every expert over tp ranks; the plan prices experts whole "
+                  f"with their tokens split over the tp ranks (expert tensor parallel size 1)")
     return TrainerConfig(
         trainer=Trainer.MEGATRON, tp=ns.tensor_model_parallel_size, pp=pp, cp=ns.context_parallel_size,
         ep=ns.expert_model_parallel_size, microbatch_size=ns.micro_batch_size, global_batch=ns.global_batch_size,

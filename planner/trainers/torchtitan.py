@@ -144,6 +144,13 @@ def _parallelism(cfg: TrainerConfig, shape: ModelShape, notes: Notes) -> dict[st
         p["enable_async_tensor_parallel"] = True
     p["context_parallel_degree"] = cfg.cp
     p["expert_parallel_degree"] = cfg.ep
+    if cfg.ep > 1 and cfg.tp > 1:
+        # torchtitan's expert tensor parallelism 1: ep borrows the tp ranks (and must take all of them, and cp's)
+        p["expert_tensor_parallel_degree"] = 1
+        if cfg.ep % (cfg.tp * cfg.cp):
+            notes.add(f"torchtitan's ep={cfg.ep} with expert tensor parallel degree 1 must span tp x cp = "
+                      f"{cfg.tp * cfg.cp} ranks; the plan's ep groups lie inside a tp group: torchtitan will refuse "
+                      f"this configuration")
     p["pipeline_parallel_degree"] = cfg.pp
     if cfg.pp > 1:
         p["pipeline_parallel_schedule"] = _SCHEDULES[cfg.schedule]
@@ -190,6 +197,10 @@ def read(text: str, *, source: str) -> TrainerConfig:
     local = int(train.get("local_batch_size", 8))
     gbs = int(train.get("global_batch_size", -1))
     tp = int(par.get("tensor_parallel_degree", 1))
+    etp = int(par.get("expert_tensor_parallel_degree", 1))
+    if int(par.get("expert_parallel_degree", 1)) > 1 and etp != 1:
+        notes.add(f"expert tensor parallel degree {etp} shards every expert over tp ranks; the plan prices experts "
+                  f"whole with their tokens split over the tp ranks (expert tensor parallel degree 1)")
     zero = 0 if shard == 1 else 3
     reshard = {"always": True, "never": False}.get(par.get("fsdp_reshard_after_forward", "default"), pp == 1)
     return TrainerConfig(

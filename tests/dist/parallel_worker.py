@@ -230,6 +230,11 @@ CONFIGS: dict[str, Config] = {
                          TP_ATTENTION + TP_EMBED_HEAD + SP_NORMS, settings=dict(group_size=8)),
     "tp2_moe_fsdp": Config("moe", dict(dp=2, tp=2, microbatch_size=2, num_microbatches=1, zero_stage=3),
                            TP_ATTENTION + TP_EMBED_HEAD),
+    # ep groups over tp x dp ranks: whole tp groups of 2 dp coordinates (ep 4), half a tp group (ep 2 of tp 4)
+    "ep4_tp2": Config("moe", dict(dp=2, tp=2, ep=4, microbatch_size=2, num_microbatches=1, zero_stage=1),
+                      TP_ATTENTION + TP_EMBED_HEAD),
+    "ep2_tp4": Config("moe", dict(tp=4, ep=2, microbatch_size=2, num_microbatches=2), TP_ATTENTION + TP_EMBED_HEAD,
+                      settings=dict(kv_heads=4)),
     "ep2_pp2": Config("moe", dict(pp=2, dp=2, ep=2, microbatch_size=1, num_microbatches=4)),
     "cp2_ep2_moe": Config("moe", dict(dp=2, cp=2, ep=2, microbatch_size=2, num_microbatches=1, zero_stage=3),
                           settings=dict(capacity_factor=2.0)),
@@ -335,7 +340,15 @@ def run_config(name: str) -> dict[str, Any]:
     return {"losses": losses, "ref_losses": ref_losses, "params": params, "param_groups": _param_groups(cfg),
             "local_numel": local_numel, "model_numel": count_trainable_params(build(cfg)[0]), "seconds": elapsed,
             "attention_tokens": sorted(set(seen)), "offload_policies": _offload_policies(pm),
-            "split_experts": len(pm.split_experts)}
+            "split_experts": _split_experts(pm)}
+
+
+def _split_experts(pm: Any) -> int:
+    """Experts modules whose slots the tp ranks split (`apply_ep.TokenSplitForward`)."""
+    from planner.runtime.apply_ep import TokenSplitForward
+
+    return sum(any(isinstance(m.__dict__.get(entry), TokenSplitForward) for entry in ("forward", "expert_buffers_forward"))
+               for part in pm.parts.values() for m in part.modules())
 
 
 def _offload_policies(pm: Any) -> list[str]:
