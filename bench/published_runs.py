@@ -19,6 +19,11 @@ dense linear layers too (rowwise), its FP8 experts and dispatch, which the cost 
 `--fp8-rows` prices only the rows priced in FP8, each also without FP8 (what the FP8 pricing moves), writes
 bench/results/published_fp8_runs.json and the FP8 block of docs/fidelity.md.
 
+`--moe-rows` prices the published mixture-of-experts runs (tests/published_moe_reference.py: NeMo 25.09 Qwen3-30B-A3B,
+Qwen3-235B-A22B and DeepSeek-V3 on DGX-H100) the same way, out of sample, into bench/results/published_moe_runs.json;
+their paired all-to-all overlap is priced on the plan the search finds without it (the search does not price it),
+so run them with `--no-free`.
+
 `--csv FILE` (repeatable) prices the rows of other tables in published_runs.csv's columns instead -- runs of your
 own, or a held-out set -- as out-of-sample rows: the same conversion and pinning, a table on stdout and the JSON in
 `--output` (default bench/results/published_runs_<first file's name>.json); the committed results and docs are
@@ -26,7 +31,7 @@ left alone. Cells a source leaves empty are completed as `tests/published_refere
 under "inferred"); a row that cannot be read is skipped with its line and the reason.
 
 Usage: python bench/published_runs.py [--only SUBSTRING] [--no-free] [--json] [--fit] [--resume] [--fp8-rows]
-                                      [--csv FILE ... [--output JSON]]
+                                      [--moe-rows] [--csv FILE ... [--output JSON]]
 """
 
 from __future__ import annotations
@@ -252,6 +257,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--csv", action="append", type=Path, default=[], metavar="FILE",
                     help="price the rows of this table (published_runs.csv's columns) instead, as out-of-sample "
                          "rows; repeatable")
+    ap.add_argument("--moe-rows", action="store_true",
+                    help="price the published mixture-of-experts runs of tests/published_moe_reference.py instead "
+                         "(out of sample; bench/results/published_moe_runs.json)")
     ap.add_argument("--output", type=Path, metavar="JSON",
                     help="with --csv: where the JSON goes (default bench/results/published_runs_<name>.json)")
     args = ap.parse_args(argv)
@@ -262,6 +270,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         ap.exit(2, "published_runs.py: error: --output goes with --csv (the committed tables have a fixed place)\n")
     if args.output is not None and any(args.output.resolve() == p.resolve() for p in args.csv):
         ap.exit(2, f"published_runs.py: error: --output {args.output} is one of the --csv tables; name another file\n")
+    if args.moe_rows and (args.csv or args.fit or args.fp8_rows):
+        ap.exit(2, "published_runs.py: error: --moe-rows prices its own rows; it does not combine with --csv, --fit "
+                   "or --fp8-rows\n")
     if args.csv and (args.fit or args.fp8_rows):
         ap.exit(2, "published_runs.py: error: --csv prices rows; it does not combine with --fit or --fp8-rows\n")
     return args
@@ -270,6 +281,11 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
 def _runs_and_output(args: argparse.Namespace) -> tuple[list[PublishedRun], Path, bool]:
     """The rows to price, where their JSON goes, and whether they are the committed tables (which also update the
     docs)."""
+    if args.moe_rows:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from published_moe_reference import nemo_moe_runs
+
+        return nemo_moe_runs(), ROOT / "bench" / "results" / "published_moe_runs.json", False
     if not args.csv:
         return all_runs(), ROOT / "bench" / "results" / "published_runs.json", True
     runs = [run for path in args.csv for run in load_published_runs(path, out_of_sample=True)]

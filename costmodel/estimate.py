@@ -48,6 +48,7 @@ from costmodel.memory import GIB, PricedSegment, rank_memory
 from costmodel.offload import HostCopy, host_copy, host_problem, offload_tail
 from costmodel.operators import fp8_weight_copy_time
 from costmodel.pipeline import (
+    PAIRED_SCHEDULES,
     chunk_stages,
     in_flight_per_chunk,
     schedule_problem,
@@ -192,7 +193,8 @@ class _Prices:
             # Routed experts as they run with every expert on this rank (costmodel/expert_parallel.py).
             setting = ExpertSetting(ep=1, microbatch_size=mbs, traced_batch=self.chain.graph.batch_size,
                                     traced_dtype=self.chain.graph.dtype, dtype=self.dtype,
-                                    imbalance=self.cluster.expert_imbalance or EXPERT_IMBALANCE)
+                                    imbalance=self.cluster.expert_imbalance or EXPERT_IMBALANCE,
+                                    fp8=self.strategy.runtime.fp8)
             self.cache[key] = expert_cost(cost, expert_layer(self.chain.nodes_of(rep)), device, self.cluster,
                                           setting=setting, segment_params=rep.param_count, profile=self.profile)
         return self.cache[key]
@@ -213,10 +215,10 @@ def _validity_problems(chain: LayerChain, strategy: Strategy, global_batch: int 
                         f"{strategy.num_microbatches} = {strategy.global_batch}")
     # Context / expert parallelism must fit the model (costmodel/context_parallel.py, expert_parallel.py).
     problems += [p for p in (cp_problem(chain, strategy.cp), ep_problem(chain, strategy.ep)) if p]
-    if strategy.runtime.ep_overlap and strategy.schedule is not Schedule.DUALPIPEV:
-        problems.append(f"ep_overlap overlaps the all-to-alls of DualPipeV's paired forward and backward chunks; "
-                        f"the {strategy.schedule.value} schedule runs each chunk alone: use schedule dualpipev or "
-                        f"ep_overlap=false")
+    if strategy.runtime.ep_overlap and strategy.schedule not in PAIRED_SCHEDULES:
+        problems.append(f"ep_overlap overlaps the all-to-alls of paired forward and backward passes (DualPipeV, "
+                        f"Megatron-Core's 1F1B and interleaved 1F1B); the {strategy.schedule.value} schedule runs "
+                        f"each pass alone: use schedule dualpipev, 1f1b or interleaved, or ep_overlap=false")
     for why in (schedule_problem(strategy.schedule, strategy.pp, strategy.num_microbatches),
                 split_backward_problem(strategy.schedule, recomputed=recomputes(strategy),
                                        resharded=strategy.zero_stage == 3 and strategy.runtime.reshard_after_forward)):
@@ -226,8 +228,8 @@ def _validity_problems(chain: LayerChain, strategy: Strategy, global_batch: int 
 
 
 def pairs_overlap(strategy: Strategy) -> bool:
-    """Whether DualPipeV's F&B pairs hide the expert-parallel all-to-alls (`RuntimeOptions.ep_overlap`)."""
-    return strategy.runtime.ep_overlap and strategy.schedule is Schedule.DUALPIPEV
+    """Whether the schedule's F&B pairs hide the expert-parallel all-to-alls (`RuntimeOptions.ep_overlap`)."""
+    return strategy.runtime.ep_overlap and strategy.schedule in PAIRED_SCHEDULES
 
 
 def recomputes(strategy: Strategy) -> bool:

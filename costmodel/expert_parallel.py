@@ -23,7 +23,9 @@ factor the trace ran with (its expert FLOPs over 2 FLOPs per expert weight per t
 2. **Grouped GEMM.** The experts' projections are one grouped GEMM of E / ep GEMMs per rank, each of
    (ep x the rank's tokens per expert) rows: `operators.node_time(gemm_groups = E / ep)` sizes each GEMM on its own
    (`operators.gemm_size_factor`, fitted on measured cuBLAS GEMMs). Expert parallelism makes the GEMMs ep times
-   taller -- the same FLOPs at a better efficiency -- which is why fine-grained MoEs train with large ep.
+   taller -- the same FLOPs at a better efficiency -- which is why fine-grained MoEs train with large ep. Under
+   FP8 training whose recipe converts grouped GEMMs (Transformer Engine's, `Float8Recipe.converts_experts`) each
+   expert GEMM runs at the FP8 rate with its operand casts (`operators.fp8_grouped_gemm_time`).
 
 These replace the segment's expert-region times (priced before as one GEMM of the whole node at the traced load):
 forward, backward, recomputation and saved activations change by the difference, for every ep including 1.
@@ -103,6 +105,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from costmodel.float8 import Float8Recipe
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import Collective, CommGroup, collective_time, spans
 from costmodel.hardware.device import DeviceSpec
@@ -110,7 +113,7 @@ from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import op_policy_kept
 from costmodel.memory import GRAD_BYTES, ModelState
 from costmodel.memory import model_state_bytes as _dense_state_bytes
-from costmodel.operators import node_time, retype_ratio
+from costmodel.operators import fp8_grouped_gemm_time, node_time, retype_ratio
 from costmodel.profile_db import OpProfile
 from costmodel.strategy import Offload
 from ir.graph import Node
@@ -211,6 +214,8 @@ class ExpertSetting:
     tp_group: CommGroup = CommGroup(1)
     tp_concurrent: int = 1
     """tp groups gathering at once."""
+    fp8: Float8Recipe | None = None
+    """FP8 training's recipe: the expert GEMMs run in FP8 where it converts them (`Float8Recipe.converts_experts`)."""
 
     @property
     def token_scale(self) -> float:
@@ -257,12 +262,19 @@ def _region_delta(layer: ExpertLayer, device: DeviceSpec, setting: ExpertSetting
     scale = setting.token_scale
     ratio = retype_ratio(setting.traced_dtype, setting.dtype)
     fwd = bwd = recompute_op = saved = saved_op = 0.0
+    fp8 = setting.fp8 if setting.fp8 is not None and setting.fp8.converts_experts else None
     for n in layer.region:
-        old = node_time(n, device, flops_scale=scale, bytes_scale=scale, dtype=setting.dtype, profile=profile)
+        # Linears of one module per expert are FP8 in the base already where the recipe converts them.
+        old = node_time(n, device, flops_scale=scale, bytes_scale=scale, dtype=setting.dtype, profile=profile,
+                        fp8=setting.fp8)
         expert = n.name in linears  # holds E / ep of the stacked expert weights
-        new = node_time(n, device, flops_scale=scale * load, bytes_scale=scale * load, dtype=setting.dtype,
-                        profile=profile, gemm_groups=groups if expert else 1,
-                        param_scale=1 / setting.ep if expert else 1.0)
+        if expert and fp8 is not None:
+            new = fp8_grouped_gemm_time(n, device, fp8, flops_scale=scale * load, bytes_scale=scale * load,
+                                        param_scale=1 / setting.ep, gemm_groups=groups, dtype=setting.dtype)
+        else:
+            new = node_time(n, device, flops_scale=scale * load, bytes_scale=scale * load, dtype=setting.dtype,
+                            profile=profile, gemm_groups=groups if expert else 1,
+                            param_scale=1 / setting.ep if expert else 1.0, fp8=setting.fp8)
         d_fwd, d_bwd = new[0] - old[0], new[1] - old[1]
         fwd, bwd = fwd + d_fwd, bwd + d_bwd
         if n.name not in layer.op_kept:

@@ -37,7 +37,11 @@ new amax on the way (no amax pass before it), and it casts where the operand is 
                 dy          one cast-transpose in backward: read h (none where a fused kernel writes the gradient,
                             TE's dgelu/dbias cast-transpose), write 2 FP8 bytes
 
-TE's attention stays in BF16 here as in the torchao case (its FP8 attention is off by default). The runtime does
+TE's attention stays in BF16 here as in the torchao case (its FP8 attention is off by default). Routed experts
+(`Float8Recipe.converts_experts`): under TE their grouped GEMMs run in FP8, priced per expert GEMM at the FP8 rate
+with the input and output-gradient casts as above (`costmodel.expert_parallel`); their weights' once-per-step FP8
+copies are not priced (a pass over the rank's E / ep expert weights, milliseconds per step). Under torchao they
+stay in the training dtype, as the runtime runs them. The runtime does
 not run Transformer Engine: plans with `DELAYED` are for pricing a Megatron-Core / NeMo configuration and for
 export to Megatron-LM.
 
@@ -117,6 +121,14 @@ class Float8Recipe(enum.StrEnum):
     def torchao(self) -> bool:
         """Whether torchao runs the recipe (`planner.runtime` can train with it); Transformer Engine's cannot."""
         return self is not Float8Recipe.DELAYED
+
+    @property
+    def converts_experts(self) -> bool:
+        """Whether the routed experts' grouped GEMMs run in FP8 too: Transformer Engine's `GroupedLinear` (Megatron-
+        Core's grouped MLP) has had its FP8 grouped GEMM since it was added (TE commit a4e95e866, 2024-06-25,
+        `fp8_grouped_gemm`); torchao's `convert_to_float8_training` swaps `nn.Linear` modules only, so stacked
+        expert weights stay in the training dtype (module docstring)."""
+        return self is Float8Recipe.DELAYED
 
     @property
     def weight_copy_bytes(self) -> tuple[int, int]:

@@ -268,13 +268,22 @@ def node_time(node: Node, device: DeviceSpec, *, flops_scale: float = 1.0, bytes
     return fwd, roofline_time(bwd_flops, bwd_bytes, rate, device, floor_s=floor)
 
 
+def fp8_grouped_gemm_time(node: Node, device: DeviceSpec, recipe: Float8Recipe, *, flops_scale: float,
+                          bytes_scale: float, param_scale: float, gemm_groups: int, dtype: str) -> tuple[float, float]:
+    """(forward, backward) seconds of a routed experts' projection run as `gemm_groups` FP8 GEMMs
+    (`Float8Recipe.converts_experts`): each sized on its own at the FP8 rate, plus the operand casts."""
+    return _fp8_linear_time(node, device, recipe, flops_scale=flops_scale, bytes_scale=bytes_scale,
+                            param_scale=param_scale, dtype=dtype, gemm_groups=gemm_groups)
+
+
 def _fp8_linear_time(node: Node, device: DeviceSpec, recipe: Float8Recipe, *, flops_scale: float,
-                     bytes_scale: float, param_scale: float, dtype: str, casts: bool = True) -> tuple[float, float]:
+                     bytes_scale: float, param_scale: float, dtype: str, casts: bool = True,
+                     gemm_groups: int = 1) -> tuple[float, float]:
     """A converted linear: its GEMMs at the FP8 rate (bytes as in BF16: the GEMMs are compute-bound at these
     sizes) plus the operand casts (unless `casts` is off). A measured profile of the BF16 op does not apply."""
     fwd_flops = node.forward_flops * flops_scale
     fwd_bytes = node_bytes(node, bytes_scale=bytes_scale, param_scale=param_scale, dtype=dtype)
-    rate = fp8_gemm_rate(device, fwd_flops)
+    rate = fp8_gemm_rate(device, fwd_flops / gemm_groups)
     cast_fwd, cast_bwd = fp8_cast_times(node, device, recipe, bytes_scale=bytes_scale, param_scale=param_scale,
                                         dtype=dtype) if casts else (0.0, 0.0)
     fwd = roofline_time(fwd_flops, fwd_bytes, rate, device)

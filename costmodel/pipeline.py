@@ -77,7 +77,7 @@ holds exactly virtual stages r and 2p - 1 - r (so the first and the last stage, 
 rank 0, and stages p - 1 and p meet on rank p - 1 without a send), m >= 2p (DualPipeV refuses fewer; ZB-V pads
 to 2p - 1 and idles).
 
-Paired all-to-all overlap (`RuntimeOptions.ep_overlap`, dualpipev only). DualPipe runs each F&B pair of chunks
+Paired all-to-all overlap (`RuntimeOptions.ep_overlap`). DualPipe runs each F&B pair of chunks
 as one overlapped unit: the forward's expert-parallel all-to-alls while the backward computes and the backward's
 while the forward computes (DeepSeek-V3, arXiv 2412.19437 Sec. 3.2.1, Figure 4). torch's `ScheduleDualPipeV`
 emits rank r's pairs as OVERLAP_F_B actions: in its main step m - 2p + r + 1 pairs of (F of chunk 0, B of chunk
@@ -93,6 +93,14 @@ event simulation of torch's action lists in which a pair starts once both its ch
 F + B - h (tests/test_ep_overlap.py): for equal stages the formula is 0-4% above the simulated step, never below
 (rank 0, with the fewest pairs, stands for the critical path). One communication stream carries both passes'
 all-to-alls in turn; h fits it: when both are hidden, A_F + A_B <= C_B + C_F. The sends are blocking as above.
+
+Megatron-Core pairs the same way in 1F1B and interleaved 1F1B (`--overlap-moe-expert-parallel-comm`, NeMo's
+`moe_a2a_overlap`): every step of the steady state runs the forward of one micro-batch merged with the backward of
+another. Rank r's steady state has m v - w_r such steps after its w_r warm-up forwards, w_r = min(m v, (p - r - 1)
+2 + (v - 1) p) interleaved (torch's and Megatron-Core's warm-up count) and min(m, p - r - 1) for 1F1B, each
+hiding h over the rank's mean chunk (a pair mixes its chunks; the mean of the rank's chunks stands for them, which
+can only overstate h -- it is concave), and the steady state shrinks: T = max_r (m D_r - H_r) + (sum F + sum B -
+max_r D_r) / v.
 
 In flight (F started, W not finished), from the same simulation: interleaved-zb holds p micro-batches on every
 chunk of every rank (min(p, m)); zbv holds 2p - 1 - r on rank r's first chunk and r + 1 on its second (2p per
@@ -249,6 +257,8 @@ def _steady_formula(f: Sequence[float], b: Sequence[float], schedule: Schedule, 
         e, x = _zero_bubble_fill(f, b, w if w is not None else [0.0] * len(f), schedule, pp, v)
         h = hidden if hidden is not None else [0.0] * pp
         return max(m * dr - hr - er / v for dr, hr, er in zip(d, h, e, strict=True)) + (sum(e) + x) / v
+    if hidden is not None:
+        return max(m * dr - hr for dr, hr in zip(d, hidden, strict=True)) + (sum(f) + sum(b) - max(d)) / v
     return m * max(d) + (sum(f) + sum(b) - max(d)) / v
 
 
@@ -296,16 +306,44 @@ class ChunkWork:
     a2a_bwd_s: float = 0.0
 
 
-def paired_overlap(chunks: Sequence[ChunkWork], pp: int, num_microbatches: int) -> list[float]:
-    """H_r: per DualPipeV rank, the all-to-all seconds its F&B pairs hide in one step (module docstring);
-    `chunks` are the 2p virtual stages in pipeline order."""
+PAIRED_SCHEDULES = frozenset({Schedule.DUALPIPEV, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED})
+"""Schedules whose steady state runs forward and backward passes as overlapped pairs (module docstring)."""
+
+
+def steady_pairs(schedule: Schedule, pp: int, num_microbatches: int, virtual_stages: int, rank: int) -> int:
+    """Steps of 1F1B's or interleaved 1F1B's steady state on `rank`: m v less its warm-up forwards (module
+    docstring)."""
+    total = num_microbatches * virtual_stages
+    if Schedule(schedule) is Schedule.INTERLEAVED:
+        warmup = (pp - rank - 1) * 2 + (virtual_stages - 1) * pp
+    else:
+        warmup = pp - rank - 1
+    return total - min(total, warmup)
+
+
+def _hidden(f: ChunkWork, b: ChunkWork) -> float:
+    return min(f.a2a_fwd_s, b.compute_bwd_s) + min(b.a2a_bwd_s, f.compute_fwd_s)
+
+
+def paired_overlap(chunks: Sequence[ChunkWork], pp: int, num_microbatches: int,
+                   schedule: Schedule = Schedule.DUALPIPEV, virtual_stages: int = 2) -> list[float]:
+    """H_r: per rank, the all-to-all seconds its F&B pairs hide in one step (module docstring); `chunks` are the
+    p v virtual stages in pipeline order."""
+    schedule = Schedule(schedule)
+    if schedule not in PAIRED_SCHEDULES:
+        raise ValueError(f"the {schedule.value} schedule runs no forward and backward passes as pairs")
+    if schedule is not Schedule.DUALPIPEV:
+        out = []
+        for r in range(pp):
+            mine = [chunks[j] for j in chunk_stages(schedule, pp, virtual_stages, r)]
+            mean = ChunkWork(*(sum(getattr(c, k) for c in mine) / len(mine)
+                               for k in ("compute_fwd_s", "compute_bwd_s", "a2a_fwd_s", "a2a_bwd_s")))
+            out.append(steady_pairs(schedule, pp, num_microbatches, virtual_stages, r) * _hidden(mean, mean))
+        return out
     if len(chunks) != 2 * pp:
         raise ValueError(f"the paired overlap needs the 2 * pp = {2 * pp} virtual stages of DualPipeV, got "
                          f"{len(chunks)}")
-
-    def hidden(f: ChunkWork, b: ChunkWork) -> float:
-        return min(f.a2a_fwd_s, b.compute_bwd_s) + min(b.a2a_bwd_s, f.compute_fwd_s)
-
+    hidden = _hidden
     out = []
     for r in range(pp):
         first, second = (chunks[j] for j in chunk_stages(Schedule.DUALPIPEV, pp, 2, r))
@@ -335,7 +373,7 @@ def pipeline_times(stage_fwd: Sequence[float], stage_bwd: Sequence[float], sched
                    rank_hidden: Sequence[float] | None = None, p2p_overlap: bool = False) -> PipelineTime:
     """Step time of the pipeline and its busy / bubble / p2p split (formulas in the module docstring).
     `stage_wgrad[j]`: of `stage_bwd[j]`, the weight-gradient seconds (W) the zero-bubble schedules defer.
-    `rank_hidden[r]`: H_r of DualPipeV's paired all-to-all overlap (`paired_overlap`), dualpipev only.
+    `rank_hidden[r]`: H_r of the paired all-to-all overlap (`paired_overlap`, `PAIRED_SCHEDULES` only).
     `p2p_overlap`: the interleaved schedule's sends wait only in the fill and drain (module docstring)."""
     n = len(stage_fwd)
     if n == 0 or len(stage_bwd) != n or (stage_wgrad is not None and len(stage_wgrad) != n):
@@ -346,9 +384,9 @@ def pipeline_times(stage_fwd: Sequence[float], stage_bwd: Sequence[float], sched
     pp = n // virtual_stages
     schedule = _check(schedule, pp, num_microbatches, virtual_stages)
     m, v = num_microbatches, virtual_stages
-    if rank_hidden is not None and (schedule is not Schedule.DUALPIPEV or len(rank_hidden) != pp):
-        raise ValueError(f"rank_hidden is the paired overlap of dualpipev, one value per rank ({pp}); got "
-                         f"{schedule.value} with {len(rank_hidden)}")
+    if rank_hidden is not None and (schedule not in PAIRED_SCHEDULES or len(rank_hidden) != pp):
+        raise ValueError(f"rank_hidden is the paired overlap of {', '.join(sorted(PAIRED_SCHEDULES))}, one value "
+                         f"per rank ({pp}); got {schedule.value} with {len(rank_hidden)}")
     h = list(rank_hidden) if rank_hidden is not None else [0.0] * pp
     p2p = _p2p_list(p2p_time, n)
     plain = _steady_formula(stage_fwd, stage_bwd, schedule, m, pp, v, stage_wgrad, h)

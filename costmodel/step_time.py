@@ -379,7 +379,7 @@ def step_breakdown(stages: Sequence[StageTime], tails: Sequence[RankTail], *, sc
     """The step's critical path split by kind; `total_s` is the step time.
 
     `stages`: one per virtual stage in pipeline order (p*v); `tails`: one per pipeline rank (p). `ep_overlap`:
-    DualPipeV's pairs hide expert-parallel all-to-alls (`pipeline.paired_overlap`; what they hide leaves the
+    the schedule's F&B pairs hide expert-parallel all-to-alls (`pipeline.paired_overlap`; what they hide leaves the
     communication term). `p2p_overlap`: the interleaved schedule's sends wait only in the fill and drain
     (`RuntimeOptions.p2p_overlap`).
     """
@@ -391,7 +391,7 @@ def step_breakdown(stages: Sequence[StageTime], tails: Sequence[RankTail], *, sc
     hidden = None
     if ep_overlap:
         work = [ChunkWork(s.compute_fwd_s, s.compute_bwd_s + s.recompute_s, s.ep_fwd_s, s.ep_bwd_s) for s in stages]
-        hidden = paired_overlap(work, pp, num_microbatches)
+        hidden = paired_overlap(work, pp, num_microbatches, schedule, virtual_stages)
     pipe = pipeline_times(fwd, bwd, schedule, num_microbatches, virtual_stages, p2p_time,
                           [s.wgrad_s for s in stages], hidden, p2p_overlap=p2p_overlap)
     # Busy time of the bottleneck rank, split by kind.

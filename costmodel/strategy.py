@@ -217,8 +217,9 @@ class RuntimeOptions:
     in each F&B pair of the DualPipeV schedule, the forward's expert-parallel all-to-alls run while the backward
     computes and the backward's while the forward computes (`costmodel.pipeline`, "Paired all-to-all overlap").
     False: the pair's chunks run one after the other (torch's `ScheduleDualPipeV` without a custom OVERLAP_F_B
-    function). Needs the dualpipev schedule; `planner.parallelize` does not run it: plans with it are for
-    export."""
+    function). Megatron-Core pairs the steady state of 1F1B and interleaved 1F1B the same way
+    (`--overlap-moe-expert-parallel-comm`, NeMo's `moe_a2a_overlap`). Needs one of those schedules
+    (`pipeline.PAIRED_SCHEDULES`); `planner.parallelize` does not run it: plans with it are for export."""
 
     tp_sharded_weights: bool = False
     """Every linear layer's and the token embedding's weight is split over the tensor-parallel ranks (column, row

@@ -101,6 +101,9 @@ class PublishedRun:
     unstated: tuple[str, ...] = ()
     inferred: tuple[str, ...] = field(default=())
     ep: int = 1
+    expert_imbalance: float | None = None
+    """The busiest expert-parallel rank's routed tokens over the mean where the source states it (1.0: routing
+    force-balanced); None: the catalog default (`costmodel.expert_parallel.EXPERT_IMBALANCE`)."""
     precision: str = "bf16"
     """What the run computed in ("bf16", "fp8"); FP8 rows are reported, not fitted. Rows whose `runtime.fp8` is
     set are priced in FP8 too; the others in bf16."""
@@ -705,6 +708,8 @@ def cluster_of(run: PublishedRun, training_efficiency: float | None = None):
         device = dataclasses.replace(device, peak_flops={k: v * scale for k, v in device.peak_flops.items()})
     if device is not cluster.groups[0].device:
         cluster = dataclasses.replace(cluster, groups=(dataclasses.replace(cluster.groups[0], device=device),))
+    if run.expert_imbalance is not None:
+        cluster = dataclasses.replace(cluster, expert_imbalance=run.expert_imbalance)
     if run.inter_node_gbps is None or len(cluster.tiers) < 2:
         return cluster
     return cluster.with_tier(cluster.tiers[1].name, bandwidth=run.inter_node_gbps * 1e9)
@@ -748,8 +753,10 @@ def predict(run: PublishedRun, chains: dict | None = None, training_efficiency: 
     The ZeRO stage, when unstated, is searched over 0 and 1 (Megatron-LM's replicated or distributed optimizer), and an
     unstated schedule over the families the trainer runs (`search_space`). What the source leaves unstated
     takes the fastest value the model finds, not the simplest within its error band: the run's authors tuned it.
+    A run that pairs its passes to hide the expert all-to-alls (`RuntimeOptions.ep_overlap`, which the search does
+    not price) is searched without it and its plan estimated with it.
     """
-    from planner.api import plan
+    from planner.api import estimate, plan
     from planner.errors import InfeasibleError
 
     chains = {} if chains is None else chains
@@ -760,12 +767,21 @@ def predict(run: PublishedRun, chains: dict | None = None, training_efficiency: 
     chain = chains[key]
     cluster = cluster_of(run, training_efficiency)
     best = None
+    paired = run.runtime.ep_overlap
     for zero in ((run.zero_stage,) if run.zero_stage is not None else (0, 1)):
+        space = search_space(run, zero)
+        if paired:
+            space = dataclasses.replace(space, runtime=dataclasses.replace(space.runtime, ep_overlap=False))
         try:
-            p = plan(chain, None, cluster, global_batch=run.global_batch, space=search_space(run, zero),
+            p = plan(chain, None, cluster, global_batch=run.global_batch, space=space,
                      time_limit_s=PINNED_TIME_LIMIT_S, simplest_tie=False)
         except InfeasibleError:
             continue
+        if paired:
+            strategy = dataclasses.replace(p.strategy, runtime=dataclasses.replace(p.strategy.runtime,
+                                                                                   ep_overlap=True))
+            p = dataclasses.replace(p, strategy=strategy, predicted=estimate(
+                chain, cluster, strategy, global_batch=run.global_batch))
         if best is None or p.predicted.step_time_s < best.predicted.step_time_s:
             best = p
     chosen = ", ".join(run.unstated) or "-"

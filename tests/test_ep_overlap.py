@@ -4,12 +4,13 @@ option's validity, plan JSON and refusals."""
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import pytest
 
 import ir
-from costmodel.pipeline import ChunkWork, dualpipev_pairs, paired_overlap, pipeline_times
+from costmodel.pipeline import ChunkWork, dualpipev_pairs, paired_overlap, pipeline_times, steady_pairs
 from costmodel.strategy import RuntimeOptions, Schedule, Strategy
 from models.registry import build_model
 from planner.api import estimate, plan
@@ -71,8 +72,55 @@ def test_hidden_seconds_and_step_time_in_closed_form():
     assert paired.total_s == pytest.approx(plain.total_s - hidden[0])
     assert paired.bottleneck_rank == 0 and paired.hidden_s == pytest.approx(hidden[0])
     assert paired.bubble_s == pytest.approx(plain.bubble_s)
-    with pytest.raises(ValueError, match="rank_hidden is the paired overlap of dualpipev"):
-        pipeline_times(fwd[:pp], bwd[:pp], Schedule.ONE_F_ONE_B, m, 1, rank_hidden=hidden)
+    with pytest.raises(ValueError, match="rank_hidden is the paired overlap of 1f1b, dualpipev, interleaved"):
+        pipeline_times(fwd[:pp], bwd[:pp], Schedule.GPIPE, m, 1, rank_hidden=hidden)
+
+
+def _interleaved(pp: int, v: int, m: int):
+    """torch's ScheduleInterleaved1F1B over stand-in stages (rank 0's v chunks): every rank's action list."""
+    from unittest import mock
+
+    from torch.distributed.pipelining import schedules as ts
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    stages = []
+    for chunk in range(v):
+        stand_in = mock.create_autospec(PipelineStage, instance=True)
+        stand_in.group_rank, stand_in.group_size, stand_in.submod = 0, pp, None
+        stand_in.num_stages, stand_in.stage_index = pp * v, chunk * pp
+        stages.append(stand_in)
+    return ts.ScheduleInterleaved1F1B(stages, m)
+
+
+@pytest.mark.parametrize(("pp", "v", "m"), [(2, 2, 4), (4, 2, 8), (4, 3, 12), (8, 4, 16), (2, 2, 6)])
+def test_interleaved_steady_pairs_are_torchs(pp, v, m):
+    """A forward followed by a backward in torch's interleaved 1F1B action list is one steady-state step."""
+    from torch.distributed.pipelining import schedules as ts
+
+    built = _interleaved(pp, v, m)
+    for rank in range(pp):
+        kinds = [a.computation_type for a in built.pipeline_order[rank] if a is not None]
+        pairs = sum(1 for x, y in itertools.pairwise(kinds)
+                    if x is ts._ComputationType.FORWARD and y is ts._ComputationType.FULL_BACKWARD)
+        assert pairs == steady_pairs(Schedule.INTERLEAVED, pp, m, v, rank)
+    # 1F1B (Megatron-Core's forward_backward_pipelining_without_interleaving): p - r - 1 warm-up forwards
+    assert [steady_pairs(Schedule.ONE_F_ONE_B, 4, 8, 1, r) for r in range(4)] == [5, 6, 7, 8]
+
+
+def test_interleaved_pairs_hide_in_closed_form():
+    pp, v, m = 4, 2, 8
+    f, b, a = 1.0, 2.0, 0.4
+    chunks = [ChunkWork(f, b, a, a)] * (pp * v)
+    hidden = paired_overlap(chunks, pp, m, Schedule.INTERLEAVED, v)
+    assert hidden == pytest.approx([steady_pairs(Schedule.INTERLEAVED, pp, m, v, r) * 2 * a for r in range(pp)])
+    fwd, bwd = [f + a] * (pp * v), [b + a] * (pp * v)
+    plain = pipeline_times(fwd, bwd, Schedule.INTERLEAVED, m, v)
+    paired = pipeline_times(fwd, bwd, Schedule.INTERLEAVED, m, v, rank_hidden=hidden)
+    # Equal chunks: rank 0 has the fewest steady steps and stays the bottleneck; the fill and drain stay.
+    assert paired.total_s == pytest.approx(plain.total_s - hidden[0])
+    assert paired.bottleneck_rank == 0 and paired.bubble_s == pytest.approx(plain.bubble_s)
+    with pytest.raises(ValueError, match="gpipe schedule runs no forward and backward passes as pairs"):
+        paired_overlap(chunks, pp, m, Schedule.GPIPE, v)
 
 
 def _simulated_step(pp: int, m: int, f: float, i: float, w: float, hidden: float) -> float:
@@ -143,9 +191,14 @@ def test_a_moe_plan_under_dualpipev_hides_its_all_to_alls():
     # What the pairs hide leaves the communication term, and nothing else moves.
     assert plain_est.breakdown.tp_comm_s - paired_est.breakdown.tp_comm_s == pytest.approx(saved)
     assert paired_est.breakdown.compute_s == pytest.approx(plain_est.breakdown.compute_s)
-    one_f_one_b = Strategy.from_dict({**paired.to_dict(), "schedule": "1f1b", "virtual_stages": 1})
-    problems = estimate(chain, "2x4xh100", one_f_one_b, global_batch=16).problems
-    assert any("ep_overlap overlaps the all-to-alls of DualPipeV" in p for p in problems)
+    # Megatron-Core's 1F1B pairs its steady state too; GPipe runs every pass alone.
+    one_f_one_b = [Strategy.from_dict({**s.to_dict(), "schedule": "1f1b", "virtual_stages": 1})
+                   for s in (base, paired)]
+    plain_1f1b, paired_1f1b = (estimate(chain, "2x4xh100", s, global_batch=16) for s in one_f_one_b)
+    assert paired_1f1b.step_time_s < plain_1f1b.step_time_s and not paired_1f1b.problems
+    gpipe = Strategy.from_dict({**paired.to_dict(), "schedule": "gpipe", "virtual_stages": 1})
+    problems = estimate(chain, "2x4xh100", gpipe, global_batch=16).problems
+    assert any("ep_overlap overlaps the all-to-alls of paired forward and backward passes" in p for p in problems)
 
 
 def test_the_option_is_written_only_when_set_and_refused_by_the_search_and_this_runtime():

@@ -147,7 +147,7 @@ class LayerCostTable:
                 group=type_group(self.cluster, device.name, split.ep, split.ep_stride),
                 concurrent=split.num_devices // split.ep, imbalance=self.expert_imbalance, dedup=self.ep_dedup,
                 tp=tp, tp_group=type_group(self.cluster, device.name, tp, tp_stride),
-                tp_concurrent=split.num_devices // tp)
+                tp_concurrent=split.num_devices // tp, fp8=self.fp8)
             out[cid] = expert_cost(cost, self.expert_layer(cid), device, self.cluster, setting=setting,
                                    segment_params=segment.param_count, profile=self.profile)
         return out
@@ -157,7 +157,7 @@ class LayerCostTable:
 
         setting = ExpertSetting(ep=1, microbatch_size=mbs, traced_batch=self.chain.graph.batch_size,
                                 traced_dtype=self.chain.graph.dtype, dtype=self.dtype,
-                                imbalance=self.expert_imbalance, tp=tp)
+                                imbalance=self.expert_imbalance, tp=tp, fp8=self.fp8)
         return {cid: bound_cost(cost, self.expert_layer(cid), device, setting, self.profile)
                 for cid, cost in prices.costs.items()}
 

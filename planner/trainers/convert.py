@@ -53,7 +53,7 @@ def export_plan(plan: Plan, trainer: Trainer, layout: BlockLayout, shape: ModelS
     """`plan` as `trainer`'s configuration file (module docstring)."""
     notes = Notes()
     cfg = config_of_plan(plan, layout, trainer, notes)
-    _expert_dispatch_notes(plan.strategy, notes)
+    _expert_dispatch_notes(plan.strategy, trainer, notes)
     header = _header(plan, trainer) if trainer is not Trainer.DEEPSPEED else []
     if trainer is Trainer.TORCHTITAN:
         text = torchtitan.render(cfg, shape, header, notes)
@@ -70,14 +70,16 @@ def export_plan(plan: Plan, trainer: Trainer, layout: BlockLayout, shape: ModelS
                         launch_hint=_launch_hint(plan, trainer, name))
 
 
-def _expert_dispatch_notes(strategy: Strategy, notes: Notes) -> None:
+def _expert_dispatch_notes(strategy: Strategy, trainer: Trainer, notes: Notes) -> None:
     """DeepSeek's expert-parallel runtime choices, which no exported file carries (`RuntimeOptions.ep_dedup`,
-    `ep_overlap`): the trainer runs a plain all-to-all, exposed, unless set up by hand."""
+    `ep_overlap`, which Megatron-LM has as a flag): the trainer runs a plain all-to-all, exposed,
+    unless set up by hand."""
     if strategy.runtime.ep_dedup and strategy.ep > 1:
         notes.add("the plan priced the expert dispatch deduplicated per node (ep_dedup, DeepEP's internode "
                   "kernels), which is not exported: set up the trainer's DeepEP dispatcher yourself or expect a "
                   "plain all-to-all's step time")
-    if strategy.runtime.ep_overlap:
+    # Megatron-LM pairs its 1F1B steady state itself (every schedule exports as 1F1B or interleaved there).
+    if strategy.runtime.ep_overlap and trainer is not Trainer.MEGATRON:
         notes.add("the plan priced DualPipe's overlap of the paired chunks' all-to-alls (ep_overlap), which no "
                   "exported schedule runs: expect the all-to-alls exposed")
 

@@ -6,6 +6,7 @@ are in planner/trainers/data/megatron_lm_arguments.json). What maps to what:
     tp, pp, cp, ep       --tensor-/--pipeline-/--context-/--expert-model-parallel-size (dp is the rest of the world)
     experts with tp      --expert-tensor-parallel-size 1 (MoE parallel folding: experts whole, their tokens split
                          over the tp ranks, ep groups over tp x dp ranks); read back, another size is a note
+    ep_overlap           --overlap-moe-expert-parallel-comm (1F1B / interleaved steady-state F&B pairs)
     interleaved:V        --num-layers-per-virtual-pipeline-stage (equal chunks) or --pipeline-model-parallel-layout
     uneven stages        --decoder-first/last-pipeline-num-layers (equal middle stages) or the layout string
     mbs, global batch    --micro-batch-size, --global-batch-size
@@ -87,6 +88,7 @@ def parallel_arguments(cfg: TrainerConfig, num_layers: int, notes: Notes) -> lis
     # Megatron-Core shards experts over tp by default (expert tensor parallel size = tp); the plan keeps them whole
     # and splits their tokens over the tp ranks (costmodel.expert_parallel), expert tensor parallel size 1.
     args += ["--expert-tensor-parallel-size 1"] if cfg.ep > 1 and cfg.tp > 1 else []
+    args += ["--overlap-moe-expert-parallel-comm"] if cfg.runtime.ep_overlap and cfg.ep > 1 else []
     args += ["--sequence-parallel"] if cfg.sequence_parallel else []
     args += _pipeline_arguments(cfg, num_layers, notes)
     args += [f"--micro-batch-size {cfg.microbatch_size}", f"--global-batch-size {cfg.global_batch}"]
@@ -234,7 +236,9 @@ def read(text: str, *, source: str) -> TrainerConfig:
                                tp_sharded_weights=ns.tensor_model_parallel_size > 1,
                                cross_entropy=CrossEntropy.INPLACE, offload=_read_offload(ns, notes),
                                fp8=_read_fp8(ns, notes), grads_in_training_dtype=ns.grad_reduce_in_bf16,
-                               p2p_overlap=ns.overlap_p2p_comm and pp > 1 and virtual > 1),
+                               p2p_overlap=ns.overlap_p2p_comm and pp > 1 and virtual > 1,
+                               ep_overlap=ns.overlap_moe_expert_parallel_comm
+                               and (ns.expert_model_parallel_size or 1) > 1),
         mesh_order=PP_INSIDE_DP if ns.use_tp_pp_dp_mapping else DEFAULT_MESH_ORDER,
         seq_len=ns.seq_length, dtype="bfloat16" if ns.bf16 else "float16" if ns.fp16 else "float32",
         num_layers=ns.num_layers, notes=tuple(notes.items))
