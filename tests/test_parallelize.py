@@ -103,10 +103,13 @@ def test_mesh_has_a_cp_axis_between_dp_and_tp():
         (0, 0, 1), (0, 1, 0), (1, 0, 1), (1, 1, 0)]
 
 
-def test_expert_parallelism_must_divide_dp():
-    # Strategy accepts ep | dp*cp; running it needs the ep group inside dp (as the cost model prices it)
-    with pytest.raises(UserError, match=r"ep=4 must divide dp=2.*valid ep: 1, 2"):
-        mesh_layout(Strategy(dp=2, cp=2, ep=4))
+def test_expert_parallelism_must_fit_the_tp_x_dp_ranks():
+    # An ep group is consecutive tp x dp ranks (cp ranks hold the same experts): the strategy refuses the rest
+    with pytest.raises(ValueError, match=r"ep=4 must divide tp=1 or be tp times a divisor of dp=2.*valid ep: 1, 2"):
+        Strategy(dp=2, cp=2, ep=4)
+    with pytest.raises(ValueError, match=r"valid ep: 1, 2, 4, 8$"):
+        Strategy(dp=4, tp=2, ep=6)
+    assert Strategy(dp=2, tp=4, ep=2).ep_dp == 1 and Strategy(dp=4, tp=2, ep=4).ep_dp == 2
 
 
 def test_world_size_mismatch_is_refused_with_both_numbers():
