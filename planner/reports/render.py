@@ -11,7 +11,7 @@ from costmodel.hardware.host import host_of
 from costmodel.memory import GIB
 from costmodel.pipeline import chunk_stages
 from costmodel.rank_layout import axis_strides
-from costmodel.strategy import CrossEntropy, MeshAxis, Offload, Strategy
+from costmodel.strategy import CrossEntropy, MeshAxis, Offload, Strategy, expert_span
 from costmodel.validation import within_band
 from planner.plan import Plan, SearchInfo
 
@@ -28,10 +28,13 @@ def mesh_line(plan: Plan, cluster: Cluster) -> str:
         size = {MeshAxis.TP: s.tp, MeshAxis.CP: s.cp, MeshAxis.DP: s.dp, MeshAxis.PP: s.pp, MeshAxis.EP: s.ep}[axis]
         if size == 1 and axis is not MeshAxis.DP:
             continue
-        if axis is MeshAxis.EP:
-            parts.append(f"ep={size} (on dp ranks)")
-            continue
         stride = strides[axis]
+        if axis is MeshAxis.EP:  # no ranks of its own: say which tp x dp ranks a group takes, and its tier
+            in_tp, over_dp = expert_span(s.tp, s.dp, size) or (1, size)
+            ranks = " x ".join(f"{n} {a}" for n, a in ((in_tp, "tp"), (over_dp, "dp")) if n > 1)
+            tier = cluster.tier_spanned(size, stride)
+            parts.append(f"ep={size} (on {ranks} ranks, {tier.name if tier else 'one device'})")
+            continue
         # pp neighbours are `stride` apart; the other axes form groups of `size` ranks `stride` apart.
         tier = cluster.tier_spanned(2 if axis is MeshAxis.PP and size > 1 else size, stride)
         parts.append(f"{axis.value}={size} ({tier.name if tier else 'one device'})")
