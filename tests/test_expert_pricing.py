@@ -188,3 +188,36 @@ def test_tensor_parallel_ranks_split_the_expert_slots():
     # rank's E / ep when ep < tp, none when each ep group takes whole tp groups (ep 2 over tp 2, ep 4 over tp 2).
     assert (partial(1, 1), partial(2, 1), partial(4, 2)) == (0, layer.found.param_numel, layer.found.param_numel // 2)
     assert partial(2, 2) == partial(2, 4) == 0
+
+
+def test_under_tp_the_moe_path_grows_with_the_micro_batch_and_the_experts_stay_whole():
+    """The routing groups (G, S, h) and expert buffers (E, slots, h) fold the batch dim away; the sharding problem
+    still prices them at the micro-batch (`costmodel.sharding.cost.folded_batch_nodes`), and gives the stacked
+    experts only their replicated strategy (the tp ranks split their slots instead, priced on top)."""
+    from costmodel.sharding.cost import (
+        build_sharding_model,
+        folded_batch_nodes,
+        make_pricer,
+        stacked_expert_region,
+    )
+    from costmodel.sharding.dims import propagate_labels
+
+    built = build_model("moe", ("layers=1", "hidden=1024", "ffn_hidden=4096", "heads=8", "kv_heads=8", "vocab=1024",
+                                f"experts={E}", f"top_k={K}"), seq=1024)
+    chain = ir.build_layer_chain(ir.trace(built.module, built.example_inputs, model_name="moe"))
+    block = chain.segments[_block(chain)]
+    nodes = chain.nodes_of(block)
+    region = stacked_expert_region(nodes)
+    assert set(routed_experts(nodes).linears) <= region
+    assert region <= folded_batch_nodes(nodes, propagate_labels(nodes, 1), 1)
+    cluster = Cluster.parse("1x8xh100")
+    pricer = make_pricer(cluster, cluster.device_of(0), CommGroup(2))
+    models = {mbs: build_sharding_model(nodes, tp=2, sequence_parallel=True, traced_batch=1, microbatch_size=mbs,
+                                        pricer=pricer) for mbs in (1, 8)}
+    linears = set(routed_experts(nodes).linears)
+    for i, n in enumerate(nodes):
+        if n.name in region:
+            one, eight = models[1].options[i], models[8].options[i]
+            assert len(one) == len(eight) == 1 and one[0].strategy.is_replicated
+        if n.name in linears:  # compute-bound GEMMs: 8x the tokens, at least 6x the time (GEMMs grow efficient)
+            assert eight[0].fwd_s > 6 * one[0].fwd_s

@@ -52,6 +52,7 @@ from costmodel.sharding.problem import FIXED
 from costmodel.sharding.rules import NodeStrategy, StrategyContext, Style, node_strategies
 from costmodel.training_loss import loss_inputs
 from ir.graph import Node, OpKind, TensorSpec
+from ir.moe_structure import ExpertLayout, expert_region, routed_experts
 
 DEFAULT_MEMORY_WEIGHT = 1e-15
 """Seconds of objective per byte of per-device memory: 1 GB ~ 1 us. Small enough never to trade speed for
@@ -188,6 +189,22 @@ def _has_batch(labels: Sequence[Labels]) -> bool:
     return any(lab is DimLabel.BATCH for labs in labels for lab in labs)
 
 
+def folded_batch_nodes(nodes: Sequence[Node], labels: Mapping[str, Labels], traced_batch: int) -> frozenset[str]:
+    """Nodes without a batch dim in their labels that are computed from the batch: their tensors hold the batch's
+    tokens after a reshape folded the batch dim away (a mixture of experts' routing groups (G, S, h) and
+    per-expert buffers (E, slots, h)), so their work and bytes grow with the micro-batch like a batch dim's."""
+    batched: set[str] = set()
+    folded: set[str] = set()
+    for node in nodes:
+        labs = (*(input_labels(node, i, labels, traced_batch) for i in range(len(node.input_specs))),
+                labels.get(node.name, ()))
+        if _has_batch(labs):
+            batched.add(node.name)
+        elif any(i in batched or i in folded for i in node.inputs):
+            folded.add(node.name)
+    return frozenset(folded)
+
+
 _SHAPE_ONLY_OPS = frozenset({"ones_like", "zeros_like", "empty_like", "full_like", "rand_like", "randn_like",
                              "randint_like", "size", "dim", "numel"})
 """Ops that read only their input's shape (and dtype), never its values."""
@@ -242,11 +259,23 @@ def weight_splitting(node: Node, strategies: Sequence[NodeStrategy], in_labels: 
     return split or strategies
 
 
-def _runtime_strategies(node: Node, strategies: Sequence[NodeStrategy], sequence_parallel: bool
-                        ) -> Sequence[NodeStrategy]:
+def stacked_expert_region(nodes: Sequence[Node]) -> frozenset[str]:
+    """The nodes that run once per slot of routed experts with stacked (E, ...) weights (`ir.moe_structure`)."""
+    found = routed_experts(tuple(nodes))
+    if found is None or found.layout is not ExpertLayout.STACKED:
+        return frozenset()
+    return expert_region(nodes, found)
+
+
+def _runtime_strategies(node: Node, strategies: Sequence[NodeStrategy], sequence_parallel: bool,
+                        experts: frozenset[str] = frozenset()) -> Sequence[NodeStrategy]:
     """The strategies the runtime can run: under sequence parallelism `planner.runtime.apply_tp` runs every norm on its
     sequence shard (a replicated norm fed a shard would leave its weight gradients unreduced), so a norm with
-    parameters that has a sequence-sharded strategy gets only those -- with their partial-gradient sync."""
+    parameters that has a sequence-sharded strategy gets only those -- with their partial-gradient sync. Stacked
+    routed experts (`experts`, `stacked_expert_region`) stay whole on every tp rank, which splits their slots
+    instead (`costmodel.expert_parallel` prices that on top): they are replicated here."""
+    if node.name in experts:
+        return strategies[:1]
     if not (sequence_parallel and node.op_kind is OpKind.NORM and node.param_specs):
         return strategies
     sequence = [s for s in strategies if s.style is Style.SEQUENCE]
@@ -280,17 +309,22 @@ def build_sharding_model(nodes: Sequence[Node], *, tp: int, sequence_parallel: b
                    dtype, traced_dtype or infer_traced_dtype(nodes))
     options = []
     in_scales: list[tuple[float, ...]] = []
+    experts = stacked_expert_region(nodes) if tp > 1 else frozenset()
+    folded = folded_batch_nodes(nodes, labels, traced_batch)
     for node in nodes:
         in_labels = tuple(input_labels(node, i, labels, traced_batch) for i in range(len(node.input_specs)))
         out_labels = labels.get(node.name, ())
         ctx = StrategyContext(tp, sequence_parallel, in_labels, out_labels)
-        scale = cfg.batch_scale if _has_batch((*in_labels, out_labels)) else 1.0
-        strategies = _runtime_strategies(node, node_strategies(node, ctx), sequence_parallel and sequence_norms)
-        if sharded_weights:
+        scale = cfg.batch_scale if _has_batch((*in_labels, out_labels)) or node.name in folded else 1.0
+        strategies = _runtime_strategies(node, node_strategies(node, ctx), sequence_parallel and sequence_norms,
+                                         experts)
+        if sharded_weights and node.name not in experts:
             strategies = weight_splitting(node, strategies, in_labels)
         options.append(tuple(_price_option(node, st, scale, cfg) for st in strategies))
-        in_scales.append(tuple(cfg.batch_scale if DimLabel.BATCH in labs else 1.0 for labs in in_labels))
-    flows, inputs_saved, boundary = _build_flows(nodes, index, options, labels, set(out_names), cfg, traced_batch)
+        in_scales.append(tuple(cfg.batch_scale if DimLabel.BATCH in labs or src in folded else 1.0
+                               for labs, src in zip(in_labels, node.inputs, strict=False)))
+    flows, inputs_saved, boundary = _build_flows(nodes, index, options, labels, set(out_names), cfg, traced_batch,
+                                                 folded)
     region, kept, loss = selective_recompute_region(nodes), op_policy_kept(nodes), loss_inputs(nodes)
     return ShardingModel(nodes=nodes, tp=tp, sequence_parallel=sequence_parallel, options=tuple(options),
                          flows=flows, inputs_saved_bytes=round(inputs_saved), boundary_bytes=round(boundary),
@@ -344,7 +378,7 @@ def _validate(nodes: Sequence[Node], tp: int, sp: bool, traced_batch: int, mbs: 
 
 def _build_flows(nodes: Sequence[Node], index: Mapping[str, int], options: Sequence[Sequence[NodeOption]],
                  labels: Mapping[str, Labels], out_names: set[str], cfg: _Setting,
-                 traced_batch: int) -> tuple[tuple[Flow, ...], float, float]:
+                 traced_batch: int, folded: frozenset[str] = frozenset()) -> tuple[tuple[Flow, ...], float, float]:
     readers: dict[str, list[Reader]] = {}
     external: dict[str, tuple[TensorSpec, Labels]] = {}
     shape_only = shape_only_reads(nodes, out_names)
@@ -373,7 +407,7 @@ def _build_flows(nodes: Sequence[Node], index: Mapping[str, int], options: Seque
         if not node.output_specs or (not rs and node.name not in out_names):
             continue
         spec, labs = node.output_specs[0], labels.get(node.name, ())
-        nbytes = cfg.bytes_of(spec) * (cfg.batch_scale if DimLabel.BATCH in labs else 1.0)
+        nbytes = cfg.bytes_of(spec) * (cfg.batch_scale if DimLabel.BATCH in labs or node.name in folded else 1.0)
         if node.op_kind is OpKind.PLACEHOLDER:  # a model input (replicated): kept by full recomputation too
             inputs_saved += nbytes
         if node.name in out_names:

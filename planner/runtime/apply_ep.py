@@ -237,9 +237,10 @@ class ExpertShards:
     """FQNs of the sliced parameters (each a slice of dim 0 over the ep group)."""
 
 
-def apply_expert_parallel(model: nn.Module, ep: EpGroup, replicas: int) -> ExpertShards:
+def apply_expert_parallel(model: nn.Module, ep: EpGroup, replicas: int | None = None) -> ExpertShards:
     """Keep this rank's slice of every experts module's parameters and route its tokens with all-to-alls;
-    `replicas`: the data-parallel replicas an ep group spans (`Strategy.ep_dp`)."""
+    `replicas`: the data-parallel replicas an ep group spans (`Strategy.ep_dp`; None: ep, a group of dp ranks)."""
+    replicas = ep.size if replicas is None else replicas
     found = experts_modules(model)
     if not found:
         raise UserError(f"expert parallelism (ep={ep.size}): {type(model).__name__} has no experts module (a "
