@@ -196,9 +196,9 @@ def folded_batch_nodes(nodes: Sequence[Node], labels: Mapping[str, Labels], trac
     batched: set[str] = set()
     folded: set[str] = set()
     for node in nodes:
-        labs = (*(input_labels(node, i, labels, traced_batch) for i in range(len(node.input_specs))),
-                labels.get(node.name, ()))
-        if _has_batch(labs):
+        # Input labels only where the output has no batch dim: the few nodes that can be folded.
+        if DimLabel.BATCH in labels.get(node.name, ()) or _has_batch(
+                [input_labels(node, i, labels, traced_batch) for i in range(len(node.input_specs))]):
             batched.add(node.name)
         elif any(i in batched or i in folded for i in node.inputs):
             folded.add(node.name)
