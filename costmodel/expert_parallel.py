@@ -115,7 +115,7 @@ from costmodel.memory import GRAD_BYTES, ModelState
 from costmodel.memory import model_state_bytes as _dense_state_bytes
 from costmodel.operators import fp8_grouped_gemm_time, node_time, retype_ratio
 from costmodel.profile_db import OpProfile
-from costmodel.strategy import Offload
+from costmodel.strategy import Offload, expert_tp_replicas
 from ir.graph import Node
 from ir.layer_chain import LayerChain
 from ir.moe_structure import (
@@ -341,7 +341,7 @@ def expert_cost(base: LayerCost, layer: ExpertLayer | None, device: DeviceSpec, 
              round(found.param_numel * base.param_count / segment_params) if segment_params else found.param_numel)
     kept = -(-local // ep)
     # The tp ranks holding the same experts (ep < tp; 1 when ep groups take whole tp groups) each hold a part.
-    partial = split > math.gcd(split, ep)
+    partial = expert_tp_replicas(split, ep) > 1
     if ep == 1:
         return dataclasses.replace(cost, tp_split_expert_params=local if partial else 0)
     payload /= split

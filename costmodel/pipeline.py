@@ -343,12 +343,11 @@ def paired_overlap(chunks: Sequence[ChunkWork], pp: int, num_microbatches: int,
     if len(chunks) != 2 * pp:
         raise ValueError(f"the paired overlap needs the 2 * pp = {2 * pp} virtual stages of DualPipeV, got "
                          f"{len(chunks)}")
-    hidden = _hidden
     out = []
     for r in range(pp):
         first, second = (chunks[j] for j in chunk_stages(Schedule.DUALPIPEV, pp, 2, r))
         n01, n10 = dualpipev_pairs(pp, num_microbatches, r)
-        out.append(n01 * hidden(first, second) + n10 * hidden(second, first))
+        out.append(n01 * _hidden(first, second) + n10 * _hidden(second, first))
     return out
 
 

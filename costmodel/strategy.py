@@ -7,6 +7,7 @@ here so that an invalid combination is reported once, where it enters, with the 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -397,6 +398,12 @@ def expert_span(tp: int, dp: int, ep: int) -> tuple[int, int] | None:
     if ep % tp == 0 and dp % (ep // tp) == 0:
         return tp, ep // tp
     return None
+
+
+def expert_tp_replicas(tp: int, ep: int) -> int:
+    """Ranks of one tp group that hold the same experts (`expert_span`): tp / ep when an ep group lies inside the
+    tp group, 1 when ep groups take whole tp groups."""
+    return tp // math.gcd(tp, ep)
 
 
 def expert_span_problem(tp: int, dp: int, ep: int) -> str:

@@ -49,7 +49,13 @@ from costmodel.sharding.layout import (
 )
 from costmodel.sharding.model import Flow, NodeOption, Pricer, Reader, ShardingModel
 from costmodel.sharding.problem import FIXED
-from costmodel.sharding.rules import NodeStrategy, StrategyContext, Style, node_strategies
+from costmodel.sharding.rules import (
+    NodeStrategy,
+    StrategyContext,
+    Style,
+    node_strategies,
+    replicated_strategy,
+)
 from costmodel.training_loss import loss_inputs
 from ir.graph import Node, OpKind, TensorSpec
 from ir.moe_structure import ExpertLayout, expert_region, routed_experts
@@ -267,15 +273,11 @@ def stacked_expert_region(nodes: Sequence[Node]) -> frozenset[str]:
     return expert_region(nodes, found)
 
 
-def _runtime_strategies(node: Node, strategies: Sequence[NodeStrategy], sequence_parallel: bool,
-                        experts: frozenset[str] = frozenset()) -> Sequence[NodeStrategy]:
+def _runtime_strategies(node: Node, strategies: Sequence[NodeStrategy], sequence_parallel: bool
+                        ) -> Sequence[NodeStrategy]:
     """The strategies the runtime can run: under sequence parallelism `planner.runtime.apply_tp` runs every norm on its
     sequence shard (a replicated norm fed a shard would leave its weight gradients unreduced), so a norm with
-    parameters that has a sequence-sharded strategy gets only those -- with their partial-gradient sync. Stacked
-    routed experts (`experts`, `stacked_expert_region`) stay whole on every tp rank, which splits their slots
-    instead (`costmodel.expert_parallel` prices that on top): they are replicated here."""
-    if node.name in experts:
-        return strategies[:1]
+    parameters that has a sequence-sharded strategy gets only those -- with their partial-gradient sync."""
     if not (sequence_parallel and node.op_kind is OpKind.NORM and node.param_specs):
         return strategies
     sequence = [s for s in strategies if s.style is Style.SEQUENCE]
@@ -316,9 +318,10 @@ def build_sharding_model(nodes: Sequence[Node], *, tp: int, sequence_parallel: b
         out_labels = labels.get(node.name, ())
         ctx = StrategyContext(tp, sequence_parallel, in_labels, out_labels)
         scale = cfg.batch_scale if _has_batch((*in_labels, out_labels)) or node.name in folded else 1.0
-        strategies = _runtime_strategies(node, node_strategies(node, ctx), sequence_parallel and sequence_norms,
-                                         experts)
-        if sharded_weights and node.name not in experts:
+        strategies = _runtime_strategies(node, node_strategies(node, ctx), sequence_parallel and sequence_norms)
+        if node.name in experts:  # whole on every tp rank, which splits their slots (`costmodel.expert_parallel`)
+            strategies = (replicated_strategy(node),)
+        elif sharded_weights:
             strategies = weight_splitting(node, strategies, in_labels)
         options.append(tuple(_price_option(node, st, scale, cfg) for st in strategies))
         in_scales.append(tuple(cfg.batch_scale if DimLabel.BATCH in labs or src in folded else 1.0

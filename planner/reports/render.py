@@ -11,7 +11,7 @@ from costmodel.hardware.host import host_of
 from costmodel.memory import GIB
 from costmodel.pipeline import chunk_stages
 from costmodel.rank_layout import axis_strides
-from costmodel.strategy import CrossEntropy, MeshAxis, Offload, Strategy, expert_span
+from costmodel.strategy import CrossEntropy, MeshAxis, Offload, Strategy
 from costmodel.validation import within_band
 from planner.plan import Plan, SearchInfo
 
@@ -30,7 +30,7 @@ def mesh_line(plan: Plan, cluster: Cluster) -> str:
             continue
         stride = strides[axis]
         if axis is MeshAxis.EP:  # no ranks of its own: say which tp x dp ranks a group takes, and its tier
-            in_tp, over_dp = expert_span(s.tp, s.dp, size) or (1, size)
+            in_tp, over_dp = size // s.ep_dp, s.ep_dp
             ranks = " x ".join(f"{n} {a}" for n, a in ((in_tp, "tp"), (over_dp, "dp")) if n > 1)
             tier = cluster.tier_spanned(size, stride)
             parts.append(f"ep={size} (on {ranks} ranks, {tier.name if tier else 'one device'})")

@@ -29,7 +29,7 @@ slices -- and the results are all-gathered over tp. Upstream of the gather the i
 gather's backward keeps this rank's slice of the (identical) gradient and the slice's backward gathers the slices'
 gradients: tokens get their exact gradient. Each rank's expert gradients then hold only its slots'
 contributions: where several ranks of a tp group hold the same experts (ep < tp, `PlanMeshes.expert_tp_sum`)
-`sync_split_expert_gradients` sums their gradients after the backward (the data-parallel reduction over the
+`train_step.sync_split_expert_gradients` sums their gradients after the backward (the data-parallel reduction over the
 expert replicas has already run on each of them alike, and sums commute); where ep groups take whole tp groups,
 the all-to-alls bring every slot of the group's replicas to the expert's one owner.
 """
@@ -196,27 +196,6 @@ def apply_expert_token_split(modules: Sequence[nn.Module], tp: EpGroup) -> tuple
             setattr(module, entry, TokenSplitForward(getattr(module, entry), tp))
             done.append(module)
     return tuple(done)
-
-
-def sync_split_expert_gradients(modules: Sequence[nn.Module], group: Any) -> None:
-    """Sum, over the tp group, the gradients of experts whose slots the tp ranks split, one flat buffer per
-    dtype (the modules and so the buffers are the same on every tp rank)."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    buckets: dict[torch.dtype, list[torch.Tensor]] = {}
-    for module in modules:
-        for p in module.parameters(recurse=False):
-            if p.grad is not None:
-                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                buckets.setdefault(g.dtype, []).append(g)
-    for grads in buckets.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
 
 
 def _buffers_entry(module: nn.Module) -> str:

@@ -20,13 +20,12 @@ the dp axis into (dp / ep_dp, ep_dp) and the group is ep_dp x tp flattened. Deri
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from costmodel.rank_layout import mesh_axes
-from costmodel.strategy import MeshAxis, Strategy
+from costmodel.strategy import MeshAxis, Strategy, expert_tp_replicas
 from planner.errors import PlanLoadError, UserError
 from planner.strategy_label import Detail, strategy_label
 
@@ -117,7 +116,7 @@ def derive_meshes(root: Any, strategy: Strategy) -> PlanMeshes:
     dp_cp = [n for n in names if n in (MeshAxis.DP.value, MeshAxis.CP.value)]  # root order
     replicas = root[tuple(dp_cp)]._flatten("dp_cp") if strategy.cp > 1 else root[MeshAxis.DP.value]
     ep = expert_replicas = tp_sum = None
-    tp_ranks, ep_dp = strategy.tp // math.gcd(strategy.tp, strategy.ep), strategy.ep_dp
+    tp_ranks, ep_dp = expert_tp_replicas(strategy.tp, strategy.ep), strategy.ep_dp
     if strategy.ep > 1 and ep_dp == 1:  # inside a tp group
         split = root._unflatten(MeshAxis.TP.value, (tp_ranks, strategy.ep), (EXPERT_TP_AXIS, MeshAxis.EP.value))
         ep, expert_replicas = split[MeshAxis.EP.value], replicas

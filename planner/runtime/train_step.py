@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from planner.errors import UserError
-from planner.runtime.apply_ep import sync_split_expert_gradients
 from planner.runtime.parallelize import ParallelModel
 
 
@@ -126,7 +125,6 @@ def sync_partial_gradients(params: Iterable[nn.Parameter]) -> int:
 
     Every rank of a mesh holds the same modules, so the buffers line up. Other gradients (sharded, 2-D meshes with
     FSDP2, plain tensors) are left to their owners."""
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     buckets: dict[tuple[int, torch.dtype], tuple[Any, list[nn.Parameter]]] = {}
@@ -138,15 +136,41 @@ def sync_partial_gradients(params: Iterable[nn.Parameter]) -> int:
             continue
         buckets.setdefault((id(g.device_mesh), g.dtype), (g.device_mesh, []))[1].append(p)
     for mesh, ps in buckets.values():
-        locals_ = [p.grad.to_local() for p in ps]
-        flat = torch.cat([t.reshape(-1) for t in locals_])
-        dist.all_reduce(flat, group=mesh.get_group())
-        offset = 0
-        for p, t in zip(ps, locals_, strict=True):
-            p.grad = DTensor.from_local(flat[offset:offset + t.numel()].view_as(t), mesh, p.placements,
-                                        run_check=False)
-            offset += t.numel()
+        summed = _all_reduce_flat([p.grad.to_local() for p in ps], mesh.get_group())
+        for p, t in zip(ps, summed, strict=True):
+            p.grad = DTensor.from_local(t, mesh, p.placements, run_check=False)
     return sum(len(ps) for _, ps in buckets.values())
+
+
+def sync_split_expert_gradients(modules: Sequence[nn.Module], group: Any) -> None:
+    """Sum, over `group` (`PlanMeshes.expert_tp_sum`), the gradients of experts whose slots the tp ranks split
+    (`apply_ep.apply_expert_token_split`), one flat buffer per dtype; the modules and so the buffers are the same
+    on every rank of the group."""
+    from torch.distributed.tensor import DTensor
+
+    buckets: dict[torch.dtype, list[torch.Tensor]] = {}
+    for module in modules:
+        for p in module.parameters(recurse=False):
+            if p.grad is not None:
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                buckets.setdefault(g.dtype, []).append(g)
+    for grads in buckets.values():
+        for g, summed in zip(grads, _all_reduce_flat(grads, group), strict=True):
+            g.copy_(summed)
+
+
+def _all_reduce_flat(tensors: Sequence[torch.Tensor], group: Any) -> list[torch.Tensor]:
+    """Sum `tensors` (one dtype) over `group` with one all-reduce of their concatenation; views of the result,
+    shaped as the inputs."""
+    import torch.distributed as dist
+
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    out, offset = [], 0
+    for t in tensors:
+        out.append(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out
 
 
 def _global_mean(pm: ParallelModel, loss: torch.Tensor) -> float:
