@@ -104,15 +104,24 @@ def test_full_search_takes_longer_and_is_no_worse() -> None:
     assert limited.search.lower_bound_s <= optimum * (1 + 1e-9)
 
 
-def test_cli_says_it_was_cut_short(tmp_path: Path) -> None:
-    out = tmp_path / "plan.json"
+def _cli_plan(out: Path) -> tuple[subprocess.CompletedProcess, float, float]:
+    """Run `stratagem plan` with the limit; returns the process, its wall time and its CPU time."""
     start, children_cpu = time.monotonic(), _children_cpu_s()
     proc = subprocess.run(
         [sys.executable, "-m", "planner.cli.main", "plan", MODEL, "--cluster", CLUSTER, "--batch", str(BATCH),
          "--time-limit", str(LIMIT_S), "-o", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     # The whole run (start-up, tracing, search) sees the same load as its search: its wall / CPU is the slowdown.
-    wall, cpu = time.monotonic() - start, _children_cpu_s() - children_cpu
+    return proc, time.monotonic() - start, _children_cpu_s() - children_cpu
+
+
+def test_cli_says_it_was_cut_short(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    proc, wall, cpu = _cli_plan(out)
+    if proc.returncode == 0 and json.loads(out.read_text())["search"]["time_s"] > allowed_wall_s(wall, cpu):
+        # A shared CI host once charged a 7 s stall to this run's search as CPU time (wall == CPU, 12.03 s), where
+        # the same command alone returns in 1.02-1.08 s: one more try, as for the API call above.
+        proc, wall, cpu = _cli_plan(out)
     assert proc.returncode == 0, proc.stderr
     assert "cut short by --time-limit" in proc.stdout
     # one line says the limit was reached, with the proven gap (stdout carries the plan and the same gap)
