@@ -4,7 +4,7 @@ one before its layer classes are priced (level 1), a tight one from its own laye
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -46,7 +46,8 @@ def _min_max_partition(prefix: np.ndarray, p: int) -> float:
 
 def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost], float]], *, optimizer_s: float,
                       layout: InterleavedLayout | None = None, p2p: Sequence[float] = (),
-                      rank_sends: Sequence[float] = ()) -> float:
+                      rank_sends: Sequence[float] = (),
+                      work: Callable[[Sequence[LayerCost], float], np.ndarray] | None = None) -> float:
     """A lower bound on the candidate's step time from its own layer prices (tp sharding solved).
 
     `costs`: per pipeline rank in order, its segment prices and speed. Per segment ``w_j`` is the least over ranks
@@ -61,11 +62,13 @@ def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost]
     max(i_r - w_r, 0) <= D_r and their sum is at least F + max(I - W, 0) over the chain (W: the weight-gradient
     compute, I the rest of the backward, F the forward); ZB-V's E_r is at least f_r and at most 2 D_r. So
     ``T >= max(m U, (m - 1/v) U + (F + max(I - W, 0)) / v)``, resp. ``max(m U, (m - 2/v) U + F / v)``, plus
-    `optimizer_s`."""
+    `optimizer_s`. `work(segs, speed)`: `segment_work` of the candidate's overlap settings (a caller's cache)."""
     keys = [(id(segs), speed) for segs, speed in costs]
     unique = dict(zip(keys, costs, strict=True))  # ranks on one device type and speed share their prices
-    work_of = {key: segment_work(segs, speed, tp_overlap_chunks(cand), cand.runtime.tp_grad_overlap)
-               for key, (segs, speed) in unique.items()}
+    if work is None:
+        def work(segs: Sequence[LayerCost], speed: float) -> np.ndarray:
+            return segment_work(segs, speed, tp_overlap_chunks(cand), cand.runtime.tp_grad_overlap)
+    work_of = {key: work(segs, speed) for key, (segs, speed) in unique.items()}
     w = np.min(list(work_of.values()), axis=0)
     prefix = np.concatenate([[0.0], np.cumsum(w)])
     m, p = cand.num_microbatches, cand.mesh.pp

@@ -16,6 +16,7 @@ from costmodel.estimate import optimizer_terms
 from costmodel.expert_parallel import expert_param_numel, num_experts, optimizer_params
 from costmodel.expert_parallel import model_state_bytes as expert_state_bytes
 from costmodel.hardware.device import DeviceSpec
+from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment, framework_overhead_bytes, saved_bytes
 from costmodel.pipeline import in_flight_per_chunk
 from costmodel.step_time import optimizer_step_time
@@ -25,7 +26,7 @@ from ir.layer_chain import LayerChain
 from planner.search.bounds import cheap_lower_bound, comm_lower_bound, tight_lower_bound
 from planner.search.candidates import Candidate
 from planner.search.meshes import MeshCandidate
-from planner.search.stage_problem import RankPlacement, StageProblemBuilder
+from planner.search.stage_problem import RankPlacement, StageProblemBuilder, segment_work, tp_overlap_chunks
 
 
 @dataclass
@@ -41,9 +42,13 @@ class CandidateBounds:
     _in_flight: dict[tuple, tuple[int, ...]] = field(default_factory=dict)
     _comm: dict[tuple, np.ndarray | None] = field(default_factory=dict)
     _comm_bound: dict[tuple, float] = field(default_factory=dict)
+    _least_saved_on_cache: dict[tuple, tuple[tuple, int]] = field(default_factory=dict)
+    _state: dict[tuple, float] = field(default_factory=dict)
+    _in_flight_shapes: dict[tuple, tuple[int, int, float]] = field(default_factory=dict)
     _expert_numel: int | None = None
-    _placement_kinds: dict[int, tuple[tuple[RankPlacement, ...], tuple[tuple[DeviceSpec, float], ...]]] = field(
-        default_factory=dict)
+    _placement_kinds: dict[int, tuple[tuple[RankPlacement, ...], tuple]] = field(default_factory=dict)
+    _orders: dict[tuple, int] = field(default_factory=dict)
+    _work: dict[tuple, tuple[Sequence[LayerCost], np.ndarray]] = field(default_factory=dict)
 
     def cheap(self, cand: Candidate) -> tuple[float, float | None]:
         """(level-1 lower bound on the candidate's step time from tp == 1 prices, no sharding solve; None, or
@@ -72,13 +77,22 @@ class CandidateBounds:
                                  forward_s=forward), None
 
     def _kinds(self, placements: tuple[RankPlacement, ...]) -> tuple[tuple[DeviceSpec, float], ...]:
-        """The distinct (device, speed) of the pipeline ranks (cached per placements, which the builder keeps:
-        tens of thousands of candidates share a few hundred, of up to hundreds of ranks each)."""
+        """The distinct (device, speed) of the pipeline ranks (`_placement_facts`)."""
+        return self._placement_facts(placements)[0]
+
+    def _placement_facts(self, placements: tuple[RankPlacement, ...]
+                         ) -> tuple[tuple[tuple[DeviceSpec, float], ...], int, RankPlacement]:
+        """(the distinct (device, speed) of the pipeline ranks, the id of their (device name, speed) in rank order, the
+        fastest rank), cached per placements, which the builder keeps: tens of thousands of candidates share a few
+        hundred, of up to hundreds of ranks each."""
         hit = self._placement_kinds.get(id(placements))
         if hit is None or hit[0] is not placements:
             # By the whole device: two groups of one type may differ in memory (a partitioned or capped GPU).
             kinds = tuple({(id(pl.device), pl.speed): (pl.device, pl.speed) for pl in placements}.values())
-            hit = self._placement_kinds[id(placements)] = (placements, kinds)
+            # The ranks' (device name, speed) in order, as a small int: a key part hashed once, not per candidate.
+            order = self._orders.setdefault(tuple((pl.device.name, pl.speed) for pl in placements), len(self._orders))
+            hit = self._placement_kinds[id(placements)] = (placements, (kinds, order, max(placements,
+                                                                                           key=lambda pl: pl.speed)))
         return hit[1]
 
     def memory_floor(self, cand: Candidate, options: Sequence[Recompute]) -> float:
@@ -96,19 +110,52 @@ class CandidateBounds:
         placements = self.builder.placements(cand)
         if placements is None:
             return 0.0
-        m = cand.mesh
-        counts = self._least_in_flight(cand)
-        if min(counts) < 1:
+        least, most, inverse_sum = self._in_flight_shape(cand)
+        if least < 1:
             return 0.0
         allowed = (Recompute.NONE,) if cand.schedule.zero_bubble else tuple(options)
-        saved = min(self._least_saved_bytes(self.builder.segment_costs(cand, device), allowed)
-                    for device in {pl.device.name: pl.device for pl in placements}.values())
-        total, experts = self._even_params(m, floor=True)
-        state = m.pp * self._state_per_param_share(cand, total, experts)
-        overhead = min(framework_overhead_bytes(pl.device.name) for pl in placements)
+        saved = self._least_saved_on(cand, placements, allowed)
+        state = self._state_floor(cand)
         # Also the average rank: the loads sum to at least S + min_k n_k * A.
-        return overhead + max((saved + state / max(counts)) / sum(1 / n for n in counts),
-                              (state + min(counts) * saved) / m.pp)
+        return self._overhead(placements) + max((saved + state / most) / inverse_sum,
+                                                (state + least * saved) / cand.mesh.pp)
+
+    def _in_flight_shape(self, cand: Candidate) -> tuple[int, int, float]:
+        """(min_k n_k, max_k n_k, sum_k 1 / n_k) of `_least_in_flight` (cached with it; 1 / n_k unused at 0)."""
+        v = cand.virtual_stages if cand.schedule.chunked else 1
+        key = (cand.schedule, cand.mesh.pp, cand.num_microbatches, v)
+        hit = self._in_flight_shapes.get(key)
+        if hit is None:
+            counts = self._least_in_flight(cand)
+            least = min(counts)
+            hit = self._in_flight_shapes[key] = (least, max(counts), sum(1 / n for n in counts) if least >= 1 else 0.0)
+        return hit
+
+    def _least_saved_on(self, cand: Candidate, placements: tuple[RankPlacement, ...],
+                        allowed: tuple[Recompute, ...]) -> int:
+        """`_least_saved_bytes` on the cheapest device type of the candidate's ranks (cached per mesh, micro-batch,
+        sequence parallelism and placements: the candidates of one mesh share a few)."""
+        key = (cand.mesh, cand.sequence_parallel, cand.microbatch_size, id(placements), allowed)
+        hit = self._least_saved_on_cache.get(key)
+        if hit is None or hit[0] is not placements:
+            saved = min(self._least_saved_bytes(self.builder.segment_costs(cand, device), allowed)
+                        for device, _ in self._kinds(placements))
+            hit = self._least_saved_on_cache[key] = (placements, saved)
+        return hit[1]
+
+    def _state_floor(self, cand: Candidate) -> float:
+        """The model state of p even shares (`_state_per_param_share`), cached per what it depends on."""
+        m, runtime = cand.mesh, cand.runtime
+        key = (m, cand.zero_stage, runtime.offload, runtime.reshard_after_forward, runtime.grads_in_training_dtype)
+        hit = self._state.get(key)
+        if hit is None:
+            total, experts = self._even_params(m, floor=True)
+            hit = self._state[key] = m.pp * self._state_per_param_share(cand, total, experts)
+        return hit
+
+    def _overhead(self, placements: tuple[RankPlacement, ...]) -> int:
+        """The least framework overhead over the ranks' device types."""
+        return min(framework_overhead_bytes(device.name) for device, _ in self._kinds(placements))
 
     def _least_in_flight(self, cand: Candidate) -> tuple[int, ...]:
         """Per pipeline rank, the least in-flight micro-batch count of its chunks (cached per schedule shape)."""
@@ -183,7 +230,7 @@ class CandidateBounds:
     def optimizer_bound(self, cand: Candidate, placements: Sequence[RankPlacement]) -> float:
         """The optimizer step of the fullest rank is at least that of an even split of the parameters."""
         m = cand.mesh
-        fastest = max(placements, key=lambda pl: pl.speed)
+        fastest = self._placement_facts(placements)[2]
         # The speed is in the key: where devices share host cores it changes with the schedule's bubbles.
         key = (m, cand.zero_stage, fastest.device.name, fastest.speed, cand.runtime.offload)
         if key not in self._optimizer:
@@ -206,7 +253,7 @@ class CandidateBounds:
         placements = self.builder.placements(cand)
         m = cand.mesh
         interleaved = cand.schedule.chunked and cand.virtual_stages > 1
-        key = (tuple((pl.device.name, pl.speed) for pl in placements), m.tp, m.stride(MeshAxis.TP),
+        key = (self._placement_facts(placements)[1], m.tp, m.stride(MeshAxis.TP),
                cand.sequence_parallel, cand.microbatch_size, m.pp,
                cand.num_microbatches, cand.virtual_stages if interleaved else 1,
                cand.schedule.zero_bubble, cand.schedule.v_shape,  # the bound's form and the chunks' placement
@@ -220,8 +267,17 @@ class CandidateBounds:
             layout = self.builder.layout(cand) if interleaved else None
             p2p = self.builder.interleaved_sends(cand, layout, placements) if layout is not None else []
             sends = self.builder.contiguous_sends(cand, placements) if layout is None and m.pp > 1 else []
+            n, grad_overlap = tp_overlap_chunks(cand), cand.runtime.tp_grad_overlap
+
+            def work(segs: Sequence[LayerCost], speed: float) -> np.ndarray:
+                hit = self._work.get((id(segs), speed, n, grad_overlap))
+                if hit is None or hit[0] is not segs:
+                    hit = self._work[id(segs), speed, n, grad_overlap] = (segs, segment_work(segs, speed, n,
+                                                                                             grad_overlap))
+                return hit[1]
+
             pipe = self._pipeline_bound[key] = tight_lower_bound(cand, costs, optimizer_s=0.0, layout=layout,
-                                                                 p2p=p2p, rank_sends=sends)
+                                                                 p2p=p2p, rank_sends=sends, work=work)
         return max(pipe, self.comm_bound(cand, placements, interleaved)) + self.optimizer_bound(cand, placements)
 
     def comm_bound(self, cand: Candidate, placements: Sequence[RankPlacement], interleaved: bool) -> float:

@@ -58,11 +58,14 @@ class MeshCandidate:
     _strides: dict[MeshAxis, int] = field(init=False, repr=False, compare=False, hash=False)
     """`costmodel.rank_layout.strides_of` of the mesh, computed once: the search asks for strides hundreds of
     thousands of times (cache keys of every priced candidate)."""
+    _span: tuple[int, int] | None = field(init=False, repr=False, compare=False, hash=False)
+    """`costmodel.strategy.expert_span` of the mesh, computed once for the same reason."""
 
     def __post_init__(self) -> None:
         sizes = {MeshAxis.DP: self.dp, MeshAxis.TP: self.tp, MeshAxis.PP: self.pp, MeshAxis.CP: self.cp,
                  MeshAxis.EP: self.ep}
         object.__setattr__(self, "_strides", strides_of(sizes, self.mesh_order))
+        object.__setattr__(self, "_span", expert_span(self.tp, self.dp, self.ep))
 
     @property
     def num_devices(self) -> int:
@@ -71,9 +74,8 @@ class MeshCandidate:
     @property
     def ep_dp(self) -> int:
         """Data-parallel coordinates an expert-parallel group spans (`costmodel.strategy.expert_span`)."""
-        span = expert_span(self.tp, self.dp, self.ep)
-        assert span is not None, "enumerate_meshes places ep where expert_span does"
-        return span[1]
+        assert self._span is not None, "enumerate_meshes places ep where expert_span does"
+        return self._span[1]
 
     def stride(self, axis: MeshAxis) -> int:
         """Rank distance between neighbours along `axis` (`costmodel.rank_layout`, ep's as its group is priced)."""
