@@ -39,12 +39,15 @@ def _line(label: str, step_s: float, breakdown: dict[str, float], memory_gib: fl
 
 def pinned_rows() -> list[str]:
     """The row with its runtime options added one at a time (the planner fills in the rest each time)."""
+    from costmodel.float8 import Float8Recipe
     from costmodel.strategy import RuntimeOptions
 
     run, chains, out = deepseek_v3_run(), {}, []
     steps = (("plain all-to-all, bf16", RuntimeOptions()),
              ("+ deduplicated dispatch (ep_dedup)", RuntimeOptions(ep_dedup=True)),
-             ("+ FP8 dense linears (the row)", run.runtime))
+             ("+ FP8 dense linears (torchao rowwise)", RuntimeOptions(ep_dedup=True, fp8=Float8Recipe.ROWWISE)),
+             ("+ FP8 experts too (TE's recipe)", RuntimeOptions(ep_dedup=True, fp8=Float8Recipe.DELAYED)),
+             ("+ paired all-to-all overlap (the row)", run.runtime))
     for label, runtime in steps:
         pred = predict(dataclasses.replace(run, runtime=runtime), chains)
         out.append(_line(label, pred.step_s, pred.breakdown, pred.memory_gib, run.measured_step_s))

@@ -56,6 +56,8 @@ from tests.published_reference import (  # noqa: E402
     leave_one_out,
     load_published_runs,
     predict,
+    unpaired,
+    with_paired_overlap,
 )
 
 
@@ -67,8 +69,12 @@ def free_plan(run: PublishedRun, chains: dict, pinned: dict[str, float], time_li
     from planner.search.space import SearchSpace
 
     chain = chains.get((run.name, run.microbatch_size or 1)) or build_chain(run, 1)
-    p = plan(chain, None, cluster_of(run), global_batch=run.global_batch,
-             space=SearchSpace(runtime=run.runtime), time_limit_s=time_limit_s)
+    space, cluster = SearchSpace(runtime=run.runtime), cluster_of(run)
+    paired = run.runtime.ep_overlap  # searched without it, its plan estimated with it, as `predict` does
+    p = plan(chain, None, cluster, global_batch=run.global_batch, space=unpaired(space) if paired else space,
+             time_limit_s=time_limit_s)
+    if paired:
+        p = with_paired_overlap(p, chain, cluster, run.global_batch)
     s = p.strategy
     label = describe(s)
     mine = p.predicted.breakdown.to_dict()

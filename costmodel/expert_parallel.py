@@ -111,7 +111,7 @@ from costmodel.hardware.collectives import Collective, CommGroup, collective_tim
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import op_policy_kept
-from costmodel.memory import GRAD_BYTES, ModelState
+from costmodel.memory import GRAD_BYTES, ModelState, expert_shard_ranks
 from costmodel.memory import model_state_bytes as _dense_state_bytes
 from costmodel.operators import fp8_grouped_gemm_time, node_time, retype_ratio
 from costmodel.profile_db import OpProfile
@@ -407,7 +407,7 @@ def optimizer_params(param_count: int, expert_param_count: int, *, zero_stage: i
     if zero_stage < 1:
         return param_count
     dense = param_count - expert_param_count
-    return -(-dense // dp_size) + -(-expert_param_count // max(dp_size // ep_dp, 1))
+    return -(-dense // dp_size) + -(-expert_param_count // expert_shard_ranks(dp_size, ep_dp))
 
 
 def model_state_bytes(param_count: int, expert_param_count: int, *, zero_stage: int, dp_size: int, ep_dp: int,
@@ -418,5 +418,5 @@ def model_state_bytes(param_count: int, expert_param_count: int, *, zero_stage: 
                                offload=offload, pipelined=pipelined, grad_bytes=grad_bytes)
     if not expert_param_count:
         return dense
-    return dense + _dense_state_bytes(expert_param_count, zero_stage=zero_stage, dp=max(dp_size // ep_dp, 1),
+    return dense + _dense_state_bytes(expert_param_count, zero_stage=zero_stage, dp=expert_shard_ranks(dp_size, ep_dp),
                                       dtype=dtype, offload=offload, pipelined=pipelined, grad_bytes=grad_bytes)

@@ -154,6 +154,12 @@ def kept_bytes(cost: LayerCost, recompute: Recompute, cross_entropy: CrossEntrop
     return saved
 
 
+def expert_shard_ranks(dp_size: int, ep_dp: int) -> int:
+    """Ranks that ZeRO shards an expert's state over: the data-parallel ranks holding the same experts, dp / ep_dp
+    (an expert-parallel group spans ep_dp of the dp coordinates; `costmodel.expert_parallel`)."""
+    return max(dp_size // ep_dp, 1)
+
+
 def framework_overhead_bytes(device_name: str) -> int:
     return CPU_FRAMEWORK_OVERHEAD_BYTES if device_name == "cpu" else GPU_FRAMEWORK_OVERHEAD_BYTES
 
@@ -190,7 +196,7 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
                               zero_stage=zero_stage, dp=dp, dtype=dtype, offload=offload, pipelined=pipelined,
                               grad_bytes=grad_bytes)
     if experts:
-        state += model_state_bytes(experts, zero_stage=zero_stage, dp=max(dp // ep_dp, 1), dtype=dtype,
+        state += model_state_bytes(experts, zero_stage=zero_stage, dp=expert_shard_ranks(dp, ep_dp), dtype=dtype,
                                    offload=offload, pipelined=pipelined, grad_bytes=grad_bytes)
     # With nothing in flight (the search's affine memory terms ask for that first) every product is 0.
     activations = round(sum(n * sum(kept_bytes(s.cost, s.recompute, cross_entropy, dtype) for s in chunk)

@@ -604,26 +604,29 @@ def deepseek_v3_run() -> PublishedRun:
     parallelism (Sec. 3.2), sequence 4,096 and a batch of 15,360 sequences after the ramp-up (Sec. 4.2), no token
     dropping (Sec. 2.1.2), FP8 mixed precision (Sec. 3.3); speed from the GPU hours per trillion tokens. Priced
     with what the cost model has of how it runs: the dispatch deduplicated per node (Sec. 3.2.2, `ep_dedup`;
-    the node limit itself, 4 of 8 groups, comes from the traced router) and FP8 linear layers (Sec. 3.3.2's
-    fine-grained per-tile scaling is closest to torchao's rowwise recipe, which keeps communication in bf16)."""
+    the node limit itself, 4 of 8 groups, comes from the traced router), DualPipe's forward and backward chunks
+    paired to hide the all-to-alls (Sec. 3.2.1, `ep_overlap`, on 1F1B's steady-state pairs), and every GEMM in
+    FP8, the routed experts' included (Sec. 3.3: Fprop, Dgrad and Wgrad of the linear layers; the recipe that
+    converts grouped GEMMs here is Transformer Engine's, `Float8Recipe.DELAYED`)."""
     tokens_per_s_per_gpu = 1e12 / (H800_GPU_HOURS_PER_TRILLION_TOKENS * 3600)
     gpus, batch, seq = 2048, 15360, 4096
     return PublishedRun(
-        name="DeepSeek-V3 671B on 2048 H800 (FP8 run, FP8 dense linears priced)", family="hf:deepseek_v3", sets=(),
+        name="DeepSeek-V3 671B on 2048 H800 (FP8 run, FP8 linears and experts priced)", family="hf:deepseek_v3",
+        sets=(),
         seq=seq, device="h800", num_gpus=gpus, gpus_per_node=8, tp=1, pp=16, cp=1, dp=gpus // 16, ep=64,
         global_batch=batch, microbatch_size=None, virtual_stages=1, zero_stage=1, recompute=None,
         sequence_parallel=None, measured_step_s=batch * seq / (tokens_per_s_per_gpu * gpus),
         measured_memory_gib=None, counts="tokens/s per GPU (180K H800 GPU hours per trillion tokens)",
         framework="DeepSeek HAI-LLM: DualPipe, node-limited routing with deduplicated IB all-to-all, FP8",
-        runtime=RuntimeOptions(ep_dedup=True, fp8=Float8Recipe.ROWWISE),
+        runtime=RuntimeOptions(ep_dedup=True, ep_overlap=True, fp8=Float8Recipe.DELAYED),
         precision="fp8", unstated=("micro-batch", "recompute (the run recomputes RMSNorm and the MLA "
                                                   "up-projections, not a choice the planner has)"),
         inferred=("1F1B for DualPipe: DualPipeV is priced, but as torch runs it (a split backward that no "
                   "recomputation may rerun), and without recomputation this configuration needs 224 GiB per GPU; "
-                  "1F1B has a larger bubble and no forward/backward pairing to hide the all-to-alls behind",
-                  "torchao rowwise FP8 for the report's per-tile FP8 recipe: dense linear layers in FP8; the "
-                  "routed experts' grouped GEMMs, which the run also computes in FP8, and its FP8 dispatch "
-                  "(dispatch bytes halved, combine in bf16) stay bf16",
+                  "1F1B has a larger bubble, and pairs its forward and backward passes only in the steady state",
+                  "Transformer Engine's delayed-scaling FP8 for the report's per-tile FP8 recipe: every linear "
+                  "layer and the routed experts' grouped GEMMs in FP8; its FP8 dispatch (dispatch bytes halved, "
+                  "combine in bf16) stays bf16",
                   "no multi-token-prediction module (transformers' DeepseekV3 has none; the run adds one block)",
                   "routing at the default capacity 1.25 x mean for the busiest rank (the run drops no token)"))
 
@@ -756,7 +759,7 @@ def predict(run: PublishedRun, chains: dict | None = None, training_efficiency: 
     A run that pairs its passes to hide the expert all-to-alls (`RuntimeOptions.ep_overlap`, which the search does
     not price) is searched without it and its plan estimated with it.
     """
-    from planner.api import estimate, plan
+    from planner.api import plan
     from planner.errors import InfeasibleError
 
     chains = {} if chains is None else chains
@@ -771,17 +774,14 @@ def predict(run: PublishedRun, chains: dict | None = None, training_efficiency: 
     for zero in ((run.zero_stage,) if run.zero_stage is not None else (0, 1)):
         space = search_space(run, zero)
         if paired:
-            space = dataclasses.replace(space, runtime=dataclasses.replace(space.runtime, ep_overlap=False))
+            space = unpaired(space)
         try:
             p = plan(chain, None, cluster, global_batch=run.global_batch, space=space,
                      time_limit_s=PINNED_TIME_LIMIT_S, simplest_tie=False)
         except InfeasibleError:
             continue
         if paired:
-            strategy = dataclasses.replace(p.strategy, runtime=dataclasses.replace(p.strategy.runtime,
-                                                                                   ep_overlap=True))
-            p = dataclasses.replace(p, strategy=strategy, predicted=estimate(
-                chain, cluster, strategy, global_batch=run.global_batch))
+            p = with_paired_overlap(p, chain, cluster, run.global_batch)
         if best is None or p.predicted.step_time_s < best.predicted.step_time_s:
             best = p
     chosen = ", ".join(run.unstated) or "-"
@@ -794,6 +794,21 @@ def predict(run: PublishedRun, chains: dict | None = None, training_efficiency: 
                       strategy=describe(best.strategy), chosen=chosen,
                       device_bound_s=b.compute_s + b.recompute_s + b.bubble_s + b.optimizer_s,
                       breakdown=b.to_dict(), error_band=est.error_band)
+
+
+def unpaired(space):
+    """`space` without the paired all-to-all overlap, which the search does not price (`with_paired_overlap`)."""
+    return dataclasses.replace(space, runtime=dataclasses.replace(space.runtime, ep_overlap=False))
+
+
+def with_paired_overlap(p, chain, cluster, global_batch: int):
+    """The plan `p`, found without `RuntimeOptions.ep_overlap`, with its strategy estimated with it: the search
+    refuses the overlap (its partition problems do not price it), an estimate prices it."""
+    from planner.api import estimate
+
+    strategy = dataclasses.replace(p.strategy, runtime=dataclasses.replace(p.strategy.runtime, ep_overlap=True))
+    return dataclasses.replace(p, strategy=strategy, predicted=estimate(chain, cluster, strategy,
+                                                                       global_batch=global_batch))
 
 
 def _priced_out_of_memory(run: PublishedRun, chain, cluster):

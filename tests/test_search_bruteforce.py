@@ -132,6 +132,9 @@ GPT_MEMORY = ("layers=3", "hidden=1024", "heads=16", "vocab=8000", "seq=512")
 GPT_PARTIAL = ("layers=6", "hidden=1024", "heads=16", "vocab=1000", "seq=2048")
 """Activations large against the weights: on 1.8 GB per device, pp=2 fits by recomputing part of stage 0."""
 LLAMA_TINY = ("layers=3", "hidden=256", "heads=8", "kv_heads=4", "vocab=1000", "seq=128")
+MOE_TINY = ("layers=2", "hidden=256", "ffn_hidden=256", "heads=4", "kv_heads=4", "vocab=1000", "experts=4", "top_k=2",
+            "seq=128")
+"""Routed experts: candidates with ep 1, 2 and 4, whose all-to-alls the level-1 bound prices before any sharding."""
 
 _CHAINS: dict[tuple, ir.LayerChain] = {}
 
@@ -345,6 +348,9 @@ def _instances(tmp: Path) -> list[tuple[str, ir.LayerChain, Cluster, int, Search
         ("gpt-7-layers interleaved, overlapped sends, two datacenters", chain_of("gpt", GPT_UNEVEN),
          two_datacenters(tmp), 8, space.with_changes(pp=2, schedule=Schedule.INTERLEAVED, max_virtual_stages=4,
                                                      max_microbatch_size=1, runtime=RuntimeOptions(p2p_overlap=True))),
+        # expert parallelism, its all-to-alls within a node or across the slow tier
+        ("moe two datacenters (all-to-all across the slow tier)", chain_of("moe", MOE_TINY), two_datacenters(tmp), 8,
+         space),
     ]
 
 
@@ -385,12 +391,12 @@ def test_search_matches_brute_force(tmp_path: Path) -> None:
     """A quick slice of the grid: plain, memory-bound (recomputation decides), a straggler, ranks sharing host
     cores (speeds that change with the schedule's bubbles), uneven virtual stages, every schedule (zero-bubble ones
     included), a memory-bound V-shaped one, two that fit only by offloading to the host and one with the input-gradient
-    reductions hidden behind weight-gradient GEMMs, two datacenters behind a slow link, and interleaved sends
-    overlapped across it."""
+    reductions hidden behind weight-gradient GEMMs, two datacenters behind a slow link, interleaved sends
+    overlapped across it, and routed experts whose all-to-alls cross it."""
     instances = _instances(tmp_path)
-    checked, estimates = _check_grid([instances[i] for i in (0, 4, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17)])
+    checked, estimates = _check_grid([instances[i] for i in (0, 4, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18)])
     print(f"search == brute force on {checked} instances ({estimates} brute-force estimates)")
-    assert checked == 12
+    assert checked == 13
 
 
 @pytest.mark.exhaustive

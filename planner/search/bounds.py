@@ -17,7 +17,8 @@ from planner.search.interleaved_layout import InterleavedLayout
 from planner.search.stage_problem import segment_work, tp_overlap_chunks
 
 
-def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: float, forward_s: float = 0.0) -> float:
+def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: float, forward_s: float = 0.0,
+                      comm_s: float = 0.0, comm_forward_s: float = 0.0) -> float:
     """A lower bound on the candidate's step time from tp == 1 prices, without solving any sharding.
 
     `replicated_s`: forward + backward compute of one micro-batch of the whole chain replicated on one device,
@@ -28,13 +29,16 @@ def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: floa
     possible optimizer step (`optimizer_s`, computed by the caller for an even split). A zero-bubble schedule's
     fill and drain can be less than S/v: ``T >= max(m S/p, (m - 2/v) S/p + F/v)`` with F the forward part of S
     (`forward_s` replicated; `tight_lower_bound` says why). With cp > 1 both already hold the attention as cp ranks
-    run it, cp times (`CandidateBounds.cheap`), and cp splits the rest of every op's work cp ways."""
+    run it, cp times (`CandidateBounds.cheap`), and cp splits the rest of every op's work cp ways. `comm_s`: per
+    micro-batch, communication of the whole chain that nothing overlaps, at most the candidate's own (the expert
+    all-to-alls: `tight_lower_bound`'s work counts them whole), `comm_forward_s` its forward part; both add to S
+    and F as they are."""
     split = cand.mesh.tp * cand.mesh.cp
-    total = replicated_s / split
+    total = replicated_s / split + comm_s
     m, p = cand.num_microbatches, cand.mesh.pp
     if cand.schedule.zero_bubble:
         v = cand.virtual_stages
-        return max(m * total / p, (m - 2 / v) * total / p + forward_s / split / v) + optimizer_s
+        return max(m * total / p, (m - 2 / v) * total / p + (forward_s / split + comm_forward_s) / v) + optimizer_s
     v = cand.virtual_stages if cand.schedule is Schedule.INTERLEAVED else 1
     return total / v + (m - 1 / v) * total / p + optimizer_s
 

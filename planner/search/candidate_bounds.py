@@ -25,6 +25,7 @@ from ir.graph import dtype_bytes
 from ir.layer_chain import LayerChain
 from planner.search.bounds import cheap_lower_bound, comm_lower_bound, tight_lower_bound
 from planner.search.candidates import Candidate
+from planner.search.layer_costs import AxisSplit
 from planner.search.meshes import MeshCandidate
 from planner.search.stage_problem import RankPlacement, StageProblemBuilder, segment_work, tp_overlap_chunks
 
@@ -49,6 +50,7 @@ class CandidateBounds:
     _placement_kinds: dict[int, tuple[tuple[RankPlacement, ...], tuple]] = field(default_factory=dict)
     _orders: dict[tuple, int] = field(default_factory=dict)
     _work: dict[tuple, tuple[Sequence[LayerCost], np.ndarray]] = field(default_factory=dict)
+    _all_to_all: dict[tuple, float] = field(default_factory=dict)
 
     def cheap(self, cand: Candidate) -> tuple[float, float | None]:
         """(level-1 lower bound on the candidate's step time from tp == 1 prices, no sharding solve; None, or
@@ -73,8 +75,30 @@ class CandidateBounds:
         sums = [(self._replicated_total(device, cand.microbatch_size, m.cp), speed) for device, speed in kinds]
         total = min(t / speed for (t, _), speed in sums)
         forward = min(f / speed for (_, f), speed in sums)
+        comm, comm_forward = self._all_to_all_floor(cand, kinds)
         return cheap_lower_bound(cand, total, optimizer_s=self.optimizer_bound(cand, placements),
-                                 forward_s=forward), None
+                                 forward_s=forward, comm_s=comm, comm_forward_s=comm_forward), None
+
+    def _all_to_all_floor(self, cand: Candidate, kinds: tuple[tuple[DeviceSpec, float], ...]) -> tuple[float, float]:
+        """(the expert all-to-alls of one micro-batch of the whole chain, their forward part) below the candidate's
+        own, without solving its sharding: priced at tp = 1 on the candidate's expert-parallel group, then / tp
+        (tp ranks that split the expert slots send 1/tp of the payload each, and a collective's time is at least
+        its bytes' share: its latency does not shrink). (0, 0) without ep, or where tensor-parallel overlap may
+        hide part of it (`step_time.tp_exposed`)."""
+        m = cand.mesh
+        if m.ep == 1 or tp_overlap_chunks(cand) > 1:
+            return 0.0, 0.0
+        split = AxisSplit(cp=m.cp, cp_stride=m.stride(MeshAxis.CP), ep=m.ep, ep_stride=m.stride(MeshAxis.EP),
+                          num_devices=m.num_devices)
+        key = (tuple(device.name for device, _ in kinds), cand.microbatch_size, split)
+        hit = self._all_to_all.get(key)
+        if hit is None:
+            table = self.builder.table
+            # LayerCost.ep_comm_s is a segment's forward all-to-alls (dispatch and combine); its backward repeats them.
+            hit = self._all_to_all[key] = min(sum(c.ep_comm_s for c in table.segment_costs(
+                device, tp=1, tp_stride=1, sequence_parallel=False, microbatch_size=cand.microbatch_size,
+                split=split)) for device, _ in kinds)
+        return 2 * hit / m.tp, hit / m.tp
 
     def _kinds(self, placements: tuple[RankPlacement, ...]) -> tuple[tuple[DeviceSpec, float], ...]:
         """The distinct (device, speed) of the pipeline ranks (`_placement_facts`)."""
