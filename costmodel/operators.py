@@ -225,12 +225,15 @@ def fp8_weight_cast_times(nodes: Sequence[Node], device: DeviceSpec, recipe: Flo
 def fp8_weight_copy_time(costs: Iterable[LayerCost], recipe: Float8Recipe | None, device: DeviceSpec, *,
                          dtype: str) -> float:
     """Seconds per step of the FP8 weight copies a recipe makes once per step (`Float8Recipe.weight_copy_bytes`:
-    Transformer Engine's first-micro-batch cast and transpose) for the converted weights of `costs`, one
+    Transformer Engine's first-micro-batch cast and transpose) for the converted weights of `costs` -- the rank's
+    routed experts too where the recipe converts their grouped GEMMs (`Float8Recipe.converts_experts`) -- one
     memory-bound pass; 0 for recipes that cast weights every micro-batch (their casts are in the layers' times)."""
     if recipe is None:
         return 0.0
     reads, fp8_bytes = recipe.weight_copy_bytes
-    converted = sum(c.fp8_weight_share * (c.param_count - c.expert_param_count) for c in costs)
+    experts = recipe.converts_experts
+    converted = sum(c.fp8_weight_share * (c.param_count - c.expert_param_count)
+                    + (c.expert_param_count if experts else 0) for c in costs)
     if converted <= 0 or fp8_bytes <= 0:
         return 0.0
     return memory_pass_time(converted * (reads * dtype_bytes(dtype) + fp8_bytes), device)

@@ -73,6 +73,18 @@ def test_weights_are_cast_once_per_step_with_the_optimizer():
     assert optimizer_s(DELAYED, 8) == pytest.approx(optimizer_s(DELAYED, 1))  # per step, not per micro-batch
 
 
+def test_the_routed_experts_weights_are_copied_once_per_step_too():
+    """Transformer Engine's grouped GEMMs keep FP8 copies of the rank's expert weights like its linears do."""
+    cost = dataclasses.replace(price_segment(gpt_chain(SHAPE), gpt_chain(SHAPE).segments[1], H100,
+                                             microbatch_size=1, fp8=DELAYED), expert_param_count=0)
+    experts = 3 * 8 * SHAPE.hidden * SHAPE.hidden
+    with_experts = dataclasses.replace(cost, param_count=cost.param_count + experts, expert_param_count=experts)
+    dense = fp8_weight_copy_time([cost], DELAYED, H100, dtype="bfloat16")
+    assert fp8_weight_copy_time([with_experts], DELAYED, H100, dtype="bfloat16") == pytest.approx(
+        dense + _hbm_s(4 * experts))
+    assert fp8_weight_copy_time([with_experts], TENSORWISE, H100, dtype="bfloat16") == 0.0
+
+
 def test_the_runtime_refuses_it_and_megatron_exports_it(golden, tmp_path: Path):  # noqa: F811
     plan, layout, shape = golden["gpt3-1.3b-2x8xa100"]
     runtime = dataclasses.replace(plan.strategy.runtime, fp8=DELAYED)
