@@ -370,10 +370,24 @@ def test_partial_recompute_is_searched_and_priced_exactly(tmp_path: Path) -> Non
     assert result.best.estimate.step_time_s < pinned.best.estimate.step_time_s
 
 
+def _check_level_one_bound(name: str, chain: ir.LayerChain, cluster: Cluster, brute: BruteResult) -> None:
+    """`CandidateBounds.cheap` (no sharding solved: tp 1 prices, the expert all-to-alls) is below each candidate's
+    best partition and recomputation that brute force found."""
+    from planner.search.candidate_bounds import CandidateBounds
+
+    bounds = CandidateBounds(chain, "bfloat16", StageProblemBuilder(chain, cluster, LayerCostTable(chain, cluster)))
+    for cand, best in brute.per_candidate.items():
+        if cand.schedule is Schedule.GPIPE or (cand.zero_stage == 2 and cand.mesh.pp > 1):
+            continue  # brute force's twins: not candidates of the search
+        lb, need = bounds.cheap(cand)
+        assert need is None and lb <= best * (1 + 1e-9), (name, cand.label, lb, best)
+
+
 def _check_grid(instances) -> tuple[int, int]:
     checked = estimates = 0
     for name, chain, cluster, batch, space in instances:
         brute = brute_force(chain, cluster, batch, space)
+        _check_level_one_bound(name, chain, cluster, brute)
         result = search(chain, cluster, global_batch=batch, space=space)
         got = result.best.estimate
         assert got.fits, name
@@ -392,7 +406,8 @@ def test_search_matches_brute_force(tmp_path: Path) -> None:
     cores (speeds that change with the schedule's bubbles), uneven virtual stages, every schedule (zero-bubble ones
     included), a memory-bound V-shaped one, two that fit only by offloading to the host and one with the input-gradient
     reductions hidden behind weight-gradient GEMMs, two datacenters behind a slow link, interleaved sends
-    overlapped across it, and routed experts whose all-to-alls cross it."""
+    overlapped across it, and routed experts whose all-to-alls cross it. On each, the level-1 bound of every
+    candidate is below its brute-force optimum."""
     instances = _instances(tmp_path)
     checked, estimates = _check_grid([instances[i] for i in (0, 4, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18)])
     print(f"search == brute force on {checked} instances ({estimates} brute-force estimates)")
