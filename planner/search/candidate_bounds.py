@@ -30,6 +30,17 @@ from planner.search.meshes import MeshCandidate
 from planner.search.stage_problem import RankPlacement, StageProblemBuilder, segment_work, tp_overlap_chunks
 
 
+@dataclass(frozen=True, slots=True)
+class _PlacementFacts:
+    """What the bounds read of one placements tuple (`CandidateBounds._placement_facts`)."""
+
+    kinds: tuple[tuple[DeviceSpec, float], ...]
+    """The distinct (device, speed) of the pipeline ranks."""
+    order: int
+    """An id of the ranks' (device name, speed) in rank order: a key part hashed once, not per candidate."""
+    fastest: RankPlacement
+
+
 @dataclass
 class CandidateBounds:
     chain: LayerChain
@@ -40,14 +51,13 @@ class CandidateBounds:
     _optimizer: dict[tuple, float] = field(default_factory=dict)
     _pipeline_bound: dict[tuple, float] = field(default_factory=dict)
     _least_saved: dict[tuple, tuple[tuple, int]] = field(default_factory=dict)
-    _in_flight: dict[tuple, tuple[int, ...]] = field(default_factory=dict)
     _comm: dict[tuple, np.ndarray | None] = field(default_factory=dict)
     _comm_bound: dict[tuple, float] = field(default_factory=dict)
     _least_saved_on_cache: dict[tuple, tuple[tuple, int]] = field(default_factory=dict)
     _state: dict[tuple, float] = field(default_factory=dict)
     _in_flight_shapes: dict[tuple, tuple[int, int, float]] = field(default_factory=dict)
     _expert_numel: int | None = None
-    _placement_kinds: dict[int, tuple[tuple[RankPlacement, ...], tuple]] = field(default_factory=dict)
+    _placement_kinds: dict[int, tuple[tuple[RankPlacement, ...], _PlacementFacts]] = field(default_factory=dict)
     _orders: dict[tuple, int] = field(default_factory=dict)
     _work: dict[tuple, tuple[Sequence[LayerCost], np.ndarray]] = field(default_factory=dict)
     _all_to_all: dict[tuple, float] = field(default_factory=dict)
@@ -101,22 +111,18 @@ class CandidateBounds:
         return 2 * hit / m.tp, hit / m.tp
 
     def _kinds(self, placements: tuple[RankPlacement, ...]) -> tuple[tuple[DeviceSpec, float], ...]:
-        """The distinct (device, speed) of the pipeline ranks (`_placement_facts`)."""
-        return self._placement_facts(placements)[0]
+        return self._placement_facts(placements).kinds
 
-    def _placement_facts(self, placements: tuple[RankPlacement, ...]
-                         ) -> tuple[tuple[tuple[DeviceSpec, float], ...], int, RankPlacement]:
-        """(the distinct (device, speed) of the pipeline ranks, the id of their (device name, speed) in rank order, the
-        fastest rank), cached per placements, which the builder keeps: tens of thousands of candidates share a few
-        hundred, of up to hundreds of ranks each."""
+    def _placement_facts(self, placements: tuple[RankPlacement, ...]) -> _PlacementFacts:
+        """Cached per placements, which the builder keeps: tens of thousands of candidates share a few hundred, of
+        up to hundreds of ranks each."""
         hit = self._placement_kinds.get(id(placements))
         if hit is None or hit[0] is not placements:
             # By the whole device: two groups of one type may differ in memory (a partitioned or capped GPU).
             kinds = tuple({(id(pl.device), pl.speed): (pl.device, pl.speed) for pl in placements}.values())
-            # The ranks' (device name, speed) in order, as a small int: a key part hashed once, not per candidate.
             order = self._orders.setdefault(tuple((pl.device.name, pl.speed) for pl in placements), len(self._orders))
-            hit = self._placement_kinds[id(placements)] = (placements, (kinds, order, max(placements,
-                                                                                           key=lambda pl: pl.speed)))
+            hit = self._placement_kinds[id(placements)] = (placements, _PlacementFacts(
+                kinds, order, max(placements, key=lambda pl: pl.speed)))
         return hit[1]
 
     def memory_floor(self, cand: Candidate, options: Sequence[Recompute]) -> float:
@@ -145,12 +151,14 @@ class CandidateBounds:
                                                 (state + least * saved) / cand.mesh.pp)
 
     def _in_flight_shape(self, cand: Candidate) -> tuple[int, int, float]:
-        """(min_k n_k, max_k n_k, sum_k 1 / n_k) of `_least_in_flight` (cached with it; 1 / n_k unused at 0)."""
+        """(min_k n_k, max_k n_k, sum_k 1 / n_k) over the pipeline ranks, n_k the least in-flight micro-batch
+        count of rank k's chunks (cached per schedule shape; the sum is 0 where some n_k is 0, and then unused)."""
         v = cand.virtual_stages if cand.schedule.chunked else 1
         key = (cand.schedule, cand.mesh.pp, cand.num_microbatches, v)
         hit = self._in_flight_shapes.get(key)
         if hit is None:
-            counts = self._least_in_flight(cand)
+            counts = [min(in_flight_per_chunk(cand.schedule, cand.mesh.pp, k, cand.num_microbatches, v))
+                      for k in range(cand.mesh.pp)]
             least = min(counts)
             hit = self._in_flight_shapes[key] = (least, max(counts), sum(1 / n for n in counts) if least >= 1 else 0.0)
         return hit
@@ -180,17 +188,6 @@ class CandidateBounds:
     def _overhead(self, placements: tuple[RankPlacement, ...]) -> int:
         """The least framework overhead over the ranks' device types."""
         return min(framework_overhead_bytes(device.name) for device, _ in self._kinds(placements))
-
-    def _least_in_flight(self, cand: Candidate) -> tuple[int, ...]:
-        """Per pipeline rank, the least in-flight micro-batch count of its chunks (cached per schedule shape)."""
-        v = cand.virtual_stages if cand.schedule.chunked else 1
-        key = (cand.schedule, cand.mesh.pp, cand.num_microbatches, v)
-        hit = self._in_flight.get(key)
-        if hit is None:
-            hit = self._in_flight[key] = tuple(min(in_flight_per_chunk(cand.schedule, cand.mesh.pp, k,
-                                                                       cand.num_microbatches, v))
-                                               for k in range(cand.mesh.pp))
-        return hit
 
     def _least_saved_bytes(self, costs: tuple, allowed: tuple[Recompute, ...]) -> int:
         """Activation bytes of one micro-batch of the whole chain, each segment at its least-saving option (cached
@@ -254,7 +251,7 @@ class CandidateBounds:
     def optimizer_bound(self, cand: Candidate, placements: Sequence[RankPlacement]) -> float:
         """The optimizer step of the fullest rank is at least that of an even split of the parameters."""
         m = cand.mesh
-        fastest = self._placement_facts(placements)[2]
+        fastest = self._placement_facts(placements).fastest
         # The speed is in the key: where devices share host cores it changes with the schedule's bubbles.
         key = (m, cand.zero_stage, fastest.device.name, fastest.speed, cand.runtime.offload)
         if key not in self._optimizer:
@@ -277,7 +274,7 @@ class CandidateBounds:
         placements = self.builder.placements(cand)
         m = cand.mesh
         interleaved = cand.schedule.chunked and cand.virtual_stages > 1
-        key = (self._placement_facts(placements)[1], m.tp, m.stride(MeshAxis.TP),
+        key = (self._placement_facts(placements).order, m.tp, m.stride(MeshAxis.TP),
                cand.sequence_parallel, cand.microbatch_size, m.pp,
                cand.num_microbatches, cand.virtual_stages if interleaved else 1,
                cand.schedule.zero_bubble, cand.schedule.v_shape,  # the bound's form and the chunks' placement
