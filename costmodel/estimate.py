@@ -11,7 +11,8 @@ step time and its breakdown, `memory.rank_memory` the peak bytes per pipeline ra
 with another rank: `shared_parameter_copies`) and the host bytes of offloaded state (`costmodel.offload`, checked
 against the host memory per device), and:
 
-    model FLOPs per step    = (graph forward + backward FLOPs) * global_batch / traced batch   (no recomputation)
+    model FLOPs per step    = (graph forward + backward FLOPs) * global_batch / traced batch   (no recomputation;
+                              routed experts at the token choices they serve: `costmodel.model_flops`)
     hardware FLOPs per step = model FLOPs + recomputed forward FLOPs of every micro-batch of every replica
     TFLOP/s per device      = FLOPs / (step time * devices);   MFU / HFU = that / dense peak of the dtype
 
@@ -45,6 +46,8 @@ from costmodel.hardware.host import host_of
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import op_policy_kept, price_segment, selective_recompute_region
 from costmodel.memory import GIB, PricedSegment, rank_memory
+from costmodel.model_flops import counted_flops
+from costmodel.model_flops import model_flops as chain_model_flops
 from costmodel.offload import HostCopy, host_copy, host_problem, offload_tail
 from costmodel.operators import fp8_weight_copy_time
 from costmodel.pipeline import (
@@ -239,24 +242,25 @@ def recomputes(strategy: Strategy) -> bool:
     return bool(modes - {Recompute.NONE})
 
 
-def _recompute_flops(chain: LayerChain, seg_index: int, recompute: Recompute, cache: dict[int, int]) -> int:
-    """Forward FLOPs (traced batch) that `recompute` reruns in one segment."""
+def _recompute_flops(chain: LayerChain, seg_index: int, recompute: Recompute,
+                     cache: dict[tuple[Recompute, int], float]) -> float:
+    """Forward FLOPs (traced batch) that `recompute` reruns in one segment, counted as model FLOPs count them
+    (`costmodel.model_flops`: routed experts at the token choices they serve)."""
     seg = chain.segments[seg_index]
-    if recompute is Recompute.FULL:
-        return seg.forward_flops
     if recompute is Recompute.NONE:
         return 0
-    if recompute is Recompute.OP:
-        key = -1 - seg.class_id
-        if key not in cache:
-            kept = op_policy_kept(chain.nodes_of(seg))
-            cache[key] = sum(n.forward_flops for n in chain.nodes_of(seg) if n.name not in kept)
-        return cache[key]
-    if seg.class_id not in cache:
+    key = (recompute, seg.class_id)
+    if key not in cache:
         nodes = chain.nodes_of(seg)
-        region = selective_recompute_region(nodes)
-        cache[seg.class_id] = sum(n.forward_flops for n in nodes if n.name in region)
-    return cache[seg.class_id]
+        if recompute is Recompute.FULL:
+            only = None
+        elif recompute is Recompute.OP:
+            kept = op_policy_kept(nodes)
+            only = frozenset(n.name for n in nodes if n.name not in kept)
+        else:
+            only = selective_recompute_region(nodes)
+        cache[key] = counted_flops(nodes, backward=False, only=only)
+    return cache[key]
 
 
 def estimate(chain: LayerChain | Graph, cluster: Cluster, strategy: Strategy, *,
@@ -547,8 +551,8 @@ def _with_throughput(chain: LayerChain, strategy: Strategy, stages: Sequence[Sta
     graph = chain.graph
     step = breakdown.total_s
     batch = strategy.global_batch
-    model_flops = (graph.forward_flops + graph.backward_flops) * batch / graph.batch_size
-    flops_cache: dict[int, int] = {}
+    model_flops = chain_model_flops(chain) * batch / graph.batch_size
+    flops_cache: dict[tuple[Recompute, int], float] = {}
     recompute_flops = sum(
         _recompute_flops(chain, i, s.recompute, flops_cache)
         for st, segs in zip(stages, priced, strict=True) for i, s in zip(range(st.start, st.stop), segs, strict=True)

@@ -30,6 +30,7 @@ from costmodel.estimate import estimate as costmodel_estimate
 from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import Collective, CommGroup, collective_time
 from costmodel.layer_cost import LayerCost
+from costmodel.model_flops import model_flops
 from costmodel.pipeline import schedule_problem
 from costmodel.strategy import Strategy
 from ir.layer_chain import LayerChain
@@ -423,7 +424,7 @@ def _assemble(chain: LayerChain, cluster: Cluster, global_batch: int, planned: S
         sync = collective_time(Collective.ALL_REDUCE, grad_bytes, _cross_group(cluster, active), cluster,
                                concurrent=concurrent)
     graph = chain.graph
-    flops = (graph.forward_flops + graph.backward_flops) * global_batch / graph.batch_size
+    flops = model_flops(chain) * global_batch / graph.batch_size
     peak = sum(cluster.groups[g].device.flops(dtype) * shares[g].num_devices for g in active)
     step = max(shares[g].step_time_s for g in active) + sync
     return GroupDataParallelPlan(shares=tuple(shares), sync_s=sync, step_time_s=step, global_batch=global_batch,

@@ -39,6 +39,7 @@ from costmodel.estimate import estimate as costmodel_estimate
 from costmodel.float8 import Float8Recipe
 from costmodel.hardware.cluster import Cluster
 from costmodel.layer_cost import LayerCost
+from costmodel.model_flops import model_flops
 from costmodel.pipeline import stage_rank
 from costmodel.strategy import Offload, Recompute, Strategy
 from ir.layer_chain import LayerChain
@@ -384,7 +385,7 @@ def _plan(old: Plan, chain: LayerChain, cluster: Cluster, chosen: ReplanOption, 
     else:
         # A neighbourhood is not the whole space: the only proven bound is perfect scaling of the model FLOPs.
         graph = chain.graph
-        flops = (graph.forward_flops + graph.backward_flops) * old.training.global_batch / graph.batch_size
+        flops = model_flops(chain) * old.training.global_batch / graph.batch_size
         best_rate = max(g.device.flops(dtype) * g.device.matmul_efficiency for g in cluster.groups)
         status, lower = "feasible", compute_lower_bound_s(flops, cluster.num_available, best_rate)
     lower = min(lower, chosen.step_time_s)

@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from costmodel.estimate import estimate as costmodel_estimate
 from costmodel.float8 import fp8_problem
 from costmodel.hardware.cluster import Cluster
+from costmodel.model_flops import model_flops
 from costmodel.strategy import Recompute, RuntimeOptions
 from ir.layer_chain import LayerChain
 from planner.errors import InfeasibleError, TimeLimitError, UserError
@@ -138,6 +139,8 @@ class SearchState:
 
     def __post_init__(self) -> None:
         self.bounds = CandidateBounds(self.chain, self.dtype, self.builder)
+        # Model FLOPs of the traced batch (`costmodel.model_flops`): every rank computes at least its share.
+        self.traced_model_flops = model_flops(self.chain)
         if self.options.tie_band is not None:
             self.ties = TieSet(self.options.tie_band)
 
@@ -283,8 +286,7 @@ class SearchState:
     def device_bound(self, num_devices: int) -> float:
         """Level-0 bound of every candidate on `num_devices` devices: the step's FLOPs at the dense peak of the
         fastest device type (no op runs faster than peak, and a rank's work is at least its share)."""
-        graph = self.chain.graph
-        flops = (graph.forward_flops + graph.backward_flops) * self.global_batch / graph.batch_size
+        flops = self.traced_model_flops * self.global_batch / self.chain.graph.batch_size
         peak = max(g.device.flops(self.dtype) for g in self.cluster.groups)
         lb = compute_lower_bound_s(flops, num_devices, peak)
         if self.options.objective is Objective.COST:
