@@ -3,6 +3,8 @@ capacity the model was traced with (`costmodel.model_flops`)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import ir
@@ -12,6 +14,7 @@ from costmodel.model_flops import model_flops
 from costmodel.strategy import Strategy
 from ir.moe_structure import routed_experts
 from models.registry import build_model
+from planner.cli.main import main
 
 E, K, H, F, SEQ, LAYERS = 4, 2, 128, 256, 64, 2
 MOE = (f"layers={LAYERS}", f"hidden={H}", f"ffn_hidden={F}", "heads=4", "kv_heads=4", "vocab=512",
@@ -69,3 +72,9 @@ def test_mfu_of_one_strategy_does_not_depend_on_the_traced_capacity():
     assert padded.step_time_s == pytest.approx(dropless.step_time_s, rel=1e-9)
     assert padded.mfu == pytest.approx(dropless.mfu, rel=1e-9)
     assert padded.model_tflops_per_device == pytest.approx(dropless.model_tflops_per_device, rel=1e-9)
+
+
+def test_trace_summary_reports_the_model_flops_beside_the_traced_ones(capsys):
+    assert main(["trace", "moe-tiny", "--json"]) in (0, None)
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["model_flops"] < summary["forward_flops"] + summary["backward_flops"]

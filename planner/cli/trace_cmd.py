@@ -14,6 +14,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from costmodel.model_flops import model_flops
 from planner.cli.common import add_model_arguments, positive_int
 from planner.cli.models_cmd import human_count
 from planner.errors import UserError
@@ -91,6 +92,7 @@ def _summary(built: Any, graph: Any, chain: Any) -> dict[str, Any]:
         "param_bytes": graph.param_bytes,
         "forward_flops": graph.forward_flops,
         "backward_flops": graph.backward_flops,
+        "model_flops": model_flops(chain),
         "num_nodes": len(graph.nodes),
         "num_layers": len(chain.segments),
         "num_layer_classes": chain.num_classes,
@@ -121,6 +123,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"params     {human_count(s['params'])} ({s['params']:,})",
         f"FLOPs      forward {_count(s['forward_flops'])}, backward {_count(s['backward_flops'])} "
         f"per step of batch {s['batch']}{seq}",
+        *([f"           model FLOPs (what MFU counts) {_count(s['model_flops'])}: routed experts at each token's "
+           "choices, not the trace's expert slots"]
+          if s["model_flops"] != s["forward_flops"] + s["backward_flops"] else []),
         f"chain      {s['num_layers']} layers, {s['num_layer_classes']} classes",
         "",
     ]
