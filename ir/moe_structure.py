@@ -56,13 +56,17 @@ class RoutedExperts:
     """G: routing groups of E / G consecutive experts (DeepSeek-V3's `n_group`); 1 without group-limited routing."""
     top_groups: int = 1
     """Of the G groups, how many a token's k experts are picked from (`topk_group`); 1 when G is 1."""
+    layers: int = 1
+    """MoE layers among the nodes (their routing top-k's): `param_numel`, `choices` and `forward_flops` sum over
+    them."""
 
     @property
     def capacity_factor(self) -> float:
         """Expert slots the trace computes over the token choices: the experts' FLOPs over what the choices
-        cost through one expert each (2 FLOPs per expert weight). Capacity dispatch gives about its
-        capacity factor; experts that run on every token (one module per expert, no dispatch) give E / k."""
-        per_choice = 2 * self.param_numel / self.num_experts
+        cost through one expert each (2 FLOPs per expert weight of their layer). Capacity dispatch gives about its
+        capacity factor; experts that run on every token (one module per expert, no dispatch) give E / k. Over
+        several layers, their mean (layers of one shape: the same choices and weights each)."""
+        per_choice = 2 * self.param_numel / (self.num_experts * self.layers)
         return self.forward_flops / (self.choices * per_choice) if self.choices and per_choice else 1.0
 
 
@@ -81,7 +85,7 @@ def routed_experts(nodes: Sequence[Node]) -> RoutedExperts | None:
             groups, top_groups = _routing_groups(nodes, routers, experts)
             return RoutedExperts(experts, top_k, layout, tuple(n.name for n in linears),
                                  tuple(sorted(params)), sum(params.values()), choices,
-                                 sum(n.forward_flops for n in linears), groups, top_groups)
+                                 sum(n.forward_flops for n in linears), groups, top_groups, max(len(routers), 1))
     return None
 
 

@@ -78,3 +78,14 @@ def test_trace_summary_reports_the_model_flops_beside_the_traced_ones(capsys):
     assert main(["trace", "moe-tiny", "--json"]) in (0, None)
     summary = json.loads(capsys.readouterr().out)
     assert summary["model_flops"] < summary["forward_flops"] + summary["backward_flops"]
+
+
+def test_the_capacity_factor_of_several_layers_is_their_own():
+    """Over a whole graph the routers' choices, the expert weights and their FLOPs all sum over the layers; the
+    capacity factor is still the per-layer ratio (it was divided by the layer count)."""
+    chain = _chain(1.25)
+    whole = routed_experts(chain.graph.nodes)
+    per_block = {routed_experts(chain.nodes_of(s)).capacity_factor for s in chain.segments
+                 if routed_experts(chain.nodes_of(s)) is not None}
+    assert whole.layers == LAYERS and len(per_block) == 1
+    assert whole.capacity_factor == pytest.approx(per_block.pop(), rel=1e-12)
