@@ -85,7 +85,7 @@ def routed_experts(nodes: Sequence[Node]) -> RoutedExperts | None:
             groups, top_groups = _routing_groups(nodes, routers, experts)
             return RoutedExperts(experts, top_k, layout, tuple(n.name for n in linears),
                                  tuple(sorted(params)), sum(params.values()), choices,
-                                 sum(n.forward_flops for n in linears), groups, top_groups, max(len(routers), 1))
+                                 sum(n.forward_flops for n in linears), groups, top_groups, len(routers))
     return None
 
 

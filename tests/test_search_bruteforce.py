@@ -117,6 +117,7 @@ from costmodel.validation import error_band  # noqa: E402
 from models.registry import build_model  # noqa: E402
 from planner.errors import InfeasibleError, UserError  # noqa: E402
 from planner.search.branch_and_bound import SearchOptions, search  # noqa: E402
+from planner.search.candidate_bounds import CandidateBounds  # noqa: E402
 from planner.search.candidates import Candidate, enumerate_candidates  # noqa: E402
 from planner.search.layer_costs import LayerCostTable  # noqa: E402
 from planner.search.pricing import layer_cost_map  # noqa: E402
@@ -373,8 +374,6 @@ def test_partial_recompute_is_searched_and_priced_exactly(tmp_path: Path) -> Non
 def _check_level_one_bound(name: str, chain: ir.LayerChain, cluster: Cluster, brute: BruteResult) -> None:
     """`CandidateBounds.cheap` (no sharding solved: tp 1 prices, the expert all-to-alls) is below each candidate's
     best partition and recomputation that brute force found."""
-    from planner.search.candidate_bounds import CandidateBounds
-
     bounds = CandidateBounds(chain, "bfloat16", StageProblemBuilder(chain, cluster, LayerCostTable(chain, cluster)))
     for cand, best in brute.per_candidate.items():
         if cand.schedule is Schedule.GPIPE or (cand.zero_stage == 2 and cand.mesh.pp > 1):
