@@ -23,7 +23,7 @@ the cluster has, tp > 1 without layer costs) raises ValueError.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from costmodel.breakdown import Estimate, StageEstimate, TimeBreakdown
@@ -45,7 +45,7 @@ from costmodel.hardware.device import DeviceSpec
 from costmodel.hardware.host import host_of
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import op_policy_kept, price_segment, selective_recompute_region
-from costmodel.memory import GIB, PricedSegment, rank_memory
+from costmodel.memory import GIB, PricedSegment, rank_memory, runs
 from costmodel.model_flops import counted_flops
 from costmodel.model_flops import model_flops as chain_model_flops
 from costmodel.offload import HostCopy, host_copy, host_problem, offload_tail
@@ -80,15 +80,17 @@ from ir.graph import Graph, dtype_bytes
 from ir.layer_chain import LayerChain
 
 
-def param_tensor_kinds(strategy: Strategy, costs: Iterable[LayerCost]) -> tuple[int, int]:
-    """(plain, DTensor) parameter tensors of a rank holding segments priced `costs`: FSDP2 / replicate over the
-    dp (x cp) ranks turn every parameter into a DTensor; tensor parallelism alone only those of the modules
-    that run sharded (`planner.parallelize`). The optimizer pays a framework cost per tensor of each kind."""
-    costs = list(costs)
-    total = sum(c.param_tensors for c in costs)
+def param_tensor_kinds(strategy: Strategy, costs: Sequence[LayerCost],
+                       counts: Sequence[int] | None = None) -> tuple[int, int]:
+    """(plain, DTensor) parameter tensors of a rank holding segments priced `costs` (`counts[i]` segments of
+    `costs[i]`; one each by default): FSDP2 / replicate over the dp (x cp) ranks turn every parameter into a
+    DTensor; tensor parallelism alone only those of the modules that run sharded (`planner.parallelize`). The
+    optimizer pays a framework cost per tensor of each kind."""
+    counts = counts or [1] * len(costs)
+    total = sum(n * c.param_tensors for c, n in zip(costs, counts, strict=True))
     if strategy.dp * strategy.cp > 1:
         return 0, total
-    dtensors = sum(c.dtensor_param_tensors for c in costs) if strategy.tp > 1 else 0
+    dtensors = sum(n * c.dtensor_param_tensors for c, n in zip(costs, counts, strict=True)) if strategy.tp > 1 else 0
     return total - dtensors, dtensors
 
 
@@ -280,9 +282,9 @@ def estimate(chain: LayerChain | Graph, cluster: Cluster, strategy: Strategy, *,
     problems = _validity_problems(chain, strategy, global_batch)
     ranks = _pipeline_ranks(cluster, strategy, stages)
     prices = _Prices(chain, strategy, layer_costs, dtype, profile, cluster)
-    priced = [[PricedSegment(prices(i, ranks[stage_rank(strategy.schedule, strategy.pp, j)].device),
-                             st.segment_recompute(i) if strategy.stages else strategy.recompute)
-               for i in range(st.start, st.stop)] for j, st in enumerate(stages)]
+    priced = [runs([PricedSegment(prices(i, ranks[stage_rank(strategy.schedule, strategy.pp, j)].device),
+                                  st.segment_recompute(i) if strategy.stages else strategy.recompute)
+                    for i in range(st.start, st.stop)]) for j, st in enumerate(stages)]
     # Copies of weights shared across pipeline ranks (tied embeddings), vocabulary-sharded over tp like the head.
     shared = [-(-n // strategy.tp) for n in shared_parameter_copies(chain, stages, strategy.pp, strategy.schedule)]
 
@@ -334,7 +336,7 @@ def rank_chunk_times(chunks: Sequence[Sequence[PricedSegment]], strategy: Strate
     times: list[StageTime] = []
     comms: list[DataParallelComm] = []
     for segs in chunks:
-        key = tuple((s.cost, s.recompute) for s in segs) if chunk_cache is not None else None
+        key = tuple((s.cost, s.recompute, s.count) for s in segs) if chunk_cache is not None else None
         hit = chunk_cache.get(key) if chunk_cache is not None else None
         if hit is None:
             hit = _chunk_time(segs, strategy, rank, cluster, dtype_bytes(dtype), group, dp_comm)
@@ -351,22 +353,25 @@ def rank_tail(chunks: Sequence[Sequence[PricedSegment]], times: Sequence[StageTi
     """What the rank does after its last backward, from its chunks' times and communication (`rank_step_terms`'
     second half)."""
     costs = [s.cost for c in chunks for s in c]
-    experts = sum(c.expert_param_count for c in costs)  # ZeRO shards expert state over dp*cp/ep_dp
-    local_params = optimizer_params(sum(c.param_count for c in costs) + shared_params, experts,
+    counts = [s.count for c in chunks for s in c]
+    weighted = list(zip(costs, counts, strict=True))
+    experts = sum(n * c.expert_param_count for c, n in weighted)  # ZeRO shards expert state over dp*cp/ep_dp
+    local_params = optimizer_params(sum(n * c.param_count for c, n in weighted) + shared_params, experts,
                                     zero_stage=strategy.zero_stage, dp_size=strategy.dp * strategy.cp,
                                     ep_dp=strategy.ep_dp)
     r = rank.index
     optimizer_s, copy_s = optimizer_terms(
         local_params, rank.device, strategy.runtime.offload, dtype=dtype, speed=rank.speed,
-        host_s=rank.framework.optimizer_host_s(*param_tensor_kinds(strategy, costs)))
-    optimizer_s += fp8_weight_copy_time(costs, strategy.runtime.fp8, rank.device, dtype=dtype) / rank.speed
+        host_s=rank.framework.optimizer_host_s(*param_tensor_kinds(strategy, costs, counts)))
+    optimizer_s += fp8_weight_copy_time(costs, strategy.runtime.fp8, rank.device, dtype=dtype,
+                                        counts=counts) / rank.speed
     return RankTail(
         end_reduce_s=sum(c.end_reduce_s for c in comms),
         end_reduce_chunks=max(sum(c.end_reduce_chunks for c in comms), 1),
         last_bwd_window_s=sum(t.compute_bwd_s + t.recompute_s + t.tp_bwd_s for t in times),
         tp_grad_sync_s=tp_grad_sync_time(
-            sum(c.grad_sync_bytes for c in costs) + _split_expert_grad_bytes(costs, strategy, dtype),
-            sum(c.grad_sync_tensors for c in costs), tp_group(strategy, r),
+            sum(n * c.grad_sync_bytes for c, n in weighted) + _split_expert_grad_bytes(weighted, strategy, dtype),
+            sum(n * c.grad_sync_tensors for c, n in weighted), tp_group(strategy, r),
             cluster, concurrent=strategy.num_devices // strategy.tp,
             per_tensor_s=rank.framework.grad_sync_per_tensor(strategy.tp)),
         shared_sync_s=_shared_sync_time(shared_params, strategy, r, cluster,
@@ -375,10 +380,10 @@ def rank_tail(chunks: Sequence[Sequence[PricedSegment]], times: Sequence[StageTi
         post_step_s=sum(c.post_step_s for c in comms), overlap=strategy.runtime.dp_overlap)
 
 
-def _split_expert_grad_bytes(costs: Sequence[LayerCost], strategy: Strategy, dtype: str) -> float:
+def _split_expert_grad_bytes(weighted: Sequence[tuple[LayerCost, int]], strategy: Strategy, dtype: str) -> float:
     """Gradient bytes of experts whose slots the tp ranks split (`costmodel.expert_parallel`), summed over the tp
     group after the backward: the rank's shard of them under ZeRO (over dp*cp/ep_dp ranks), else all."""
-    params = sum(c.tp_split_expert_params for c in costs)
+    params = sum(n * c.tp_split_expert_params for c, n in weighted)
     if not params:
         return 0.0
     shards = max(strategy.dp * strategy.cp // strategy.ep_dp, 1) if strategy.zero_stage >= 1 else 1
@@ -406,12 +411,13 @@ def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSet
     segs = _fp8_shard_casts(segs, strategy)
     plain = stage_time(segs, speed=rank.speed)
     # Expert weights are reduced over dp*cp/ep_dp ranks (costmodel/expert_parallel.py).
-    params = dp_synced_params((s.cost for s in segs), dp_size=dp_size, ep_dp=strategy.ep_dp)
+    params = dp_synced_params([s.cost for s in segs], dp_size=dp_size, ep_dp=strategy.ep_dp,
+                              counts=[s.count for s in segs])
     # Every (tp, pp) coordinate runs its own data-parallel reduction at the same time. Gradients are reduced
     # in fp32 unless the trainer keeps them 16-bit (`RuntimeOptions.grad_bytes`), weights gathered in the training
     # dtype, FP8 weights in one byte (`costmodel.float8`).
     comm = dp_comm(zero_stage=strategy.zero_stage, grad_bytes=params * runtime.grad_bytes(weight_bytes),
-                   param_bytes=params * weight_bytes - _fp8_gather_saving(segs, strategy, weight_bytes), num_segments=len(segs), fwd_window_s=plain.compute_fwd_s,
+                   param_bytes=params * weight_bytes - _fp8_gather_saving(segs, strategy, weight_bytes), num_segments=sum(s.count for s in segs), fwd_window_s=plain.compute_fwd_s,
                    bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=group, cluster=cluster,
                    concurrent=strategy.tp * pp, overlap=runtime.dp_overlap,
                    reshard_after_forward=runtime.reshard_after_forward,
@@ -424,17 +430,17 @@ def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSet
                        offload_fwd_s=comm.offload_fwd_s, offload_bwd_s=comm.offload_bwd_s)
     if runtime.cross_entropy is not CrossEntropy.TORCH:
         # The chunk's segments are priced with PyTorch's loss (`training_loss.with_training_loss`).
-        changes = [loss_time_change(s.cost.loss_elements, weight_bytes, runtime.cross_entropy, rank.device)
+        changes = [(s.count, loss_time_change(s.cost.loss_elements, weight_bytes, runtime.cross_entropy, rank.device))
                    for s in segs]
-        fwd, bwd = sum(c[0] for c in changes), sum(c[1] for c in changes)
+        fwd, bwd = sum(n * c[0] for n, c in changes), sum(n * c[1] for n, c in changes)
         chunk = replace(chunk, compute_fwd_s=chunk.compute_fwd_s + fwd / rank.speed,
                         compute_bwd_s=chunk.compute_bwd_s + bwd / rank.speed)
     if runtime.metric_passes:
-        metrics = runtime.metric_passes * sum(metric_pass_time(s.cost.loss_elements, weight_bytes, rank.device)
-                                              for s in segs)
+        metrics = runtime.metric_passes * sum(s.count * metric_pass_time(s.cost.loss_elements, weight_bytes,
+                                                                                rank.device) for s in segs)
         chunk = replace(chunk, compute_bwd_s=chunk.compute_bwd_s + metrics / rank.speed)
     if runtime.fp32_grad_pass:
-        grad_pass = fp32_grad_pass_time(sum(s.cost.param_count for s in segs), rank.device,
+        grad_pass = fp32_grad_pass_time(sum(s.count * s.cost.param_count for s in segs), rank.device,
                                         dtype_bytes=weight_bytes, speed=rank.speed)
         chunk = replace(chunk, compute_bwd_s=chunk.compute_bwd_s + grad_pass, wgrad_s=chunk.wgrad_s + grad_pass)
     return chunk, comm
@@ -445,7 +451,8 @@ def _stage_host_copy(segs: Sequence[PricedSegment], strategy: Strategy, device: 
     host = host_of(device.name)
     if strategy.runtime.offload is not Offload.PARAMS or host is None:
         return None
-    shard = optimizer_params(sum(s.cost.param_count for s in segs), sum(s.cost.expert_param_count for s in segs),
+    shard = optimizer_params(sum(s.count * s.cost.param_count for s in segs),
+                             sum(s.count * s.cost.expert_param_count for s in segs),
                              zero_stage=strategy.zero_stage, dp_size=strategy.dp * strategy.cp,
                              ep_dp=strategy.ep_dp)
     return host_copy(shard, host, num_microbatches=strategy.num_microbatches)
@@ -475,7 +482,7 @@ def _fp8_gather_saving(segs: Sequence[PricedSegment], strategy: Strategy, weight
     """Bytes a ZeRO-3 gather of these segments saves when tensorwise FP8 gathers converted weights in one byte."""
     if not _fp8_gathers_weights(strategy):
         return 0.0
-    converted = sum(s.cost.fp8_weight_share * (s.cost.param_count - s.cost.expert_param_count) for s in segs)
+    converted = sum(s.count * s.cost.fp8_weight_share * (s.cost.param_count - s.cost.expert_param_count) for s in segs)
     return converted * (weight_bytes - FP8_BYTES)
 
 
@@ -554,8 +561,9 @@ def _with_throughput(chain: LayerChain, strategy: Strategy, stages: Sequence[Sta
     model_flops = chain_model_flops(chain) * batch / graph.batch_size
     flops_cache: dict[tuple[Recompute, int], float] = {}
     recompute_flops = sum(
-        _recompute_flops(chain, i, s.recompute, flops_cache)
-        for st, segs in zip(stages, priced, strict=True) for i, s in zip(range(st.start, st.stop), segs, strict=True)
+        _recompute_flops(chain, i, mode, flops_cache)
+        for st, segs in zip(stages, priced, strict=True)
+        for i, mode in zip(range(st.start, st.stop), (s.recompute for s in segs for _ in range(s.count)), strict=True)
     ) * strategy.microbatch_size / graph.batch_size * strategy.num_microbatches * strategy.dp
     peak = sum(r.device.flops(dtype) for r in ranks) / strategy.pp
     model_tflops = model_flops / (step * strategy.num_devices) / 1e12

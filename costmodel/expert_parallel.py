@@ -389,15 +389,16 @@ def dedup_tier_scale(found: RoutedExperts, group: CommGroup, cluster: Cluster) -
 
 # ---- what the data-parallel side does with expert parameters ----------------------------------------------------
 
-def dp_synced_params(costs: Iterable[LayerCost], *, dp_size: int, ep_dp: int) -> float:
+def dp_synced_params(costs: Sequence[LayerCost], *, dp_size: int, ep_dp: int,
+                     counts: Sequence[int] | None = None) -> float:
     """Parameters whose gradients (and ZeRO-3 weights) the n = dp*cp data-parallel collectives move, in units of
-    the n-rank group: dense ones, plus expert ones scaled by (n - ep_dp) / (n - 1) (module docstring)."""
+    the n-rank group: dense ones, plus expert ones scaled by (n - ep_dp) / (n - 1) (module docstring); `counts[i]`
+    segments of `costs[i]` (one each by default)."""
     total = 0.0
-    for c in costs:
-        dense = c.param_count - c.expert_param_count
-        total += dense
+    for c, n in zip(costs, counts or [1] * len(costs), strict=True):
+        total += n * (c.param_count - c.expert_param_count)
         if c.expert_param_count:
-            total += c.expert_param_count * ((dp_size - ep_dp) / (dp_size - 1) if dp_size > 1 else 1.0)
+            total += n * c.expert_param_count * ((dp_size - ep_dp) / (dp_size - 1) if dp_size > 1 else 1.0)
     return total
 
 

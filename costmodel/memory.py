@@ -154,6 +154,11 @@ def kept_bytes(cost: LayerCost, recompute: Recompute, cross_entropy: CrossEntrop
     return saved
 
 
+def chunk_kept_bytes(chunk: Sequence[PricedSegment], cross_entropy: CrossEntropy, dtype: str) -> float:
+    """What one micro-batch in flight keeps on a chunk of segments (`kept_bytes` of each)."""
+    return sum(s.count * kept_bytes(s.cost, s.recompute, cross_entropy, dtype) for s in chunk)
+
+
 def expert_shard_ranks(dp_size: int, ep_dp: int) -> int:
     """Ranks that ZeRO shards an expert's state over: the data-parallel ranks holding the same experts, dp / ep_dp
     (an expert-parallel group spans ep_dp of the dp coordinates; `costmodel.expert_parallel`)."""
@@ -166,10 +171,38 @@ def framework_overhead_bytes(device_name: str) -> int:
 
 @dataclass(frozen=True, slots=True)
 class PricedSegment:
-    """A segment as placed on a device: its cost and its recomputation choice."""
+    """A segment as placed on a device: its cost and its recomputation choice; `count` consecutive segments of
+    the chain when they share both (a stage's identical blocks: `runs`). Every sum over segments weighs it, so a
+    stage of k identical blocks is priced in one step instead of k."""
 
     cost: LayerCost
     recompute: Recompute = Recompute.NONE
+    count: int = 1
+
+
+def runs(segments: Sequence[PricedSegment]) -> list[PricedSegment]:
+    """`segments` with each run of consecutive equal ones (the same cost object and recomputation) merged into one
+    `PricedSegment` of their total count. The estimate and the search both price stages this way, so that they
+    add up the same numbers in the same order."""
+    merged: list[PricedSegment] = []
+    for s in segments:
+        last = merged[-1] if merged else None
+        if last is not None and last.cost is s.cost and last.recompute == s.recompute:
+            merged[-1] = PricedSegment(s.cost, s.recompute, last.count + s.count)
+        else:
+            merged.append(s)
+    return merged
+
+
+def uniform_runs(costs: Sequence[LayerCost], recompute: Recompute) -> list[PricedSegment]:
+    """`runs` of segments priced `costs`, all with `recompute` (one pass that compares the cost objects only)."""
+    merged: list[PricedSegment] = []
+    start = 0
+    for i in range(1, len(costs) + 1):
+        if i == len(costs) or costs[i] is not costs[start]:
+            merged.append(PricedSegment(costs[start], recompute, i - start))
+            start = i
+    return merged
 
 
 def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[int], *, zero_stage: int = 0,
@@ -189,17 +222,17 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
         raise ValueError(f"{len(chunks)} chunks but {len(in_flight)} in-flight counts")
     segments = [s for chunk in chunks for s in chunk]
     # Expert parallelism (costmodel/expert_parallel.py): expert state is sharded over dp / ep_dp ranks.
-    experts = sum(s.cost.expert_param_count for s in segments)
+    experts = sum(s.count * s.cost.expert_param_count for s in segments)
     # Parameter offload keeps FSDP2's per-micro-batch reduction (`step_time.data_parallel_comm`).
     pipelined = pipelined and Offload(offload) is not Offload.PARAMS
-    state = model_state_bytes(sum(s.cost.param_count for s in segments) + extra_params - experts,
+    state = model_state_bytes(sum(s.count * s.cost.param_count for s in segments) + extra_params - experts,
                               zero_stage=zero_stage, dp=dp, dtype=dtype, offload=offload, pipelined=pipelined,
                               grad_bytes=grad_bytes)
     if experts:
         state += model_state_bytes(experts, zero_stage=zero_stage, dp=expert_shard_ranks(dp, ep_dp), dtype=dtype,
                                    offload=offload, pipelined=pipelined, grad_bytes=grad_bytes)
     # With nothing in flight (the search's affine memory terms ask for that first) every product is 0.
-    activations = round(sum(n * sum(kept_bytes(s.cost, s.recompute, cross_entropy, dtype) for s in chunk)
+    activations = round(sum(n * chunk_kept_bytes(chunk, cross_entropy, dtype)
                             for chunk, n in zip(chunks, in_flight, strict=True) if n))
     rematerialized, transient = 0, 0
     for s in segments:
@@ -216,9 +249,9 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
         unit_grad = w + (grad_bytes if w < grad_bytes else 0)
         temporary += unit_grad * max((s.cost.param_count for s in segments), default=0)
     if zero_stage >= 3:
-        gathered = [s.cost.param_count * w for s in segments]
         kept = pipelined or not reshard_after_forward
-        temporary += sum(gathered) if kept else 2 * max(gathered, default=0)
+        temporary += (sum(s.count * s.cost.param_count * w for s in segments) if kept
+                      else 2 * max((s.cost.param_count * w for s in segments), default=0))
     if Offload(offload) is Offload.PARAMS:
         # The fp32 shard of the unit being gathered, copied host-to-device ahead of its all-gather.
         temporary += MASTER_BYTES * math.ceil(max((s.cost.param_count for s in segments), default=0) / dp)

@@ -57,7 +57,7 @@ A profile entry for the node's signature at these scales (`costmodel.profile_db`
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from costmodel.float8 import Float8Recipe, Operand, converted_node, fused_cast_traffic
 from costmodel.hardware.catalog import FP8_DTYPE, fp8_matmul_efficiency
@@ -222,18 +222,20 @@ def fp8_weight_cast_times(nodes: Sequence[Node], device: DeviceSpec, recipe: Flo
     return sum(t[0] for t in times), sum(t[1] for t in times)
 
 
-def fp8_weight_copy_time(costs: Iterable[LayerCost], recipe: Float8Recipe | None, device: DeviceSpec, *,
-                         dtype: str) -> float:
+def fp8_weight_copy_time(costs: Sequence[LayerCost], recipe: Float8Recipe | None, device: DeviceSpec, *,
+                         dtype: str, counts: Sequence[int] | None = None) -> float:
     """Seconds per step of the FP8 weight copies a recipe makes once per step (`Float8Recipe.weight_copy_bytes`:
     Transformer Engine's first-micro-batch cast and transpose) for the converted weights of `costs` -- the rank's
     routed experts too where the recipe converts their grouped GEMMs (`Float8Recipe.converts_experts`) -- one
-    memory-bound pass; 0 for recipes that cast weights every micro-batch (their casts are in the layers' times)."""
+    memory-bound pass; 0 for recipes that cast weights every micro-batch (their casts are in the layers' times).
+    `counts[i]`: segments of `costs[i]` (one each by default)."""
     if recipe is None:
         return 0.0
     reads, fp8_bytes = recipe.weight_copy_bytes
     experts = recipe.converts_experts
-    converted = sum(c.fp8_weight_share * (c.param_count - c.expert_param_count)
-                    + (c.expert_param_count if experts else 0) for c in costs)
+    converted = sum(n * (c.fp8_weight_share * (c.param_count - c.expert_param_count)
+                         + (c.expert_param_count if experts else 0))
+                    for c, n in zip(costs, counts or [1] * len(costs), strict=True))
     if converted <= 0 or fp8_bytes <= 0:
         return 0.0
     return memory_pass_time(converted * (reads * dtype_bytes(dtype) + fp8_bytes), device)

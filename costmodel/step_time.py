@@ -189,7 +189,7 @@ def host_time(segments: Sequence[PricedSegment], framework: FrameworkCosts, *, z
     fwd = bwd = 0.0
     if dp_size > 1:
         unit = framework.dp_unit_cost(zero_stage, dp_size)
-        units = 1 if zero_stage == 0 else len(segments)
+        units = 1 if zero_stage == 0 else sum(s.count for s in segments)
         fwd += units * unit.forward_s
         bwd += units * unit.backward_s
     if pipeline_size > 1:
@@ -200,8 +200,8 @@ def host_time(segments: Sequence[PricedSegment], framework: FrameworkCosts, *, z
         mode = Recompute(s.recompute)
         if mode in (Recompute.FULL, Recompute.OP) or (mode is Recompute.SELECTIVE and s.cost.recompute_selective_s > 0):
             c = framework.recompute_cost(mode.value)
-            fwd += c.forward_s
-            bwd += c.backward_s
+            fwd += s.count * c.forward_s
+            bwd += s.count * c.backward_s
     return PassCost(fwd, bwd)
 
 
@@ -233,14 +233,14 @@ def stage_time(segments: Sequence[PricedSegment], *, speed: float = 1.0, dp_fwd_
     if speed <= 0:
         raise ValueError(f"speed factor must be positive, got {speed}")
     n = tp_overlap_chunks
-    tp_fwd = sum(tp_exposed(s.cost.fwd_comm_s, s.cost.fwd_compute_s / speed, n) for s in segments)
-    tp_bwd = sum(tp_bwd_exposed(s.cost, s.cost.bwd_compute_s / speed, n, tp_grad_overlap) for s in segments)
-    ep = sum(s.cost.ep_comm_s for s in segments)
+    tp_fwd = sum(s.count * tp_exposed(s.cost.fwd_comm_s, s.cost.fwd_compute_s / speed, n) for s in segments)
+    tp_bwd = sum(s.count * tp_bwd_exposed(s.cost, s.cost.bwd_compute_s / speed, n, tp_grad_overlap) for s in segments)
+    ep = sum(s.count * s.cost.ep_comm_s for s in segments)
     # Full recomputation reruns the forward communication too; it is part of recompute_full_s (LayerCost).
     return StageTime(
-        compute_fwd_s=sum(s.cost.fwd_compute_s for s in segments) / speed,
-        compute_bwd_s=sum(s.cost.bwd_compute_s for s in segments) / speed,
-        recompute_s=sum(recompute_time(s) for s in segments) / speed,
+        compute_fwd_s=sum(s.count * s.cost.fwd_compute_s for s in segments) / speed,
+        compute_bwd_s=sum(s.count * s.cost.bwd_compute_s for s in segments) / speed,
+        recompute_s=sum(s.count * recompute_time(s) for s in segments) / speed,
         tp_fwd_s=tp_fwd,
         tp_bwd_s=tp_bwd,
         ep_fwd_s=min(ep, tp_fwd),  # tp_overlap's chunks may already hide part of it
@@ -249,7 +249,7 @@ def stage_time(segments: Sequence[PricedSegment], *, speed: float = 1.0, dp_fwd_
         dp_bwd_s=dp_bwd_s,
         host_fwd_s=host.forward_s,
         host_bwd_s=host.backward_s,
-        wgrad_s=sum(s.cost.bwd_compute_s * s.cost.weight_grad_share for s in segments) / speed,
+        wgrad_s=sum(s.count * s.cost.bwd_compute_s * s.cost.weight_grad_share for s in segments) / speed,
         offload_fwd_s=offload_fwd_s,
         offload_bwd_s=offload_bwd_s,
     )

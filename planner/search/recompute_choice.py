@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from costmodel.layer_cost import LayerCost
-from costmodel.memory import PricedSegment
+from costmodel.memory import PricedSegment, runs, uniform_runs
 from costmodel.strategy import Recompute, StageSpec
 
 PARTIAL_QUARTERS = (1, 2, 3)
@@ -76,11 +76,11 @@ class RecomputeChoice:
         return frozenset(pos for _, _, pos in keys[:math.ceil(self.quarters * len(keys) / _WHOLE)])
 
     def priced(self, costs: Sequence[LayerCost], classes: Sequence[int]) -> list[PricedSegment]:
-        """The chunk's segments with their recomputation."""
+        """The chunk's segments with their recomputation, runs of identical ones merged (`memory.runs`)."""
         if not self.partial:
-            return [PricedSegment(c, self.mode) for c in costs]
+            return uniform_runs(costs, self.mode)
         chosen = self.picked(costs, classes)
-        return [PricedSegment(c, self.mode if pos in chosen else Recompute.NONE) for pos, c in enumerate(costs)]
+        return runs([PricedSegment(c, self.mode if pos in chosen else Recompute.NONE) for pos, c in enumerate(costs)])
 
     def spec(self, start: int, stop: int, costs: Sequence[LayerCost], classes: Sequence[int]) -> StageSpec:
         """The `StageSpec` of chain segments [start, stop) (`costs` and `classes` indexed by chain segment)."""

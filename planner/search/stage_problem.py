@@ -26,7 +26,8 @@ how many of its chunks are the larger ones, whether its lead chunk is, and its r
 Stage terms depend on the stage's position (first / middle / last / only: who sends and receives) and on the
 device and speed of its ranks; each distinct combination is one profile of the `PartitionProblem`. Stages with
 the same multiset of layer classes have the same terms, so each distinct class composition is priced once
-(the range ``[a, b)`` where it first occurs stands for all of them).
+(the range ``[a, b)`` where it first occurs stands for all of them), and its runs of identical blocks are priced
+as one segment with a count (`memory.runs`): a stage of k blocks costs as much to price as one of a single block.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import CommGroup, spans
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
-from costmodel.memory import PricedSegment, kept_bytes, rank_memory
+from costmodel.memory import PricedSegment, chunk_kept_bytes, rank_memory
 from costmodel.offload import bytes_to_fit
 from costmodel.pipeline import in_flight_per_chunk, stage_rank, zero_bubble_fill
 from costmodel.rank_layout import (
@@ -55,7 +56,7 @@ from costmodel.rank_layout import (
     tp_group,
 )
 from costmodel.step_time import DataParallelComm, StageTime, data_parallel_comm, tp_bwd_exposed, tp_exposed
-from costmodel.strategy import MeshAxis, Recompute, Schedule, StageSpec, Strategy
+from costmodel.strategy import MeshAxis, Offload, Recompute, Schedule, StageSpec, Strategy
 from ir.graph import dtype_bytes
 from ir.layer_chain import LayerChain
 from planner.search.candidates import Candidate
@@ -298,8 +299,7 @@ class StageProblemBuilder:
         `memory.rank_memory` is affine in the in-flight counts."""
         mem0 = self._rank_memory(cand, ctx, chunks, shared, [0] * len(chunks))
         kernel = cand.runtime.cross_entropy
-        return mem0, tuple(float(sum(kept_bytes(s.cost, s.recompute, kernel, self.dtype) for s in chunk))
-                           for chunk in chunks)
+        return mem0, tuple(float(chunk_kept_bytes(chunk, kernel, self.dtype)) for chunk in chunks)
 
     def _rank_memory(self, cand: Candidate, ctx: RankContext, chunks: Sequence[Sequence[PricedSegment]],
                      shared: int, counts: Sequence[int]) -> float:
@@ -321,8 +321,8 @@ class StageProblemBuilder:
         setting = RankSetting(ctx.index, ctx.device, ctx.speed, self.framework(ctx.device))
         tail = rank_tail(chunks, chunk_times, comms, shared, self.strategy_of(cand), setting, self.cluster,
                          self.dtype)
-        # The contiguous problem's slope: one micro-batch in flight.
-        mem1 = self._rank_memory(cand, ctx, chunks, shared, [1]) if len(chunks) == 1 else mem0
+        # The contiguous problem's slope: one micro-batch in flight adds its kept bytes (`rank_memory` rounds them).
+        mem1 = mem0 + round(act[0]) if len(chunks) == 1 else mem0
         return _Terms(tuple(t.fwd_s for t in chunk_times), tuple(t.bwd_s for t in chunk_times),
                       tuple(t.wgrad_s for t in chunk_times), tail.exposed_end_reduce() + tail.tp_grad_sync_s,
                       tail.shared_sync_s, tail.optimizer_s, tail.post_step_s, mem0, mem1, act)
@@ -486,7 +486,9 @@ class StageProblemBuilder:
         every recomputation option), and whether the upper bound pruned some stages. A partial recomputation is
         priced only on the stages that do not fit recomputing nothing with `fullest` = (in-flight micro-batches,
         capacity) of the profile's fullest rank: elsewhere recomputing nothing fits and takes less time, and
-        with contiguous stages the step never gets longer when a stage gets shorter (`recompute_choice`).
+        with contiguous stages the step never gets longer when a stage gets shorter (`recompute_choice`). Where
+        recomputation only adds time (`recompute_only_adds`), every other whole mode is priced on those stages
+        alone too.
         `total`: a lower bound on the sum of every stage's forward + backward; `least_sends`: on the profile's
         ranks, on a stage's receive and send."""
         n, p, m = len(self.chain.segments), cand.mesh.pp, cand.num_microbatches
@@ -530,9 +532,10 @@ class StageProblemBuilder:
         # (the ranges of different compositions never overlap).
         everywhere = kept
         plain = options.index(NO_RECOMPUTE) if NO_RECOMPUTE in options else None
+        dominated = recompute_only_adds(cand)
         for r, rc in enumerate(options):
             kept = everywhere
-            if rc.partial and plain is not None:
+            if plain is not None and r > plain and (rc.partial or dominated):
                 need = memory_base[plain] + fullest[0] * per_microbatch[plain]
                 kept = [(comp, a0, b0, aa[over], bb[over]) for comp, a0, b0, aa, bb in everywhere
                         for over in [need[aa, bb] > fullest[1]] if over.any()]
@@ -669,6 +672,15 @@ def segment_work(costs: Sequence[LayerCost], speed: float, tp_overlap_chunks: in
     n = tp_overlap_chunks
     return np.array([(c.fwd_compute_s + c.bwd_compute_s) / speed + tp_exposed(c.fwd_comm_s, c.fwd_compute_s / speed, n)
                      + tp_bwd_exposed(c, c.bwd_compute_s / speed, n, tp_grad_overlap) for c in costs])
+
+
+def recompute_only_adds(cand: Candidate) -> bool:
+    """Whether, on a contiguous stage where recomputing nothing fits, every other mode gives a step at least as
+    long. Recomputing r seconds lengthens the stage's backward by r, so the step's sum grows by r, while the
+    end-of-step reduction it hides (its own, by a window r longer, or a later stage's, by a drain r longer)
+    shrinks by at most r. That holds unless the longer backward also hides collectives or copies issued every
+    micro-batch: ZeRO-2/3 gathers and reduce-scatters, parameter-offload copies (`step_time.data_parallel_comm`)."""
+    return cand.zero_stage <= 1 and cand.runtime.offload is not Offload.PARAMS
 
 
 def tp_overlap_chunks(cand: Candidate) -> int:
