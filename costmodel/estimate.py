@@ -417,7 +417,8 @@ def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSet
     # in fp32 unless the trainer keeps them 16-bit (`RuntimeOptions.grad_bytes`), weights gathered in the training
     # dtype, FP8 weights in one byte (`costmodel.float8`).
     comm = dp_comm(zero_stage=strategy.zero_stage, grad_bytes=params * runtime.grad_bytes(weight_bytes),
-                   param_bytes=params * weight_bytes - _fp8_gather_saving(segs, strategy, weight_bytes), num_segments=sum(s.count for s in segs), fwd_window_s=plain.compute_fwd_s,
+                   param_bytes=params * weight_bytes - _fp8_gather_saving(segs, strategy, weight_bytes),
+                   num_segments=sum(s.count for s in segs), fwd_window_s=plain.compute_fwd_s,
                    bwd_window_s=plain.compute_bwd_s + plain.recompute_s, group=group, cluster=cluster,
                    concurrent=strategy.tp * pp, overlap=runtime.dp_overlap,
                    reshard_after_forward=runtime.reshard_after_forward,
