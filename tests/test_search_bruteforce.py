@@ -13,7 +13,7 @@ from planner.search.meshes import (
     divisors,
     enumerate_meshes,
 )
-from planner.search.space import SearchSpace
+from planner.search.space import Objective, SearchSpace
 
 
 def test_divisors() -> None:
@@ -118,7 +118,7 @@ from models.registry import build_model  # noqa: E402
 from planner.errors import InfeasibleError, UserError  # noqa: E402
 from planner.search.branch_and_bound import SearchOptions, search  # noqa: E402
 from planner.search.candidate_bounds import CandidateBounds  # noqa: E402
-from planner.search.candidates import Candidate, enumerate_candidates  # noqa: E402
+from planner.search.candidates import Candidate, device_counts, enumerate_candidates, mesh_options_for  # noqa: E402
 from planner.search.layer_costs import LayerCostTable  # noqa: E402
 from planner.search.pricing import layer_cost_map  # noqa: E402
 from planner.search.ranking import prefer_simplest, simplicity_key  # noqa: E402
@@ -382,11 +382,38 @@ def _check_level_one_bound(name: str, chain: ir.LayerChain, cluster: Cluster, br
         assert need is None and lb <= best * (1 + 1e-9), (name, cand.label, lb, best)
 
 
+def _check_mesh_floors(name: str, chain: ir.LayerChain, cluster: Cluster, batch: int, space: SearchSpace) -> int:
+    """`CandidateBounds.mesh_floor` (the level-1 bound of a mesh, from its shapes and settings) is exactly the least
+    `cheap` bound of the candidates the mesh lists, and where none fits, the least bytes they need. Returns how
+    many meshes fit with no candidate."""
+    unfit = 0
+    bounds = CandidateBounds(chain, "bfloat16", StageProblemBuilder(chain, cluster, LayerCostTable(chain, cluster)))
+    for n in device_counts(cluster, space, Objective.TIME):
+        for options in mesh_options_for(n, chain, cluster, batch, space, {}):
+            cheap = [bounds.cheap(c) for c in options.candidates()]
+            assert len(cheap) == options.count > 0, name
+            floor, need = bounds.mesh_floor(options)
+            assert floor == min(lb for lb, _ in cheap), (name, options.mesh)
+            needs = [x for _, x in cheap if x is not None]
+            assert need == (min(needs) if math.isinf(floor) and needs else None), (name, options.mesh)
+            unfit += need is not None
+    return unfit
+
+
+def test_a_mesh_where_nothing_fits_is_bounded_by_the_least_state_its_candidates_need(tmp_path: Path) -> None:
+    """On 1.2 GB per device the one-device mesh holds no candidate's parameter state: its floor is inf and it
+    reports the least bytes of them, as its candidates' own bounds do (the grid's meshes all fit somewhere)."""
+    chain = chain_of("gpt", GPT_PARTIAL)
+    assert _check_mesh_floors("partial", chain, small_memory(tmp_path, "1.2GB"), 8,
+                              SearchSpace(max_microbatch_size=2)) >= 1
+
+
 def _check_grid(instances) -> tuple[int, int]:
     checked = estimates = 0
     for name, chain, cluster, batch, space in instances:
         brute = brute_force(chain, cluster, batch, space)
         _check_level_one_bound(name, chain, cluster, brute)
+        _check_mesh_floors(name, chain, cluster, batch, space)
         result = search(chain, cluster, global_batch=batch, space=space)
         got = result.best.estimate
         assert got.fits, name

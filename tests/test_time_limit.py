@@ -32,8 +32,8 @@ MODEL, CLUSTER, BATCH = "gpt3-175b", "128x8xa100-80gb", 1536
 LIMIT_S = 1.0
 GRACE_S = 0.5
 """How far past the limit the search may return, in seconds of its own CPU time: the clock is checked between heap
-entries and every few hundred candidates of a device count's expansion
-(`planner.search.branch_and_bound.CLOCK_EVERY`)."""
+entries and between the meshes of a device count's expansion (`planner.search.branch_and_bound.SearchState.expand`;
+a mesh's own candidates are listed and bounded at once, a few milliseconds)."""
 
 
 def allowed_wall_s(wall_s: float, cpu_s: float) -> float:

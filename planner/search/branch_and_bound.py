@@ -33,10 +33,12 @@ best partition and per-stage recomputation exactly, minimizing the same step-tim
 Branch and bound, best first over a heap of lower bounds, each level valid for everything below it:
 
 - level 0, a device count d: the step's model FLOPs at the dense peak of the fastest device, spread over d;
-- level 1, a candidate: tp == 1 prices divided by tp (and cp), the pipeline's (m - 1/v)/p share, and the
+- level 1, a mesh: the least level-2 bound of its candidates, from its shapes and settings without listing them
+  (`CandidateBounds.mesh_floor`): most meshes of a large job are never expanded into their candidates;
+- level 2, a candidate: tp == 1 prices divided by tp (and cp), the pipeline's (m - 1/v)/p share, and the
   optimizer step of an even parameter split (`bounds.cheap_lower_bound`); inf when the parameter state
   alone cannot fit;
-- level 2, a candidate with its layer classes priced (the sharding ILP): compute + TP communication, the
+- level 3, a candidate with its layer classes priced (the sharding ILP): compute + TP communication, the
   bottleneck of the best contiguous split (`bounds.tight_lower_bound`), or, where it is larger, the same from
   the ZeRO-2/3 collectives each micro-batch issues (`bounds.comm_lower_bound`: a chunk's collectives run one
   after another, so no overlap makes its time less than theirs);
@@ -45,7 +47,7 @@ Branch and bound, best first over a heap of lower bounds, each level valid for e
   (ZeRO traffic, recomputation and sends included: `planner.search.interleaved_pricing`), pricing the first and
   last ranks first and stopping once the ranks priced so far reach the incumbent; such a candidate is never built.
 
-An entry is expanded (0), refined (1) or solved (2) only while its bound is below the K-th best objective found;
+An entry is expanded (0, 1), refined (2) or solved (3) only while its bound is below the K-th best objective found;
 when the heap's smallest bound reaches it, the K best are proven optimal for this space. A time limit stops the
 loop early: the result is then "feasible" and the optimality gap compares the best plan with the smallest bound
 not yet explored. Ties are broken by a fixed key, so the result never depends on timing unless cut short. With a
@@ -75,9 +77,10 @@ from planner.progress import Phase
 from planner.search.candidate_bounds import CandidateBounds
 from planner.search.candidates import (
     Candidate,
-    candidates_for,
+    MeshOptions,
     device_counts,
     enumerate_candidates,
+    mesh_options_for,
 )
 from planner.search.explanations import (
     empty_space_message,
@@ -87,7 +90,7 @@ from planner.search.explanations import (
 )
 from planner.search.fair_share import FIRST_PLAN_FRACTION, WorkUnits, fair_share
 from planner.search.layer_costs import LayerCostTable
-from planner.search.meshes import compute_lower_bound_s
+from planner.search.meshes import MeshCandidate, compute_lower_bound_s
 from planner.search.outcome import Found, MeshRecord, RankedStrategy, SearchOptions, SearchResult
 from planner.search.pricing import (
     layer_cost_map,
@@ -106,10 +109,6 @@ NO_PLAN_GRACE_S = 10.0
 """With a time limit, how long past it the search keeps looking for a first plan before it gives up with a
 `TimeLimitError` (one line: a plan or an error, never an open-ended wait)."""
 
-CLOCK_EVERY = 256
-"""How many candidates an expansion bounds between two looks at the clock (a bound takes tens of microseconds)."""
-
-
 # ---- the search --------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -125,6 +124,8 @@ class SearchState:
     found: list[Found] = field(default_factory=list)
     meshes: dict[tuple[int, int, int], MeshRecord] = field(default_factory=dict)
     candidates: list[Candidate] = field(default_factory=list)
+    groups: list[MeshOptions] = field(default_factory=list)
+    """The meshes of the expanded device counts, listed into `candidates` when their entry is popped."""
     invalid: dict[tuple, str] = field(default_factory=dict)
     _price: dict[int, float] = field(default_factory=dict)
     solved: int = 0
@@ -132,7 +133,8 @@ class SearchState:
     work: float = 0.0
     """Work done so far in `WorkUnits`: a measure of search effort that, unlike the clock, is the same on every run."""
     _unbounded: set[int] = field(default_factory=set)
-    """Candidates pushed at their device count's bound by an expansion cut short (`expand`), not yet bounded."""
+    """Meshes (`groups`) pushed at their device count's bound by an expansion cut short (`expand`), not yet
+    bounded."""
     ties: TieSet | None = None
     unproven_bound: float = math.inf
     """The least lower bound of the candidates whose partition solve the time limit cut (inf: none was)."""
@@ -162,6 +164,8 @@ class SearchState:
             return True
         if level == 0:
             return self.ties.may_lead(self.found[0], payload, None)
+        if level == 1:
+            return self.ties.may_lead(self.found[0], self.groups[payload].mesh.num_devices, None)
         cand = self.candidates[payload]
         m = cand.mesh
         floor = simplicity_floor(tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep, zero_stage=cand.zero_stage,
@@ -177,9 +181,12 @@ class SearchState:
         return [*self.found, *extra]
 
     def price_factor(self, cand: Candidate) -> float:
+        return self.devices_price(cand.mesh.num_devices)
+
+    def devices_price(self, n: int) -> float:
+        """What the objective multiplies a step time by on n devices: 1, or their price per second."""
         if self.options.objective is not Objective.COST:
             return 1.0
-        n = cand.mesh.num_devices
         if n not in self._price:
             self._price[n] = price_per_second(self.cluster, n)
         return self._price[n]
@@ -202,8 +209,11 @@ class SearchState:
         kept = []
         while heap and not self.found and not self.out_of_time(extra_s=NO_PLAN_GRACE_S):
             entry = heapq.heappop(heap)
-            _, level, _, payload = entry
-            if level == 2 or (level == 1 and self.candidates[payload].mesh.tp == 1):
+            lb, level, _, payload = entry
+            if level == 1:  # listing a mesh's candidates solves nothing
+                self._unbounded.discard(payload)
+                self.expand_mesh(lb, payload, heap)
+            elif level == 3 or (level == 2 and self.candidates[payload].mesh.tp == 1):
                 self.visit(self.candidates[payload])
             else:
                 kept.append(entry)
@@ -215,20 +225,28 @@ class SearchState:
         state alone cannot fit, which the mesh's record keeps for the explanation."""
         lb, need = self.bounds.cheap(cand)
         if need is not None:
-            return self._does_not_fit(cand, need)
+            return self._does_not_fit(cand.mesh, need)
         return lb * self.price_factor(cand)
+
+    def mesh_bound(self, options: MeshOptions) -> float:
+        """Level-1 lower bound of a mesh: the least `bound` of its candidates (`CandidateBounds.mesh_floor`)."""
+        lb, need = self.bounds.mesh_floor(options)
+        if need is not None:
+            self._does_not_fit(options.mesh, need)
+        if not math.isfinite(lb):
+            return math.inf
+        return lb * self.devices_price(options.mesh.num_devices)
 
     def refine(self, cand: Candidate) -> float:
         """Level-2 lower bound from the candidate's own layer prices (`CandidateBounds.tight`); inf when even its
         least activation memory cannot fit (`CandidateBounds.memory_floor`), which the mesh's record keeps."""
         need = self.bounds.memory_floor(cand, self.options_for())
         if need > max(pl.device.memory_bytes for pl in self.builder.placements(cand)):
-            return self._does_not_fit(cand, need)
+            return self._does_not_fit(cand.mesh, need)
         return self.bounds.tight(cand) * self.price_factor(cand)
 
-    def _does_not_fit(self, cand: Candidate, need: float) -> float:
+    def _does_not_fit(self, m: MeshCandidate, need: float) -> float:
         """The bound of a candidate that cannot fit: inf; its mesh's record keeps the least memory seen needed."""
-        m = cand.mesh
         rec = self.meshes.setdefault((m.dp, m.tp, m.pp), MeshRecord())
         rec.memory_need_bytes = min(rec.memory_need_bytes, need)
         return math.inf
@@ -303,43 +321,54 @@ class SearchState:
 
     def expand(self, lb: float, num_devices: int, heap: list[tuple[float, int, tuple, int]],
                deadline: float) -> int:
-        """Push the candidates on `num_devices` devices at their level-1 bound.
+        """Push the meshes on `num_devices` devices at their level-1 bound (`mesh_bound`).
 
-        Bounding them all takes seconds on a large job (tens of thousands of candidates), so the clock is checked
-        every `CLOCK_EVERY`: past `deadline` the rest go in at the device count's own bound `lb` (valid for each
-        of them) and are bounded when popped. Returns how many it bounded."""
+        Bounding them all can take a while on a large job (hundreds of meshes, each over its shapes), so past
+        `deadline` the rest go in at the device count's own bound `lb` (valid for each of them) and are bounded
+        when popped. Returns how many it bounded."""
+        first = len(self.groups)
+        groups = mesh_options_for(num_devices, self.chain, self.cluster, self.global_batch, self.space, self.invalid)
+        self.groups.extend(groups)
+        for i, options in enumerate(groups):
+            if time.monotonic() > deadline:
+                for j in range(i, len(groups)):
+                    heapq.heappush(heap, (lb, 1, groups[j].sort_key, first + j))
+                self._unbounded.update(range(first + i, first + len(groups)))
+                return i
+            heapq.heappush(heap, (max(lb, self.mesh_bound(options)), 1, options.sort_key, first + i))
+        return len(groups)
+
+    def expand_mesh(self, lb: float, index: int, heap: list[tuple[float, int, tuple, int]]) -> int:
+        """Push the candidates of mesh `groups[index]` at their level-2 bound (`bound`); returns how many."""
         first = len(self.candidates)
-        cands = candidates_for(num_devices, self.chain, self.cluster, self.global_batch, self.space, self.invalid)
+        cands = self.groups[index].candidates()
         self.candidates.extend(cands)
         for i, cand in enumerate(cands):
-            if i % CLOCK_EVERY == 0 and time.monotonic() > deadline:
-                for j in range(i, len(cands)):
-                    heapq.heappush(heap, (lb, 1, cands[j].sort_key, first + j))
-                self._unbounded.update(range(first + i, first + len(cands)))
-                return i
-            heapq.heappush(heap, (max(lb, self.bound(cand)), 1, cand.sort_key, first + i))
+            heapq.heappush(heap, (max(lb, self.bound(cand)), 2, cand.sort_key, first + i))
         return len(cands)
 
     def process(self, entry: tuple[float, int, tuple, int], heap: list[tuple[float, int, tuple, int]],
                 report: SearchReporter | None) -> float:
-        """Expand (level 0), bound or refine (level 1) or solve (level 2) one popped heap entry, pushing what
-        follows onto `heap`; returns the work it took (`WorkUnits`), which is also added to `work`."""
+        """Expand (levels 0 and 1), refine (2) or solve (3) one popped heap entry, pushing what follows onto
+        `heap`; returns the work it took (`WorkUnits`), which is also added to `work`."""
         lb, level, key, payload = entry
         solves = self.builder.table.solves
         if level == 0:
             work = self.expand(lb, payload, heap, self.expand_deadline()) * WorkUnits.BOUND
-        elif payload in self._unbounded:  # left unbounded by an expansion the clock cut short
+        elif level == 1 and payload in self._unbounded:  # left unbounded by an expansion the clock cut short
             self._unbounded.discard(payload)
-            heapq.heappush(heap, (max(lb, self.bound(self.candidates[payload])), 1, key, payload))
+            heapq.heappush(heap, (max(lb, self.mesh_bound(self.groups[payload])), 1, key, payload))
             work = WorkUnits.BOUND
         elif level == 1:
-            heapq.heappush(heap, (max(lb, self.refine(self.candidates[payload])), 2, key, payload))
+            work = self.expand_mesh(lb, payload, heap) * WorkUnits.BOUND
+        elif level == 2:
+            heapq.heappush(heap, (max(lb, self.refine(self.candidates[payload])), 3, key, payload))
             work = WorkUnits.REFINE
         else:
             self.visit(self.candidates[payload])
             work = WorkUnits.VISIT_PER_16_SEGMENTS * max(1.0, len(self.chain.segments) / 16)
         if report:
-            report(Phase.SEARCH if level == 2 else Phase.PRICE, lb)
+            report(Phase.SEARCH if level == 3 else Phase.PRICE, lb)
         work += (self.builder.table.solves - solves) * WorkUnits.LAYER_SOLVE
         self.work += work
         return work
@@ -383,9 +412,10 @@ class SearchState:
         """Best-first branch and bound; returns (cut short, smallest unexplored bound).
 
         Heap entries are (bound, level, fixed order, payload). Level 0 is a device count: popped below the
-        incumbent, it expands into its candidates at their level-1 bound. A level-1 entry popped below the
-        incumbent is refined to its level-2 bound (solving its layer sharding) and pushed back; a level-2 entry
-        popped below the incumbent is solved exactly. Nothing is popped once the smallest bound reaches the K-th
+        incumbent, it expands into its meshes at their level-1 bound; a mesh popped below it expands into its
+        candidates at their level-2 bound. A level-2 entry popped below the incumbent is refined to its level-3
+        bound (solving its layer sharding) and pushed back; a level-3 entry popped below the incumbent is solved
+        exactly. Nothing is popped once the smallest bound reaches the K-th
         best objective, which proves the K best optimal."""
         heap: list[tuple[float, int, tuple, int]] = [(self.device_bound(n), 0, (-n,), n) for n in device_counts]
         heapq.heapify(heap)
@@ -402,10 +432,12 @@ class SearchState:
             return True, cut
         heap.extend(skipped)
         heapq.heapify(heap)
-        self.pruned = sum(1 for entry in heap if entry[1] > 0)
+        self.pruned = 0
         for lb_left, level_left, _, payload_left in heap:  # what is known of the candidates never solved
             if level_left > 0:
-                mesh = self.candidates[payload_left].mesh
+                group = self.groups[payload_left] if level_left == 1 else None
+                mesh = group.mesh if group is not None else self.candidates[payload_left].mesh
+                self.pruned += group.count if group is not None else 1
                 rec = self.meshes.setdefault((mesh.dp, mesh.tp, mesh.pp), MeshRecord())
                 rec.lower_bound = min(rec.lower_bound, lb_left)
         if report:

@@ -24,7 +24,7 @@ from costmodel.strategy import MeshAxis, Offload, Recompute
 from ir.graph import dtype_bytes
 from ir.layer_chain import LayerChain
 from planner.search.bounds import cheap_lower_bound, comm_lower_bound, tight_lower_bound
-from planner.search.candidates import Candidate
+from planner.search.candidates import Candidate, MeshOptions
 from planner.search.layer_costs import AxisSplit
 from planner.search.meshes import MeshCandidate
 from planner.search.stage_problem import RankPlacement, StageProblemBuilder, segment_work, tp_overlap_chunks
@@ -61,13 +61,53 @@ class CandidateBounds:
     _orders: dict[tuple, int] = field(default_factory=dict)
     _work: dict[tuple, tuple[Sequence[LayerCost], np.ndarray]] = field(default_factory=dict)
     _all_to_all: dict[tuple, float] = field(default_factory=dict)
+    _shape: dict[tuple, float] = field(default_factory=dict)
 
     def cheap(self, cand: Candidate) -> tuple[float, float | None]:
         """(level-1 lower bound on the candidate's step time from tp == 1 prices, no sharding solve; None, or
-        the bytes its parameter state needs when that alone cannot fit -- the bound is then inf)."""
+        the bytes its parameter state needs when that alone cannot fit -- the bound is then inf).
+
+        The bound is a part from the candidate's shape (`Shape`: micro-batching and schedule) plus the optimizer
+        step of its setting (ZeRO stage and offload), each cached: sequence parallelism is in neither, and
+        `mesh_floor` adds the least of each."""
         placements = self.builder.placements(cand)
         if placements is None:
             return math.inf, None
+        need = self.state_need(cand, placements)
+        if need is not None:
+            return math.inf, need
+        return self.shape_bound(cand, placements) + self.optimizer_bound(cand, placements), None
+
+    def mesh_floor(self, options: MeshOptions) -> tuple[float, float | None]:
+        """(the least `cheap` bound of the mesh's candidates, computed from its shapes and settings without listing
+        them; None, or when no candidate fits, the least bytes their parameter state needs)."""
+        mesh, best, least_need = options.mesh, math.inf, math.inf
+        floors: dict[tuple[int, bool], float] = {}  # per (placements, pairs with ZeRO-3): the least optimizer step
+        for shape in options.shapes:
+            pairs, settings = options.pairs(shape), options.settings_of(shape)
+            if not settings:
+                continue
+            rep = Candidate(mesh, *shape, *settings[0])
+            placements = self.builder.placements(rep)
+            if placements is None:
+                return math.inf, None
+            key = (id(placements), pairs)
+            if key not in floors:
+                floors[key] = math.inf
+                for zero, _, runtime in settings:
+                    cand = Candidate(mesh, *shape, zero, False, runtime)
+                    need = self.state_need(cand, placements)
+                    if need is None:
+                        floors[key] = min(floors[key], self.optimizer_bound(cand, placements))
+                    else:
+                        least_need = min(least_need, need)
+            if math.isfinite(floors[key]):
+                best = min(best, self.shape_bound(rep, placements) + floors[key])
+        return best, (least_need if math.isinf(best) and math.isfinite(least_need) else None)
+
+    def state_need(self, cand: Candidate, placements: tuple[RankPlacement, ...]) -> float | None:
+        """None when the candidate's parameter state (and the framework's overhead) fits on its largest device,
+        else the bytes it needs (cached by what it depends on)."""
         m = cand.mesh
         grads = cand.runtime.grad_bytes(dtype_bytes(self.dtype))
         key = (m.tp * m.pp, m.dp * m.cp, m.ep, m.ep_dp, cand.zero_stage, cand.runtime.offload, grads)
@@ -80,14 +120,24 @@ class CandidateBounds:
                                        grad_bytes=grads).total
             need = self._memory_need[key] = state + framework_overhead_bytes(placements[0].device.name)
         kinds = self._kinds(placements)
-        if need > max(device.memory_bytes for device, _ in kinds):
-            return math.inf, need
-        sums = [(self._replicated_total(device, cand.microbatch_size, m.cp), speed) for device, speed in kinds]
-        total = min(t / speed for (t, _), speed in sums)
-        forward = min(f / speed for (_, f), speed in sums)
-        comm, comm_forward = self._all_to_all_floor(cand, kinds)
-        return cheap_lower_bound(cand, total, optimizer_s=self.optimizer_bound(cand, placements),
-                                 forward_s=forward, comm_s=comm, comm_forward_s=comm_forward), None
+        return need if need > max(device.memory_bytes for device, _ in kinds) else None
+
+    def shape_bound(self, cand: Candidate, placements: tuple[RankPlacement, ...]) -> float:
+        """`bounds.cheap_lower_bound` without the optimizer step: what the candidate's shape, mesh and placements
+        decide (cached; the runtime enters only through tensor-parallel overlap)."""
+        key = (self._placement_facts(placements).order, cand.mesh, cand.microbatch_size, cand.num_microbatches,
+               cand.schedule, cand.virtual_stages, tp_overlap_chunks(cand))
+        hit = self._shape.get(key)
+        if hit is None:
+            kinds = self._kinds(placements)
+            sums = [(self._replicated_total(device, cand.microbatch_size, cand.mesh.cp), speed)
+                    for device, speed in kinds]
+            total = min(t / speed for (t, _), speed in sums)
+            forward = min(f / speed for (_, f), speed in sums)
+            comm, comm_forward = self._all_to_all_floor(cand, kinds)
+            hit = self._shape[key] = cheap_lower_bound(cand, total, optimizer_s=0.0, forward_s=forward, comm_s=comm,
+                                                       comm_forward_s=comm_forward)
+        return hit
 
     def _all_to_all_floor(self, cand: Candidate, kinds: tuple[tuple[DeviceSpec, float], ...]) -> tuple[float, float]:
         """(the expert all-to-alls of one micro-batch of the whole chain, their forward part) below the candidate's

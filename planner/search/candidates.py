@@ -192,7 +192,56 @@ def enumerate_candidates(chain: LayerChain, cluster: Cluster, global_batch: int,
 def candidates_for(num_devices: int, chain: LayerChain, cluster: Cluster, global_batch: int, space: SearchSpace,
                    invalid: dict[tuple, str]) -> list[Candidate]:
     """The candidates on exactly `num_devices` devices; meshes whose tp cannot shard the heads go to `invalid`."""
-    out: list[Candidate] = []
+    return [c for options in mesh_options_for(num_devices, chain, cluster, global_batch, space, invalid)
+            for c in options.candidates()]
+
+
+Shape = tuple[int, int, Schedule, int]
+"""(micro-batch size, micro-batches, schedule, chunks per rank) of a candidate."""
+Setting = tuple[int, bool, RuntimeOptions]
+"""(ZeRO stage, sequence parallelism, runtime) of a candidate."""
+
+
+@dataclass(frozen=True)
+class MeshOptions:
+    """The candidates of one mesh, factored: every shape with every setting, except the pairs
+    `split_backward_problem` rules out (a zero-bubble schedule with ZeRO-3 resharding after forward). The search
+    bounds a mesh as a whole from the two factors before it lists its candidates (`CandidateBounds.mesh_floor`)."""
+
+    mesh: MeshCandidate
+    shapes: tuple[Shape, ...]
+    settings: tuple[Setting, ...]
+    reshard_after_forward: bool
+
+    def pairs(self, shape: Shape) -> bool:
+        """Whether `shape` is paired with the ZeRO-3 settings (the others it always is)."""
+        return not split_backward_problem(shape[2], recomputed=False, resharded=self.reshard_after_forward)
+
+    def settings_of(self, shape: Shape) -> tuple[Setting, ...]:
+        if self.pairs(shape):
+            return self.settings
+        return tuple(s for s in self.settings if s[0] != 3)
+
+    def candidates(self) -> list[Candidate]:
+        """The mesh's candidates, micro-batch size, then schedule and chunks, then ZeRO, SP and runtime in order."""
+        return [Candidate(self.mesh, mbs, m, schedule, v, zero, sp, rt)
+                for mbs, m, schedule, v in self.shapes for zero, sp, rt in self.settings_of((mbs, m, schedule, v))]
+
+    @property
+    def count(self) -> int:
+        return sum(len(self.settings_of(shape)) for shape in self.shapes)
+
+    @property
+    def sort_key(self) -> tuple:
+        """The prefix of its candidates' `Candidate.sort_key`."""
+        m = self.mesh
+        return (m.tp, m.pp, m.dp, m.cp, m.ep, tuple(a.value for a in m.mesh_order))
+
+
+def mesh_options_for(num_devices: int, chain: LayerChain, cluster: Cluster, global_batch: int, space: SearchSpace,
+                     invalid: dict[tuple, str]) -> list[MeshOptions]:
+    """The meshes on exactly `num_devices` devices with their candidates' factors (`candidates_for`, by mesh)."""
+    out: list[MeshOptions] = []
     units = ChainUnits.of(chain)
     # Context-parallel degrees the chain allows, expert-parallel degrees dividing its experts.
     cps = [c for c in cp_options(chain, num_devices) if space.cp in (None, c)]
@@ -213,16 +262,26 @@ def candidates_for(num_devices: int, chain: LayerChain, cluster: Cluster, global
         if why:
             invalid[(mesh.dp, mesh.tp, mesh.pp)] = why
             continue
-        out.extend(_mesh_candidates(mesh, chain, global_batch, space, units, runtimes))
+        options = _mesh_options(mesh, chain, global_batch, space, units, runtimes)
+        if options.shapes:
+            out.append(options)
     return out
 
 
-def _mesh_candidates(mesh: MeshCandidate, chain: LayerChain, global_batch: int, space: SearchSpace,
-                     units: ChainUnits, runtimes: Mapping[Offload, RuntimeOptions]) -> list[Candidate]:
-    """The candidates of one mesh; `runtimes`: the space's runtime with each offload choice."""
-    out = []
+def _mesh_options(mesh: MeshCandidate, chain: LayerChain, global_batch: int, space: SearchSpace,
+                  units: ChainUnits, runtimes: Mapping[Offload, RuntimeOptions]) -> MeshOptions:
+    """The shapes and settings of one mesh; `runtimes`: the space's runtime with each offload choice."""
+    zeros = ([space.zero_stage] if space.zero_stage is not None
+             else [0] if mesh.dp * mesh.cp == 1 else [0, 1, 3] if mesh.pp > 1 else [0, 1, 2, 3])
+    sps = ([space.sequence_parallel] if space.sequence_parallel is not None
+           else [False] if mesh.tp == 1 else [False, True])
+    settings: list[Setting] = []
+    if not (mesh.tp == 1 and any(sps)):
+        settings = [(zero, sp, rt) for zero in zeros for sp in sps
+                    for o, rt in runtimes.items() if _offload_applies(o, zero, mesh.dp * mesh.cp, space)]
+    shapes: list[Shape] = []
     per_replica = global_batch // mesh.dp
-    for mbs in divisors(per_replica):
+    for mbs in divisors(per_replica) if settings else ():
         if space.microbatch_size is not None and mbs != space.microbatch_size:
             continue
         # Without pipelining, one micro-batch of the whole per-replica batch is always tried: the simplest way to
@@ -233,18 +292,5 @@ def _mesh_candidates(mesh: MeshCandidate, chain: LayerChain, global_batch: int, 
         m = per_replica // mbs
         if space.num_microbatches is not None and m != space.num_microbatches:
             continue
-        zeros = ([space.zero_stage] if space.zero_stage is not None
-                 else [0] if mesh.dp * mesh.cp == 1 else [0, 1, 3] if mesh.pp > 1 else [0, 1, 2, 3])
-        sps = ([space.sequence_parallel] if space.sequence_parallel is not None
-               else [False] if mesh.tp == 1 else [False, True])
-        if mesh.tp == 1 and any(sps):
-            continue
-        for schedule, v in _schedules(space, mesh.pp, m, chain, units):
-            for zero in zeros:
-                resharded = zero == 3 and space.runtime.reshard_after_forward
-                if split_backward_problem(schedule, recomputed=False, resharded=resharded):
-                    continue
-                applies = [rt for o, rt in runtimes.items() if _offload_applies(o, zero, mesh.dp * mesh.cp, space)]
-                for sp in sps:
-                    out.extend(Candidate(mesh, mbs, m, schedule, v, zero, sp, rt) for rt in applies)
-    return out
+        shapes += [(mbs, m, schedule, v) for schedule, v in _schedules(space, mesh.pp, m, chain, units)]
+    return MeshOptions(mesh, tuple(shapes), tuple(settings), space.runtime.reshard_after_forward)

@@ -11,8 +11,8 @@ So with a limit each schedule family keeps its own heap, and once the search has
 (`branch_and_bound.WorkUnits`) the family that has used the least work so far goes next, on its smallest bound
 (fair-share scheduling, as if the pinned searches ran side by side): a family whose bounds are tight finds its best
 plan within its share whatever the others' bounds are, and that plan, as the incumbent, prunes every family. The
-device counts stay in one heap and are expanded as soon as their bound is below that of the family about to work,
-so each family sees every candidate that could matter to it, in bound order. Until then the global smallest bound
+device counts and meshes stay in one heap and are expanded as soon as their bound is below that of the family about
+to work, so each family sees every candidate that could matter to it, in bound order. Until then the global smallest bound
 goes next, exactly as without a limit: a search that small gives the same result either way.
 
 Work, not the clock, is what is shared and what decides the switch: a search that ends within its limit gives the
@@ -70,7 +70,7 @@ the search without a limit."""
 
 @dataclass
 class _Queues:
-    """The device counts' heap and one heap per schedule family, with the work each family has used."""
+    """The heap of device counts and meshes, and one heap per schedule family, with the work each family has used."""
 
     counts: list[Entry] = field(default_factory=list)
     families: dict[Schedule, list[Entry]] = field(default_factory=dict)
@@ -84,7 +84,7 @@ class _Queues:
         return queues
 
     def push(self, state: SearchState, entry: Entry) -> None:
-        if entry[1] == 0:
+        if entry[1] <= 1:  # a device count or a mesh: not yet a candidate of one family
             heapq.heappush(self.counts, entry)
             return
         schedule = state.candidates[entry[3]].schedule
@@ -97,7 +97,7 @@ class _Queues:
         return min(tops, default=math.inf)
 
     def smallest_queue(self) -> tuple[list[Entry], Schedule | None]:
-        """The heap with the smallest bound on top (plain best first) and its family (None: device counts)."""
+        """The heap with the smallest bound on top (plain best first) and its family (None: device counts and meshes)."""
         tops = [(q[0], s) for s, q in self.families.items() if q]
         if self.counts:
             tops.append((self.counts[0], None))
@@ -106,7 +106,7 @@ class _Queues:
 
     def next_queue(self, cutoff: float) -> tuple[list[Entry], Schedule | None]:
         """The heap to pop next and the family charged for it: the family that has used the least work among
-        those with a bound below `cutoff`, or the device counts when their smallest bound is below its."""
+        those with a bound below `cutoff`, or the device counts and meshes when their smallest bound is below its."""
         live = [s for s, q in self.families.items() if q and q[0][0] < cutoff]
         if not live:
             return self.counts, None

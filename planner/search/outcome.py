@@ -24,8 +24,8 @@ class SearchOptions:
     """How many distinct strategies (different candidates) to return, best first."""
     time_limit_s: float | None = None
     """Stop after this many seconds of search with the best found so far (status "feasible"). The limit is checked
-    between heap entries and every `branch_and_bound.CLOCK_EVERY` candidates of an expansion; if it passes before
-    any plan is found, the search stops at the first one, or with a `TimeLimitError` when none is found within
+    between heap entries and between the meshes of an expansion; if it passes before any plan is found, the
+    search stops at the first one, or with a `TimeLimitError` when none is found within
     `branch_and_bound.NO_PLAN_GRACE_S` more."""
     progress: ProgressCallback | None = None
     """Called with a `planner.progress.PlanProgress` record, at most every `reporting.INTERVAL_S` and at the end."""
