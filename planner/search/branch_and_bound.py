@@ -33,12 +33,12 @@ best partition and per-stage recomputation exactly, minimizing the same step-tim
 Branch and bound, best first over a heap of lower bounds, each level valid for everything below it:
 
 - level 0, a device count d: the step's model FLOPs at the dense peak of the fastest device, spread over d;
-- level 1, a mesh: the least level-2 bound of its candidates, from its shapes and settings without listing them
+- a mesh: the least level-1 bound of its candidates, from its shapes and settings without listing them
   (`CandidateBounds.mesh_floor`): most meshes of a large job are never expanded into their candidates;
-- level 2, a candidate: tp == 1 prices divided by tp (and cp), the pipeline's (m - 1/v)/p share, and the
+- level 1, a candidate: tp == 1 prices divided by tp (and cp), the pipeline's (m - 1/v)/p share, and the
   optimizer step of an even parameter split (`bounds.cheap_lower_bound`); inf when the parameter state
   alone cannot fit;
-- level 3, a candidate with its layer classes priced (the sharding ILP): compute + TP communication, the
+- level 2, a candidate with its layer classes priced (the sharding ILP): compute + TP communication, the
   bottleneck of the best contiguous split (`bounds.tight_lower_bound`), or, where it is larger, the same from
   the ZeRO-2/3 collectives each micro-batch issues (`bounds.comm_lower_bound`: a chunk's collectives run one
   after another, so no overlap makes its time less than theirs);
@@ -47,9 +47,9 @@ Branch and bound, best first over a heap of lower bounds, each level valid for e
   (ZeRO traffic, recomputation and sends included: `planner.search.interleaved_pricing`), pricing the first and
   last ranks first and stopping once the ranks priced so far reach the incumbent; such a candidate is never built.
 
-An entry is expanded (0, 1), refined (2) or solved (3) only while its bound is below the K-th best objective found;
-when the heap's smallest bound reaches it, the K best are proven optimal for this space. A time limit stops the
-loop early: the result is then "feasible" and the optimality gap compares the best plan with the smallest bound
+An entry is expanded (a device count, a mesh), refined (level 1) or solved (level 2) only while its bound is below
+the K-th best objective found; when the heap's smallest bound reaches it, the K best are proven optimal for this
+space. A time limit stops the loop early: the result is then "feasible" and the optimality gap compares the best plan with the smallest bound
 not yet explored. Ties are broken by a fixed key, so the result never depends on timing unless cut short. With a
 time limit, past a fixed amount of work the schedule families take turns instead of strict bound order
 (`planner.search.fair_share`), so that a family with weak bounds cannot use up the limit before the others have
@@ -157,14 +157,14 @@ class SearchState:
             return kth
         return max(kth, self.ties.cutoff(self.found[0]))
 
-    def may_matter(self, lb: float, level: int, payload: int) -> bool:
+    def may_matter(self, lb: float, depth: int, payload: int) -> bool:
         """Whether a heap entry with bound `lb` below `cutoff` must still be explored: it could be among the K
         best, or become the simplest strategy tied with the best."""
         if lb < self.kth_best() or self.ties is None:
             return True
-        if level == 0:
+        if depth == 0:
             return self.ties.may_lead(self.found[0], payload, None)
-        if level == 1:
+        if depth == 1:
             return self.ties.may_lead(self.found[0], self.groups[payload].mesh.num_devices, None)
         cand = self.candidates[payload]
         m = cand.mesh
@@ -209,11 +209,11 @@ class SearchState:
         kept = []
         while heap and not self.found and not self.out_of_time(extra_s=NO_PLAN_GRACE_S):
             entry = heapq.heappop(heap)
-            lb, level, _, payload = entry
-            if level == 1:  # listing a mesh's candidates solves nothing
+            lb, depth, _, payload = entry
+            if depth == 1:  # listing a mesh's candidates solves nothing
                 self._unbounded.discard(payload)
                 self.expand_mesh(lb, payload, heap)
-            elif level == 3 or (level == 2 and self.candidates[payload].mesh.tp == 1):
+            elif depth == 3 or (depth == 2 and self.candidates[payload].mesh.tp == 1):
                 self.visit(self.candidates[payload])
             else:
                 kept.append(entry)
@@ -339,7 +339,7 @@ class SearchState:
         return len(groups)
 
     def expand_mesh(self, lb: float, index: int, heap: list[tuple[float, int, tuple, int]]) -> int:
-        """Push the candidates of mesh `groups[index]` at their level-2 bound (`bound`); returns how many."""
+        """Push the candidates of mesh `groups[index]` at their level-1 bound (`bound`); returns how many."""
         first = len(self.candidates)
         cands = self.groups[index].candidates()
         self.candidates.extend(cands)
@@ -349,26 +349,27 @@ class SearchState:
 
     def process(self, entry: tuple[float, int, tuple, int], heap: list[tuple[float, int, tuple, int]],
                 report: SearchReporter | None) -> float:
-        """Expand (levels 0 and 1), refine (2) or solve (3) one popped heap entry, pushing what follows onto
-        `heap`; returns the work it took (`WorkUnits`), which is also added to `work`."""
-        lb, level, key, payload = entry
+        """Expand (a device count or a mesh), refine (a candidate at level 1) or solve (at level 2) one popped
+        heap entry, pushing what follows onto `heap`; returns the work it took (`WorkUnits`), also added to
+        `work`."""
+        lb, depth, key, payload = entry
         solves = self.builder.table.solves
-        if level == 0:
+        if depth == 0:
             work = self.expand(lb, payload, heap, self.expand_deadline()) * WorkUnits.BOUND
-        elif level == 1 and payload in self._unbounded:  # left unbounded by an expansion the clock cut short
+        elif depth == 1 and payload in self._unbounded:  # left unbounded by an expansion the clock cut short
             self._unbounded.discard(payload)
             heapq.heappush(heap, (max(lb, self.mesh_bound(self.groups[payload])), 1, key, payload))
             work = WorkUnits.BOUND
-        elif level == 1:
+        elif depth == 1:
             work = self.expand_mesh(lb, payload, heap) * WorkUnits.BOUND
-        elif level == 2:
+        elif depth == 2:
             heapq.heappush(heap, (max(lb, self.refine(self.candidates[payload])), 3, key, payload))
             work = WorkUnits.REFINE
         else:
             self.visit(self.candidates[payload])
             work = WorkUnits.VISIT_PER_16_SEGMENTS * max(1.0, len(self.chain.segments) / 16)
         if report:
-            report(Phase.SEARCH if level == 3 else Phase.PRICE, lb)
+            report(Phase.SEARCH if depth == 3 else Phase.PRICE, lb)
         work += (self.builder.table.solves - solves) * WorkUnits.LAYER_SOLVE
         self.work += work
         return work
@@ -395,27 +396,27 @@ class SearchState:
                 self.first_plan(heap)
                 if not heap:
                     break
-            lb, level, key, payload = heap[0]
+            lb, depth, key, payload = heap[0]
             if not math.isfinite(lb) or lb >= self.cutoff():
                 break
             if self.stop_for_time(lb):
                 # Past the K-th best only the search for a simpler tie is cut short: the K best are proven.
                 return lb if lb < self.kth_best() else None
             heapq.heappop(heap)
-            if not self.may_matter(lb, level, payload):
-                skipped.append((lb, level, key, payload))
+            if not self.may_matter(lb, depth, payload):
+                skipped.append((lb, depth, key, payload))
                 continue
-            self.process((lb, level, key, payload), heap, report)
+            self.process((lb, depth, key, payload), heap, report)
         return None
 
     def run(self, device_counts: Sequence[int]) -> tuple[bool, float]:
         """Best-first branch and bound; returns (cut short, smallest unexplored bound).
 
-        Heap entries are (bound, level, fixed order, payload). Level 0 is a device count: popped below the
-        incumbent, it expands into its meshes at their level-1 bound; a mesh popped below it expands into its
-        candidates at their level-2 bound. A level-2 entry popped below the incumbent is refined to its level-3
-        bound (solving its layer sharding) and pushed back; a level-3 entry popped below the incumbent is solved
-        exactly. Nothing is popped once the smallest bound reaches the K-th
+        Heap entries are (bound, depth, fixed order, payload), depth 0 a device count, 1 a mesh, 2 and 3 a
+        candidate at its level-1 and level-2 bound. A device count popped below the incumbent expands into its
+        meshes, a mesh into its candidates at their level-1 bound. A candidate popped at level 1 below the
+        incumbent is refined to its level-2 bound (solving its layer sharding) and pushed back; popped at level 2
+        below the incumbent, it is solved exactly. Nothing is popped once the smallest bound reaches the K-th
         best objective, which proves the K best optimal."""
         heap: list[tuple[float, int, tuple, int]] = [(self.device_bound(n), 0, (-n,), n) for n in device_counts]
         heapq.heapify(heap)
@@ -433,9 +434,9 @@ class SearchState:
         heap.extend(skipped)
         heapq.heapify(heap)
         self.pruned = 0
-        for lb_left, level_left, _, payload_left in heap:  # what is known of the candidates never solved
-            if level_left > 0:
-                group = self.groups[payload_left] if level_left == 1 else None
+        for lb_left, depth_left, _, payload_left in heap:  # what is known of the candidates never solved
+            if depth_left > 0:
+                group = self.groups[payload_left] if depth_left == 1 else None
                 mesh = group.mesh if group is not None else self.candidates[payload_left].mesh
                 self.pruned += group.count if group is not None else 1
                 rec = self.meshes.setdefault((mesh.dp, mesh.tp, mesh.pp), MeshRecord())

@@ -12,8 +12,8 @@ So with a limit each schedule family keeps its own heap, and once the search has
 (fair-share scheduling, as if the pinned searches ran side by side): a family whose bounds are tight finds its best
 plan within its share whatever the others' bounds are, and that plan, as the incumbent, prunes every family. The
 device counts and meshes stay in one heap and are expanded as soon as their bound is below that of the family about
-to work, so each family sees every candidate that could matter to it, in bound order. Until then the global smallest bound
-goes next, exactly as without a limit: a search that small gives the same result either way.
+to work, so each family sees every candidate that could matter to it, in bound order. Until then the global
+smallest bound goes next, exactly as without a limit: a search that small gives the same result either way.
 
 Work, not the clock, is what is shared and what decides the switch: a search that ends within its limit gives the
 same result on every run and machine (the clock only decides when a search is cut short).
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from planner.search.reporting import SearchReporter
 
 Entry = tuple[float, int, tuple, int]
-"""A heap entry of `SearchState.run`: (bound, level, fixed order, payload)."""
+"""A heap entry of `SearchState.run`: (bound, depth, fixed order, payload)."""
 
 _ORDER = {s: i for i, s in enumerate(Schedule)}
 
@@ -64,8 +64,8 @@ class WorkUnits:
 
 PLAIN_WORK = 40_000.0
 """Work (`WorkUnits`, about 4 to 10 s of CPU time) done in plain best-first order before the families take turns:
-more than the small jobs need to finish (the golden plans take up to 36,000), so their plans stay exactly those of
-the search without a limit."""
+more than the small jobs need to finish (the golden plans take 1,500 to 26,300), so their plans stay exactly those
+of the search without a limit."""
 
 
 @dataclass
