@@ -384,8 +384,8 @@ def _check_level_one_bound(name: str, chain: ir.LayerChain, cluster: Cluster, br
 
 def _check_mesh_floors(name: str, chain: ir.LayerChain, cluster: Cluster, batch: int, space: SearchSpace) -> int:
     """`CandidateBounds.mesh_floor` (the level-1 bound of a mesh, from its shapes and settings) is exactly the least
-    `cheap` bound of the candidates the mesh lists, and where none fits, the least bytes they need. Returns how
-    many meshes fit with no candidate."""
+    `cheap` bound of the candidates the mesh lists, with the least bytes needed by those that do not fit. Returns
+    how many meshes fit with no candidate."""
     unfit = 0
     bounds = CandidateBounds(chain, "bfloat16", StageProblemBuilder(chain, cluster, LayerCostTable(chain, cluster)))
     for n in device_counts(cluster, space, Objective.TIME):
@@ -395,8 +395,8 @@ def _check_mesh_floors(name: str, chain: ir.LayerChain, cluster: Cluster, batch:
             floor, need = bounds.mesh_floor(options)
             assert floor == min(lb for lb, _ in cheap), (name, options.mesh)
             needs = [x for _, x in cheap if x is not None]
-            assert need == (min(needs) if math.isinf(floor) and needs else None), (name, options.mesh)
-            unfit += need is not None
+            assert need == (min(needs) if needs else None), (name, options.mesh)
+            unfit += math.isinf(floor) and need is not None
     return unfit
 
 

@@ -80,7 +80,8 @@ class CandidateBounds:
 
     def mesh_floor(self, options: MeshOptions) -> tuple[float, float | None]:
         """(the least `cheap` bound of the mesh's candidates, computed from its shapes and settings without listing
-        them; None, or when no candidate fits, the least bytes their parameter state needs)."""
+        them; None, or the least bytes needed by the parameter state of those that do not fit, which the search
+        records for the mesh as their own bounds would)."""
         mesh, best, least_need = options.mesh, math.inf, math.inf
         floors: dict[tuple[int, bool], float] = {}  # per (placements, pairs with ZeRO-3): the least optimizer step
         for shape in options.shapes:
@@ -103,7 +104,7 @@ class CandidateBounds:
                         least_need = min(least_need, need)
             if math.isfinite(floors[key]):
                 best = min(best, self.shape_bound(rep, placements) + floors[key])
-        return best, (least_need if math.isinf(best) and math.isfinite(least_need) else None)
+        return best, (least_need if math.isfinite(least_need) else None)
 
     def state_need(self, cand: Candidate, placements: tuple[RankPlacement, ...]) -> float | None:
         """None when the candidate's parameter state (and the framework's overhead) fits on its largest device,
