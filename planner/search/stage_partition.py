@@ -220,10 +220,12 @@ def _suffix_bounds(problem: PartitionProblem, masks: list[np.ndarray]) -> tuple[
     for k in range(p - 1, -1, -1):
         q = problem.stage_profile[k]
         mask = masks[k][:, :, :, None]
-        s = np.where(mask, problem.additive[q], np.inf)          # (R, a, b, NS)
-        u = np.where(mask, problem.bottleneck[q], np.inf)
-        h[k] = np.min(s + h[k + 1][None, None, :, :], axis=(0, 2))
-        g[k] = np.min(np.maximum(u, g[k + 1][None, None, :, :]), axis=(0, 2))
+        # The least over the options first: h and g do not depend on the option, and adding or taking the larger
+        # with the same value is monotone, so the minima are the same numbers at a fraction of the work.
+        s = np.where(mask, problem.additive[q], np.inf).min(axis=0)      # (a, b, NS)
+        u = np.where(mask, problem.bottleneck[q], np.inf).min(axis=0)
+        h[k] = np.min(s + h[k + 1][None, :, :], axis=1)
+        g[k] = np.min(np.maximum(u, g[k + 1][None, :, :]), axis=1)
     return h, g
 
 
