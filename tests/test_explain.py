@@ -161,3 +161,21 @@ def test_cli_explain_missing_or_bad_plan(tmp_path, capsys):
     bad.write_text(json.dumps(data))
     assert main(["explain", str(bad)]) == 2
     assert "unknown key(s) in strategy: bogus" in capsys.readouterr().err
+
+
+def test_a_losing_mesh_with_some_settings_that_do_not_fit_is_not_called_unfit():
+    """A mesh left with a finite lower bound still has candidates that may fit: its row gives the bound and names
+    the least memory of the settings that do not fit, instead of saying the mesh does not fit."""
+    from types import SimpleNamespace
+
+    from planner.search.explanations import explain_alternatives
+    from planner.search.outcome import MeshRecord, SearchOptions
+
+    best = SimpleNamespace(candidate=SimpleNamespace(mesh=MeshCandidate(dp=8, tp=1, pp=1)), objective=10.0)
+    meshes = {(4, 1, 2): MeshRecord(lower_bound=11.0, memory_need_bytes=90 * GIB),
+              (2, 1, 4): MeshRecord(memory_need_bytes=120 * GIB)}
+    rows = explain_alternatives(SimpleNamespace(meshes=meshes, options=SearchOptions()), best, {})
+    assert [(a.summary, a.reason) for a in rows] == [
+        ("dp=4 tp=1 pp=2", "at least +10.0% step time (lower bound 11); some of its settings need at least "
+                           "90.0 GiB per device"),
+        ("dp=2 tp=1 pp=4", "does not fit: needs at least 120.0 GiB per device")]

@@ -104,8 +104,8 @@ def explain_alternatives(state: SearchState, best: RankedStrategy, invalid: Mapp
             reason = (f"at least {pct:+.1f}% {what} (lower bound {rec.lower_bound:.4g})" if pct >= 0 else
                       f"not priced: at best a tie ({pct:+.1f}%, lower bound {rec.lower_bound:.4g}) with a plan "
                       "that is simpler")
-            if math.isfinite(rec.memory_need_bytes):
-                reason = f"does not fit: needs at least {rec.memory_need_bytes / GIB:.1f} GiB per device"
+            if math.isfinite(rec.memory_need_bytes):  # some of its candidates do not fit; the others may
+                reason += f"; some of its settings need at least {rec.memory_need_bytes / GIB:.1f} GiB per device"
             rows.append(((1, rec.lower_bound, key), Alternative(summary, None, reason)))
         elif math.isfinite(rec.memory_need_bytes):
             rows.append(((2, rec.memory_need_bytes, key), Alternative(
