@@ -3,8 +3,9 @@
 A `Candidate` fixes everything but the stage partition and the recomputation: the mesh (dp, tp, pp [, cp, ep] and
 their rank order, `planner.search.meshes`), the micro-batch size and count, the schedule (with its virtual
 stages), the ZeRO stage and sequence parallelism. `enumerate_candidates` lists them for a chain, cluster, global
-batch and `SearchSpace`, per device count (`device_counts`); the space is spelled out in the "Formulation" of
-`planner.search.branch_and_bound`.
+batch and `SearchSpace`, per device count (`device_counts`); `mesh_options_for` gives them per mesh, factored into
+shapes and settings (`MeshOptions`), which the search bounds before it lists them. The space is spelled out in the
+"Formulation" of `planner.search.branch_and_bound`.
 """
 
 from __future__ import annotations
@@ -229,6 +230,7 @@ class MeshOptions:
 
     @property
     def count(self) -> int:
+        """How many candidates `candidates` lists."""
         return sum(len(self.settings_of(shape)) for shape in self.shapes)
 
     @property
