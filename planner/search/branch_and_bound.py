@@ -49,11 +49,11 @@ Branch and bound, best first over a heap of lower bounds, each level valid for e
 
 An entry is expanded (a device count, a mesh), refined (level 1) or solved (level 2) only while its bound is below
 the K-th best objective found; when the heap's smallest bound reaches it, the K best are proven optimal for this
-space. A time limit stops the loop early: the result is then "feasible" and the optimality gap compares the best plan with the smallest bound
-not yet explored. Ties are broken by a fixed key, so the result never depends on timing unless cut short. With a
-time limit, past a fixed amount of work the schedule families take turns instead of strict bound order
-(`planner.search.fair_share`), so that a family with weak bounds cannot use up the limit before the others have
-found their plans; the clock is looked at between entries and within a device count's expansion.
+space. A time limit stops the loop early: the result is then "feasible" and the optimality gap compares the best
+plan with the smallest bound not yet explored. Ties are broken by a fixed key, so the result never depends on timing
+unless cut short. With a time limit, past a fixed amount of work the schedule families take turns instead of strict
+bound order (`planner.search.fair_share`), so that a family with weak bounds cannot use up the limit before the
+others have found their plans; the clock is looked at between entries and within a device count's expansion.
 
 Objective: step time, or cost = step time x (sum of the used devices' prices per second).
 """
@@ -435,12 +435,15 @@ class SearchState:
         heapq.heapify(heap)
         self.pruned = 0
         for lb_left, depth_left, _, payload_left in heap:  # what is known of the candidates never solved
-            if depth_left > 0:
-                group = self.groups[payload_left] if depth_left == 1 else None
-                mesh = group.mesh if group is not None else self.candidates[payload_left].mesh
-                self.pruned += group.count if group is not None else 1
-                rec = self.meshes.setdefault((mesh.dp, mesh.tp, mesh.pp), MeshRecord())
-                rec.lower_bound = min(rec.lower_bound, lb_left)
+            if depth_left == 0:
+                continue
+            if depth_left == 1:  # a mesh never listed: its candidates are pruned at its bound
+                mesh, count = self.groups[payload_left].mesh, self.groups[payload_left].count
+            else:
+                mesh, count = self.candidates[payload_left].mesh, 1
+            self.pruned += count
+            rec = self.meshes.setdefault((mesh.dp, mesh.tp, mesh.pp), MeshRecord())
+            rec.lower_bound = min(rec.lower_bound, lb_left)
         if report:
             report.done(heap[0][0] if heap else math.inf)
         return False, heap[0][0] if heap else math.inf

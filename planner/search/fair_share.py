@@ -97,7 +97,8 @@ class _Queues:
         return min(tops, default=math.inf)
 
     def smallest_queue(self) -> tuple[list[Entry], Schedule | None]:
-        """The heap with the smallest bound on top (plain best first) and its family (None: device counts and meshes)."""
+        """The heap with the smallest bound on top (plain best first) and its family (None: the heap of device
+        counts and meshes)."""
         tops = [(q[0], s) for s, q in self.families.items() if q]
         if self.counts:
             tops.append((self.counts[0], None))
