@@ -5,7 +5,8 @@ and this prints what the configuration then needs per GPU -- with the pairs run 
 does, and overlapped, as DeepSeek's DualPipe does (`RuntimeOptions.ep_overlap`).
 
 Each line: the pinned row's strategy (the planner's micro-batch, recomputation and stage split at 1F1B), or
-DualPipeV without recomputation on a balanced V split (`dualpipev_stages`); the step time, its breakdown and the
+DualPipeV without recomputation on the chunks the search gives this chain of two block classes
+(`planner.search.interleaved_layout.balanced_chunks`); the step time, its breakdown and the
 largest stage's memory.
 
 Usage: python bench/deepseek_v3_schedules.py
@@ -14,7 +15,6 @@ Usage: python bench/deepseek_v3_schedules.py
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import sys
 from pathlib import Path
 
@@ -54,33 +54,20 @@ def pinned_rows() -> list[str]:
     return out
 
 
-def dualpipev_stages(num_segments: int, pp: int) -> tuple:
-    """32 virtual stages of DualPipeV's V: rank r holds stages r and 2p - 1 - r, so rank 0 holds both ends. The
-    first and last stage take one block beside the embedding / the head, stage 1 one block, the others two:
-    every rank then runs two to four blocks (the search has no V layout for this chain: `InterleavedLayout`)."""
-    from costmodel.strategy import Recompute, StageSpec
-
-    sizes = [2, 1] + [2] * (2 * pp - 3) + [2]
-    sizes[-2] = num_segments - sum(sizes) + sizes[-2]
-    bounds = [0]
-    for n in sizes:
-        bounds.append(bounds[-1] + n)
-    return tuple(StageSpec(a, b, Recompute.NONE) for a, b in itertools.pairwise(bounds))
-
-
 def dualpipev_row(overlap: bool) -> str:
     """The row's runtime under DualPipeV, 120 micro-batches of 1, no recomputation (what torch's DualPipeV
-    allows), stages from `dualpipev_stages`: priced although it does not fit, with the memory it needs.
+    allows), the search's chunks (`balanced_chunks`): priced although it does not fit, with the memory it needs.
     `overlap`: the pairs hide the all-to-alls (`RuntimeOptions.ep_overlap`, DeepSeek's DualPipe)."""
     from costmodel.strategy import Schedule, Strategy
     from planner.api import estimate_plan
+    from planner.search.interleaved_layout import balanced_chunks
 
     run = deepseek_v3_run()
     runtime = dataclasses.replace(run.runtime, ep_overlap=overlap)
     chain = build_chain(run, 1)
     strategy = Strategy(dp=run.dp, pp=run.pp, ep=run.ep, microbatch_size=1, num_microbatches=run.global_batch // run.dp,
                         schedule=Schedule.DUALPIPEV, virtual_stages=2, zero_stage=1,
-                        stages=dualpipev_stages(len(chain.segments), run.pp), runtime=runtime)
+                        stages=balanced_chunks(chain, 2 * run.pp), runtime=runtime)
     est = estimate_plan(chain, cluster_of(run), strategy, global_batch=run.global_batch).predicted
     label = "DualPipeV + paired overlap (ep_overlap)" if overlap else "DualPipeV, no recompute (does not fit)"
     return _line(label, est.step_time_s, est.breakdown.to_dict(),

@@ -60,7 +60,7 @@ def nemo_moe_runs() -> list[PublishedRun]:
 
     return [row("Qwen3-30B-A3B", _qwen3_folder(QWEN3_30B_A3B), 16, 512, 2, 1, 2, 24, 8, 10494),
             row("Qwen3-235B-A22B", _qwen3_folder(QWEN3_235B_A22B), 256, 2048, 1, 2, 8, 4, 32, 1204),
-            row("DeepSeek-V3", "hf:deepseek_v3", 1024, 8192, 1, 2, 8, 1, 64, 1297, dedup=True,
-                inferred=("1F1B for the published 4 virtual stages: the planner has no interleaved layout for a "
-                          "chain of several block classes (3 dense + 58 MoE blocks)",
+            row("DeepSeek-V3", "hf:deepseek_v3", 1024, 8192, 1, 2, 8, 4, 64, 1297, dedup=True,
+                inferred=("chunks of the 4 virtual stages: the planner's FLOP-balanced split of 3 dense + 58 MoE "
+                          "blocks; the recipe's own pipeline layout string is not read",
                           "no multi-token-prediction module (transformers' DeepseekV3 has none)"))]

@@ -14,6 +14,7 @@ from torch import nn
 import ir
 import planner.api
 from costmodel.expert_parallel import ep_options, ep_problem, expert_param_numel
+from costmodel.strategy import Schedule
 from ir.moe_structure import ExpertLayout, routed_experts
 from models.registry import build_model
 from planner.cli.main import main
@@ -190,6 +191,10 @@ RUNTIME_CASES = [
     pytest.param("deepseek_v3", 3, dict(ep=2, dp=2, tp=2, pp=1), MLP_TP, id="deepseek_v3-ep2xtp2"),
     pytest.param("deepseek_v3", 3, dict(ep=2, dp=2, tp=1, pp=2, microbatch_size=2), {},
                  id="deepseek_v3-ep2xpp2"),
+    # DualPipeV on the dense first block and two MoE blocks: the chunks of a chain of two block classes
+    # (`interleaved_layout.balanced_chunks`), the V placing chunks 0 and 3 on rank 0
+    pytest.param("deepseek_v3", 3, dict(ep=2, dp=2, tp=1, pp=2, microbatch_size=1, schedule=Schedule.DUALPIPEV,
+                                        virtual_stages=2), {}, id="deepseek_v3-ep2xpp2-dualpipev"),
 ]
 
 

@@ -7,6 +7,8 @@ import itertools
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_pipeline import simulate
 from test_search_bruteforce import chain_of
 
@@ -15,7 +17,7 @@ from costmodel.pipeline import pipeline_step_time
 from costmodel.rank_layout import even_stages
 from costmodel.strategy import Recompute, Schedule
 from planner.search.branch_and_bound import search
-from planner.search.interleaved_layout import ChainUnits, InterleavedLayout
+from planner.search.interleaved_layout import ChainUnits, InterleavedLayout, balanced_chunks, balanced_cuts
 from planner.search.space import SearchSpace
 
 GPT_7 = ("layers=7", "hidden=256", "heads=8", "vocab=1000", "seq=128")
@@ -64,13 +66,34 @@ def test_even_split_is_in_the_space_when_the_blocks_divide() -> None:
     assert layout.stages(picks, [Recompute.NONE] * 2) == even_stages(chain, 4)
 
 
-def test_a_chain_without_one_run_of_blocks_keeps_fixed_chunks() -> None:
+def test_a_chain_without_one_run_of_blocks_has_one_balanced_layout_for_every_chunk_count() -> None:
     chain = chain_of("t5", ("layers=2", "hidden=128", "heads=4", "vocab=500", "seq=32"))
-    units = ChainUnits.of(chain)
-    assert units.blocks == 0
-    layout = InterleavedLayout.of(chain, 2, 2, units)
-    if layout is not None:
-        assert layout.fixed == even_stages(chain, 4) and layout.extra == 0
+    assert ChainUnits.of(chain).blocks == 0
+    n = len(chain.segments)
+    for p, v in ((2, 2), (3, 2), (2, 3), (1, n)):  # 3 x 2 = 6 chunks: the even split of the 2 + 2 blocks had none
+        layout = InterleavedLayout.of(chain, p, v)
+        assert layout is not None and layout.extra == 0 and layout.fixed == balanced_chunks(chain, p * v)
+        assert [c.start for c in layout.fixed[1:]] == [c.stop for c in layout.fixed[:-1]]
+        assert layout.fixed[0].start == 0 and layout.fixed[-1].stop == n
+    assert InterleavedLayout.of(chain, 2, 4) is None  # more chunks than segments
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=9), st.integers(1, 9))
+def test_balanced_cuts_have_the_least_largest_chunk_and_the_fullest_later_chunks(weights: list[int], k: int) -> None:
+    """Against every cut of the weights into k non-empty chunks: the least largest sum, and among the cuts that
+    reach it, the greatest chunk sizes read from the last chunk backwards."""
+    n = len(weights)
+    if k > n:
+        with pytest.raises(ValueError):
+            balanced_cuts(weights, k)
+        return
+    cuts = [(0, *inner, n) for inner in itertools.combinations(range(1, n), k - 1)]
+    largest = {c: max(sum(weights[a:b]) for a, b in zip(c, c[1:], strict=False)) for c in cuts}
+    best = min(largest.values())
+    fullest_last = max((c for c in cuts if largest[c] == best),
+                       key=lambda c: [b - a for a, b in reversed(list(zip(c, c[1:], strict=False)))])
+    assert balanced_cuts(weights, k) == fullest_last
 
 
 def test_uneven_interleaved_closed_form_against_the_simulation() -> None:
