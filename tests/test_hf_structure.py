@@ -312,3 +312,29 @@ def test_runtime_refuses_splitting_attention_past_its_kv_heads():
         _check_kv_heads(built.module, styles, 4)
     _check_kv_heads(built.module, styles, 2)  # whole heads: fine
     _check_kv_heads(built.module, {"model.layers.0.mlp.up_proj": Style.COLWISE}, 4)  # the MLP may split
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "llama4_text"])
+def test_export_counts_every_decoder_layer_of_a_model_with_two_block_classes(tmp_path_factory, tmp_path, capsys,
+                                                                               name):
+    """DeepSeek-V3's dense first layer and Llama 4's NoPE layer are decoder layers to a trainer: a plan made with
+    --seq exports all 4 layers (the layout once counted only the most frequent class and re-traced with a `seq`
+    setting that Hugging Face configs do not have)."""
+    import json
+
+    from planner.trainers.layout import BlockLayout, parse_megatron_layout
+
+    model = _saved(tmp_path_factory, name)
+    layout = BlockLayout.of(_trace(model)[2])
+    assert (layout.lead, layout.num_blocks) == (1, 4)
+    plan = tmp_path / "plan.json"
+    assert main(["plan", model, "--cluster", "1x4xh100-sxm", "--batch", "8", "--seq", "64", "--fix", "pp=2",
+                 "--fix", "schedule=interleaved", "--fix", "virtual_stages=2", "-o", str(plan), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["export", str(plan), "--to", "megatron", "--json"]) == 0
+    args = json.loads(capsys.readouterr().out)["text"].split()
+    assert args[args.index("--num-layers") + 1] == "4"
+    assert sum(parse_megatron_layout(args[args.index("--pipeline-model-parallel-layout") + 1])) == 4
+    assert main(["export", str(plan), "--to", "torchtitan", "--json"]) == 0
+    text = json.loads(capsys.readouterr().out)["text"]
+    assert all(f'"layers.{i}"' in text for i in range(4))

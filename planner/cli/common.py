@@ -191,13 +191,20 @@ def setting_text(value: Any) -> str:
     return str(value)
 
 
+def plan_settings(plan: Any) -> tuple[list[str], int | None]:
+    """The plan's model settings as `--set` texts, and its sequence length apart: a "seq" setting is `--seq`
+    (a Hugging Face config has no `seq` key; `stratagem plan` keys its trace cache on `--seq`)."""
+    sets = [f"{k}={setting_text(v)}" for k, v in plan.model.settings if k != "seq"]
+    return sets, dict(plan.model.settings).get("seq")
+
+
 def plan_model(plan: Any) -> tuple[Any, Any]:
     """The plan's model rebuilt from its name and settings and traced as `stratagem plan` traced it:
     (`BuiltModel`, `LayerChain`); a chain whose fingerprint is not the plan's is a user error."""
     import ir
 
-    sets = [f"{k}={setting_text(v)}" for k, v in plan.model.settings]
-    built = build_model(plan.model.name, sets, seq=None)
+    sets, seq = plan_settings(plan)
+    built = build_model(plan.model.name, sets, seq=seq)
     chain = trace_chain(built, dtype=plan.training.dtype)
     if ir.fingerprint(chain.graph) != plan.model.fingerprint:
         raise UserError(f"the plan's model {plan.model.name} traces differently here (fingerprint "

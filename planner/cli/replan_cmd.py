@@ -24,8 +24,8 @@ from planner.cli.common import (
     input_paths,
     parse_cluster,
     percent,
+    plan_settings,
     positive_int,
-    setting_text,
     time_limit_note,
     time_limit_s,
     trace_cache,
@@ -65,10 +65,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _model_chain(plan: Plan, cache: TraceCache | None, progress: Any) -> Any:
-    """The plan's model rebuilt from its name and settings, traced as `stratagem plan` traces it (in the plan's
-    dtype; a "seq" setting is `--seq`, which is how `stratagem plan` finds it in the trace cache)."""
-    sets = [f"{k}={setting_text(v)}" for k, v in plan.model.settings if k != "seq"]
-    seq = dict(plan.model.settings).get("seq")
+    """The plan's model rebuilt from its name and settings (`plan_settings`), traced as `stratagem plan` traces
+    it, in the plan's dtype."""
+    sets, seq = plan_settings(plan)
     return trace_model(plan.model.name, sets, seq=seq, dtype=plan.training.dtype, cache=cache,
                        progress=progress).chain
 

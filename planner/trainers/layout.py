@@ -4,8 +4,9 @@ Trainers place layers by count: Megatron-LM (`--decoder-first-pipeline-num-layer
 "Et|tt|tL"`), torchtitan (`module_fqns_per_model_part`) and DeepSpeed (`PipelineModule` partitions) all split the
 repeated decoder layer and put the embedding on the first and the head on the last stage. A plan cuts the layer
 chain by segment. `BlockLayout` converts between the two: the blocks are the chain's most frequent layer class, one
-contiguous run; the segments before it (embedding) and after it (final norm, head) belong to the first and last
-stage. A cut inside those leading or trailing segments has no trainer equivalent.
+contiguous run, widened to the other items of the module list holding them (a trainer counts DeepSeek-V3's dense
+first layers and Llama 4's NoPE layers as decoder layers too); the segments before it
+(embedding) and after it (final norm, head) belong to the first and last stage. A cut inside those leading or trailing segments has no trainer equivalent.
 """
 
 from __future__ import annotations
@@ -36,14 +37,18 @@ class BlockLayout:
 
     @classmethod
     def of(cls, chain: LayerChain) -> BlockLayout:
-        """The layout of a traced chain (its most frequent layer class must form one contiguous run)."""
+        """The layout of a traced chain: the run of its most frequent layer class, widened to the other items of
+        the module list those layers are in (DeepSeek-V3's dense first layers before its MoE layers, Llama 4's
+        NoPE layers among its rotary ones: a trainer counts them all as decoder layers)."""
         counts = Counter(s.class_id for s in chain.segments)
         main, count = max(counts.items(), key=lambda kv: (kv[1], -kv[0]))
         idx = [s.index for s in chain.segments if s.class_id == main]
-        if count < 2 or idx[-1] - idx[0] + 1 != count:
+        run = _list_run([s.name for s in chain.segments], idx)
+        if count < 2 or (run is None and idx[-1] - idx[0] + 1 != count):
             raise UserError(f"{chain.graph.model_name} has no run of repeated layers (transformer blocks) that a "
                             f"trainer's pipeline split could count; only block models can be exported")
-        return cls(num_segments=len(chain.segments), lead=idx[0], num_blocks=count)
+        start, stop = run or (idx[0], idx[-1] + 1)
+        return cls(num_segments=len(chain.segments), lead=start, num_blocks=stop - start)
 
     @property
     def trail_start(self) -> int:
@@ -100,6 +105,30 @@ class BlockLayout:
                       else tuple(range(first, min(first + recompute_layers, bounds[i + 1], self.trail_start))))
             stages.append(StageSpec(start=bounds[i], stop=bounds[i + 1], recompute=recompute, recomputed=picked))
         return tuple(stages)
+
+
+_LIST_ITEM = re.compile(r"^(.+)\.(\d+)$")
+"""A segment that is one item of a module list: "model.layers.7" is item 7 of "model.layers"."""
+
+
+def _list_run(names: Sequence[str], main: Sequence[int]) -> tuple[int, int] | None:
+    """[start, stop) of the segments that are consecutive items of the module list holding every segment of
+    `main` (the most frequent class), or None when those are not items of one list."""
+    matches = [_LIST_ITEM.match(n) for n in names]
+    lists = [m.group(1) if m else None for m in matches]
+    positions = [int(m.group(2)) if m else -1 for m in matches]
+    prefix = lists[main[0]]
+    if prefix is None or any(lists[i] != prefix for i in main):
+        return None
+    start, stop = main[0], main[-1] + 1
+    while start > 0 and lists[start - 1] == prefix:
+        start -= 1
+    while stop < len(names) and lists[stop] == prefix:
+        stop += 1
+    if any(lists[i] != prefix for i in range(start, stop)):
+        return None
+    consecutive = positions[start:stop] == list(range(positions[start], positions[start] + stop - start))
+    return (start, stop) if consecutive else None
 
 
 # ---- Megatron-LM's --pipeline-model-parallel-layout ("E|(t|)*3,tL") ---------------------------------------------
