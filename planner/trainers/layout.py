@@ -5,8 +5,9 @@ Trainers place layers by count: Megatron-LM (`--decoder-first-pipeline-num-layer
 repeated decoder layer and put the embedding on the first and the head on the last stage. A plan cuts the layer
 chain by segment. `BlockLayout` converts between the two: the blocks are the chain's most frequent layer class, one
 contiguous run, widened to the other items of the module list holding them (a trainer counts DeepSeek-V3's dense
-first layers and Llama 4's NoPE layers as decoder layers too); the segments before it
-(embedding) and after it (final norm, head) belong to the first and last stage. A cut inside those leading or trailing segments has no trainer equivalent.
+first layers and Llama 4's NoPE layers as decoder layers too); the segments before it (embedding) and after it
+(final norm, head) belong to the first and last stage. A cut inside those leading or trailing segments has no
+trainer equivalent.
 """
 
 from __future__ import annotations
