@@ -176,6 +176,7 @@ def build(
     ImportError."""
     resolved = _resolve(spec)
     config = _make_config(resolved, dict(overrides))
+    _require_token_vocabulary(config)
     require_traceable_depth(_num_layers(config))
     seq_len = _sequence_length(resolved, config, seq)
     module = _construct(resolved.model_class, config, torch.device(device))
@@ -267,8 +268,12 @@ def _resolve_model_type(transformers: Any, model_type: str) -> _Resolved:
 
     config_class = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
     model_class, task = _head_for(transformers, model_type, {}, Path(model_type))
-    with _quiet_transformers():
-        limit = getattr(config_class(), "max_position_embeddings", None) or MAX_DEFAULT_SEQ
+    try:
+        with _quiet_transformers():
+            limit = getattr(config_class(), "max_position_embeddings", None) or MAX_DEFAULT_SEQ
+    except Exception as e:  # noqa: BLE001 - strict validation of the defaults (see `_make_config`)
+        detail = " ".join(str(e).split()) or type(e).__name__
+        raise ValueError(f"transformers' default {config_class.__name__} does not validate: {detail}") from None
     return _Resolved(config_class, model_class, task, {}, None, min(int(limit), MAX_DEFAULT_SEQ))
 
 
@@ -397,6 +402,18 @@ def _sequence_length(resolved: _Resolved, config: Any, seq: int | None) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # Construction, inputs, losses
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def _require_token_vocabulary(config: Any) -> None:
+    """The model reads token ids: a multimodal config keeps its language model's vocabulary in `text_config`."""
+    if getattr(config, "vocab_size", None) is not None:
+        return
+    text = getattr(config, "text_config", None)
+    name = type(config).__name__
+    if text is not None and getattr(text, "model_type", None):
+        raise ValueError(f"{name} is a multimodal config, whose language model is its text_config: plan "
+                         f"hf:{text.model_type} (or a config.json of that model type) instead")
+    raise ValueError(f"{name} has no vocab_size: not a language model that takes token ids")
 
 
 def _construct(model_class: type, config: Any, device: torch.device) -> nn.Module:

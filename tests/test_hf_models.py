@@ -154,11 +154,26 @@ def test_config_json_without_architectures_gets_the_lm_head(tmp_path):
     ("hf:llama", ("rope_parameters=[1,2]",), "invalid LlamaConfig"),
     ("hf:nope", (), "not a built-in architecture (llama, mistral, qwen2, mixtral, gpt2, bert, t5)"),
     ("hf:", (), "expected hf:ARCH"),
+    ("hf:gemma3", (), "Gemma3Config is a multimodal config, whose language model is its text_config: plan "
+                      "hf:gemma3_text"),
 ])
 def test_bad_settings_are_one_line_user_errors(name, sets, message):
     with pytest.raises(ModelError) as info:
         build_model(name, sets)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_model_type_whose_default_config_does_not_validate_is_one_line(monkeypatch):
+    """transformers' strict config dataclasses raise huggingface_hub errors that are not ValueErrors."""
+    class Broken:
+        def __init__(self) -> None:
+            raise LookupError("hidden_size_per_layer_input must be 0, got 256")
+
+    monkeypatch.setattr(sys.modules["transformers"], "Qwen3Config", Broken)
+    with pytest.raises(ModelError) as info:
+        build_model("hf:qwen3")
+    assert "default Broken does not validate: hidden_size_per_layer_input must be 0" in str(info.value)
+    assert "\n" not in str(info.value)
 
 
 def test_learned_positions_bound_the_sequence():
