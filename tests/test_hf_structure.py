@@ -231,6 +231,38 @@ def test_tiny_moe_trains_like_one_process(tmp_path_factory, config, layers, degr
     assert report["check"]["passed"] and report["check"]["max_rel_loss_diff"] <= 1e-4
 
 
+@pytest.mark.multiprocess
+def test_a_check_that_fails_on_dropped_tokens_says_why_without_a_traceback(tmp_path_factory, tmp_path):
+    """capacity_factor 0.5 drops half the token choices, and a rank groups its micro-batch's tokens otherwise than
+    one process: the losses differ by about 2e-5 (float32 sharding alone: about 1e-7), the check at 1e-6 fails
+    (exit 1) with a note on the drops and the dropless setting, and torchrun's tracebacks about a failed worker do
+    not follow it."""
+    import os
+    import subprocess
+    import sys
+
+    from planner.cli.run_cmd import token_drop_note
+
+    name = _saved(tmp_path_factory, "qwen3_moe", num_hidden_layers=2)
+    assert "capacity factor 1.25 < experts / top-k = 4" in token_drop_note(_trace(name, seq=16)[2])
+    assert token_drop_note(ir.build_layer_chain(ir.trace(
+        (b := build_model(name, ("capacity_factor=4",), seq=16)).module, b.example_inputs))) is None
+    sets = ("--set", "capacity_factor=0.5", "--seq", "16")
+    plan = tmp_path / "plan.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    made = subprocess.run([sys.executable, "-m", "planner.cli.main", "plan", name, *sets, "--cluster", "1x2xcpu",
+                           "--batch", "8", "--fix", "ep=2", "-o", str(plan)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert made.returncode == 0, made.stderr
+    ran = subprocess.run([sys.executable, "-m", "planner.cli.main", "run", name, *sets, "--plan", str(plan),
+                          "--steps", "2", "--nproc", "2", "--check", "--tolerance", "1e-6"], capture_output=True,
+                         text=True, timeout=600,
+                         env=env)
+    assert ran.returncode == 1, ran.stderr[-4000:]
+    assert "FAILED" in ran.stdout and "--set capacity_factor=4 to compare without drops" in ran.stdout
+    assert "Traceback" not in ran.stderr and "ChildFailedError" not in ran.stderr
+
+
 def test_mla_split_over_tp_is_refused_with_its_reason(tmp_path_factory):
     from costmodel.sharding.rules import Style
     from planner.runtime.apply_tp import _check_pairs
