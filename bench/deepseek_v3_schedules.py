@@ -6,7 +6,7 @@ does, and overlapped, as DeepSeek's DualPipe does (`RuntimeOptions.ep_overlap`).
 
 Each line: the pinned row's strategy (the planner's micro-batch, recomputation and stage split at 1F1B), or
 DualPipeV without recomputation on the chunks the search gives this chain of two block classes
-(`planner.search.interleaved_layout.balanced_chunks`); the step time, its breakdown and the
+(`costmodel.rank_layout.balanced_chunks`); the step time, its breakdown and the
 largest stage's memory.
 
 Usage: python bench/deepseek_v3_schedules.py
@@ -58,9 +58,9 @@ def dualpipev_row(overlap: bool) -> str:
     """The row's runtime under DualPipeV, 120 micro-batches of 1, no recomputation (what torch's DualPipeV
     allows), the search's chunks (`balanced_chunks`): priced although it does not fit, with the memory it needs.
     `overlap`: the pairs hide the all-to-alls (`RuntimeOptions.ep_overlap`, DeepSeek's DualPipe)."""
+    from costmodel.rank_layout import balanced_chunks
     from costmodel.strategy import Schedule, Strategy
     from planner.api import estimate_plan
-    from planner.search.interleaved_layout import balanced_chunks
 
     run = deepseek_v3_run()
     runtime = dataclasses.replace(run.runtime, ep_overlap=overlap)

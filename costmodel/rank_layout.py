@@ -190,9 +190,11 @@ def even_stages(chain: LayerChain, num_stages: int, recompute: Recompute = Recom
 
     The most frequent class (the transformer block) is spread as evenly as possible (the last stages take the
     remainder: they hold fewer in-flight micro-batches); segments before its first and after its last occurrence
-    (embedding, final norm and head) join the first and last stage, as Megatron-LM places them. Chains without a
-    contiguous run of a repeated class are split by segment count. This is the split of a strategy that lists no
-    stages, for the estimate, the search and the runtime alike.
+    (embedding, final norm and head) join the first and last stage, as Megatron-LM places them. Chains that are
+    not one run of blocks (a repeated class outside the run, as DeepSeek-V3's dense first blocks or a T5 decoder
+    after its encoder, or blocks of two classes interleaved) get the FLOP-balanced cut of `balanced_chunks`, the
+    chunks the search gives them; a run with fewer blocks than stages is split by segment count. This is the split
+    of a strategy that lists no stages, for the estimate, the search and the runtime alike.
     """
     n = len(chain.segments)
     if not 1 <= num_stages <= n:
@@ -201,7 +203,10 @@ def even_stages(chain: LayerChain, num_stages: int, recompute: Recompute = Recom
     main, count = max(counts.items(), key=lambda kv: (kv[1], -kv[0]))
     idx = [s.index for s in chain.segments if s.class_id == main]
     contiguous = idx[-1] - idx[0] + 1 == count
-    if contiguous and count >= num_stages:
+    outside = any(counts[s.class_id] > 1 for s in chain.segments if not idx[0] <= s.index <= idx[-1])
+    if not contiguous or outside:
+        return balanced_chunks(chain, num_stages, recompute)
+    if count >= num_stages:
         first, total = idx[0], count
     else:
         first, total = 0, n
@@ -210,6 +215,61 @@ def even_stages(chain: LayerChain, num_stages: int, recompute: Recompute = Recom
         bounds.append(bounds[-1] + size)
     bounds[0], bounds[-1] = 0, n
     return tuple(StageSpec(start=bounds[i], stop=bounds[i + 1], recompute=recompute) for i in range(num_stages))
+
+
+def balanced_chunks(chain: LayerChain, num_chunks: int, recompute: Recompute = Recompute.NONE
+                    ) -> tuple[StageSpec, ...]:
+    """The chain cut into `num_chunks` chunks by `balanced_cuts` of its segments' forward + backward FLOPs."""
+    return stages_between(balanced_cuts(segment_flops(chain), num_chunks), recompute)
+
+
+def segment_flops(chain: LayerChain) -> tuple[int, ...]:
+    """Forward + backward FLOPs per segment: the work `balanced_cuts` balances."""
+    return tuple(s.forward_flops + s.backward_flops for s in chain.segments)
+
+
+def stages_between(bounds: Sequence[int], recompute: Recompute = Recompute.NONE) -> tuple[StageSpec, ...]:
+    """The stages between consecutive `bounds` (0 first, the segment count last)."""
+    return tuple(StageSpec(start=a, stop=b, recompute=recompute) for a, b in zip(bounds, bounds[1:], strict=False))
+
+
+def balanced_cuts(weights: Sequence[int], num_chunks: int) -> tuple[int, ...]:
+    """Bounds (0 first, len(weights) last) of `num_chunks` non-empty contiguous chunks (at most len(weights))
+    whose largest sum is least; of those cuts, the one with the later chunks as full as that allows (as
+    `even_stages` gives the remainder to the last stages: they hold fewer micro-batches).
+
+    The least largest sum is the least cap C at which packing from the last weight, each chunk as full as C
+    allows, needs at most `num_chunks` chunks (packing greedily from one end never needs more chunks than any
+    other cut within C); cutting more where a chunk holds two weights or more keeps every chunk within C."""
+    n = len(weights)
+    if not 1 <= num_chunks <= n:
+        raise ValueError(f"{num_chunks} chunks of {n} segments")
+    lo, hi = max(weights), sum(weights)
+    while lo < hi:
+        cap = (lo + hi) // 2
+        if _chunks_within(weights, cap) <= num_chunks:
+            hi = cap
+        else:
+            lo = cap + 1
+    bounds, stop = [n], n
+    for left in range(num_chunks - 1, 0, -1):  # `left` chunks are still to fill before this one
+        start, total = stop - 1, weights[stop - 1]
+        while start > left and total + weights[start - 1] <= lo:
+            start -= 1
+            total += weights[start]
+        bounds.append(start)
+        stop = start
+    return (0, *reversed(bounds))
+
+
+def _chunks_within(weights: Sequence[int], cap: int) -> int:
+    """Chunks of packing `weights` from the last, each as full as `cap` allows (every weight is at most `cap`)."""
+    chunks, total = 1, 0
+    for w in reversed(weights):
+        if total + w > cap:
+            chunks, total = chunks + 1, 0
+        total += w
+    return chunks
 
 
 def even_shares(total: int, parts: int) -> tuple[int, ...]:

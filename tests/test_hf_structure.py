@@ -192,7 +192,7 @@ RUNTIME_CASES = [
     pytest.param("deepseek_v3", 3, dict(ep=2, dp=2, tp=1, pp=2, microbatch_size=2), {},
                  id="deepseek_v3-ep2xpp2"),
     # DualPipeV on the dense first block and two MoE blocks: the chunks of a chain of two block classes
-    # (`interleaved_layout.balanced_chunks`), the V placing chunks 0 and 3 on rank 0
+    # (`costmodel.rank_layout.balanced_chunks`), the V placing chunks 0 and 3 on rank 0
     pytest.param("deepseek_v3", 3, dict(ep=2, dp=2, tp=1, pp=2, microbatch_size=1, schedule=Schedule.DUALPIPEV,
                                         virtual_stages=2), {}, id="deepseek_v3-ep2xpp2-dualpipev"),
 ]

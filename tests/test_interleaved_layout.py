@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -14,10 +15,10 @@ from test_search_bruteforce import chain_of
 
 from costmodel.hardware.cluster import Cluster
 from costmodel.pipeline import pipeline_step_time
-from costmodel.rank_layout import even_stages
+from costmodel.rank_layout import balanced_chunks, balanced_cuts, even_stages
 from costmodel.strategy import Recompute, Schedule
 from planner.search.branch_and_bound import search
-from planner.search.interleaved_layout import ChainUnits, InterleavedLayout, balanced_chunks, balanced_cuts
+from planner.search.interleaved_layout import ChainUnits, InterleavedLayout
 from planner.search.space import SearchSpace
 
 GPT_7 = ("layers=7", "hidden=256", "heads=8", "vocab=1000", "seq=128")
@@ -75,6 +76,9 @@ def test_a_chain_without_one_run_of_blocks_has_one_balanced_layout_for_every_chu
         assert layout is not None and layout.extra == 0 and layout.fixed == balanced_chunks(chain, p * v)
         assert [c.start for c in layout.fixed[1:]] == [c.stop for c in layout.fixed[:-1]]
         assert layout.fixed[0].start == 0 and layout.fixed[-1].stop == n
+        # A strategy that lists no stages is priced and run on the same chunks (`even_stages`).
+        assert even_stages(chain, p * v, Recompute.FULL) == tuple(replace(c, recompute=Recompute.FULL)
+                                                                   for c in layout.fixed)
     assert InterleavedLayout.of(chain, 2, 4) is None  # more chunks than segments
 
 

@@ -45,8 +45,9 @@ too (equal for interleaved-zb), and they have no drain (weight gradients fill it
 Chains that do not read as units (a repeated layer outside the run of blocks: DeepSeek-V3's dense first blocks
 before its MoE blocks, Gemma 3's and GPT-OSS's sliding-window blocks between their global ones, a T5 decoder after
 its encoder; or blocks that share weights) have one layout, fixed: the p v contiguous chunks whose largest
-forward + backward FLOPs is least (`balanced_chunks`), every chunk priced with its own segments. The search then
-chooses recomputation per rank but not the chunks.
+forward + backward FLOPs is least (`costmodel.rank_layout.balanced_chunks`, the split `even_stages` gives such a
+chain), every chunk priced with its own segments. The search then chooses recomputation per rank but not the
+chunks.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from costmodel.pipeline import chunk_stages, stage_rank
+from costmodel.rank_layout import balanced_cuts, segment_flops, stages_between
 from costmodel.strategy import Recompute, Schedule, StageSpec
 from ir.layer_chain import LayerChain
 
@@ -266,9 +268,10 @@ class ChainUnits:
     _chunks: dict[int, tuple[StageSpec, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     def balanced_chunks(self, num_chunks: int) -> tuple[StageSpec, ...]:
-        """`balanced_chunks` of the chain, once per chunk count (the search asks for them per candidate)."""
+        """`costmodel.rank_layout.balanced_chunks` of the chain, once per chunk count (the search asks for them per
+        candidate)."""
         if num_chunks not in self._chunks:
-            self._chunks[num_chunks] = _stages(balanced_cuts(self.flops, num_chunks))
+            self._chunks[num_chunks] = stages_between(balanced_cuts(self.flops, num_chunks))
         return self._chunks[num_chunks]
 
     @classmethod
@@ -282,62 +285,10 @@ class ChainUnits:
         # stack after its encoder does not read as one unit).
         outside_repeats = any(counts[s.class_id] > 1 for s in chain.segments if s.index not in blocks)
         if idx[-1] - idx[0] + 1 != count or outside_repeats or _blocks_share_weights(chain, blocks):
-            return cls(n, flops=_segment_flops(chain))
+            return cls(n, flops=segment_flops(chain))
         first = idx[0]
         alone = first == 0 or chain.segments[first - 1].boundary_bytes == chain.segments[first].boundary_bytes
         return cls(n, pre=first, blocks=count, post=n - first - count, alone_pre_sends_like_a_block=alone)
-
-
-def balanced_chunks(chain: LayerChain, num_chunks: int) -> tuple[StageSpec, ...]:
-    """The chain cut into `num_chunks` chunks by `balanced_cuts` of its segments' forward + backward FLOPs."""
-    return _stages(balanced_cuts(_segment_flops(chain), num_chunks))
-
-
-def _segment_flops(chain: LayerChain) -> tuple[int, ...]:
-    return tuple(s.forward_flops + s.backward_flops for s in chain.segments)
-
-
-def _stages(bounds: Sequence[int]) -> tuple[StageSpec, ...]:
-    return tuple(StageSpec(start=a, stop=b) for a, b in zip(bounds, bounds[1:], strict=False))
-
-
-def balanced_cuts(weights: Sequence[int], num_chunks: int) -> tuple[int, ...]:
-    """Bounds (0 first, len(weights) last) of `num_chunks` non-empty contiguous chunks (at most len(weights))
-    whose largest sum is least; of those cuts, the one with the later chunks as full as that allows (as
-    `costmodel.rank_layout.even_stages` gives the remainder to the last stages: they hold fewer micro-batches).
-
-    The least largest sum is the least cap C at which packing from the last weight, each chunk as full as C
-    allows, needs at most `num_chunks` chunks (packing greedily from one end never needs more chunks than any
-    other cut within C); cutting more where a chunk holds two weights or more keeps every chunk within C."""
-    n = len(weights)
-    if not 1 <= num_chunks <= n:
-        raise ValueError(f"{num_chunks} chunks of {n} segments")
-    lo, hi = max(weights), sum(weights)
-    while lo < hi:
-        cap = (lo + hi) // 2
-        if _chunks_within(weights, cap) <= num_chunks:
-            hi = cap
-        else:
-            lo = cap + 1
-    bounds, stop = [n], n
-    for left in range(num_chunks - 1, 0, -1):  # `left` chunks are still to fill before this one
-        start, total = stop - 1, weights[stop - 1]
-        while start > left and total + weights[start - 1] <= lo:
-            start -= 1
-            total += weights[start]
-        bounds.append(start)
-        stop = start
-    return (0, *reversed(bounds))
-
-
-def _chunks_within(weights: Sequence[int], cap: int) -> int:
-    """Chunks of packing `weights` from the last, each as full as `cap` allows (every weight is at most `cap`)."""
-    chunks, total = 1, 0
-    for w in reversed(weights):
-        if total + w > cap:
-            chunks, total = chunks + 1, 0
-        total += w
-    return chunks
 
 
 def _blocks_share_weights(chain: LayerChain, blocks: range) -> bool:
