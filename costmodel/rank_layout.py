@@ -112,11 +112,17 @@ def stage_ranks(strategy: Strategy, pp_rank: int) -> list[int]:
 
 def _stage_rank_array(strategy: Strategy, pp_rank: int) -> np.ndarray:
     """`stage_ranks` as a sorted int64 array (a pipeline rank of a large mesh holds thousands of devices)."""
+    return _stage_rank_matrix(strategy, (pp_rank,))[0]
+
+
+def _stage_rank_matrix(strategy: Strategy, pp_ranks: Sequence[int]) -> np.ndarray:
+    """`stage_ranks` of each of `pp_ranks`, one sorted row each (one array operation for all of them)."""
     st = axis_strides(strategy)
     offsets = np.zeros(1, dtype=np.int64)
     for axis, size in ((MeshAxis.TP, strategy.tp), (MeshAxis.CP, strategy.cp), (MeshAxis.DP, strategy.dp)):
         offsets = (offsets[:, None] + np.arange(size, dtype=np.int64) * st[axis]).ravel()
-    return np.sort(pp_rank * st[MeshAxis.PP] + offsets)
+    offsets.sort()  # every row is the same offsets from its first rank: sorted once
+    return np.asarray(pp_ranks, dtype=np.int64)[:, None] * st[MeshAxis.PP] + offsets[None, :]
 
 
 # ---- communication groups ---------------------------------------------------------------------------------------
@@ -325,16 +331,19 @@ def device_map(cluster: Cluster, strategy: Strategy) -> tuple[StagePlacement, ..
     if strategy.num_devices > len(physical):
         raise ValueError(f"strategy needs {strategy.num_devices} devices, cluster {cluster.name!r} has "
                          f"{len(physical)} available")
-    speeds = np.asarray(rank_speeds(cluster, strategy), dtype=float)
-    mapped = np.asarray(physical, dtype=np.int64)
-    out = []
-    for k in range(strategy.pp):
-        logical = _stage_rank_array(strategy, k)
+    logical = _stage_rank_matrix(strategy, range(strategy.pp))
+    uniform = None if cluster.shares_host_cores else cluster.uniform_speed
+    if uniform is not None:  # every device available at one speed: logical rank i is device i
+        mapped, paces = logical, [float(uniform)] * strategy.pp
+    else:
+        speeds = np.asarray(rank_speeds(cluster, strategy), dtype=float)
         # `physical` ascends, so the mapped ranks stay sorted.
-        ranks = tuple(mapped[logical].tolist())
-        group_ids = cluster.group_indices_of(ranks)
+        mapped = np.asarray(physical[:strategy.num_devices], dtype=np.int64)[logical]
+        paces = speeds[logical].min(axis=1).tolist()
+    out = []
+    for k, row in enumerate(mapped.tolist()):
+        group_ids = cluster.group_indices_of(row, ascending=True)
         out.append(StagePlacement(
-            pp_rank=k, ranks=ranks, groups=tuple(cluster.groups[g].name for g in group_ids),
-            devices=tuple(sorted({cluster.groups[g].device.name for g in group_ids})),
-            speed=float(speeds[logical].min())))
+            pp_rank=k, ranks=tuple(row), groups=tuple(cluster.groups[g].name for g in group_ids),
+            devices=tuple(sorted({cluster.groups[g].device.name for g in group_ids})), speed=paces[k]))
     return tuple(out)

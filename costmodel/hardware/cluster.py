@@ -172,6 +172,12 @@ class Cluster:
         return tuple(r for r, speed in enumerate(self._speed_list) if speed > 0)
 
     @functools.cached_property
+    def uniform_speed(self) -> float | None:
+        """The speed every device runs at when they all run at one (no straggler, none unavailable), else None."""
+        speeds = set(self._speed_list)
+        return speeds.pop() if len(speeds) == 1 else None
+
+    @functools.cached_property
     def _node_start_list(self) -> tuple[int, ...]:
         starts: list[int] = []
         for g, g0 in zip(self.groups, self._group_start_list, strict=True):
@@ -203,12 +209,13 @@ class Cluster:
         self._check_rank(rank)
         return bisect.bisect_right(self._group_starts(), rank) - 1
 
-    def group_indices_of(self, ranks: Sequence[int]) -> list[int]:
+    def group_indices_of(self, ranks: Sequence[int], *, ascending: bool = False) -> list[int]:
         """Sorted indices of the device groups that hold `ranks` (one pass of bisection, no per-rank checks beyond
-        the range: a pipeline rank of a large mesh holds thousands of ranks)."""
+        the range: a pipeline rank of a large mesh holds thousands of ranks); `ascending`: `ranks` are sorted, so
+        their range is their ends."""
         if not ranks:
             return []
-        lo, hi = min(ranks), max(ranks)
+        lo, hi = (ranks[0], ranks[-1]) if ascending else (min(ranks), max(ranks))
         self._check_rank(lo)
         self._check_rank(hi)
         starts = self._group_start_list
