@@ -378,7 +378,9 @@ def _locate(model: nn.Module, error: BaseException) -> _Where | None:
             code = frame.f_code
             owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None  # `self`
             filename = frame.f_code.co_filename
-            if (isinstance(owner, nn.Module) and id(owner) in paths
+            # This file's own frames hold the model too (`_fx_program(model, ...)`): a failure there is torch's
+            # or the tracer's, not a line of the model.
+            if (isinstance(owner, nn.Module) and id(owner) in paths and filename != __file__
                     and (not filename.startswith(_TORCH_DIR) or frame.f_code.co_name == "forward")):
                 line = linecache.getline(filename, tb.tb_lineno).strip()
                 short = os.path.basename(filename)

@@ -58,10 +58,10 @@ def check(model_type: str) -> Row:
         chain = ir.build_layer_chain(graph)
     except (ModelError, UserError) as e:
         reason = " ".join(str(e).split()).removeprefix(f"model hf:{model_type}: ")
-        return Row(model_type, False, 0, 0, "", reason[:300], time.perf_counter() - start)
+        return Row(model_type, False, 0, 0, "", reason[:400], time.perf_counter() - start)
     except Exception as e:  # a sweep over every model type: one that breaks the tracer is a row, not the end
         reason = f"{type(e).__name__}: {' '.join(str(e).split())}"
-        return Row(model_type, False, 0, 0, "", reason[:300], time.perf_counter() - start)
+        return Row(model_type, False, 0, 0, "", reason[:400], time.perf_counter() - start)
     expected = built.module.num_parameters()
     found = routed_experts(graph.nodes)
     blocks = {s.class_id for s in chain.segments if s.name[-1:].isdigit()}

@@ -397,6 +397,30 @@ def test_value_dependent_branch_raises_trace_error_naming_the_module() -> None:
         ir.trace(ValueBranch(), (torch.randn(2, 8),), leaf_modules=["Gate"])
 
 
+def test_a_root_that_torch_fx_cannot_patch_is_not_the_error_location() -> None:
+    """transformers wraps forward(..., **kwargs) in a decorator whose code torch.fx cannot re-sign (co_varnames is
+    too small); the tracer's own call then held the model, and errors named `tracer.py` as the failing line. The
+    location is now the model's own module where torch.export failed."""
+    import functools
+
+    def decorated(f):
+        @functools.wraps(f)
+        def wrapper(self, *args, **kwargs):
+            return f(self, *args, **kwargs)
+        return wrapper
+
+    class Wrapped(ValueBranch):
+        @decorated
+        def forward(self, x, a=None, b=None, c=None, d=None, e=None, **kwargs):
+            return super().forward(x)
+
+    with pytest.raises(ir.TraceError) as info:
+        ir.trace(Wrapped(), (torch.randn(2, 8),), model_name="w")
+    text = str(info.value)
+    assert "co_varnames" in text and "tracer.py" not in text
+    assert "cannot trace w in module 'gate'" in text and info.value.module_path == "gate"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The zoo
 # ---------------------------------------------------------------------------------------------------------------
