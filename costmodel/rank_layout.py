@@ -205,22 +205,28 @@ def even_stages(chain: LayerChain, num_stages: int, recompute: Recompute = Recom
     n = len(chain.segments)
     if not 1 <= num_stages <= n:
         raise ValueError(f"pp*virtual_stages={num_stages} must be between 1 and the {n} segments of the layer chain")
-    counts = Counter(s.class_id for s in chain.segments)
-    main, count = max(counts.items(), key=lambda kv: (kv[1], -kv[0]))
-    idx = [s.index for s in chain.segments if s.class_id == main]
-    contiguous = idx[-1] - idx[0] + 1 == count
-    outside = any(counts[s.class_id] > 1 for s in chain.segments if not idx[0] <= s.index <= idx[-1])
-    if not contiguous or outside:
+    run = block_run(chain)
+    if run is None:
         return balanced_chunks(chain, num_stages, recompute)
-    if count >= num_stages:
-        first, total = idx[0], count
-    else:
-        first, total = 0, n
+    first, total = (run.start, len(run)) if len(run) >= num_stages else (0, n)
     bounds = [first]
     for size in even_shares(total, num_stages):
         bounds.append(bounds[-1] + size)
     bounds[0], bounds[-1] = 0, n
     return tuple(StageSpec(start=bounds[i], stop=bounds[i + 1], recompute=recompute) for i in range(num_stages))
+
+
+def block_run(chain: LayerChain) -> range | None:
+    """The segments of the most frequent layer class (the transformer blocks) when they are one contiguous run and
+    no other class repeats outside it (the embedding and the head hold no repeated layer); None otherwise, as for
+    DeepSeek-V3's dense first blocks before its MoE blocks or a T5 decoder after its encoder."""
+    counts = Counter(s.class_id for s in chain.segments)
+    main, count = max(counts.items(), key=lambda kv: (kv[1], -kv[0]))
+    idx = [s.index for s in chain.segments if s.class_id == main]
+    run = range(idx[0], idx[-1] + 1)
+    if len(run) != count or any(counts[s.class_id] > 1 for s in chain.segments if s.index not in run):
+        return None
+    return run
 
 
 def balanced_chunks(chain: LayerChain, num_chunks: int, recompute: Recompute = Recompute.NONE

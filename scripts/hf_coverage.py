@@ -56,11 +56,11 @@ def check(model_type: str) -> Row:
         built = build_model(f"hf:{model_type}", sets, seq=SEQ)
         graph = ir.trace(built.module, built.example_inputs, model_name=model_type)
         chain = ir.build_layer_chain(graph)
-    except (ModelError, UserError) as e:
-        reason = " ".join(str(e).split()).removeprefix(f"model hf:{model_type}: ")
-        return Row(model_type, False, 0, 0, "", reason[:400], time.perf_counter() - start)
     except Exception as e:  # a sweep over every model type: one that breaks the tracer is a row, not the end
-        reason = f"{type(e).__name__}: {' '.join(str(e).split())}"
+        # hf:'s own refusals are one line already; anything else says what raised it
+        named = isinstance(e, ModelError | UserError)
+        reason = " ".join(str(e).split())
+        reason = reason.removeprefix(f"model hf:{model_type}: ") if named else f"{type(e).__name__}: {reason}"
         return Row(model_type, False, 0, 0, "", reason[:400], time.perf_counter() - start)
     expected = built.module.num_parameters()
     found = routed_experts(graph.nodes)

@@ -52,12 +52,11 @@ chunks.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from costmodel.pipeline import chunk_stages, stage_rank
-from costmodel.rank_layout import balanced_cuts, segment_flops, stages_between
+from costmodel.rank_layout import balanced_cuts, block_run, segment_flops, stages_between
 from costmodel.strategy import Recompute, Schedule, StageSpec
 from ir.layer_chain import LayerChain
 
@@ -277,16 +276,12 @@ class ChainUnits:
     @classmethod
     def of(cls, chain: LayerChain) -> ChainUnits:
         n = len(chain.segments)
-        counts = Counter(s.class_id for s in chain.segments)
-        main, count = max(counts.items(), key=lambda kv: (kv[1], -kv[0]))
-        idx = [s.index for s in chain.segments if s.class_id == main]
-        blocks = range(idx[0], idx[-1] + 1)
-        # The embedding and the head are one unit each only when they hold no repeated layer (a T5 decoder
-        # stack after its encoder does not read as one unit).
-        outside_repeats = any(counts[s.class_id] > 1 for s in chain.segments if s.index not in blocks)
-        if idx[-1] - idx[0] + 1 != count or outside_repeats or _blocks_share_weights(chain, blocks):
+        # The embedding and the head are one unit each only when they hold no repeated layer (`block_run`: a T5
+        # decoder stack after its encoder does not read as one unit).
+        blocks = block_run(chain)
+        if blocks is None or _blocks_share_weights(chain, blocks):
             return cls(n, flops=segment_flops(chain))
-        first = idx[0]
+        first, count = blocks.start, len(blocks)
         alone = first == 0 or chain.segments[first - 1].boundary_bytes == chain.segments[first].boundary_bytes
         return cls(n, pre=first, blocks=count, post=n - first - count, alone_pre_sends_like_a_block=alone)
 
