@@ -24,8 +24,9 @@ from planner.scenarios.group_data_parallel import (
     searching,
 )
 from planner.search.branch_and_bound import search
+from planner.search.candidates import device_counts
 from planner.search.device_groups import mixed_type_problem, with_device_groups
-from planner.search.space import SearchSpace
+from planner.search.space import Objective, SearchSpace
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 BLOCKS = 12
@@ -195,6 +196,19 @@ def test_device_map_skips_failed_devices_and_reports_pace() -> None:
     paces = {p.pp_rank: p.speed for p in placements}
     assert paces[1] == 0.5 and all(v == 1.0 for k, v in paces.items() if k != 1)  # rank 3 is in pipeline rank 1
     assert all(p.groups == ("h100",) and p.devices == ("h100-sxm",) for p in placements)
+
+
+@pytest.mark.parametrize("nodes", [2, 5, 7, 11, 23, 47, 127, 128, 200])
+def test_a_failed_device_leaves_at_least_two_thirds_of_the_nodes_searched(nodes: int) -> None:
+    """With one device of the cluster failed, the time search still plans for a whole-node count of at least 2/3
+    of the nodes (2^i and 3 * 2^i nodes: `device_counts`), not only the power of two below (half of them)."""
+    cluster = Cluster.parse(f"{nodes}x8xa100-80gb")
+    failed = dataclasses.replace(cluster, groups=(dataclasses.replace(cluster.groups[0], unavailable=frozenset({5})),))
+    counts = device_counts(failed, SearchSpace(), Objective.TIME)
+    assert counts[0] == nodes * 8 - 1
+    whole = max(c for c in counts if c % 8 == 0)
+    assert whole >= 8 * (nodes - 1) * 2 / 3, (nodes, whole)
+    assert set(device_counts(Cluster.parse("1x8xa100-80gb"), SearchSpace(), Objective.TIME)) == set(range(1, 9))
 
 
 def test_group_cluster_keeps_each_groups_own_link() -> None:

@@ -49,8 +49,8 @@ CLUSTERS = ("1x1xcpu", "1x2xcpu", "1x4xcpu", "1x2xa100-80gb", "2x2xa100-80gb", "
 MORE_DEVICES = (("1x1xcpu", "1x2xcpu"), ("1x2xcpu", "1x4xcpu"), ("1x2xa100-80gb", "1x4xa100-80gb"),
                 ("1x2xa100-80gb", "2x2xa100-80gb"), ("2x2xa100-80gb", "4x2xa100-80gb"), ("1x4xt4", "2x4xt4"))
 """(smaller, larger) pairs: more devices in one node, or twice the nodes. The time search plans for every device,
-for power-of-two numbers of whole nodes and for every count within a node (`planner.search.branch_and_bound.device_counts`), so
-a cluster's search covers that of half its nodes; from 3 nodes to 4 it does not, by design."""
+for 2^i and 3 * 2^i whole nodes and for every count within a node (`planner.search.candidates.device_counts`), so
+a cluster's search covers that of half its nodes; from 5 nodes to 7 it does not, by design."""
 
 
 def _settings(examples: int) -> settings:

@@ -9,8 +9,8 @@ and their rank order, `planner.search.meshes`), the micro-batch size ``mbs`` and
 ZeRO stage and sequence parallelism. The space, for a free dimension:
 
 - device counts (`device_counts`): all available devices, and whole-node subsets (every one for
-  ``--objective cost``; a power-of-two number of nodes for time, so that a failed device does not rule out most
-  meshes); within one node every count;
+  ``--objective cost``; 2^i and 3 * 2^i nodes for time, so that a failed device does not rule out most meshes);
+  within one node every count;
 - meshes: every mesh of `enumerate_meshes` on those counts; tp must divide the attention heads (and relate to
   the kv heads) as `costmodel.estimate` requires;
 - ``mbs``: divisors of ``global_batch / dp`` up to `SearchSpace.max_microbatch_size`;
