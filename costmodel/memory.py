@@ -205,6 +205,14 @@ def uniform_runs(costs: Sequence[LayerCost], recompute: Recompute) -> list[Price
     return merged
 
 
+def transient_bytes(cost: LayerCost, dtype: str, cross_entropy: CrossEntropy) -> float:
+    """The largest buffer a segment holds for a moment while it runs: its own (attention scores, ...) or, on the
+    segment that returns the logits (the only one with a loss), the loss's as the trainer's kernel computes it."""
+    if not cost.loss_elements:
+        return cost.peak_temp_bytes
+    return max(cost.peak_temp_bytes, loss_transient_bytes(cost.loss_elements, dtype, cross_entropy))
+
+
 def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[int], *, zero_stage: int = 0,
                 dp: int = 1, dtype: str = "bfloat16", device_name: str = "gpu", extra_params: int = 0,
                 ep_dp: int = 1, reshard_after_forward: bool = True, offload: Offload = Offload.NONE,
@@ -234,13 +242,10 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
     # With nothing in flight (the search's affine memory terms ask for that first) every product is 0.
     activations = round(sum(n * chunk_kept_bytes(chunk, cross_entropy, dtype)
                             for chunk, n in zip(chunks, in_flight, strict=True) if n))
-    rematerialized, transient = 0, 0
+    rematerialized, transient = 0, 0.0
     for s in segments:
-        c = s.cost
-        rematerialized = max(rematerialized, c.saved_bytes_none - saved_bytes(c, s.recompute))
-        # Only the segment that returns the logits has a loss (its transient is 0 elsewhere).
-        transient = max(transient, max(c.peak_temp_bytes, loss_transient_bytes(c.loss_elements, dtype, cross_entropy))
-                        if c.loss_elements else c.peak_temp_bytes)
+        rematerialized = max(rematerialized, s.cost.saved_bytes_none - saved_bytes(s.cost, s.recompute))
+        transient = max(transient, transient_bytes(s.cost, dtype, cross_entropy))
     temporary = round(transient) + rematerialized
     w = dtype_bytes(dtype)
     if zero_stage >= 2:

@@ -7,11 +7,19 @@ import random
 
 import numpy as np
 import pytest
+from costmodel_graphs import GptShape, gpt_chain
 
+from costmodel import Cluster
 from costmodel.pipeline import chunk_stages
-from costmodel.strategy import Schedule
+from costmodel.strategy import Recompute, Schedule
 from planner.search.bounds import _min_max_partition, _min_max_partition_ranks, interleaved_bottleneck
+from planner.search.candidate_bounds import CandidateBounds
+from planner.search.candidates import enumerate_candidates
 from planner.search.interleaved_layout import InterleavedLayout
+from planner.search.layer_costs import LayerCostTable
+from planner.search.pricing import least_memory_of
+from planner.search.space import SearchSpace
+from planner.search.stage_problem import StageProblemBuilder
 
 
 def test_min_max_partition_with_a_price_per_rank_is_the_enumerated_optimum() -> None:
@@ -61,3 +69,26 @@ def test_interleaved_bottleneck_with_a_price_per_rank_is_the_enumerated_optimum(
         assert interleaved_bottleneck(layout, np.min(works, axis=0), sends, works) == pytest.approx(best, rel=1e-12)
         checked += 1
     assert checked > 100
+
+
+def test_memory_floor_never_exceeds_a_candidates_least_memory_and_holds_the_loss() -> None:
+    """`CandidateBounds.memory_floor` against each candidate's least memory over every partition and recomputation
+    (`least_memory_of`), on a chain whose loss over a large vocabulary at a long sequence is most of the memory:
+    the bound never exceeds it, and with what the rank running the loss holds in it, it is within 10% (the
+    explanation of "nothing fits" visits candidates in the bound's order: a loose bound built every one)."""
+    chain = gpt_chain(GptShape(layers=4, hidden=64, heads=4, seq=8192, vocab=32000, batch=1), attention="flash")
+    cluster = Cluster.parse("1x4xa100-80gb")
+    builder = StageProblemBuilder(chain, cluster, LayerCostTable(chain, cluster))
+    bounds = CandidateBounds(chain, "bfloat16", builder)
+    options = tuple(Recompute)
+    cands, _ = enumerate_candidates(chain, cluster, 4, SearchSpace())
+    ratios = []
+    for cand in cands:
+        built = builder.build(cand, options)
+        if built is None:
+            continue
+        least = least_memory_of(built)
+        floor = bounds.memory_floor(cand, options)
+        assert floor <= least * (1 + 1e-9), (cand.label, floor, least)
+        ratios.append(floor / least)
+    assert len(ratios) > 20 and min(ratios) > 0.9, (len(ratios), min(ratios))

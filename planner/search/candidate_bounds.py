@@ -17,7 +17,7 @@ from costmodel.expert_parallel import expert_param_numel, num_experts, optimizer
 from costmodel.expert_parallel import model_state_bytes as expert_state_bytes
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
-from costmodel.memory import PricedSegment, framework_overhead_bytes, saved_bytes
+from costmodel.memory import PricedSegment, framework_overhead_bytes, kept_bytes, saved_bytes, transient_bytes
 from costmodel.pipeline import in_flight_per_chunk
 from costmodel.step_time import optimizer_step_time
 from costmodel.strategy import MeshAxis, Offload, Recompute
@@ -54,6 +54,7 @@ class CandidateBounds:
     _comm: dict[tuple, np.ndarray | None] = field(default_factory=dict)
     _comm_bound: dict[tuple, float] = field(default_factory=dict)
     _least_saved_on_cache: dict[tuple, tuple[tuple, int]] = field(default_factory=dict)
+    _heaviest_segment_cache: dict[tuple, tuple[tuple, float]] = field(default_factory=dict)
     _state: dict[tuple, float] = field(default_factory=dict)
     _in_flight_shapes: dict[tuple, tuple[int, int, float]] = field(default_factory=dict)
     _expert_numel: int | None = None
@@ -187,19 +188,24 @@ class CandidateBounds:
         ``a_k <= (M - O - s_k) / n_k``; summed over the ranks, with ``sum_k a_k >= A`` (each segment at its
         least-saving option) and ``sum_k s_k >= S`` (the state of an even split, p times), that is
         ``M >= O + (A + S / max_k n_k) / sum_k (1 / n_k)``; and the loads sum to at least ``S + A min_k n_k``,
-        so the fullest rank holds at least ``O + (S + A min_k n_k) / p``."""
+        so the fullest rank holds at least ``O + (S + A min_k n_k) / p``. And the rank running a segment holds at
+        least ``O + min_r (min_k n_k a_sr + e_sr) + t_s``: under each option r what it keeps, a_sr, for that many
+        micro-batches and what its recomputation rematerializes, e_sr, and its transient buffer t_s
+        (`memory.transient_bytes`); for the last segment the loss's, which is what binds first at long sequences
+        over a large vocabulary."""
         placements = self.builder.placements(cand)
         if placements is None:
             return 0.0
         least, most, inverse_sum = self._in_flight_shape(cand)
-        if least < 1:
-            return 0.0
         allowed = (Recompute.NONE,) if cand.schedule.zero_bubble else tuple(options)
+        heaviest = self._heaviest_segment_on(cand, placements, allowed, max(least, 0))
+        if least < 1:
+            return self._overhead(placements) + heaviest
         saved = self._least_saved_on(cand, placements, allowed)
         state = self._state_floor(cand)
         # Also the average rank: the loads sum to at least S + min_k n_k * A.
         return self._overhead(placements) + max((saved + state / most) / inverse_sum,
-                                                (state + least * saved) / cand.mesh.pp)
+                                                (state + least * saved) / cand.mesh.pp, heaviest)
 
     def _in_flight_shape(self, cand: Candidate) -> tuple[int, int, float]:
         """(min_k n_k, max_k n_k, sum_k 1 / n_k) over the pipeline ranks, n_k the least in-flight micro-batch
@@ -224,6 +230,23 @@ class CandidateBounds:
             saved = min(self._least_saved_bytes(self.builder.segment_costs(cand, device), allowed)
                         for device, _ in self._kinds(placements))
             hit = self._least_saved_on_cache[key] = (placements, saved)
+        return hit[1]
+
+    def _heaviest_segment_on(self, cand: Candidate, placements: tuple[RankPlacement, ...],
+                             allowed: tuple[Recompute, ...], in_flight: int) -> float:
+        """max over segments of what the rank running it holds at least besides the framework: per recomputation
+        option, `in_flight` micro-batches of what the segment keeps plus what its backward rematerializes at once
+        (`memory.rank_memory`'s temporary bytes), the least over the options, plus its transient buffer; on the
+        cheapest device type of the candidate's ranks (cached like `_least_saved_on`)."""
+        ce = cand.runtime.cross_entropy
+        key = (cand.mesh, cand.sequence_parallel, cand.microbatch_size, id(placements), allowed, ce, in_flight)
+        hit = self._heaviest_segment_cache.get(key)
+        if hit is None or hit[0] is not placements:
+            most = min(max(min(in_flight * kept_bytes(c, rc, ce, self.dtype) + c.saved_bytes_none - saved_bytes(c, rc)
+                               for rc in allowed) + transient_bytes(c, self.dtype, ce)
+                           for c in self.builder.segment_costs(cand, device))
+                       for device, _ in self._kinds(placements))
+            hit = self._heaviest_segment_cache[key] = (placements, most)
         return hit[1]
 
     def _state_floor(self, cand: Candidate) -> float:

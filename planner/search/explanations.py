@@ -149,8 +149,10 @@ def empty_space_message(chain: LayerChain, cluster: Cluster, global_batch: int, 
 def least_memory(state: SearchState) -> tuple[float, Candidate | None]:
     """The smallest per-device memory with which some strategy of the space fits, and its candidate.
 
-    Exact: candidates are visited in order of their parameter-state bound, each priced at its best partition
-    and recomputation for memory (`least_memory_of`), until the bound exceeds the best found."""
+    Exact: candidates are visited in order of a lower bound on their memory -- the larger of their parameter state
+    and `CandidateBounds.memory_floor` (activations included: where they are what does not fit, a long sequence
+    say, the parameter state alone bounds nothing and every candidate would be built) -- each priced at its best
+    partition and recomputation for memory (`least_memory_of`), until the bound reaches the best found."""
     candidates, _ = enumerate_candidates(state.chain, state.cluster, state.global_batch, state.space,
                                          state.options.objective)
     options = state.options_for()
@@ -164,7 +166,9 @@ def least_memory(state: SearchState) -> tuple[float, Candidate | None]:
         need = model_state_bytes(even, zero_stage=cand.zero_stage, dp=m.dp * m.cp, dtype=state.dtype,
                                  offload=cand.runtime.offload,
                                  grad_bytes=cand.runtime.grad_bytes(dtype_bytes(state.dtype))).total
-        bounded.append((need + framework_overhead_bytes(placements[0].device.name), cand.sort_key, cand))
+        floor = max(need + framework_overhead_bytes(placements[0].device.name),
+                    state.bounds.memory_floor(cand, options))
+        bounded.append((floor, cand.sort_key, cand))
     bounded.sort(key=lambda t: (t[0], t[1]))
     best, arg = math.inf, None
     for lower, _, cand in bounded:
