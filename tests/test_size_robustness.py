@@ -26,6 +26,7 @@ from models.registry import ModelError, resolve_config
 from models.validation import MAX_LAYERS
 from planner.cli.main import main
 from planner.errors import TimeLimitError
+from planner.search.fair_share import FIRST_PLAN_FRACTION
 from planner.search.intra_op import MAX_OBJECTIVE, solve_problem
 from planner.tracing import trace_model
 
@@ -149,3 +150,19 @@ def test_no_plan_within_the_limit_is_one_line_not_a_wait(monkeypatch: pytest.Mon
     with pytest.raises(TimeLimitError, match=r"no plan found within the time limit of 0.1 s and 0.2 s more"):
         planner.api.plan(chain, None, "1x4xcpu", global_batch=8, dtype="float32", time_limit_s=0.1)
     assert time.monotonic() - started < 5
+
+
+def test_logits_past_the_memory_are_explained_within_the_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    """A million tokens over a vocabulary of 128,000: the loss's logits alone fill any L4 several times. The memory
+    bounds held only the parameter state and the activations, so every candidate was priced in full: 40 s to say
+    that nothing fits, or "no plan found" at a shorter limit. The bounds now hold what the rank running the loss
+    holds, and the search ends in seconds with the least memory that would fit. (At a limit of a few seconds the
+    rush for a first plan, half-way through it, can still visit thousands of candidates that do not fit.)"""
+    limit_s = 20.0
+    started = time.monotonic()
+    code = main(["plan", "gpt-tiny", "--set", "vocab=128000", "--seq", "1000000", "--cluster", "8x8xl4",
+                 "--batch", "8", "--time-limit", str(limit_s)])
+    wall = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 2 and "nothing fits in 22.49 GiB per device: the least memory any strategy needs is" in err, err
+    assert wall < limit_s * FIRST_PLAN_FRACTION, f"{wall:.1f} s"

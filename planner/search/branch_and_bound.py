@@ -214,7 +214,9 @@ class SearchState:
                 self._unbounded.discard(payload)
                 self.expand_mesh(lb, payload, heap)
             elif depth == 3 or (depth == 2 and self.candidates[payload].mesh.tp == 1):
-                self.visit(self.candidates[payload])
+                # A candidate whose least memory cannot fit is not built (at tp = 1 its floor solves nothing).
+                if depth == 3 or self.fits_at_least(self.candidates[payload]):
+                    self.visit(self.candidates[payload])
             else:
                 kept.append(entry)
         for entry in kept:
@@ -239,11 +241,19 @@ class SearchState:
 
     def refine(self, cand: Candidate) -> float:
         """Level-2 lower bound from the candidate's own layer prices (`CandidateBounds.tight`); inf when even its
-        least activation memory cannot fit (`CandidateBounds.memory_floor`), which the mesh's record keeps."""
+        least memory cannot fit (`fits_at_least`)."""
+        if not self.fits_at_least(cand):
+            return math.inf
+        return self.bounds.tight(cand) * self.price_factor(cand)
+
+    def fits_at_least(self, cand: Candidate) -> bool:
+        """Whether the candidate's least memory (`CandidateBounds.memory_floor`) fits its largest device; when it
+        does not, the mesh's record keeps the bytes."""
         need = self.bounds.memory_floor(cand, self.options_for())
         if need > max(pl.device.memory_bytes for pl in self.builder.placements(cand)):
-            return self._does_not_fit(cand.mesh, need)
-        return self.bounds.tight(cand) * self.price_factor(cand)
+            self._does_not_fit(cand.mesh, need)
+            return False
+        return True
 
     def _does_not_fit(self, m: MeshCandidate, need: float) -> float:
         """The bound of a candidate that cannot fit: inf; its mesh's record keeps the least memory seen needed."""

@@ -20,7 +20,7 @@ from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment, framework_overhead_bytes, kept_bytes, saved_bytes, transient_bytes
 from costmodel.pipeline import in_flight_per_chunk
 from costmodel.step_time import optimizer_step_time
-from costmodel.strategy import MeshAxis, Offload, Recompute
+from costmodel.strategy import CrossEntropy, MeshAxis, Offload, Recompute
 from ir.graph import dtype_bytes
 from ir.layer_chain import LayerChain
 from planner.search.bounds import cheap_lower_bound, comm_lower_bound, tight_lower_bound
@@ -54,7 +54,7 @@ class CandidateBounds:
     _comm: dict[tuple, np.ndarray | None] = field(default_factory=dict)
     _comm_bound: dict[tuple, float] = field(default_factory=dict)
     _least_saved_on_cache: dict[tuple, tuple[tuple, int]] = field(default_factory=dict)
-    _heaviest_segment_cache: dict[tuple, tuple[tuple, float]] = field(default_factory=dict)
+    _segment_loads_cache: dict[tuple, tuple[tuple, list]] = field(default_factory=dict)
     _state: dict[tuple, float] = field(default_factory=dict)
     _in_flight_shapes: dict[tuple, tuple[int, int, float]] = field(default_factory=dict)
     _expert_numel: int | None = None
@@ -237,16 +237,23 @@ class CandidateBounds:
         """max over segments of what the rank running it holds at least besides the framework: per recomputation
         option, `in_flight` micro-batches of what the segment keeps plus what its backward rematerializes at once
         (`memory.rank_memory`'s temporary bytes), the least over the options, plus its transient buffer; on the
-        cheapest device type of the candidate's ranks (cached like `_least_saved_on`)."""
-        ce = cand.runtime.cross_entropy
-        key = (cand.mesh, cand.sequence_parallel, cand.microbatch_size, id(placements), allowed, ce, in_flight)
-        hit = self._heaviest_segment_cache.get(key)
-        if hit is None or hit[0] is not placements:
-            most = min(max(min(in_flight * kept_bytes(c, rc, ce, self.dtype) + c.saved_bytes_none - saved_bytes(c, rc)
-                               for rc in allowed) + transient_bytes(c, self.dtype, ce)
-                           for c in self.builder.segment_costs(cand, device))
-                       for device, _ in self._kinds(placements))
-            hit = self._heaviest_segment_cache[key] = (placements, most)
+        cheapest device type of the candidate's ranks."""
+        return min(max(min(in_flight * kept + remat for kept, remat in options) + transient
+                       for options, transient in self._segment_loads(self.builder.segment_costs(cand, device),
+                                                                     allowed, cand.runtime.cross_entropy))
+                   for device, _ in self._kinds(placements))
+
+    def _segment_loads(self, costs: tuple, allowed: tuple[Recompute, ...], ce: CrossEntropy
+                       ) -> list[tuple[list[tuple[float, int]], float]]:
+        """Per distinct segment cost of a table (a layer class's segments share one): per option (kept bytes,
+        rematerialized bytes), and its transient bytes (cached per table, which the builder keeps alive)."""
+        key = (id(costs), allowed, ce)
+        hit = self._segment_loads_cache.get(key)
+        if hit is None or hit[0] is not costs:
+            distinct = {id(c): c for c in costs}.values()
+            loads = [([(kept_bytes(c, rc, ce, self.dtype), c.saved_bytes_none - saved_bytes(c, rc)) for rc in allowed],
+                      transient_bytes(c, self.dtype, ce)) for c in distinct]
+            hit = self._segment_loads_cache[key] = (costs, loads)
         return hit[1]
 
     def _state_floor(self, cand: Candidate) -> float:
