@@ -55,6 +55,7 @@ class CandidateBounds:
     _comm_bound: dict[tuple, float] = field(default_factory=dict)
     _least_saved_on_cache: dict[tuple, tuple[tuple, int]] = field(default_factory=dict)
     _segment_loads_cache: dict[tuple, tuple[tuple, list]] = field(default_factory=dict)
+    _heaviest: dict[tuple, tuple[tuple, float]] = field(default_factory=dict)
     _state: dict[tuple, float] = field(default_factory=dict)
     _in_flight_shapes: dict[tuple, tuple[int, int, float]] = field(default_factory=dict)
     _expert_numel: int | None = None
@@ -238,10 +239,19 @@ class CandidateBounds:
         option, `in_flight` micro-batches of what the segment keeps plus what its backward rematerializes at once
         (`memory.rank_memory`'s temporary bytes), the least over the options, plus its transient buffer; on the
         cheapest device type of the candidate's ranks."""
-        return min(max(min(in_flight * kept + remat for kept, remat in options) + transient
-                       for options, transient in self._segment_loads(self.builder.segment_costs(cand, device),
-                                                                     allowed, cand.runtime.cross_entropy))
+        return min(self._heaviest_segment(self.builder.segment_costs(cand, device), allowed,
+                                          cand.runtime.cross_entropy, in_flight)
                    for device, _ in self._kinds(placements))
+
+    def _heaviest_segment(self, costs: tuple, allowed: tuple[Recompute, ...], ce: CrossEntropy,
+                          in_flight: int) -> float:
+        key = (id(costs), allowed, ce, in_flight)
+        hit = self._heaviest.get(key)
+        if hit is None or hit[0] is not costs:
+            most = max(min(in_flight * kept + remat for kept, remat in options) + transient
+                       for options, transient in self._segment_loads(costs, allowed, ce))
+            hit = self._heaviest[key] = (costs, most)
+        return hit[1]
 
     def _segment_loads(self, costs: tuple, allowed: tuple[Recompute, ...], ce: CrossEntropy
                        ) -> list[tuple[list[tuple[float, int]], float]]:
