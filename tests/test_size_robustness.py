@@ -166,3 +166,18 @@ def test_logits_past_the_memory_are_explained_within_the_limit(capsys: pytest.Ca
     err = capsys.readouterr().err
     assert code == 2 and "nothing fits in 22.49 GiB per device: the least memory any strategy needs is" in err, err
     assert wall < limit_s * FIRST_PLAN_FRACTION, f"{wall:.1f} s"
+
+
+def test_the_least_memory_search_stops_at_the_time_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Explaining that nothing fits searches for the least memory that would; past the time limit it stops and says
+    what it knows (the bound it reached, and the least found if any) instead of running on."""
+    import planner.api
+    from planner.errors import InfeasibleError
+
+    chain = trace_model("gpt", ["layers=6", "hidden=8192", "heads=64", "seq=512"]).chain
+    with pytest.raises(InfeasibleError, match=r"needs is 30\.54 GiB per device \(dp=1 tp=1 pp=1"):
+        planner.api.plan(chain, None, "1x1xl4", global_batch=1)
+    monkeypatch.setattr(bnb.SearchState, "partition_deadline", lambda self: 0.0)  # long past
+    with pytest.raises(InfeasibleError, match=r"needs is at least \d+\.\d+ GiB per device \(the time limit cut the "
+                                              r"search for the least short\); what would help"):
+        planner.api.plan(chain, None, "1x1xl4", global_batch=1)

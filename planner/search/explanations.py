@@ -4,6 +4,7 @@ space is empty or nothing fits in memory (the messages of `UserError` / `Infeasi
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -146,13 +147,15 @@ def empty_space_message(chain: LayerChain, cluster: Cluster, global_batch: int, 
             f"layer-chain segments (dp must divide the batch, dp*tp*pp the devices, tp the devices per node)")
 
 
-def least_memory(state: SearchState) -> tuple[float, Candidate | None]:
+def least_memory(state: SearchState) -> tuple[float, Candidate | None, float | None]:
     """The smallest per-device memory with which some strategy of the space fits, and its candidate.
 
     Exact: candidates are visited in order of a lower bound on their memory -- the larger of their parameter state
     and `CandidateBounds.memory_floor` (activations included: where they are what does not fit, a long sequence
     say, the parameter state alone bounds nothing and every candidate would be built) -- each priced at its best
-    partition and recomputation for memory (`least_memory_of`), until the bound reaches the best found."""
+    partition and recomputation for memory (`least_memory_of`), until the bound reaches the best found. The third
+    value is None when that proof finished, else the bound where the time limit (and its grace for a first plan)
+    cut it short: the least memory lies between it and the best found."""
     candidates, _ = enumerate_candidates(state.chain, state.cluster, state.global_batch, state.space,
                                          state.options.objective)
     options = state.options_for()
@@ -171,15 +174,18 @@ def least_memory(state: SearchState) -> tuple[float, Candidate | None]:
         bounded.append((floor, cand.sort_key, cand))
     bounded.sort(key=lambda t: (t[0], t[1]))
     best, arg = math.inf, None
+    deadline = state.partition_deadline()
     for lower, _, cand in bounded:
         if lower >= best:
             break
+        if deadline is not None and time.monotonic() > deadline:
+            return best, arg, lower
         built = state.builder.build(cand, options)
         if built is not None:
             need = least_memory_of(built)
             if need < best:
                 best, arg = need, cand
-    return best, arg
+    return best, arg, None
 
 
 def _digits_to_tell_apart(need: float, capacity: float) -> int:
@@ -191,7 +197,7 @@ def _digits_to_tell_apart(need: float, capacity: float) -> int:
 
 
 def nothing_fits_message(state: SearchState, space: SearchSpace) -> str:
-    need, cand = least_memory(state)
+    need, cand, cut_at = least_memory(state)
     capacity = max(g.device.memory_bytes for g in state.cluster.groups)
     n = state.cluster.num_available
     # The least device state the searched offloads leave (parameters offload only where FSDP2 shards, n > 1).
@@ -218,9 +224,13 @@ def nothing_fits_message(state: SearchState, space: SearchSpace) -> str:
                      "(--seq), or devices with more memory")
     where = f" ({cand.label}, recompute=full where needed)" if cand is not None else ""
     digits = _digits_to_tell_apart(need, capacity)
-    need_text = f"{need / GIB:.{digits}f} GiB" if math.isfinite(need) else "more than any device has"
+    need_text = f"{need / GIB:.{digits}f} GiB per device" if math.isfinite(need) else "more than any device has"
+    if cut_at is not None:  # the time limit stopped the proof: what is known
+        upper = f" and at most {need / GIB:.{digits}f}" if math.isfinite(need) else ""
+        need_text = (f"at least {max(cut_at, capacity) / GIB:.{digits}f}{upper} GiB per device (the time limit cut "
+                     "the search for the least short)")
     return (f"nothing fits in {capacity / GIB:.{digits}f} GiB per device: the least memory any strategy needs is "
-            f"{need_text} per device{where}; what would help: {'; '.join(helps)}")
+            f"{need_text}{where}; what would help: {'; '.join(helps)}")
 
 
 def out_of_time_message(limit_s: float, grace_s: float, priced: int, seen: int) -> str:
