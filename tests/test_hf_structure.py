@@ -241,7 +241,7 @@ def test_a_check_that_fails_on_dropped_tokens_says_why_without_a_traceback(tmp_p
     import subprocess
     import sys
 
-    from planner.cli.run_cmd import token_drop_note
+    from planner.runtime.measure import token_drop_note
 
     name = _saved(tmp_path_factory, "qwen3_moe", num_hidden_layers=2)
     assert "capacity factor 1.25 < experts / top-k = 4" in token_drop_note(_trace(name, seq=16)[2])

@@ -203,7 +203,7 @@ def _train_and_report(args: argparse.Namespace, plan: Any, device: Any) -> int:
     import torch.distributed as dist
 
     from planner.cli.common import trace_chain
-    from planner.runtime.measure import peak_memory_per_stage
+    from planner.runtime.measure import max_relative_difference, peak_memory_per_stage, token_drop_note
 
     rank = dist.get_rank()
     reference = _reference(args, plan, device) if args.check and rank == 0 else None
@@ -217,7 +217,7 @@ def _train_and_report(args: argparse.Namespace, plan: Any, device: Any) -> int:
         payload = [reference]
         dist.broadcast_object_list(payload, src=0)
         reference = payload[0]
-        passed = _max_rel_diff(measured.losses, reference.losses) <= args.tolerance
+        passed = max_relative_difference(measured.losses, reference.losses) <= args.tolerance
     if rank == 0:
         kind = "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss"
         report = _report(args, plan, measured, reference, peaks, kind)
@@ -227,25 +227,6 @@ def _train_and_report(args: argparse.Namespace, plan: Any, device: Any) -> int:
         if args.verdict_file:
             Path(args.verdict_file).write_text("passed" if passed else "failed")
     return 0 if passed or args.verdict_file else 1
-
-
-def token_drop_note(chain: Any) -> str | None:
-    """Why a sharded run of a capacity-limited mixture of experts may not match one process: which token choices
-    an expert drops depends on the routing group they share, and a rank may cut its tokens into other groups than
-    the single process does (`models.hf_tracing` groups a micro-batch's tokens together). None when the experts
-    drop nothing (capacity factor >= E / k) or there are none."""
-    from ir.moe_structure import routed_experts
-
-    found = routed_experts(chain.graph.nodes)
-    if found is None:
-        return None
-    dropless = found.num_experts / found.top_k
-    if found.capacity_factor >= dropless * (1 - 1e-9):
-        return None
-    return (f"the experts drop token choices past their capacity (capacity factor {found.capacity_factor:.3g} < "
-            f"experts / top-k = {dropless:g}), and which ones depends on the routing groups, which a rank may cut "
-            f"otherwise than one process: plan and run "
-            f"with --set capacity_factor={dropless:g} to compare without drops")
 
 
 def _parallelize(built: Any, plan: Any, chain: Any) -> Any:
@@ -271,10 +252,6 @@ def _reference(args: argparse.Namespace, plan: Any, device: Any) -> MeasuredRun:
     return train_unsharded(built.module, built.loss, built.example_inputs, optimizer, args.steps)
 
 
-def _max_rel_diff(losses: Sequence[float], reference: Sequence[float]) -> float:
-    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference, strict=True))
-
-
 def _report(args: argparse.Namespace, plan: Any, measured: MeasuredRun, reference: MeasuredRun | None,
             peaks: Sequence[int], memory_kind: str) -> dict[str, Any]:
     steps = [{"step": i + 1, "loss": loss, "time_s": t}
@@ -286,7 +263,9 @@ def _report(args: argparse.Namespace, plan: Any, measured: MeasuredRun, referenc
     steady = measured.step_times[1:] or measured.step_times
     check = None
     if reference is not None:
-        diff = _max_rel_diff(measured.losses, reference.losses)
+        from planner.runtime.measure import max_relative_difference
+
+        diff = max_relative_difference(measured.losses, reference.losses)
         check = {"max_rel_loss_diff": diff, "tolerance": args.tolerance, "passed": diff <= args.tolerance}
     s = plan.strategy
     return {

@@ -1,5 +1,5 @@
-"""Measuring a training run: step losses and times (the slowest rank's), peak memory per pipeline stage, and the
-unsharded reference a sharded run is checked against (`stratagem run`)."""
+"""Measuring a training run: step losses and times (the slowest rank's), peak memory per pipeline stage, the
+unsharded reference a sharded run is checked against (`stratagem run`), and how the two compare."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ir.layer_chain import LayerChain
+from ir.moe_structure import routed_experts
 from planner.runtime.parallelize import LossFn, ParallelModel
 from planner.runtime.train_step import train_step
 
@@ -79,3 +81,25 @@ def peak_memory_per_stage(pm: Any, device: Any) -> list[int]:
     for stage, value in gathered:
         per_stage[stage] = max(per_stage[stage], value)
     return per_stage
+
+
+def max_relative_difference(losses: Sequence[float], reference: Sequence[float]) -> float:
+    """The largest |loss - reference| / |reference| over the steps (what `stratagem run --check` compares)."""
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference, strict=True))
+
+
+def token_drop_note(chain: LayerChain) -> str | None:
+    """Why a sharded run of a capacity-limited mixture of experts may not match one process: which token choices
+    an expert drops depends on the routing group they share, and a rank may cut its tokens into other groups than
+    the single process does (`models.hf_tracing` groups a micro-batch's tokens together). None when the experts
+    drop nothing (capacity factor >= E / k) or there are none."""
+    found = routed_experts(chain.graph.nodes)
+    if found is None:
+        return None
+    dropless = found.num_experts / found.top_k
+    if found.capacity_factor >= dropless * (1 - 1e-9):
+        return None
+    return (f"the experts drop token choices past their capacity (capacity factor {found.capacity_factor:.3g} < "
+            f"experts / top-k = {dropless:g}), and which ones depends on the routing groups, which a rank may cut "
+            f"otherwise than one process: plan and run "
+            f"with --set capacity_factor={dropless:g} to compare without drops")
