@@ -45,7 +45,7 @@ from planner.search.branch_and_bound import check_fp8, search
 from planner.search.candidates import Candidate
 from planner.search.device_groups import mixed_type_problem, with_device_groups
 from planner.search.layer_costs import LayerCostTable
-from planner.search.outcome import SearchOptions, SearchResult
+from planner.search.outcome import DEFAULT_RELATIVE_GAP, SearchOptions, SearchResult
 from planner.search.pricing import layer_cost_map, sharding_of
 from planner.search.space import Objective, SearchSpace
 from planner.search.stage_problem import StageProblemBuilder
@@ -104,13 +104,16 @@ def plan(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any, cl
          global_batch: int, space: SearchSpace | None = None, objective: Objective | str = Objective.TIME,
          time_limit_s: float | None = None, dtype: str = "bfloat16", model_name: str | None = None,
          settings: Sequence[tuple[str, Any]] = (), progress: ProgressCallback | None = None,
-         profile: OpProfile | None = None, simplest_tie: bool = True) -> Plan:
+         profile: OpProfile | None = None, simplest_tie: bool = True,
+         relative_gap: float = DEFAULT_RELATIVE_GAP) -> Plan:
     """The best plan for training the model on `cluster` with `global_batch` samples per step (module docstring).
 
     Among strategies whose step times tie within the cluster's prediction error band the simplest is returned
     (`planner.search.ranking`); `simplest_tie=False` returns the fastest priced instead, for a plan that stands
     for a configuration tuned by measurement (what a published run left unstated).
 
+    The search stops once the plan is proven within `relative_gap` of the fastest strategy of the space (1%:
+    `planner.search.outcome.DEFAULT_RELATIVE_GAP`; 0 proves it optimal); `plan.search` holds the proven gap.
     `time_limit_s` stops the search with the best plan found so far (status "feasible", its proven gap in
     `plan.search`). It is None (no limit) by default, unlike the CLI's 60 s: a plan found within a limit depends
     on the machine's speed, and the ranks of a job that each plan for themselves must find the same plan.
@@ -119,7 +122,8 @@ def plan(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any, cl
     Raises `planner.errors.InfeasibleError` when nothing fits, `UserError` for an empty search space."""
     return plan_top(model_or_chain, inputs_or_spec, cluster, global_batch=global_batch, top_k=1, space=space,
                     objective=objective, time_limit_s=time_limit_s, dtype=dtype, model_name=model_name,
-                    settings=settings, progress=progress, profile=profile, simplest_tie=simplest_tie)[0]
+                    settings=settings, progress=progress, profile=profile, simplest_tie=simplest_tie,
+                    relative_gap=relative_gap)[0]
 
 
 def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any, cluster: Cluster | str, *,
@@ -127,7 +131,7 @@ def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any
              objective: Objective | str = Objective.TIME, time_limit_s: float | None = None,
              dtype: str = "bfloat16", model_name: str | None = None, settings: Sequence[tuple[str, Any]] = (),
              progress: ProgressCallback | None = None, profile: OpProfile | None = None,
-             simplest_tie: bool = True) -> tuple[Plan, ...]:
+             simplest_tie: bool = True, relative_gap: float = DEFAULT_RELATIVE_GAP) -> tuple[Plan, ...]:
     """The `top_k` best distinct strategies as plans, best first (each carries the same search information)."""
     name = model_name or getattr(model_or_chain, "model_name", None) or type(model_or_chain).__name__
     cluster = as_cluster(cluster, profile)
@@ -138,7 +142,7 @@ def plan_top(model_or_chain: nn.Module | Graph | LayerChain, inputs_or_spec: Any
                         "price it; search without it, then estimate the plan's strategy with it")
     chain = as_chain(model_or_chain, inputs_or_spec, model_name=name, dtype=dtype, progress=progress)
     options = SearchOptions(objective=Objective(objective), top_k=top_k, time_limit_s=time_limit_s,
-                            progress=progress,
+                            progress=progress, relative_gap=relative_gap,
                             tie_band=error_band(g.device for g in cluster.groups) if simplest_tie else None)
     result = search(chain, cluster, global_batch=global_batch, space=space, options=options, dtype=dtype,
                     profile=profile)
@@ -233,10 +237,11 @@ def _model_info(chain: LayerChain, name: str, settings: Sequence[tuple[str, Any]
 
 def _search_info(result: SearchResult, step_time_s: float) -> SearchInfo:
     # The gap is relative, so it holds for time and cost alike; the bound is reported in seconds of this plan.
+    fastest = min(r.objective for r in result.ranked)
     return SearchInfo(time_s=result.time_s, candidates=result.candidates, status=result.status,
                       optimality_gap=result.optimality_gap,
                       lower_bound_s=step_time_s * (1.0 - result.optimality_gap),
-                      alternatives=result.alternatives)
+                      alternatives=result.alternatives, fastest_s=step_time_s * fastest / result.best.objective)
 
 
 def _plan_of(chain: LayerChain, cluster: Cluster, info: ModelInfo, global_batch: int, dtype: str,

@@ -102,17 +102,24 @@ class SearchInfo:
     """(plan step time - best lower bound) / plan step time; 0 when proven optimal."""
     lower_bound_s: float
     alternatives: tuple[Alternative, ...] = ()
+    fastest_s: float | None = None
+    """Step time of the fastest strategy found, in seconds of this plan's step (below it where the plan is the
+    simplest of a tie); None in plans written before it was recorded."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"time_s": self.time_s, "candidates": self.candidates, "status": self.status,
-                "optimality_gap": self.optimality_gap, "lower_bound_s": self.lower_bound_s,
-                "alternatives": [a.to_dict() for a in self.alternatives]}
+        d = {"time_s": self.time_s, "candidates": self.candidates, "status": self.status,
+             "optimality_gap": self.optimality_gap, "lower_bound_s": self.lower_bound_s,
+             "alternatives": [a.to_dict() for a in self.alternatives]}
+        if self.fastest_s is not None:
+            d["fastest_s"] = self.fastest_s
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SearchInfo:
         return cls(time_s=d["time_s"], candidates=d["candidates"], status=d["status"],
                    optimality_gap=d["optimality_gap"], lower_bound_s=d["lower_bound_s"],
-                   alternatives=tuple(Alternative.from_dict(a) for a in d["alternatives"]))
+                   alternatives=tuple(Alternative.from_dict(a) for a in d["alternatives"]),
+                   fastest_s=d.get("fastest_s"))
 
 
 @dataclass(frozen=True, slots=True)

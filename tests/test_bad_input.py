@@ -179,6 +179,10 @@ BAD_INPUTS: tuple[BadInput, ...] = (
           f"plan {TINY} --cluster 1x4xcpu --batch 8 --time-limit inf", "--time-limit", "(0: no limit), got inf"),
     _case("time-limit-nan", "--time-limit nan", f"plan {TINY} --cluster 1x4xcpu --batch 8 --time-limit nan",
           "--time-limit", "got nan"),
+    _case("gap-100", "--gap of 100% or more (a plan is proven within a fraction of the optimum)",
+          f"plan {TINY} --cluster 1x4xcpu --batch 8 --gap 100", "--gap", "expected a percentage >= 0 and below 100, got 100"),
+    _case("gap-negative", "negative --gap", f"plan {TINY} --cluster 1x4xcpu --batch 8 --gap -1", "--gap",
+          "expected a percentage >= 0, got -1"),
     # ---- plan files -----------------------------------------------------------------------------------------------
     _case("plan-missing", "plan file that does not exist", "explain nosuch.json", "plan file nosuch.json does not exist"),
     _case("plan-corrupt", "plan file that is not JSON", "explain corrupt.json",

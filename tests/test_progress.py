@@ -47,7 +47,8 @@ def test_api_callback_gets_frozen_records_ending_with_the_proven_gap(monkeypatch
     assert {Phase.PRICE, Phase.SEARCH} <= {r.phase for r in records}
     last = records[-1]
     assert last.phase is Phase.DONE and [r.phase for r in records].count(Phase.DONE) == 1
-    assert last.candidates_priced == plan.search.candidates and last.gap == 0.0
+    # Proven within the API's default gap of 1%.
+    assert last.candidates_priced == plan.search.candidates and 0.0 <= last.gap <= 0.01 / 1.01
     assert last.best == pytest.approx(plan.predicted.step_time_s, rel=0.3)  # the tie rule may pick a simpler one
     for a, b in zip(records, records[1:], strict=False):  # counters and the bound only grow
         assert b.candidates_priced >= a.candidates_priced and b.elapsed_s >= a.elapsed_s

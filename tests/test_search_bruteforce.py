@@ -464,6 +464,33 @@ def test_top_k_are_the_k_best_candidates(tmp_path: Path) -> None:
     assert len({r.candidate for r in result.ranked}) == 4
 
 
+def test_a_relative_gap_stops_within_it_of_the_brute_force_optimum(tmp_path: Path) -> None:
+    """With a relative gap the search stops once no bound is left below its best over 1 + gap: its plan is within
+    the gap of the brute-force optimum, the lower bound it reports is at most that optimum (so its gap is at most
+    gap / (1 + gap)), and it prices no more candidates than the exact search (fewer on some instance)."""
+    instances = _instances(tmp_path)
+    fewer = 0
+    for name, chain, cluster, batch, space in [instances[i] for i in (0, 16)]:
+        optimum = brute_force(chain, cluster, batch, space).best
+        exact = search(chain, cluster, global_batch=batch, space=space)
+        for gap in (0.01, 0.05):
+            loose = search(chain, cluster, global_batch=batch, space=space, options=SearchOptions(relative_gap=gap))
+            step = loose.best.estimate.step_time_s
+            assert loose.status == "optimal", name
+            assert optimum * (1 - 1e-9) <= step <= optimum * (1 + gap) * (1 + 1e-9), name
+            assert loose.lower_bound <= optimum * (1 + 1e-9), name
+            assert loose.optimality_gap <= gap / (1 + gap) + 1e-9, name
+            assert loose.candidates <= exact.candidates, name
+            fewer += loose.candidates < exact.candidates
+    assert fewer >= 1
+
+
+def test_a_relative_gap_is_a_fraction_below_one() -> None:
+    for bad in (-0.01, 1.0, math.inf):
+        with pytest.raises(ValueError, match="relative gap"):
+            SearchOptions(relative_gap=bad)
+
+
 @pytest.mark.parametrize("cluster_spec", ["1x4xa100-80gb", "1x4xcpu"])
 def test_the_simplest_tied_strategy_is_the_brute_force_one(cluster_spec: str) -> None:
     """With a tie band the search proves, beyond the best, every candidate that could be simpler and tied: its

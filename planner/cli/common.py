@@ -56,6 +56,14 @@ def percent(text: str) -> float:
     return value
 
 
+def gap_percent(text: str) -> float:
+    """argparse type for `--gap`: a percentage >= 0 and below 100."""
+    value = percent(text)
+    if value >= 100:
+        raise argparse.ArgumentTypeError(f"expected a percentage >= 0 and below 100, got {text}")
+    return value
+
+
 def time_limit(text: str) -> float:
     """argparse type for `--time-limit`: a finite number of seconds >= 0 (0: no limit)."""
     try:

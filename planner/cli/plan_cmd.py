@@ -27,6 +27,7 @@ from planner.cli.common import (
     add_time_limit_argument,
     add_trace_cache_arguments,
     check_output_path,
+    gap_percent,
     input_paths,
     parse_cluster,
     positive_int,
@@ -39,6 +40,7 @@ from planner.cli.progress import live, search_callback
 from planner.errors import UserError
 from planner.plan import Plan
 from planner.reports.render import render_plan
+from planner.search.outcome import DEFAULT_RELATIVE_GAP
 from planner.search.space import FIX_KEYS, Objective, SearchSpace
 from planner.trace_cache import TracedModel
 from planner.tracing import trace_model
@@ -57,6 +59,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"pin a dimension (repeatable); keys: {', '.join(sorted(set(FIX_KEYS)))}")
     p.add_argument("--top", type=positive_int, default=1, metavar="K", help="return the K best distinct strategies")
     add_time_limit_argument(p)
+    p.add_argument("--gap", type=gap_percent, default=100 * DEFAULT_RELATIVE_GAP, metavar="PCT",
+                   help="stop once the plan is proven within PCT%% of the best strategy of the searched space "
+                        "(default %(default)g; 0: prove it optimal)")
     p.add_argument("--objective", choices=[o.value for o in Objective], default=Objective.TIME.value,
                    help="minimize step time (default) or cost per step (needs prices in the cluster YAML)")
     p.add_argument("--max-mbs", type=positive_int, default=SearchSpace().max_microbatch_size, metavar="N",
@@ -100,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
                              progress=progress)
         plans = plan_top(traced.chain, None, cluster, profile=profile, global_batch=args.batch, dtype=args.dtype,
                          top_k=args.top, space=space, objective=args.objective, time_limit_s=limit,
-                         model_name=traced.name, settings=traced.settings, progress=progress)
+                         model_name=traced.name, settings=traced.settings, progress=progress,
+                         relative_gap=args.gap / 100)
     if baseline_cfg is None:
         emit(plans, cluster, args.json, outputs)
     else:

@@ -106,11 +106,14 @@ def render_plan(plan: Plan, cluster: Cluster) -> str:
 
 
 def _tie_note(info: SearchInfo, est: Estimate) -> str:
-    """Why a proven search shows a gap: the plan is the simplest of the strategies tied with the fastest."""
+    """Why a proven search shows a gap: the plan is the simplest of the strategies tied with the fastest (the
+    rest of the gap is what the search leaves unproven, within its relative gap)."""
     if info.status != "optimal" or info.optimality_gap <= 0:
         return ""
-    return (f"; the fastest strategy is {100 * info.optimality_gap:.1f}% faster, a tie within {band_text(est)}: "
-            "this plan is simpler")
+    faster = info.optimality_gap if info.fastest_s is None else 1 - info.fastest_s / est.step_time_s
+    if faster <= 1e-9:
+        return ""
+    return f"; the fastest strategy is {100 * faster:.1f}% faster, a tie within {band_text(est)}: this plan is simpler"
 
 
 def runtime_line(s: Strategy) -> str:

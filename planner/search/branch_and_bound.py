@@ -48,8 +48,11 @@ Branch and bound, best first over a heap of lower bounds, each level valid for e
   last ranks first and stopping once the ranks priced so far reach the incumbent; such a candidate is never built.
 
 An entry is expanded (a device count, a mesh), refined (level 1) or solved (level 2) only while its bound is below
-the K-th best objective found; when the heap's smallest bound reaches it, the K best are proven optimal for this
-space. A time limit stops the loop early: the result is then "feasible" and the optimality gap compares the best
+the K-th best objective found over (1 + g), g the relative gap (`SearchOptions.relative_gap`); when the heap's
+smallest bound reaches it, the K best are proven within g of the optimum for this space (optimal for g = 0). Most of
+a large search is spent proving that candidates whose bounds lie just under the best cannot beat it by more than the
+model's own error: g = 1% (`DEFAULT_RELATIVE_GAP`, the front doors' default) cuts that, and the gap reported is the
+proven one. A time limit stops the loop early: the result is then "feasible" and the optimality gap compares the best
 plan with the smallest bound not yet explored. Ties are broken by a fixed key, so the result never depends on timing
 unless cut short. With a time limit, past a fixed amount of work the schedule families take turns instead of strict
 bound order (`planner.search.fair_share`), so that a family with weak bounds cannot use up the limit before the
@@ -150,9 +153,15 @@ class SearchState:
         k = self.options.top_k
         return self.found[k - 1].objective if len(self.found) >= k else math.inf
 
+    def target(self) -> float:
+        """Bounds at or above this cannot hide a strategy better than the K-th best by more than the relative gap
+        (`SearchOptions.relative_gap`): once none is left below it, the K best are proven within the gap."""
+        return self.kth_best() / (1 + self.options.relative_gap)
+
     def cutoff(self) -> float:
-        """Bounds at or above this can change nothing: neither the K best nor the simplest tied strategy."""
-        kth = self.kth_best()
+        """Bounds at or above this can change nothing: neither the K best (within the gap) nor the simplest tied
+        strategy."""
+        kth = self.target()
         if self.ties is None or not self.found:
             return kth
         return max(kth, self.ties.cutoff(self.found[0]))
@@ -160,7 +169,7 @@ class SearchState:
     def may_matter(self, lb: float, depth: int, payload: int) -> bool:
         """Whether a heap entry with bound `lb` below `cutoff` must still be explored: it could be among the K
         best, or become the simplest strategy tied with the best."""
-        if lb < self.kth_best() or self.ties is None:
+        if lb < self.target() or self.ties is None:
             return True
         if depth == 0:
             return self.ties.may_lead(self.found[0], payload, None)
@@ -411,7 +420,7 @@ class SearchState:
                 break
             if self.stop_for_time(lb):
                 # Past the K-th best only the search for a simpler tie is cut short: the K best are proven.
-                return lb if lb < self.kth_best() else None
+                return lb if lb < self.target() else None
             heapq.heappop(heap)
             if not self.may_matter(lb, depth, payload):
                 skipped.append((lb, depth, key, payload))
@@ -506,7 +515,8 @@ def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: Sea
     if options.tie_band is not None:  # the plan is the simplest strategy tied with the fastest
         ranked = tuple(prefer_simplest(ranked))
     best = ranked[0].objective
-    lower = min(fastest, next_bound) if cut_short else fastest
+    # Without a cut the bounds left are at least the fastest over (1 + gap): proven within the gap.
+    lower = min(fastest, next_bound)
     gap = (best - lower) / best if best > 0 else 0.0
     alternatives = explain_alternatives(state, ranked[0], state.invalid)
     return SearchResult(

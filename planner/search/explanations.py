@@ -101,10 +101,7 @@ def explain_alternatives(state: SearchState, best: RankedStrategy, invalid: Mapp
             rows.append(((1, rec.lower_bound, key), Alternative(
                 summary, None, f"more than +{slack:.0f}% {what} (its best partition was not priced exactly)")))
         elif math.isfinite(rec.lower_bound):
-            pct = 100.0 * (rec.lower_bound - best.objective) / best.objective
-            reason = (f"at least {pct:+.1f}% {what} (lower bound {rec.lower_bound:.4g})" if pct >= 0 else
-                      f"not priced: at best a tie ({pct:+.1f}%, lower bound {rec.lower_bound:.4g}) with a plan "
-                      "that is simpler")
+            reason = _unpriced_reason(state, best, rec.lower_bound, what)
             if math.isfinite(rec.memory_need_bytes):  # some of its candidates do not fit; the others may
                 reason += f"; some of its settings need at least {rec.memory_need_bytes / GIB:.1f} GiB per device"
             rows.append(((1, rec.lower_bound, key), Alternative(summary, None, reason)))
@@ -116,6 +113,19 @@ def explain_alternatives(state: SearchState, best: RankedStrategy, invalid: Mapp
         rows.append(((3, 0.0, key), Alternative(degrees, None, why)))
     rows.sort(key=lambda r: r[0])
     return tuple(a for _, a in rows[:state.options.num_alternatives])
+
+
+def _unpriced_reason(state: SearchState, best: RankedStrategy, lower: float, what: str) -> str:
+    """Why a mesh with this lower bound was never priced: it cannot beat the plan; or, below the plan, it can at
+    best tie the fastest with a plan that is simpler; or, below the fastest, by no more than the search's gap."""
+    pct = 100.0 * (lower - best.objective) / best.objective
+    if pct >= 0:
+        return f"at least {pct:+.1f}% {what} (lower bound {lower:.4g})"
+    fastest = state.found[0].objective
+    if lower < fastest:
+        return (f"not priced: at most {100 * (1 - lower / fastest):.1f}% less {what} than the fastest found "
+                f"(lower bound {lower:.4g}), within the search's {100 * state.options.relative_gap:g}% gap")
+    return f"not priced: at best a tie ({pct:+.1f}%, lower bound {lower:.4g}) with a plan that is simpler"
 
 
 def empty_space_message(chain: LayerChain, cluster: Cluster, global_batch: int, space: SearchSpace,

@@ -140,7 +140,7 @@ def fair_share(state: SearchState, heap: list[Entry], skipped: list[Entry],
             if not math.isfinite(lb) or lb >= state.cutoff():
                 return None
             if state.stop_for_time(lb):
-                return lb if lb < state.kth_best() else None
+                return lb if lb < state.target() else None
             fair = state.work >= PLAIN_WORK
             queue, family = queues.next_queue(state.cutoff()) if fair else queues.smallest_queue()
             entry = heapq.heappop(queue)

@@ -16,6 +16,11 @@ from planner.progress import ProgressCallback
 from planner.search.candidates import Candidate
 from planner.search.space import Objective
 
+DEFAULT_RELATIVE_GAP = 0.01
+"""The gap a plan is proven within unless the caller asks for another: a third of the smallest step-time error band
+of the catalog's validated GPUs (H100 +-2.9%, A100 +-5.3%: `DeviceSpec.prediction_error`), so that a plan it may
+miss is a tie by the model's own account (bench/search.py: 30% fewer candidates priced for GPT-3 175B on 1024 A100)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class SearchOptions:
@@ -34,6 +39,10 @@ class SearchOptions:
     explain_slack: float = 0.1
     """Losing meshes within this fraction of the best are priced exactly for `alternatives` (the others get
     their lower bound); it never changes the chosen plans, only how much work goes into explaining them."""
+    relative_gap: float = 0.0
+    """Stop once the K best are proven within this fraction of the optimum of the space (no bound left below the
+    K-th best over 1 + gap); 0 proves them optimal. The front doors (`planner.api`, the CLI, the scenarios) use
+    `DEFAULT_RELATIVE_GAP`."""
     tie_band: float | None = None
     """Beyond the K best, also solve every candidate that could be the simplest strategy within this relative band
     of the best (`planner.search.ranking.TieSet`) and return the simplest tied ones; None: the K best only."""
@@ -44,6 +53,8 @@ class SearchOptions:
             raise ValueError(f"top must be a positive integer, got {self.top_k!r}")
         if self.time_limit_s is not None and not 0 < self.time_limit_s < math.inf:
             raise ValueError(f"time limit must be a positive number of seconds, got {self.time_limit_s!r}")
+        if not 0 <= self.relative_gap < 1:
+            raise ValueError(f"relative gap must be a fraction in [0, 1), got {self.relative_gap!r}")
         if self.tie_band is not None and not 0 <= self.tie_band < math.inf:
             raise ValueError(f"tie band must be a non-negative fraction, got {self.tie_band!r}")
 
