@@ -6,7 +6,9 @@
 
 Each model type is built from its config class's defaults with `num_hidden_layers=2` (when the config has the
 field; the published widths stay) on the meta device, traced at 64 tokens, and cut into its layer chain. A row is
-*covered* when the traced parameter count equals the built model's `num_parameters()`; otherwise it is *refused*
+*covered* when the traced parameter count equals the built model's `num_parameters(only_trainable=True)` (frozen
+parameters -- a router's load-balancing bias, fixed sinusoidal position tables -- have no gradient or optimizer
+state, and the tracer does not count them); otherwise it is *refused*
 with the one-line reason `hf:` itself gives (`stratagem trace hf:MODEL_TYPE` prints the same line).
 """
 
@@ -62,7 +64,9 @@ def check(model_type: str) -> Row:
         reason = " ".join(str(e).split())
         reason = reason.removeprefix(f"model hf:{model_type}: ") if named else f"{type(e).__name__}: {reason}"
         return Row(model_type, False, 0, 0, "", reason[:400], time.perf_counter() - start)
-    expected = built.module.num_parameters()
+    # Trainable parameters, what the tracer counts (optimizer state and gradients follow them): frozen ones, such
+    # as a router's load-balancing bias or fixed sinusoidal position tables, are weights without either.
+    expected = built.module.num_parameters(only_trainable=True)
     found = routed_experts(graph.nodes)
     blocks = {s.class_id for s in chain.segments if s.name[-1:].isdigit()}
     reason = "" if graph.param_count == expected else f"traced {graph.param_count} parameters, model has {expected}"
@@ -77,7 +81,8 @@ def markdown(rows: list[Row]) -> str:
              f"`python scripts/hf_coverage.py -o docs/hf_coverage.md` with transformers {transformers.__version__}: "
              f"each model type is built from its config class's defaults with {LAYERS} layers on the meta device, "
              f"traced at {SEQ} tokens and cut into its layer chain. *Covered*: the traced parameters equal the built "
-             "model's `num_parameters()`; otherwise the row gives the one-line reason `stratagem trace "
+             "model's trainable ones, `num_parameters(only_trainable=True)` (frozen parameters such as a router's "
+             "load-balancing bias or fixed sinusoidal position tables have no gradient or optimizer state); otherwise the row gives the one-line reason `stratagem trace "
              "hf:MODEL_TYPE` prints. A refusal inside transformers itself (a default config that does not "
              "validate or build) says so; a multimodal config names its text model type.", "",
              "| model type | covered | parameters (2 layers) | block classes | routed experts (E x k) | reason |",

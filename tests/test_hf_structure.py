@@ -143,6 +143,22 @@ def test_transformers_model_type_builds_its_default_config():
     assert graph.param_count == built.module.num_parameters()
 
 
+def test_frozen_router_statistics_are_not_trainable_parameters():
+    """ERNIE 4.5 MoE keeps its router's load-balancing bias as a frozen nn.Parameter (updated by a rule, not by
+    gradients): the traced count, which gradients and optimizer state follow, is the trainable one, and the
+    experts are still found."""
+    built = build_model("hf:ernie4_5_moe", ("num_hidden_layers=2", "hidden_size=64", "num_attention_heads=2",
+                                            "num_key_value_heads=1", "moe_intermediate_size=32", "intermediate_size=64",
+                                            "moe_num_experts=4", "moe_k=2", "moe_layer_start_index=0",
+                                            "vocab_size=256"), seq=32)
+    graph = ir.trace(built.module, built.example_inputs)
+    frozen = sum(p.numel() for p in built.module.parameters() if not p.requires_grad)
+    assert frozen > 0
+    assert graph.param_count == built.module.num_parameters(only_trainable=True) == built.module.num_parameters() - frozen
+    found = routed_experts(graph.nodes)
+    assert found is not None and (found.num_experts, found.top_k) == (4, 2)
+
+
 def test_inconsistent_mla_dims_fail_in_one_line(tmp_path_factory, capsys):
     name = _saved(tmp_path_factory, "deepseek_v3")
     assert main(["trace", name, "--set", "qk_rope_head_dim=10", "--seq", "32"]) == 2
