@@ -371,15 +371,31 @@ def test_partial_recompute_is_searched_and_priced_exactly(tmp_path: Path) -> Non
     assert result.best.estimate.step_time_s < pinned.best.estimate.step_time_s
 
 
-def _check_level_one_bound(name: str, chain: ir.LayerChain, cluster: Cluster, brute: BruteResult) -> None:
+def _check_level_one_bound(name: str, chain: ir.LayerChain, cluster: Cluster, brute: BruteResult) -> int:
     """`CandidateBounds.cheap` (no sharding solved: tp 1 prices, the expert all-to-alls) is below each candidate's
     best partition and recomputation that brute force found."""
-    bounds = CandidateBounds(chain, "bfloat16", StageProblemBuilder(chain, cluster, LayerCostTable(chain, cluster)))
-    for cand, best in brute.per_candidate.items():
-        if cand.schedule is Schedule.GPIPE or (cand.zero_stage == 2 and cand.mesh.pp > 1):
-            continue  # brute force's twins: not candidates of the search
+    table = LayerCostTable(chain, cluster)
+    bounds = CandidateBounds(chain, "bfloat16", StageProblemBuilder(chain, cluster, table))
+    searched = {cand: best for cand, best in brute.per_candidate.items()
+                if cand.schedule is not Schedule.GPIPE and not (cand.zero_stage == 2 and cand.mesh.pp > 1)}
+    weak = {}  # (gpipe and ZeRO-2 under pipelining: brute force's twins, not candidates of the search)
+    for cand, best in searched.items():
         lb, need = bounds.cheap(cand)
         assert need is None and lb <= best * (1 + 1e-9), (name, cand.label, lb, best)
+        weak[cand] = lb
+    # Once the search has priced a candidate's tp (both sequence-parallel settings), its level-1 bound uses those
+    # prices: still below its brute-force optimum.
+    for cand in searched:
+        for device in {pl.device.name: pl.device for pl in bounds.builder.placements(cand) or ()}.values():
+            for sp in (False, True) if cand.mesh.tp > 1 else ():
+                table.prices(device, tp=cand.mesh.tp, tp_stride=cand.mesh.stride(MeshAxis.TP), sequence_parallel=sp,
+                             microbatch_size=cand.microbatch_size)
+    stronger = 0
+    for cand, best in searched.items():
+        lb, _ = bounds.cheap(cand)
+        assert weak[cand] <= lb <= best * (1 + 1e-9), (name, cand.label, lb, best)
+        stronger += lb > weak[cand] * (1 + 1e-9)
+    return stronger
 
 
 def _check_mesh_floors(name: str, chain: ir.LayerChain, cluster: Cluster, batch: int, space: SearchSpace) -> int:
@@ -408,11 +424,11 @@ def test_a_mesh_where_nothing_fits_is_bounded_by_the_least_state_its_candidates_
                               SearchSpace(max_microbatch_size=2)) >= 1
 
 
-def _check_grid(instances) -> tuple[int, int]:
-    checked = estimates = 0
+def _check_grid(instances) -> tuple[int, int, int]:
+    checked = estimates = stronger = 0
     for name, chain, cluster, batch, space in instances:
         brute = brute_force(chain, cluster, batch, space)
-        _check_level_one_bound(name, chain, cluster, brute)
+        stronger += _check_level_one_bound(name, chain, cluster, brute)
         _check_mesh_floors(name, chain, cluster, batch, space)
         result = search(chain, cluster, global_batch=batch, space=space)
         got = result.best.estimate
@@ -424,7 +440,7 @@ def _check_grid(instances) -> tuple[int, int]:
         assert result.lower_bound == pytest.approx(got.step_time_s, rel=1e-9)
         checked += 1
         estimates += brute.estimates
-    return checked, estimates
+    return checked, estimates, stronger
 
 
 def test_search_matches_brute_force(tmp_path: Path) -> None:
@@ -435,9 +451,10 @@ def test_search_matches_brute_force(tmp_path: Path) -> None:
     overlapped across it, and routed experts whose all-to-alls cross it. On each, the level-1 bound of every
     candidate is below its brute-force optimum."""
     instances = _instances(tmp_path)
-    checked, estimates = _check_grid([instances[i] for i in (0, 4, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18)])
-    print(f"search == brute force on {checked} instances ({estimates} brute-force estimates)")
-    assert checked == 13
+    checked, estimates, stronger = _check_grid([instances[i] for i in (0, 4, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18)])
+    print(f"search == brute force on {checked} instances ({estimates} brute-force estimates); "
+          f"{stronger} level-1 bounds stronger with their tp priced")
+    assert checked == 13 and stronger > 0
 
 
 @pytest.mark.exhaustive
@@ -447,7 +464,7 @@ def test_search_matches_brute_force_on_the_full_grid(tmp_path: Path) -> None:
     instances = _instances(tmp_path)
     more = [(f"{name} b{2 * batch}", chain, cluster, 2 * batch, space)
             for name, chain, cluster, batch, space in instances]
-    checked, estimates = _check_grid(instances + more)
+    checked, estimates, _ = _check_grid(instances + more)
     print(f"search == brute force on {checked} instances ({estimates} brute-force estimates)")
     assert checked == 2 * len(instances)
 

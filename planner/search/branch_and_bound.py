@@ -381,6 +381,10 @@ class SearchState:
             work = WorkUnits.BOUND
         elif depth == 1:
             work = self.expand_mesh(lb, payload, heap) * WorkUnits.BOUND
+        elif depth == 2 and (again := self.bound(self.candidates[payload])) > lb * (1 + 1e-12):
+            # Its level-1 bound has grown since it was pushed (its tp is priced now): back in at it, unrefined.
+            heapq.heappush(heap, (again, 2, key, payload))
+            work = WorkUnits.BOUND
         elif depth == 2:
             heapq.heappush(heap, (max(lb, self.refine(self.candidates[payload])), 3, key, payload))
             work = WorkUnits.REFINE

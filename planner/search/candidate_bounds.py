@@ -19,7 +19,7 @@ from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment, framework_overhead_bytes, kept_bytes, saved_bytes, transient_bytes
 from costmodel.pipeline import in_flight_per_chunk
-from costmodel.step_time import optimizer_step_time
+from costmodel.step_time import optimizer_step_time, tp_exposed
 from costmodel.strategy import CrossEntropy, MeshAxis, Offload, Recompute
 from ir.graph import dtype_bytes
 from ir.layer_chain import LayerChain
@@ -63,7 +63,8 @@ class CandidateBounds:
     _orders: dict[tuple, int] = field(default_factory=dict)
     _work: dict[tuple, tuple[Sequence[LayerCost], np.ndarray]] = field(default_factory=dict)
     _all_to_all: dict[tuple, float] = field(default_factory=dict)
-    _shape: dict[tuple, float] = field(default_factory=dict)
+    _shape: dict[tuple, tuple[float, bool]] = field(default_factory=dict)
+    _sharded: dict[tuple, tuple[float, float]] = field(default_factory=dict)
 
     def cheap(self, cand: Candidate) -> tuple[float, float | None]:
         """(level-1 lower bound on the candidate's step time from tp == 1 prices, no sharding solve; None, or
@@ -127,19 +128,60 @@ class CandidateBounds:
 
     def shape_bound(self, cand: Candidate, placements: tuple[RankPlacement, ...]) -> float:
         """`bounds.cheap_lower_bound` without the optimizer step: what the candidate's shape, mesh and placements
-        decide (cached; the runtime enters only through tensor-parallel overlap)."""
+        decide (cached; the runtime enters only through tensor-parallel overlap).
+
+        Once the search has priced the candidate's tp (both sequence-parallel settings: the bound holds for
+        either), a rank's work per micro-batch is at least the least of their sums of compute and exposed TP
+        communication (`_sharded_work`), which is far above the tp = 1 time over tp where tensor parallelism
+        scales badly (MoE layers at tp = 8: 5x). A bound cached before those prices existed is recomputed when
+        they do, so the candidates of meshes listed later, and those popped again (`SearchState.refine`), get it."""
         key = (self._placement_facts(placements).order, cand.mesh, cand.microbatch_size, cand.num_microbatches,
                cand.schedule, cand.virtual_stages, tp_overlap_chunks(cand))
         hit = self._shape.get(key)
-        if hit is None:
+        if hit is None or (not hit[1] and self._sharded_priced(cand, placements)):
             kinds = self._kinds(placements)
-            sums = [(self._replicated_total(device, cand.microbatch_size, cand.mesh.cp), speed)
-                    for device, speed in kinds]
-            total = min(t / speed for (t, _), speed in sums)
-            forward = min(f / speed for (_, f), speed in sums)
+            sharded = self._sharded_priced(cand, placements)
+            totals, forwards = [], []
+            for device, speed in kinds:
+                t, f = self._replicated_total(device, cand.microbatch_size, cand.mesh.cp)
+                work, work_forward = self._sharded_work(cand, device, speed) if sharded else (0.0, 0.0)
+                # cheap_lower_bound divides by tp (cp is 1 here): tp times the rank's work holds its bound.
+                totals.append(max(t / speed, cand.mesh.tp * work))
+                forwards.append(max(f / speed, cand.mesh.tp * work_forward))
             comm, comm_forward = self._all_to_all_floor(cand, kinds)
-            hit = self._shape[key] = cheap_lower_bound(cand, total, optimizer_s=0.0, forward_s=forward, comm_s=comm,
-                                                       comm_forward_s=comm_forward)
+            complete = sharded or cand.mesh.tp == 1 or cand.mesh.cp > 1
+            hit = self._shape[key] = (cheap_lower_bound(cand, min(totals), optimizer_s=0.0, forward_s=min(forwards),
+                                                        comm_s=comm, comm_forward_s=comm_forward), complete)
+        return hit[0]
+
+    def _sharded_priced(self, cand: Candidate, placements: tuple[RankPlacement, ...]) -> bool:
+        """Whether the layer classes are priced at the candidate's tp, with and without sequence parallelism, on
+        every device type of its ranks (cp == 1: a context-parallel rank's prices are another table's)."""
+        m = cand.mesh
+        if m.tp == 1 or m.cp > 1:
+            return False
+        table, stride = self.builder.table, m.stride(MeshAxis.TP)
+        return all(table.is_cached(device, tp=m.tp, tp_stride=stride, sequence_parallel=sp,
+                                   microbatch_size=cand.microbatch_size)
+                   for device, _ in self._kinds(placements) for sp in (False, True))
+
+    def _sharded_work(self, cand: Candidate, device: DeviceSpec, speed: float) -> tuple[float, float]:
+        """(forward + backward, forward) work of one micro-batch of the whole chain on a tp rank of `device` at
+        `speed`: compute and the TP communication left exposed (weight-gradient overlap assumed, which only
+        hides more), the least over sequence parallelism; routed experts at their price below every ep
+        (`LayerCostTable.segment_costs` without a split), their all-to-alls left to `_all_to_all_floor`."""
+        m, n = cand.mesh, tp_overlap_chunks(cand)
+        key = (device.name, speed, m.tp, m.stride(MeshAxis.TP), cand.microbatch_size, n)
+        hit = self._sharded.get(key)
+        if hit is None:
+            table, sums = self.builder.table, []
+            for sp in (False, True):
+                costs = table.segment_costs(device, tp=m.tp, tp_stride=m.stride(MeshAxis.TP), sequence_parallel=sp,
+                                            microbatch_size=cand.microbatch_size)
+                forward = sum(c.fwd_compute_s / speed + tp_exposed(c.fwd_comm_s, c.fwd_compute_s / speed, n)
+                              for c in costs)
+                sums.append((float(segment_work(costs, speed, n, True).sum()), forward))
+            hit = self._sharded[key] = (min(t for t, _ in sums), min(f for _, f in sums))
         return hit
 
     def _all_to_all_floor(self, cand: Candidate, kinds: tuple[tuple[DeviceSpec, float], ...]) -> tuple[float, float]:
