@@ -35,7 +35,8 @@ Branch and bound, best first over a heap of lower bounds, each level valid for e
 - level 0, a device count d: the step's model FLOPs at the dense peak of the fastest device, spread over d;
 - a mesh: the least level-1 bound of its candidates, from its shapes and settings without listing them
   (`CandidateBounds.mesh_floor`): most meshes of a large job are never expanded into their candidates;
-- level 1, a candidate: tp == 1 prices divided by tp (and cp), the pipeline's (m - 1/v)/p share, and the
+- level 1, a candidate: tp == 1 prices divided by tp (and cp) -- or, once the search has priced its tp, those
+  prices' compute and exposed TP communication, whichever is larger --, the pipeline's (m - 1/v)/p share, and the
   optimizer step of an even parameter split (`bounds.cheap_lower_bound`); inf when the parameter state
   alone cannot fit;
 - level 2, a candidate with its layer classes priced (the sharding ILP): compute + TP communication, the

@@ -1,6 +1,6 @@
 """The branch and bound's lower bounds on one candidate, with the caches that let thousands of candidates share
-their pieces: level 1 (`cheap`: tp == 1 prices, no sharding solve, and whether the parameter state alone fits)
-and level 2 (`tight`: the candidate's own layer prices). The formulas are `planner.search.bounds`'; this module
+their pieces: level 1 (`cheap`: tp == 1 prices, or the candidate's tp prices once the search has them, no sharding
+solve of its own, and whether the parameter state alone fits) and level 2 (`tight`: the candidate's own layer prices). The formulas are `planner.search.bounds`'; this module
 gathers what they need from the stage-problem builder and the cost model, once per distinct key."""
 
 from __future__ import annotations
@@ -134,7 +134,8 @@ class CandidateBounds:
         either), a rank's work per micro-batch is at least the least of their sums of compute and exposed TP
         communication (`_sharded_work`), which is far above the tp = 1 time over tp where tensor parallelism
         scales badly (MoE layers at tp = 8: 5x). A bound cached before those prices existed is recomputed when
-        they do, so the candidates of meshes listed later, and those popped again (`SearchState.refine`), get it."""
+        they do: the candidates of meshes listed later get it, and so does a candidate popped at level 1, which
+        goes back in at it when it has grown (`SearchState.process`)."""
         key = (self._placement_facts(placements).order, cand.mesh, cand.microbatch_size, cand.num_microbatches,
                cand.schedule, cand.virtual_stages, tp_overlap_chunks(cand))
         hit = self._shape.get(key)
