@@ -297,8 +297,8 @@ def searching(space: Any = None, *, dtype: str = "bfloat16", tables: dict[str, A
         table = tables.get(device)
         if table is None:
             table = tables[device] = LayerCostTable(chain, cluster, dtype=dtype)
-        result = search(chain, cluster, global_batch=global_batch, space=space,
-                        options=SearchOptions(time_limit_s=time_limit_s, relative_gap=DEFAULT_RELATIVE_GAP), dtype=dtype,
+        options = SearchOptions(time_limit_s=time_limit_s, relative_gap=DEFAULT_RELATIVE_GAP)
+        result = search(chain, cluster, global_batch=global_batch, space=space, options=options, dtype=dtype,
                         table=table)
         return result.best.strategy, result.best.layer_costs
 

@@ -23,8 +23,9 @@ def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: floa
 
     `replicated_s`: forward + backward compute of one micro-batch of the whole chain replicated on one device,
     divided by the fastest rank's speed -- or, where larger, tp times a tp rank's work at the candidate's own
-    prices once the search has them (`CandidateBounds.shape_bound`), which then holds the division by tp. Tensor parallelism at best divides a replicated op's time by tp (the
-    GEMM efficiency curve only rises with size, the memory and launch terms scale at most as 1/tp),
+    prices once the search has them (`CandidateBounds.shape_bound`), which then holds the division by tp. Tensor
+    parallelism at best divides a replicated op's time by tp (the GEMM efficiency curve only rises with size, the
+    memory and launch terms scale at most as 1/tp),
     communication and recomputation are >= 0, and the busiest pipeline rank carries at least 1/p of the work:
     ``T >= S/v + (m - 1/v) S/p`` with ``S = replicated_s / tp`` (v = 1 for GPipe and 1F1B), plus the smallest
     possible optimizer step (`optimizer_s`, computed by the caller for an even split). A zero-bubble schedule's

@@ -1,7 +1,8 @@
 """The branch and bound's lower bounds on one candidate, with the caches that let thousands of candidates share
 their pieces: level 1 (`cheap`: tp == 1 prices, or the candidate's tp prices once the search has them, no sharding
-solve of its own, and whether the parameter state alone fits) and level 2 (`tight`: the candidate's own layer prices). The formulas are `planner.search.bounds`'; this module
-gathers what they need from the stage-problem builder and the cost model, once per distinct key."""
+solve of its own, and whether the parameter state alone fits) and level 2 (`tight`: the candidate's own layer
+prices). The formulas are `planner.search.bounds`'; this module gathers what they need from the stage-problem
+builder and the cost model, once per distinct key."""
 
 from __future__ import annotations
 
@@ -139,9 +140,11 @@ class CandidateBounds:
         key = (self._placement_facts(placements).order, cand.mesh, cand.microbatch_size, cand.num_microbatches,
                cand.schedule, cand.virtual_stages, tp_overlap_chunks(cand))
         hit = self._shape.get(key)
-        if hit is None or (not hit[1] and self._sharded_priced(cand, placements)):
+        if hit is not None and hit[1]:
+            return hit[0]
+        sharded = self._sharded_priced(cand, placements)
+        if hit is None or sharded:
             kinds = self._kinds(placements)
-            sharded = self._sharded_priced(cand, placements)
             totals, forwards = [], []
             for device, speed in kinds:
                 t, f = self._replicated_total(device, cand.microbatch_size, cand.mesh.cp)
