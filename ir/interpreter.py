@@ -42,6 +42,7 @@ from ir.node_metrics import (
     SavedLedger,
     alias_index,
     attention_measurement,
+    indexer_measurement,
     gpu_attention_layout,
     io_bytes,
     is_pure_view,
@@ -296,16 +297,21 @@ class GraphBuilder:
         if pure_view:
             measured = OpMeasurement(0, 0, ())
         elif classified.op_kind is OpKind.ATTENTION and name.base in ("scaled_dot_product_attention",
-                                                                      "windowed_attention"):
+                                                                      "windowed_attention", "sparse_attention"):
             q, k, v = leaf_values[:3]
             measured = attention_measurement(q, k, v, outputs[0], any(t.requires_grad for t in (q, k, v)),
-                                             window=dict(classified.attrs).get("window"))
+                                             window=dict(classified.attrs).get("window"),
+                                             saves_indices=name.base == "sparse_attention")
+        elif name.base == "lightning_indexer":
+            measured, logits = indexer_measurement(*leaf_values[:2])
         else:
             measured = self._measure(node, name, module, args, kwargs, leaves, run)
             if classified.op_kind is OpKind.NORM and name.base == "rms_norm" and leaf_values:
                 measured = rms_norm_measurement(measured, leaf_values[0],
                                                 int(dict(classified.attrs).get("normalized_ndim", 1)))
         read, written = io_bytes(leaf_values, outputs, pure_view)
+        if name.base == "lightning_indexer":
+            read, written = read + logits, written + logits  # the logits the top-k reads back
         saved = self.ledger.charge(measured.saved, leaf_values, outputs)
         attrs = dict(classified.attrs)
         alias = alias_index(ir_inputs, outputs) if (pure_view or name.inplace) else None

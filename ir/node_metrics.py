@@ -15,7 +15,9 @@ How each number is measured (all on fake tensors: no real memory, no real arithm
   backward recomputes the scores, 2.5x the forward), and the saved tensors are q, k, v, the output and the fp32
   logsumexp (batch x heads x seq_q), never the seq x seq score matrix (Dao et al. 2022, FlashAttention, Alg. 1-2).
   `stratagem::windowed_attention` (a causal sliding window, `models.windowed_attention`) gets the same formulas
-  times the band's share of the causal pairs (`window_fraction`).
+  times the band's share of the causal pairs (`window_fraction`), and so does `stratagem::sparse_attention` (DeepSeek
+  Sparse Attention, `models.sparse_attention`) with its top-k as the window: query s sees min(s + 1, k) keys in
+  both. Its `stratagem::lightning_indexer` is a GEMM over the causal query-key pairs (`indexer_measurement`).
   The CPU flash kernel, which FlopCounterMode does not know, is given the same formulas (`flop_counter_mode()`).
 - **RMSNorm** (`nn.RMSNorm`, `F.rms_norm`) saves what it saves on a GPU: torch dispatches `rms_norm` on CUDA to
   `aten._fused_rms_norm`, whose backward (`_fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight,
@@ -262,12 +264,13 @@ def window_fraction(q_length: int, kv_length: int, window: int | None) -> float:
 
 
 def attention_measurement(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                          needs_grad: bool, window: int | None = None) -> OpMeasurement:
+                          needs_grad: bool, window: int | None = None, saves_indices: bool = False) -> OpMeasurement:
     """FlashAttention-semantics costs of scaled_dot_product_attention (see the module docstring); with a causal
     `window` (`stratagem::windowed_attention`), the FLOPs of the band: `window_fraction` of causal attention's,
     the count that keeps the FLOP convention of causal attention (a full S x S count) for windows >= S.
 
-    Leaves 0, 1, 2 are q, k, v; output 0 is the attention output; the logsumexp is internal.
+    Leaves 0, 1, 2 are q, k, v; output 0 is the attention output; the logsumexp is internal; with
+    `saves_indices` (`stratagem::sparse_attention`), leaf 3, the selected keys' indices, is saved too.
     """
     q4, k4, v4, o4 = (_as_4d(t) for t in (q, k, v, out))
     band = window_fraction(q4[2], k4[2], window)
@@ -278,8 +281,25 @@ def attention_measurement(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
     saved = (
         SavedRef(SavedSource.INPUT, 0, 0), SavedRef(SavedSource.INPUT, 1, 0), SavedRef(SavedSource.INPUT, 2, 0),
         SavedRef(SavedSource.OUTPUT, 0, 0), SavedRef(SavedSource.INTERNAL, -1, logsumexp_bytes),
+        *((SavedRef(SavedSource.INPUT, 3, 0),) if saves_indices else ()),
     )
     return OpMeasurement(int(forward), int(backward), saved if needs_grad else ())
+
+
+def causal_pairs(q_length: int, kv_length: int) -> int:
+    """Query-key pairs (s, t) with t <= s when the queries are the last q_length of kv_length positions."""
+    first = kv_length - q_length
+    return q_length * (first + 1) + q_length * (q_length - 1) // 2
+
+
+def indexer_measurement(q: torch.Tensor, k: torch.Tensor) -> tuple[OpMeasurement, int]:
+    """(costs, logit bytes) of `stratagem::lightning_indexer(q (B, S, H, D), k (B, T, D), weights (B, S, H))`:
+    per causal query-key pair, H dot products of length D and the weighted sum over the H heads (2HD + 2H FLOPs),
+    as the fused kernels compute them (no (B, S, H, T) scores); the fp32 logits (one per pair) are written for the
+    top-k to read, which the caller adds to the bytes moved. No backward: the indices carry no gradient."""
+    batch, seq, heads, dim = q.shape
+    pairs = batch * causal_pairs(seq, k.size(1))
+    return OpMeasurement(pairs * (2 * heads * dim + 2 * heads), 0, ()), 4 * pairs
 
 
 def gpu_attention_layout(out: Any) -> Any:

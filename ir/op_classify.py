@@ -7,7 +7,8 @@ ATen overloads from the torch.export fallback). All three are reduced to a *base
 Attributes (`Node.attrs`) set here, when they apply (the keys other packages rely on, see INTERFACES.md):
 - LINEAR: ("in_features", int), ("out_features", int), ("bias", bool)
 - ATTENTION: ("num_heads", int), ("num_kv_heads", int), ("head_dim", int), ("is_causal", bool), ("window", int)
-  and ("has_sinks", bool) for `stratagem::windowed_attention` (causal over the last `window` keys),
+  and ("has_sinks", bool) for `stratagem::windowed_attention` (causal over the last `window` keys), ("window", k)
+  and ("sparse", True) for `stratagem::sparse_attention` (causal over k keys a top-k picked),
   ("dropout_p", float), ("has_mask", bool), and ("attention_core", True) for the fused SDPA call
 - SOFTMAX / NORM / REDUCTION: ("dim", int | tuple[int, ...]) counted from the end (-1 is the last dim) so the value
   does not depend on leading batch dims; NORM also ("norm_type", "layer" | "rms" | "batch" | "group" | ...)
@@ -39,11 +40,13 @@ from ir.graph import OpKind
 _KIND_BY_BASE: Mapping[str, OpKind] = {
     **dict.fromkeys(["linear", "bilinear"], OpKind.LINEAR),
     **dict.fromkeys(
-        ["matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum", "mv", "dot", "tensordot", "outer"],
+        ["matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum", "mv", "dot", "tensordot", "outer",
+         "lightning_indexer"],
         OpKind.MATMUL,
     ),
     **dict.fromkeys(
-        ["scaled_dot_product_attention", "multi_head_attention_forward", "flex_attention", "windowed_attention"],
+        ["scaled_dot_product_attention", "multi_head_attention_forward", "flex_attention", "windowed_attention",
+         "sparse_attention"],
         OpKind.ATTENTION,
     ),
     **dict.fromkeys(["softmax", "log_softmax", "softmin", "scale_causal_softmax"], OpKind.SOFTMAX),
@@ -280,7 +283,7 @@ def classify(
     if kind is OpKind.LINEAR:
         attrs.update(_linear_attrs(base, module, args, kwargs, tensors, outputs, is_weight))
     elif kind is OpKind.ATTENTION:
-        attrs.update(_attention_attrs(module, args, kwargs, windowed=base == "windowed_attention"))
+        attrs.update(_attention_attrs(module, args, kwargs, custom=base if base in _CUSTOM_ATTENTION else None))
     elif kind is OpKind.SOFTMAX:
         attrs.update(_softmax_attrs(base, module, args, kwargs, tensors))
     elif kind is OpKind.NORM:
@@ -372,7 +375,11 @@ def _linear_attrs(base, module, args, kwargs, tensors, outputs, is_weight) -> di
     return {}
 
 
-def _attention_attrs(module, args, kwargs, *, windowed: bool = False) -> dict[str, Any]:
+_CUSTOM_ATTENTION = frozenset({"windowed_attention", "sparse_attention"})
+"""`models.windowed_attention` and `models.sparse_attention`: causal, no mask, a window of keys per query."""
+
+
+def _attention_attrs(module, args, kwargs, *, custom: str | None = None) -> dict[str, Any]:
     if isinstance(module, nn.MultiheadAttention):
         return {"num_heads": module.num_heads, "num_kv_heads": module.num_heads, "head_dim": module.head_dim,
                 "batch_first": module.batch_first}
@@ -381,10 +388,13 @@ def _attention_attrs(module, args, kwargs, *, windowed: bool = False) -> dict[st
         return {"attention_core": True}
     heads = {"num_heads": int(q.shape[-3]) if q.dim() >= 3 else 1,
              "num_kv_heads": int(k.shape[-3]) if k.dim() >= 3 else 1, "head_dim": int(q.shape[-1])}
-    if windowed:  # stratagem::windowed_attention(query, key, value, window, scale, sinks): causal, no mask
+    if custom == "windowed_attention":  # (query, key, value, window, scale, sinks)
         return {**heads, "is_causal": True, "dropout_p": 0.0, "has_mask": False, "attention_core": True,
                 "window": int(_arg(args, kwargs, 3, "window")),
                 "has_sinks": isinstance(_arg(args, kwargs, 5, "sinks"), torch.Tensor)}
+    if custom == "sparse_attention":  # (query, key, value, indices (B, S, k), scale): as many keys as a k window
+        return {**heads, "is_causal": True, "dropout_p": 0.0, "has_mask": False, "attention_core": True,
+                "window": int(_arg(args, kwargs, 3, "indices").shape[-1]), "sparse": True}
     mask = _arg(args, kwargs, 3, "attn_mask")
     return {
         **heads,

@@ -428,6 +428,7 @@ def _construct(model_class: type, config: Any, device: torch.device) -> nn.Modul
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"{model_class.__name__}: {' '.join(str(e).split())}") from None
     _use_capacity_experts(model, config)
+    hf_tracing.use_sparse_indexers(model)
     model.train()
     return model
 

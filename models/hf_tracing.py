@@ -25,11 +25,20 @@ Both are registered under their own names through transformers' public registrie
      before second choices; choices past capacity are dropped (that expert adds nothing for the token);
    - expert FLOPs are E * C * (6 * h * f) per group = k * capacity_factor * S * 6hf, forward.
    With `capacity_factor >= E / k`, C = S and nothing is dropped: the output equals transformers' own experts.
+
+3. DeepSeek Sparse Attention (configs with `index_topk`: DeepSeek-V3.2, GLM-MoE-DSA, HY v4, AXK2, dots3): their
+   attention slices the mask for its lightning indexer, so the mask function returns an implicit `CausalMask`
+   instead of None; `ATTENTION` runs the attention over the indexer's keys as one `stratagem::sparse_attention`
+   op, and `use_sparse_indexers` makes each indexer, in a shape-only trace, one `stratagem::lightning_indexer`
+   op on its own projections (`models.sparse_attention` says why and how they are priced). Run on real tensors,
+   the indexer is the model's own code, so the runtime computes exactly what transformers does.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +48,7 @@ from torch import nn
 
 from models.expert_dispatch import capacity_route, combine, dispatch
 from models.moe import MAX_GROUP_TOKENS
+from models.sparse_attention import lightning_indexer, sparse_attention
 
 ATTENTION = "stratagem_sdpa"
 """`config._attn_implementation` of models built by `models.hf` when the model class supports SDPA."""
@@ -80,6 +90,19 @@ class SlidingWindowMask:
     build: Callable[[], torch.Tensor | None]
 
 
+@dataclass(frozen=True)
+class CausalMask:
+    """The causal mask of an unpadded, uncached batch, left implicit for a model whose attention slices its mask
+    (DeepSeek Sparse Attention hands `mask[:, 0]` to its indexer): slicing keeps it implicit, `build()` gives
+    transformers' own boolean mask, sliced the same way, when real code needs it."""
+
+    build: Callable[[], torch.Tensor]
+
+    def __getitem__(self, key: Any) -> CausalMask:
+        build = self.build
+        return CausalMask(lambda: build()[key])
+
+
 def training_sdpa_mask(
     batch_size: int,
     q_length: int,
@@ -92,7 +115,8 @@ def training_sdpa_mask(
 ) -> torch.Tensor | SlidingWindowMask | None:
     """No mask (SDPA's own `is_causal`, or no masking for bidirectional layers) when the batch has no padding,
     no cache offset, and no window shorter than the sequence; a `SlidingWindowMask` when a window is the only
-    mask; transformers' `sdpa_mask` otherwise.
+    mask; a `CausalMask` in place of no mask for models with a sparse-attention indexer (`index_topk`);
+    transformers' `sdpa_mask` otherwise.
 
     transformers turns off its own skip (`allow_is_causal_skip=False`) under tracing because it cannot rule out
     packed sequences from the position ids; the inputs `models.hf` builds never pass position ids or padding.
@@ -106,7 +130,8 @@ def training_sdpa_mask(
     no_offset = isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0
     if attention_mask is None and no_offset and q_length == kv_length:
         if local_size is None or kv_length <= local_size:
-            return None
+            sparse = isinstance(getattr(kwargs.get("config"), "index_topk", None), int)
+            return CausalMask(build) if sparse else None
         # Sliding window, chunks, or a bidirectional window: `training_attention` runs it as a window only when the
         # layer is causal and declares this window, and builds the mask otherwise.
         return SlidingWindowMask(local_size, build)
@@ -117,11 +142,21 @@ def training_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
                        attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
                        **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention call (q, k, v (B, H, S, D)) -> ((B, S, H, D), None): a declared sliding window or
-    attention sinks run as `stratagem::windowed_attention`; everything else is transformers' SDPA."""
+    attention sinks run as `stratagem::windowed_attention`, a sparse indexer's keys (`indices`) as
+    `stratagem::sparse_attention`; everything else is transformers' SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from models.windowed_attention import windowed_attention
 
+    indices = kwargs.pop("indices", None)
+    if indices is not None:
+        if not isinstance(attention_mask, CausalMask | None) or dropout != 0.0:
+            raise ValueError(f"{type(module).__name__}: sparse attention runs on unpadded, uncached batches "
+                             f"without dropout only")
+        scale = scaling if scaling is not None else query.size(-1) ** -0.5
+        return sparse_attention(query, key, value, indices, scale).transpose(1, 2).contiguous(), None
+    if isinstance(attention_mask, CausalMask):
+        attention_mask = None
     window = attention_mask.window if isinstance(attention_mask, SlidingWindowMask) else None
     sinks = kwargs.pop("s_aux", None)
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False
@@ -149,6 +184,40 @@ def _eager_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf"))
     return eager(module, query, key, value, mask, dropout=dropout,
                  scaling=scaling if scaling is not None else query.size(-1) ** -0.5, **kwargs)
+
+
+def use_sparse_indexers(model: nn.Module) -> None:
+    """Give every DeepSeek Sparse Attention indexer of `model` (a module with `index_topk` and the lightning
+    indexer's projections `wq_b`, `wk`, `weights_proj`) the forward of `_indexer_forward`."""
+    for module in model.modules():
+        if isinstance(getattr(module, "index_topk", None), int) and all(
+                isinstance(getattr(module, name, None), nn.Linear) for name in ("wq_b", "wk", "weights_proj")):
+            module.forward = types.MethodType(functools.partial(_indexer_forward, type(module).forward), module)
+
+
+def _indexer_forward(original: Callable[..., torch.Tensor], self: nn.Module, hidden_states: torch.Tensor,
+                     q_resid: torch.Tensor, position_embeddings: Any, attention_mask: Any, *args: Any,
+                     cache: Any = None, **kwargs: Any) -> torch.Tensor:
+    """An indexer's forward: with the implicit causal mask in a shape-only trace, its projections and one
+    `stratagem::lightning_indexer` (the rotary embedding of a part of q and k is left out: it changes no shape
+    and costs O(S) next to the O(S^2) scoring); on real tensors, the model's own forward."""
+    implicit = isinstance(attention_mask, CausalMask)
+    if not (implicit and cache is None and _shape_only(hidden_states)):
+        mask = attention_mask.build() if implicit else attention_mask
+        return original(self, hidden_states, q_resid, position_embeddings, mask, *args, cache=cache, **kwargs)
+    batch, seq = hidden_states.shape[:2]
+    x, q_in = hidden_states.detach(), q_resid.detach()  # the indexer trains apart from the model (Sec. 2.1)
+    q = self.wq_b(q_in).view(batch, seq, self.n_heads, self.head_dim)
+    k = self.k_norm(self.wk(x).to(self.k_norm.weight.dtype)) if hasattr(self, "k_norm") else self.wk(x)
+    weights = self.weights_proj(x.to(self.weights_proj.weight.dtype))
+    return lightning_indexer(q.detach(), k.detach(), weights.detach(), self.index_topk)
+
+
+def _shape_only(t: torch.Tensor) -> bool:
+    """Whether `t` is a fake or meta tensor (a trace that prices shapes, never values)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "meta" or is_fake(t)
 
 
 def capacity(tokens_per_group: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
