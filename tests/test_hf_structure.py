@@ -32,6 +32,11 @@ CONFIGS = {
     "deepseek_v3": ("DeepseekV3Config", {**_SMALL, **_MLA, "num_key_value_heads": 4, "moe_intermediate_size": 64,
                                          "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
                                          "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1}, 2, (8, 2)),
+    # DeepSeek Sparse Attention: 8 keys per query, fewer than the runtime tests' 16 tokens
+    "deepseek_v32": ("DeepseekV32Config", {**_SMALL, **_MLA, "num_key_value_heads": 4, "moe_intermediate_size": 64,
+                                           "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                                           "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+                                           "index_topk": 8, "index_n_heads": 4, "index_head_dim": 32}, 2, (8, 2)),
     "qwen3": ("Qwen3Config", {**_SMALL, "head_dim": 32}, 1, None),
     "qwen3_moe": ("Qwen3MoeConfig", {**_SMALL, "head_dim": 32, "moe_intermediate_size": 64, "num_experts": 8,
                                      "num_experts_per_tok": 2}, 1, (8, 2)),
@@ -207,6 +212,8 @@ RUNTIME_CASES = [
     pytest.param("deepseek_v3", 3, dict(ep=2, dp=2, tp=2, pp=1), MLP_TP, id="deepseek_v3-ep2xtp2"),
     pytest.param("deepseek_v3", 3, dict(ep=2, dp=2, tp=1, pp=2, microbatch_size=2), {},
                  id="deepseek_v3-ep2xpp2"),
+    pytest.param("deepseek_v32", 3, dict(ep=2, dp=2, tp=1, pp=2, microbatch_size=2), {},
+                 id="deepseek_v32-ep2xpp2"),
     # DualPipeV on the dense first block and two MoE blocks: the chunks of a chain of two block classes
     # (`costmodel.rank_layout.balanced_chunks`), the V placing chunks 0 and 3 on rank 0
     pytest.param("deepseek_v3", 3, dict(ep=2, dp=2, tp=1, pp=2, microbatch_size=1, schedule=Schedule.DUALPIPEV,
