@@ -116,6 +116,7 @@ from costmodel.strategy import RuntimeOptions, StageSpec, Strategy  # noqa: E402
 from costmodel.validation import error_band  # noqa: E402
 from models.registry import build_model  # noqa: E402
 from planner.errors import InfeasibleError, UserError  # noqa: E402
+from planner.search.bounds import end_reduce_lower_bound  # noqa: E402
 from planner.search.branch_and_bound import SearchOptions, search  # noqa: E402
 from planner.search.candidate_bounds import CandidateBounds  # noqa: E402
 from planner.search.candidates import Candidate, device_counts, enumerate_candidates, mesh_options_for  # noqa: E402
@@ -398,6 +399,25 @@ def _check_level_one_bound(name: str, chain: ir.LayerChain, cluster: Cluster, br
     return stronger
 
 
+def _check_level_two_bound(name: str, chain: ir.LayerChain, cluster: Cluster, brute: BruteResult) -> int:
+    """`CandidateBounds.tight` (the candidate's own layer prices: the pipeline's bottleneck, the ZeRO collectives
+    of each micro-batch, the end-of-step gradient reduction the drain cannot hide) is below each candidate's
+    brute-force optimum. Returns how many the end-of-step reduction raises above the other two."""
+    table = LayerCostTable(chain, cluster)
+    bounds = CandidateBounds(chain, "bfloat16", StageProblemBuilder(chain, cluster, table))
+    raised = 0
+    for cand, best in brute.per_candidate.items():
+        if cand.schedule is Schedule.GPIPE or (cand.zero_stage == 2 and cand.mesh.pp > 1):
+            continue  # brute force's twins, not candidates of the search (`_check_level_one_bound`)
+        lb = bounds.tight(cand)
+        assert lb <= best * (1 + 1e-9), (name, cand.label, lb, best)
+        placements = bounds.builder.placements(cand)
+        tail = end_reduce_lower_bound(cand, bounds.pipeline_bound(cand, placements),
+                                      bounds.end_reduce_floor(cand, placements))
+        raised += tail >= lb - bounds.optimizer_bound(cand, placements) > 0
+    return raised
+
+
 def _check_mesh_floors(name: str, chain: ir.LayerChain, cluster: Cluster, batch: int, space: SearchSpace) -> int:
     """`CandidateBounds.mesh_floor` (the level-1 bound of a mesh, from its shapes and settings) is exactly the least
     `cheap` bound of the candidates the mesh lists, with the least bytes needed by those that do not fit. Returns
@@ -424,11 +444,12 @@ def test_a_mesh_where_nothing_fits_is_bounded_by_the_least_state_its_candidates_
                               SearchSpace(max_microbatch_size=2)) >= 1
 
 
-def _check_grid(instances) -> tuple[int, int, int]:
-    checked = estimates = stronger = 0
+def _check_grid(instances) -> tuple[int, int, int, int]:
+    checked = estimates = stronger = raised = 0
     for name, chain, cluster, batch, space in instances:
         brute = brute_force(chain, cluster, batch, space)
         stronger += _check_level_one_bound(name, chain, cluster, brute)
+        raised += _check_level_two_bound(name, chain, cluster, brute)
         _check_mesh_floors(name, chain, cluster, batch, space)
         result = search(chain, cluster, global_batch=batch, space=space)
         got = result.best.estimate
@@ -440,7 +461,7 @@ def _check_grid(instances) -> tuple[int, int, int]:
         assert result.lower_bound == pytest.approx(got.step_time_s, rel=1e-9)
         checked += 1
         estimates += brute.estimates
-    return checked, estimates, stronger
+    return checked, estimates, stronger, raised
 
 
 def test_search_matches_brute_force(tmp_path: Path) -> None:
@@ -451,10 +472,12 @@ def test_search_matches_brute_force(tmp_path: Path) -> None:
     overlapped across it, and routed experts whose all-to-alls cross it. On each, the level-1 bound of every
     candidate is below its brute-force optimum."""
     instances = _instances(tmp_path)
-    checked, estimates, stronger = _check_grid([instances[i] for i in (0, 4, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18)])
+    checked, estimates, stronger, raised = _check_grid([instances[i] for i in (0, 4, 7, 8, 10, 11, 12, 13, 14, 15,
+                                                                                16, 17, 18)])
     print(f"search == brute force on {checked} instances ({estimates} brute-force estimates); "
-          f"{stronger} level-1 bounds stronger with their tp priced")
-    assert checked == 13 and stronger > 0
+          f"{stronger} level-1 bounds stronger with their tp priced; {raised} level-2 bounds set by the end-of-step "
+          f"gradient reduction")
+    assert checked == 13 and stronger > 0 and raised > 0
 
 
 @pytest.mark.exhaustive
@@ -464,7 +487,7 @@ def test_search_matches_brute_force_on_the_full_grid(tmp_path: Path) -> None:
     instances = _instances(tmp_path)
     more = [(f"{name} b{2 * batch}", chain, cluster, 2 * batch, space)
             for name, chain, cluster, batch, space in instances]
-    checked, estimates, _ = _check_grid(instances + more)
+    checked, estimates, _, _ = _check_grid(instances + more)
     print(f"search == brute force on {checked} instances ({estimates} brute-force estimates)")
     assert checked == 2 * len(instances)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -50,10 +51,21 @@ def _min_max_partition(prefix: np.ndarray, p: int) -> float:
     return _min_max_partition_ranks([prefix] * p)
 
 
+@dataclass(frozen=True, slots=True)
+class PipelineBound:
+    """`tight_lower_bound`'s bound and two of its parts, which `end_reduce_lower_bound` builds on."""
+
+    value: float
+    bottleneck: float
+    """U: at most the busiest rank's work per micro-batch."""
+    head: float
+    """At most the pipeline's first term, S / v (the whole chain's work over v)."""
+
+
 def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost], float]], *, optimizer_s: float,
                       layout: InterleavedLayout | None = None, p2p: Sequence[float] = (),
                       rank_sends: Sequence[float] = (),
-                      work: Callable[[Sequence[LayerCost], float], np.ndarray] | None = None) -> float:
+                      work: Callable[[Sequence[LayerCost], float], np.ndarray] | None = None) -> PipelineBound:
     """A lower bound on the candidate's step time from its own layer prices (tp sharding solved).
 
     `costs`: per pipeline rank in order, its segment prices and speed. Per segment ``w_j`` is the least over ranks
@@ -103,9 +115,34 @@ def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost]
                          for segs, speed in unique.values()], axis=0).sum(axis=0) + sum(p2p)
         forward, input_less_weight = float(parts[0]), max(float(parts[1]), 0.0)
         if cand.schedule is Schedule.ZBV:
-            return max(m * u, (m - 2 / v) * u + forward / v) + optimizer_s
-        return max(m * u, (m - 1 / v) * u + (forward + input_less_weight) / v) + optimizer_s
-    return total / v + (m - 1 / v) * u + optimizer_s
+            value = max(m * u, (m - 2 / v) * u + forward / v)
+        else:
+            value = max(m * u, (m - 1 / v) * u + (forward + input_less_weight) / v)
+        return PipelineBound(value + optimizer_s, u, total / v)
+    return PipelineBound(total / v + (m - 1 / v) * u + optimizer_s, u, total / v)
+
+
+def end_reduce_lower_bound(cand: Candidate, pipe: PipelineBound, end_reduce_s: float) -> float:
+    """A lower bound on the step time (optimizer step left out) from the end-of-step gradient reduction (ZeRO-0/1,
+    and ZeRO-2/3 under pipelining), `end_reduce_s` at most the largest rank's C_r: what the pipeline's drain and
+    the last backward cannot hide, where a slow tier makes it seconds.
+
+    The step is the pipeline plus ``max_r max(e_r - P_r, 0)`` (`step_time.step_breakdown`) with ``e_r >= C_r -
+    W_r`` (`step_time.overlapped_exposed`), W_r rank r's last backward and P_r the drain behind it
+    (`pipeline.drain_slack`):
+    - 1F1B and GPipe: W_r + P_r is at most one micro-batch's backward of the whole chain, sends included, B,
+      and the pipeline is at least F + B + (m - 1) max_k d_k: ``T >= (m - 1) U + C_r``;
+    - zero-bubble schedules: P_r = 0 and W_r <= D_r, and the pipeline is at least m max_r D_r: the same bound;
+    - interleaved: W_r + P_r <= sum_{k <= r} D_k <= p max D (with overlapped sends, plus sends that S counts
+      twice), and the pipeline is S / v + (m - 1/v) max D: ``T >= S / v + (m - 1/v - p) U + C_r`` where
+      m - 1/v >= p (0 otherwise: the bound would need an upper bound on max D)."""
+    if end_reduce_s <= 0:
+        return 0.0
+    m = cand.num_microbatches
+    if cand.schedule.zero_bubble or not (cand.schedule.chunked and cand.virtual_stages > 1):
+        return (m - 1) * pipe.bottleneck + end_reduce_s
+    coefficient = m - 1 / cand.virtual_stages - cand.mesh.pp
+    return pipe.head + coefficient * pipe.bottleneck + end_reduce_s if coefficient >= 0 else 0.0
 
 
 def _min_max_partition_ranks(prefixes: Sequence[np.ndarray], fixed: Sequence[float] = ()) -> float:

@@ -14,17 +14,24 @@ import numpy as np
 
 from costmodel.context_parallel import ring_attention_s
 from costmodel.estimate import optimizer_terms
-from costmodel.expert_parallel import expert_param_numel, num_experts, optimizer_params
+from costmodel.expert_parallel import dp_synced_params, expert_param_numel, num_experts, optimizer_params
 from costmodel.expert_parallel import model_state_bytes as expert_state_bytes
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment, framework_overhead_bytes, kept_bytes, saved_bytes, transient_bytes
 from costmodel.pipeline import in_flight_per_chunk
-from costmodel.step_time import optimizer_step_time, tp_exposed
+from costmodel.rank_layout import dp_group
+from costmodel.step_time import data_parallel_comm, optimizer_step_time, tp_exposed
 from costmodel.strategy import CrossEntropy, MeshAxis, Offload, Recompute
 from ir.graph import dtype_bytes
 from ir.layer_chain import LayerChain
-from planner.search.bounds import cheap_lower_bound, comm_lower_bound, tight_lower_bound
+from planner.search.bounds import (
+    PipelineBound,
+    cheap_lower_bound,
+    comm_lower_bound,
+    end_reduce_lower_bound,
+    tight_lower_bound,
+)
 from planner.search.candidates import Candidate, MeshOptions
 from planner.search.layer_costs import AxisSplit
 from planner.search.meshes import MeshCandidate
@@ -50,7 +57,8 @@ class CandidateBounds:
     _memory_need: dict[tuple, float] = field(default_factory=dict)
     _replicated: dict[tuple, tuple[float, float]] = field(default_factory=dict)
     _optimizer: dict[tuple, float] = field(default_factory=dict)
-    _pipeline_bound: dict[tuple, float] = field(default_factory=dict)
+    _pipeline_bound: dict[tuple, PipelineBound] = field(default_factory=dict)
+    _end_reduce: dict[tuple, float] = field(default_factory=dict)
     _least_saved: dict[tuple, tuple[tuple, int]] = field(default_factory=dict)
     _comm: dict[tuple, np.ndarray | None] = field(default_factory=dict)
     _comm_bound: dict[tuple, float] = field(default_factory=dict)
@@ -404,11 +412,20 @@ class CandidateBounds:
 
     def tight(self, cand: Candidate) -> float:
         """Level-2 lower bound on the candidate's step time from its own layer prices (solves its layer classes'
-        sharding).
-
-        The bound's pipeline part depends only on (device, tp, sp, mbs, p, schedule, v) and the mesh's sends, so
-        it is cached across the ZeRO stages and the other candidates that share it."""
+        sharding): the largest of the pipeline's (`pipeline_bound`), the ZeRO collectives' of each micro-batch
+        (`comm_bound`) and the end-of-step gradient reduction's (`bounds.end_reduce_lower_bound`), plus the
+        optimizer step."""
         placements = self.builder.placements(cand)
+        interleaved = cand.schedule.chunked and cand.virtual_stages > 1
+        pipe = self.pipeline_bound(cand, placements)
+        tail = end_reduce_lower_bound(cand, pipe, self.end_reduce_floor(cand, placements))
+        return max(pipe.value, tail, self.comm_bound(cand, placements, interleaved)) + self.optimizer_bound(
+            cand, placements)
+
+    def pipeline_bound(self, cand: Candidate, placements: Sequence[RankPlacement]) -> PipelineBound:
+        """`bounds.tight_lower_bound` of the candidate with no optimizer step. It depends only on (device, tp, sp,
+        mbs, p, schedule, v) and the mesh's sends, so it is cached across the ZeRO stages and the other
+        candidates that share it."""
         m = cand.mesh
         interleaved = cand.schedule.chunked and cand.virtual_stages > 1
         key = (self._placement_facts(placements).order, m.tp, m.stride(MeshAxis.TP),
@@ -436,13 +453,47 @@ class CandidateBounds:
 
             pipe = self._pipeline_bound[key] = tight_lower_bound(cand, costs, optimizer_s=0.0, layout=layout,
                                                                  p2p=p2p, rank_sends=sends, work=work)
-        return max(pipe, self.comm_bound(cand, placements, interleaved)) + self.optimizer_bound(cand, placements)
+        return pipe
+
+    def end_reduce_floor(self, cand: Candidate, placements: Sequence[RankPlacement]) -> float:
+        """At most the largest pipeline rank's end-of-step gradient reduction (`bounds.end_reduce_lower_bound`; 0
+        where the step has none): some rank holds at least 1/p of the chain's data-parallel parameters, and one
+        collective of those bytes takes no longer than the rank's reduction of at least as many, in one or more
+        pieces (a collective's seconds per byte only fall with its size), on the cheapest rank's group. Priced by
+        `step_time.data_parallel_comm` itself, once per mesh, ZeRO stage, runtime and layer prices."""
+        m, runtime, zero = cand.mesh, cand.runtime, cand.zero_stage
+        # `data_parallel_comm`: ZeRO-0/1 reduce at the end of the step, ZeRO-2/3 too under pipelining unless FSDP2
+        # offloads the parameters (then per micro-batch, `comm_bound`'s).
+        if m.dp * m.cp <= 1 or (zero >= 2 and (m.pp == 1 or runtime.offload is Offload.PARAMS)):
+            return 0.0
+        # The sharding solved for (tp, sp, micro-batch size) decides which weights tp splits.
+        key = (m, zero, runtime, cand.sequence_parallel, cand.microbatch_size)
+        hit = self._end_reduce.get(key)
+        if hit is None:
+            strategy = self.builder.strategy_of(cand)
+            weight_bytes = dtype_bytes(self.dtype)
+            least, seen = math.inf, set()
+            for k, pl in enumerate(placements):
+                ctx = self.builder.context(cand, k, pl)
+                if ctx.signature in seen:
+                    continue
+                seen.add(ctx.signature)
+                costs = self.builder.segment_costs(cand, pl.device)
+                params = dp_synced_params(costs, dp_size=m.dp * m.cp, ep_dp=m.ep_dp, counts=[1] * len(costs)) / m.pp
+                comm = data_parallel_comm(
+                    zero_stage=zero, grad_bytes=params * runtime.grad_bytes(weight_bytes),
+                    param_bytes=params * weight_bytes, num_segments=1, fwd_window_s=0.0, bwd_window_s=0.0,
+                    group=dp_group(strategy, k), cluster=self.builder.cluster, concurrent=m.tp * m.pp,
+                    overlap=False, pipelined=m.pp > 1)
+                least = min(least, comm.end_reduce_s)
+            hit = self._end_reduce[key] = least
+        return hit
 
     def comm_bound(self, cand: Candidate, placements: Sequence[RankPlacement], interleaved: bool) -> float:
         """`bounds.comm_lower_bound` of the candidate (0 where no micro-batch communicates), cached per what it
-        depends on: the mesh, ZeRO stage and runtime, and the schedule's shape."""
+        depends on: the mesh, ZeRO stage, runtime and layer prices, and the schedule's shape."""
         key = (cand.mesh, cand.zero_stage, cand.runtime, cand.num_microbatches, cand.schedule,
-               cand.virtual_stages if interleaved else 1)
+               cand.virtual_stages if interleaved else 1, cand.sequence_parallel, cand.microbatch_size)
         hit = self._comm_bound.get(key)
         if hit is None:
             comm = self.comm_per_segment(cand, placements)
@@ -457,16 +508,20 @@ class CandidateBounds:
         ZeRO-3 kept gathered under pipelining, which reduce once per step).
 
         Priced by the cost model itself, each segment as a chunk of its own with overlap off and offload left
-        out (its copies only add), once per mesh, ZeRO stage and runtime: the bytes do not depend on the
-        micro-batch."""
+        out (its copies only add; offloaded parameters stay where they decide that the pipeline reduces every
+        micro-batch, and their copies are not counted), once per mesh, ZeRO stage, runtime and layer prices."""
         m, runtime = cand.mesh, cand.runtime
         pipelined = m.pp > 1
+        # FSDP2 with offloaded parameters reduces every micro-batch, pipelined or not (`data_parallel_comm`).
+        offloaded = cand.zero_stage >= 2 and pipelined and runtime.offload is Offload.PARAMS
         per_microbatch = cand.zero_stage == 3 and (runtime.reshard_after_forward or not pipelined) or (
-            cand.zero_stage == 2 and not pipelined)
+            cand.zero_stage == 2 and not pipelined) or offloaded
         if not per_microbatch or m.dp * m.cp <= 1:
             return None
-        bare = replace(cand, runtime=replace(runtime, dp_overlap=False, offload=Offload.NONE))
-        key = (m, cand.zero_stage, bare.runtime)
+        bare = replace(cand, runtime=replace(runtime, dp_overlap=False,
+                                             offload=Offload.PARAMS if offloaded else Offload.NONE))
+        # The sharding solved for (tp, sp, micro-batch size) decides which weights tp splits.
+        key = (m, cand.zero_stage, bare.runtime, cand.sequence_parallel, cand.microbatch_size)
         if key in self._comm:
             return self._comm[key]
         least: np.ndarray | None = None
