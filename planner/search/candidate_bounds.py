@@ -16,6 +16,7 @@ from costmodel.context_parallel import ring_attention_s
 from costmodel.estimate import optimizer_terms
 from costmodel.expert_parallel import dp_synced_params, expert_param_numel, num_experts, optimizer_params
 from costmodel.expert_parallel import model_state_bytes as expert_state_bytes
+from costmodel.hardware.collectives import CommGroup
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment, framework_overhead_bytes, kept_bytes, saved_bytes, transient_bytes
@@ -59,6 +60,8 @@ class CandidateBounds:
     _optimizer: dict[tuple, float] = field(default_factory=dict)
     _pipeline_bound: dict[tuple, PipelineBound] = field(default_factory=dict)
     _end_reduce: dict[tuple, float] = field(default_factory=dict)
+    _synced: dict[tuple, tuple[Sequence[LayerCost], np.ndarray]] = field(default_factory=dict)
+    _dp_group_cache: dict[MeshCandidate, list[tuple[DeviceSpec, CommGroup]]] = field(default_factory=dict)
     _least_saved: dict[tuple, tuple[tuple, int]] = field(default_factory=dict)
     _comm: dict[tuple, np.ndarray | None] = field(default_factory=dict)
     _comm_bound: dict[tuple, float] = field(default_factory=dict)
@@ -470,23 +473,40 @@ class CandidateBounds:
         key = (m, zero, runtime, cand.sequence_parallel, cand.microbatch_size)
         hit = self._end_reduce.get(key)
         if hit is None:
-            strategy = self.builder.strategy_of(cand)
             weight_bytes = dtype_bytes(self.dtype)
-            least, seen = math.inf, set()
-            for k, pl in enumerate(placements):
-                ctx = self.builder.context(cand, k, pl)
-                if ctx.signature in seen:
-                    continue
-                seen.add(ctx.signature)
-                costs = self.builder.segment_costs(cand, pl.device)
-                params = dp_synced_params(costs, dp_size=m.dp * m.cp, ep_dp=m.ep_dp, counts=[1] * len(costs)) / m.pp
+            groups = self._dp_groups(cand, placements)
+            # Each segment's parameters at the least over the device types' sharding solves: rank r holds at least
+            # its segments' share of that, and some rank 1/p of the chain's.
+            per_segment = np.min([self._synced_params(self.builder.segment_costs(cand, device), m.dp * m.cp, m.ep_dp)
+                                  for device in {d.name: d for d, _ in groups}.values()], axis=0)
+            params = float(per_segment.sum()) / m.pp
+            least = math.inf
+            for _, group in groups:
                 comm = data_parallel_comm(
                     zero_stage=zero, grad_bytes=params * runtime.grad_bytes(weight_bytes),
                     param_bytes=params * weight_bytes, num_segments=1, fwd_window_s=0.0, bwd_window_s=0.0,
-                    group=dp_group(strategy, k), cluster=self.builder.cluster, concurrent=m.tp * m.pp,
-                    overlap=False, pipelined=m.pp > 1)
+                    group=group, cluster=self.builder.cluster, concurrent=m.tp * m.pp, overlap=False,
+                    pipelined=m.pp > 1)
                 least = min(least, comm.end_reduce_s)
             hit = self._end_reduce[key] = least
+        return hit
+
+    def _synced_params(self, costs: Sequence[LayerCost], dp_size: int, ep_dp: int) -> np.ndarray:
+        """Per segment, `expert_parallel.dp_synced_params` (cached per segment prices, which the builder keeps)."""
+        hit = self._synced.get((id(costs), dp_size, ep_dp))
+        if hit is None or hit[0] is not costs:
+            hit = self._synced[id(costs), dp_size, ep_dp] = (costs, np.array(
+                [dp_synced_params([c], dp_size=dp_size, ep_dp=ep_dp) for c in costs]))
+        return hit[1]
+
+    def _dp_groups(self, cand: Candidate, placements: Sequence[RankPlacement]) -> list[tuple[DeviceSpec, CommGroup]]:
+        """(device, data-parallel group) of the mesh's pipeline ranks, one per distinct pair (cached per mesh)."""
+        hit = self._dp_group_cache.get(cand.mesh)
+        if hit is None:
+            strategy = self.builder.strategy_of(cand)
+            pairs = {(pl.device.name, self.builder.group_signature(group)): (pl.device, group)
+                     for k, pl in enumerate(placements) for group in [dp_group(strategy, k)]}
+            hit = self._dp_group_cache[cand.mesh] = list(pairs.values())
         return hit
 
     def comm_bound(self, cand: Candidate, placements: Sequence[RankPlacement], interleaved: bool) -> float:

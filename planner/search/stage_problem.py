@@ -249,7 +249,7 @@ class StageProblemBuilder:
         return hit
 
     # -- ranks -------------------------------------------------------------------------------------------------
-    def _sig(self, group: CommGroup | None) -> tuple:
+    def group_signature(self, group: CommGroup | None) -> tuple:
         """What a collective over `group` depends on: its size and the tiers it spans (`collectives.spans`)."""
         if group is None:
             return ()
@@ -263,7 +263,7 @@ class StageProblemBuilder:
         shared = shared_weight_group(strategy, k) if k > 0 else None
         m = cand.mesh
         signature = (placement.device.name, placement.speed, m.tp, m.pp, m.dp, m.cp, m.ep, cand.sequence_parallel,
-                     cand.microbatch_size, cand.zero_stage, self._sig(dpg), self._sig(tpg), self._sig(shared),
+                     cand.microbatch_size, cand.zero_stage, self.group_signature(dpg), self.group_signature(tpg), self.group_signature(shared),
                      cand.runtime)
         # A small number stands for the signature in the cache keys (a long tuple is slow to hash).
         return RankContext(k, placement.device, placement.speed,
@@ -279,7 +279,7 @@ class StageProblemBuilder:
     def _dp_comm(self, **kw) -> DataParallelComm:
         """`step_time.data_parallel_comm`, cached by what it depends on (the group through `collectives.spans`)."""
         key = (kw["zero_stage"], kw["grad_bytes"], kw["param_bytes"], kw["num_segments"], kw["fwd_window_s"],
-               kw["bwd_window_s"], self._sig(kw["group"]), kw["concurrent"], kw["overlap"],
+               kw["bwd_window_s"], self.group_signature(kw["group"]), kw["concurrent"], kw["overlap"],
                kw["reshard_after_forward"], kw.get("host_copy"), kw.get("pipelined", False))
         hit = self._dp_comm_cache.get(key)
         if hit is None:
@@ -339,11 +339,11 @@ class StageProblemBuilder:
         sig_key = (m, position)
         sig = self._p2p_sig.get(sig_key)
         if sig is None:
-            sig = self._p2p_sig[sig_key] = self._sig(p2p_group(self.strategy_of(cand), boundary))
+            sig = self._p2p_sig[sig_key] = self.group_signature(p2p_group(self.strategy_of(cand), boundary))
         runtime = cand.runtime
         # A scatter/gather send also all-gathers over the receiving rank's tp group.
         gathered = runtime.p2p_scatter_gather and m.tp > 1 and not cand.sequence_parallel
-        gather_sig = self._sig(tp_group(self.strategy_of(cand), position[1])) if gathered else None
+        gather_sig = self.group_signature(tp_group(self.strategy_of(cand), position[1])) if gathered else None
         key = (sig, nbytes, m.tp * m.cp * m.dp, runtime.p2p_blocking, gather_sig)
         if key not in self._p2p_cache:
             self._p2p_cache[key] = p2p_time(self.strategy_of(cand), boundary, nbytes, self.cluster)
@@ -471,8 +471,8 @@ class StageProblemBuilder:
         reps: list[int] = []
         for k, ctx in enumerate(contexts):
             key = (stage_kind(k, p), ctx.signature,
-                   self._sig(p2p_group(strategy, k - 1)) if k > 0 else (),
-                   self._sig(p2p_group(strategy, k)) if k < p - 1 else ())
+                   self.group_signature(p2p_group(strategy, k - 1)) if k > 0 else (),
+                   self.group_signature(p2p_group(strategy, k)) if k < p - 1 else ())
             if key not in profile_index:
                 profile_index[key] = len(profile_index)
                 reps.append(k)
