@@ -37,7 +37,7 @@ from ir.layer_chain import LayerChain
 from planner.errors import UserError
 from planner.search.branch_and_bound import search
 from planner.search.layer_costs import LayerCostTable
-from planner.search.outcome import DEFAULT_RELATIVE_GAP, SearchOptions
+from planner.search.outcome import SearchOptions
 from planner.strategy_label import Detail, strategy_label
 
 # ---- proportional shares --------------------------------------------------------------------------------------
@@ -297,7 +297,7 @@ def searching(space: Any = None, *, dtype: str = "bfloat16", tables: dict[str, A
         table = tables.get(device)
         if table is None:
             table = tables[device] = LayerCostTable(chain, cluster, dtype=dtype)
-        options = SearchOptions(time_limit_s=time_limit_s, relative_gap=DEFAULT_RELATIVE_GAP)
+        options = SearchOptions.for_users(time_limit_s=time_limit_s)
         result = search(chain, cluster, global_batch=global_batch, space=space, options=options, dtype=dtype,
                         table=table)
         return result.best.strategy, result.best.layer_costs

@@ -51,7 +51,7 @@ from planner.search.candidates import Candidate
 from planner.search.device_groups import with_device_groups
 from planner.search.layer_costs import LayerCostTable
 from planner.search.meshes import compute_lower_bound_s
-from planner.search.outcome import DEFAULT_RELATIVE_GAP, SearchOptions, SearchResult
+from planner.search.outcome import SearchOptions, SearchResult
 from planner.search.pricing import layer_cost_map, sharding_of, summary_recompute
 from planner.search.space import SearchSpace
 from planner.search.stage_partition import solve_partition
@@ -273,9 +273,8 @@ def replan(old: Plan, chain: LayerChain, cluster: Cluster, *, session: PlanningS
     kept = found.add_kept(old_strategy, cluster, builder)
     searched_space = neighbourhood(old_strategy, space) if scope is ReplanScope.NEIGHBOURHOOD else space
     result = session.search(cluster, global_batch=old.training.global_batch, space=searched_space,
-                            options=SearchOptions(top_k=top_k, time_limit_s=time_limit_s, explain_slack=0.0,
-                                                  relative_gap=DEFAULT_RELATIVE_GAP,
-                                                  progress=progress))
+                            options=SearchOptions.for_users(top_k=top_k, time_limit_s=time_limit_s,
+                                                            explain_slack=0.0, progress=progress))
     for r in result.ranked:
         found.add(OptionKind.SEARCH, r.strategy, cluster, builder)
     if exclude_slowed and (without := _search_without_slowed(session, cluster, old.training.global_batch,
@@ -360,9 +359,8 @@ def _search_without_slowed(session: PlanningSession, cluster: Cluster, batch: in
         without = without.with_speed(r, 0.0)
     try:
         return without, session.search(without, global_batch=batch, space=space,
-                                       options=SearchOptions(time_limit_s=time_limit_s, explain_slack=0.0,
-                                                             relative_gap=DEFAULT_RELATIVE_GAP,
-                                                             progress=progress))
+                                       options=SearchOptions.for_users(time_limit_s=time_limit_s, explain_slack=0.0,
+                                                                       progress=progress))
     except UserError:  # nothing runs without them
         return None
 

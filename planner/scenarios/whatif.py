@@ -29,7 +29,7 @@ from planner.errors import UserError
 from planner.scenarios.group_data_parallel import GroupDataParallelPlan, plan_group_data_parallel, searching
 from planner.scenarios.replan import PlanningSession
 from planner.scenarios.variations import Scenario
-from planner.search.outcome import DEFAULT_RELATIVE_GAP, SearchOptions
+from planner.search.outcome import SearchOptions
 from planner.search.space import Objective, SearchSpace
 from planner.strategy_label import strategy_label
 
@@ -158,13 +158,11 @@ def plan_scenario(scenario: Scenario, session: PlanningSession, options: WhatIfO
             if any(g.price_per_device_hour is None for g in cluster.groups):
                 raise UserError(f"--objective cost needs a price for every device group of {cluster.name!r}")
             cheap = session.search(cluster, global_batch=scenario.global_batch, space=options.space,
-                                   options=SearchOptions(objective=Objective.COST, top_k=options.top_k,
-                                                         time_limit_s=options.time_limit_s,
-                                                         relative_gap=DEFAULT_RELATIVE_GAP))
+                                   options=SearchOptions.for_users(objective=Objective.COST, top_k=options.top_k,
+                                                                   time_limit_s=options.time_limit_s))
             outcomes += [_from_search(cluster, r) for r in cheap.ranked]
         fast = session.search(cluster, global_batch=scenario.global_batch, space=options.space,
-                              options=SearchOptions(time_limit_s=options.time_limit_s,
-                                                    relative_gap=DEFAULT_RELATIVE_GAP))
+                              options=SearchOptions.for_users(time_limit_s=options.time_limit_s))
         outcomes.append(_from_search(cluster, fast.best))
     except UserError as e:  # nothing fits / nothing valid: still a row, try group data parallelism below
         error = str(e)

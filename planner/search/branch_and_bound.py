@@ -42,7 +42,9 @@ Branch and bound, best first over a heap of lower bounds, each level valid for e
 - level 2, a candidate with its layer classes priced (the sharding ILP): compute + TP communication, the
   bottleneck of the best contiguous split (`bounds.tight_lower_bound`), or, where it is larger, the same from
   the ZeRO-2/3 collectives each micro-batch issues (`bounds.comm_lower_bound`: a chunk's collectives run one
-  after another, so no overlap makes its time less than theirs);
+  after another, so no overlap makes its time less than theirs), or from the end-of-step gradient reduction that
+  the last backward and the pipeline's drain cannot hide (`bounds.end_reduce_lower_bound`: seconds behind a slow
+  outer tier);
 - then the exact partition DP, which itself prunes with the same incumbent; for an interleaved or zero-bubble
   candidate it first takes each rank's least work per micro-batch over the chunk layouts that fit in memory
   (ZeRO traffic, recomputation and sends included: `planner.search.interleaved_pricing`), pricing the first and

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from costmodel.breakdown import Estimate
 from costmodel.layer_cost import LayerCost
@@ -58,6 +59,12 @@ class SearchOptions:
         if self.tie_band is not None and not 0 <= self.tie_band < math.inf:
             raise ValueError(f"tie band must be a non-negative fraction, got {self.tie_band!r}")
 
+    @classmethod
+    def for_users(cls, **changes: Any) -> SearchOptions:
+        """The options of a search a user asked for (the API, the CLI, the scenarios): `DEFAULT_RELATIVE_GAP`
+        unless `changes` say otherwise; `search()` itself stays exact by default."""
+        return cls(**{"relative_gap": DEFAULT_RELATIVE_GAP, **changes})
+
 
 @dataclass(frozen=True)
 class RankedStrategy:
@@ -95,6 +102,11 @@ class SearchResult:
     @property
     def best(self) -> RankedStrategy:
         return self.ranked[0]
+
+    @property
+    def fastest(self) -> float:
+        """The least objective among the ranked strategies (the best's, unless a tie made a simpler one best)."""
+        return min(r.objective for r in self.ranked)
 
 
 @dataclass(order=True)
