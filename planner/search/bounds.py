@@ -18,8 +18,20 @@ from planner.search.interleaved_layout import InterleavedLayout
 from planner.search.stage_problem import segment_work, tp_overlap_chunks
 
 
+@dataclass(frozen=True, slots=True)
+class PipelineBound:
+    """A pipeline bound (`cheap_lower_bound`'s, `tight_lower_bound`'s) and two of its parts, which
+    `end_reduce_lower_bound` builds on."""
+
+    value: float
+    bottleneck: float
+    """U: at most the busiest rank's work per micro-batch."""
+    head: float
+    """At most the pipeline's first term, S / v (the whole chain's work over v)."""
+
+
 def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: float, forward_s: float = 0.0,
-                      comm_s: float = 0.0, comm_forward_s: float = 0.0) -> float:
+                      comm_s: float = 0.0, comm_forward_s: float = 0.0) -> PipelineBound:
     """A lower bound on the candidate's step time from tp == 1 prices, without solving any sharding.
 
     `replicated_s`: forward + backward compute of one micro-batch of the whole chain replicated on one device,
@@ -41,25 +53,15 @@ def cheap_lower_bound(cand: Candidate, replicated_s: float, *, optimizer_s: floa
     m, p = cand.num_microbatches, cand.mesh.pp
     if cand.schedule.zero_bubble:
         v = cand.virtual_stages
-        return max(m * total / p, (m - 2 / v) * total / p + (forward_s / split + comm_forward_s) / v) + optimizer_s
+        value = max(m * total / p, (m - 2 / v) * total / p + (forward_s / split + comm_forward_s) / v)
+        return PipelineBound(value + optimizer_s, total / p, total / v)
     v = cand.virtual_stages if cand.schedule is Schedule.INTERLEAVED else 1
-    return total / v + (m - 1 / v) * total / p + optimizer_s
+    return PipelineBound(total / v + (m - 1 / v) * total / p + optimizer_s, total / p, total / v)
 
 
 def _min_max_partition(prefix: np.ndarray, p: int) -> float:
     """A lower bound (within 1e-9 relative) on min over contiguous p-partitions of the largest part sum."""
     return _min_max_partition_ranks([prefix] * p)
-
-
-@dataclass(frozen=True, slots=True)
-class PipelineBound:
-    """`tight_lower_bound`'s bound and two of its parts, which `end_reduce_lower_bound` builds on."""
-
-    value: float
-    bottleneck: float
-    """U: at most the busiest rank's work per micro-batch."""
-    head: float
-    """At most the pipeline's first term, S / v (the whole chain's work over v)."""
 
 
 def tight_lower_bound(cand: Candidate, costs: Sequence[tuple[Sequence[LayerCost], float]], *, optimizer_s: float,

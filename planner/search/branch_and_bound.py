@@ -37,8 +37,9 @@ Branch and bound, best first over a heap of lower bounds, each level valid for e
   (`CandidateBounds.mesh_floor`): most meshes of a large job are never expanded into their candidates;
 - level 1, a candidate: tp == 1 prices divided by tp (and cp) -- or, once the search has priced its tp, those
   prices' compute and exposed TP communication, whichever is larger --, the pipeline's (m - 1/v)/p share, and the
-  optimizer step of an even parameter split (`bounds.cheap_lower_bound`); inf when the parameter state
-  alone cannot fit;
+  optimizer step of an even parameter split (`bounds.cheap_lower_bound`), or where larger the end-of-step
+  gradient reduction of that split the drain cannot hide (`bounds.end_reduce_lower_bound`); inf when the
+  parameter state alone cannot fit;
 - level 2, a candidate with its layer classes priced (the sharding ILP): compute + TP communication, the
   bottleneck of the best contiguous split (`bounds.tight_lower_bound`), or, where it is larger, the same from
   the ZeRO-2/3 collectives each micro-batch issues (`bounds.comm_lower_bound`: a chunk's collectives run one

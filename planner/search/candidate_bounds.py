@@ -60,6 +60,7 @@ class CandidateBounds:
     _optimizer: dict[tuple, float] = field(default_factory=dict)
     _pipeline_bound: dict[tuple, PipelineBound] = field(default_factory=dict)
     _end_reduce: dict[tuple, float] = field(default_factory=dict)
+    _even_end_reduce: dict[tuple, float] = field(default_factory=dict)
     _synced: dict[tuple, tuple[Sequence[LayerCost], np.ndarray]] = field(default_factory=dict)
     _dp_group_cache: dict[MeshCandidate, list[tuple[DeviceSpec, CommGroup]]] = field(default_factory=dict)
     _least_saved: dict[tuple, tuple[tuple, int]] = field(default_factory=dict)
@@ -75,30 +76,35 @@ class CandidateBounds:
     _orders: dict[tuple, int] = field(default_factory=dict)
     _work: dict[tuple, tuple[Sequence[LayerCost], np.ndarray]] = field(default_factory=dict)
     _all_to_all: dict[tuple, float] = field(default_factory=dict)
-    _shape: dict[tuple, tuple[float, bool]] = field(default_factory=dict)
+    _shape: dict[tuple, tuple[PipelineBound, bool]] = field(default_factory=dict)
     _sharded: dict[tuple, tuple[float, float]] = field(default_factory=dict)
 
     def cheap(self, cand: Candidate) -> tuple[float, float | None]:
         """(level-1 lower bound on the candidate's step time from tp == 1 prices, no sharding solve; None, or
         the bytes its parameter state needs when that alone cannot fit -- the bound is then inf).
 
-        The bound is a part from the candidate's shape (`Shape`: micro-batching and schedule) plus the optimizer
-        step of its setting (ZeRO stage and offload), each cached: sequence parallelism is in neither, and
-        `mesh_floor` adds the least of each."""
+        The bound is a part from the candidate's shape (`Shape`: micro-batching and schedule) -- or, where larger,
+        the same shape with the end-of-step gradient reduction of an even parameter split
+        (`bounds.end_reduce_lower_bound`, `even_end_reduce_floor`) -- plus the optimizer step of its setting (ZeRO
+        stage and offload), each cached: sequence parallelism is in none, and `mesh_floor` takes the least."""
         placements = self.builder.placements(cand)
         if placements is None:
             return math.inf, None
         need = self.state_need(cand, placements)
         if need is not None:
             return math.inf, need
-        return self.shape_bound(cand, placements) + self.optimizer_bound(cand, placements), None
+        pipe = self.shape_bound(cand, placements)
+        tail = end_reduce_lower_bound(cand, pipe, self.even_end_reduce_floor(cand, placements))
+        return max(pipe.value, tail) + self.optimizer_bound(cand, placements), None
 
     def mesh_floor(self, options: MeshOptions) -> tuple[float, float | None]:
         """(the least `cheap` bound of the mesh's candidates, computed from its shapes and settings without listing
         them; None, or the least bytes needed by the parameter state of those that do not fit, which the search
         records for the mesh as their own bounds would)."""
         mesh, best, least_need = options.mesh, math.inf, math.inf
-        floors: dict[tuple[int, bool], float] = {}  # per (placements, pairs with ZeRO-3): the least optimizer step
+        # Per (placements, pairs with ZeRO-3): the (end-of-step reduction, optimizer step) of the settings that fit,
+        # those no other beats in both.
+        floors: dict[tuple[int, bool], list[tuple[float, float]]] = {}
         for shape in options.shapes:
             pairs, settings = options.pairs(shape), options.settings_of(shape)
             if not settings:
@@ -109,16 +115,18 @@ class CandidateBounds:
                 return math.inf, None
             key = (id(placements), pairs)
             if key not in floors:
-                floors[key] = math.inf
+                terms = set()
                 for zero, _, runtime in settings:
                     cand = Candidate(mesh, *shape, zero, False, runtime)
                     need = self.state_need(cand, placements)
                     if need is None:
-                        floors[key] = min(floors[key], self.optimizer_bound(cand, placements))
+                        terms.add((self.even_end_reduce_floor(cand, placements), self.optimizer_bound(cand, placements)))
                     else:
                         least_need = min(least_need, need)
-            if math.isfinite(floors[key]):
-                best = min(best, self.shape_bound(rep, placements) + floors[key])
+                floors[key] = [t for t in terms if not any(o != t and o[0] <= t[0] and o[1] <= t[1] for o in terms)]
+            pipe = self.shape_bound(rep, placements) if floors[key] else None
+            for reduce_s, optimizer_s in floors[key]:
+                best = min(best, max(pipe.value, end_reduce_lower_bound(rep, pipe, reduce_s)) + optimizer_s)
         return best, (least_need if math.isfinite(least_need) else None)
 
     def state_need(self, cand: Candidate, placements: tuple[RankPlacement, ...]) -> float | None:
@@ -138,7 +146,7 @@ class CandidateBounds:
         kinds = self._kinds(placements)
         return need if need > max(device.memory_bytes for device, _ in kinds) else None
 
-    def shape_bound(self, cand: Candidate, placements: tuple[RankPlacement, ...]) -> float:
+    def shape_bound(self, cand: Candidate, placements: tuple[RankPlacement, ...]) -> PipelineBound:
         """`bounds.cheap_lower_bound` without the optimizer step: what the candidate's shape, mesh and placements
         decide (cached; the runtime enters only through tensor-parallel overlap).
 
@@ -460,36 +468,59 @@ class CandidateBounds:
 
     def end_reduce_floor(self, cand: Candidate, placements: Sequence[RankPlacement]) -> float:
         """At most the largest pipeline rank's end-of-step gradient reduction (`bounds.end_reduce_lower_bound`; 0
-        where the step has none): some rank holds at least 1/p of the chain's data-parallel parameters, and one
-        collective of those bytes takes no longer than the rank's reduction of at least as many, in one or more
-        pieces (a collective's seconds per byte only fall with its size), on the cheapest rank's group. Priced by
-        `step_time.data_parallel_comm` itself, once per mesh, ZeRO stage, runtime and layer prices."""
-        m, runtime, zero = cand.mesh, cand.runtime, cand.zero_stage
-        # `data_parallel_comm`: ZeRO-0/1 reduce at the end of the step, ZeRO-2/3 too under pipelining unless FSDP2
-        # offloads the parameters (then per micro-batch, `comm_bound`'s).
-        if m.dp * m.cp <= 1 or (zero >= 2 and (m.pp == 1 or runtime.offload is Offload.PARAMS)):
+        where the step has none), from the candidate's layer prices: each segment's data-parallel parameters at
+        the least over the device types' sharding solves; rank r holds at least its segments' share of that, and
+        some rank 1/p of the chain's (`_least_end_reduce`). Cached per mesh, ZeRO stage, runtime and layer
+        prices."""
+        m = cand.mesh
+        if not self._reduces_at_end(cand):
             return 0.0
         # The sharding solved for (tp, sp, micro-batch size) decides which weights tp splits.
-        key = (m, zero, runtime, cand.sequence_parallel, cand.microbatch_size)
+        key = (m, cand.zero_stage, cand.runtime, cand.sequence_parallel, cand.microbatch_size)
         hit = self._end_reduce.get(key)
         if hit is None:
-            weight_bytes = dtype_bytes(self.dtype)
             groups = self._dp_groups(cand, placements)
-            # Each segment's parameters at the least over the device types' sharding solves: rank r holds at least
-            # its segments' share of that, and some rank 1/p of the chain's.
             per_segment = np.min([self._synced_params(self.builder.segment_costs(cand, device), m.dp * m.cp, m.ep_dp)
                                   for device in {d.name: d for d, _ in groups}.values()], axis=0)
-            params = float(per_segment.sum()) / m.pp
-            least = math.inf
-            for _, group in groups:
-                comm = data_parallel_comm(
-                    zero_stage=zero, grad_bytes=params * runtime.grad_bytes(weight_bytes),
-                    param_bytes=params * weight_bytes, num_segments=1, fwd_window_s=0.0, bwd_window_s=0.0,
-                    group=group, cluster=self.builder.cluster, concurrent=m.tp * m.pp, overlap=False,
-                    pipelined=m.pp > 1)
-                least = min(least, comm.end_reduce_s)
-            hit = self._end_reduce[key] = least
+            hit = self._end_reduce[key] = self._least_end_reduce(cand, groups, float(per_segment.sum()) / m.pp)
         return hit
+
+    def even_end_reduce_floor(self, cand: Candidate, placements: Sequence[RankPlacement]) -> float:
+        """`end_reduce_floor` before any layer price (level 1): the fullest rank holds at least an even 1/(tp*pp)
+        share of the parameters (`_even_params`), experts synced over fewer ranks as `dp_synced_params` counts
+        them. Cached per mesh, ZeRO stage and runtime."""
+        m = cand.mesh
+        if not self._reduces_at_end(cand):
+            return 0.0
+        key = (m, cand.zero_stage, cand.runtime)
+        hit = self._even_end_reduce.get(key)
+        if hit is None:
+            share, experts = self._even_params(m, floor=True)
+            dense = share - experts
+            n = m.dp * m.cp
+            params = dense + experts * ((n - m.ep_dp) / (n - 1) if experts and n > 1 else 1.0)
+            hit = self._even_end_reduce[key] = self._least_end_reduce(cand, self._dp_groups(cand, placements), params)
+        return hit
+
+    @staticmethod
+    def _reduces_at_end(cand: Candidate) -> bool:
+        """Whether the step ends with a gradient reduction (`step_time.data_parallel_comm`): ZeRO-0/1, and ZeRO-2/3
+        under pipelining unless FSDP2 offloads the parameters (then every micro-batch reduces, `comm_bound`'s)."""
+        m, zero = cand.mesh, cand.zero_stage
+        return m.dp * m.cp > 1 and (zero <= 1 or (m.pp > 1 and cand.runtime.offload is not Offload.PARAMS))
+
+    def _least_end_reduce(self, cand: Candidate, groups: Sequence[tuple[DeviceSpec, CommGroup]],
+                          params: float) -> float:
+        """The end-of-step reduction of `params` parameters in one piece, on the cheapest of `groups`: no longer
+        than any rank's reduction of at least as many, in one or more pieces (a collective's seconds per byte only
+        fall with its size)."""
+        m, runtime = cand.mesh, cand.runtime
+        weight_bytes = dtype_bytes(self.dtype)
+        return min(data_parallel_comm(
+            zero_stage=cand.zero_stage, grad_bytes=params * runtime.grad_bytes(weight_bytes),
+            param_bytes=params * weight_bytes, num_segments=1, fwd_window_s=0.0, bwd_window_s=0.0, group=group,
+            cluster=self.builder.cluster, concurrent=m.tp * m.pp, overlap=False, pipelined=m.pp > 1).end_reduce_s
+            for _, group in groups)
 
     def _synced_params(self, costs: Sequence[LayerCost], dp_size: int, ep_dp: int) -> np.ndarray:
         """Per segment, `expert_parallel.dp_synced_params` (cached per segment prices, which the builder keeps)."""
