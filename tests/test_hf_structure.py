@@ -33,10 +33,10 @@ CONFIGS = {
                                          "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
                                          "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1}, 2, (8, 2)),
     # DeepSeek Sparse Attention: 8 keys per query, fewer than the runtime tests' 16 tokens
-    "deepseek_v32": ("DeepseekV32Config", {**_SMALL, **_MLA, "num_key_value_heads": 4, "moe_intermediate_size": 64,
-                                           "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
-                                           "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
-                                           "index_topk": 8, "index_n_heads": 4, "index_head_dim": 32}, 2, (8, 2)),
+    **{name: (cls, {**_SMALL, **_MLA, "num_key_value_heads": 4, "moe_intermediate_size": 64, "n_routed_experts": 8,
+                    "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2,
+                    "topk_group": 1, "index_topk": 8, "index_n_heads": 4, "index_head_dim": 32}, 2, (8, 2))
+       for name, cls in (("deepseek_v32", "DeepseekV32Config"), ("glm_moe_dsa", "GlmMoeDsaConfig"))},
     "qwen3": ("Qwen3Config", {**_SMALL, "head_dim": 32}, 1, None),
     "qwen3_moe": ("Qwen3MoeConfig", {**_SMALL, "head_dim": 32, "moe_intermediate_size": 64, "num_experts": 8,
                                      "num_experts_per_tok": 2}, 1, (8, 2)),
@@ -324,8 +324,14 @@ def test_sliding_window_layers_are_priced_over_their_window(tmp_path_factory, na
     assert len(blocks) == classes
 
 
-def test_windowed_attention_with_sinks_matches_transformers_eager_on_cpu(tmp_path_factory):
-    name = _saved(tmp_path_factory, "gpt_oss", sliding_window=8, num_hidden_layers=2)
+@pytest.mark.parametrize(("config", "extra"), [("gpt_oss", {"sliding_window": 8}),
+                                               ("deepseek_v32", {"index_topk": 8}),
+                                               ("glm_moe_dsa", {"index_topk": 8})])
+def test_custom_attention_matches_transformers_eager_on_cpu(tmp_path_factory, config, extra):
+    """Windowed attention with sinks (GPT-OSS: 8 keys) and DeepSeek Sparse Attention (8 keys kept of 32: the
+    indexer really drops keys) compute what transformers' own eager code computes (a boolean mask on full attention;
+    for DSA also a dense (B, S, H, T) indexer)."""
+    name = _saved(tmp_path_factory, config, num_hidden_layers=2, **extra)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         built = build_model(name, ("capacity_factor=4",), batch=2, seq=32, device="cpu")
