@@ -413,7 +413,7 @@ def _check_level_two_bound(name: str, chain: ir.LayerChain, cluster: Cluster, br
         assert lb <= best * (1 + 1e-9), (name, cand.label, lb, best)
         placements = bounds.builder.placements(cand)
         tail = end_reduce_lower_bound(cand, bounds.pipeline_bound(cand, placements),
-                                      bounds.end_reduce_floor(cand, placements))
+                                      bounds.end_reduce.floor(cand, placements))
         raised += tail >= lb - bounds.optimizer_bound(cand, placements) > 0
     return raised
 

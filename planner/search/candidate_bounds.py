@@ -14,15 +14,13 @@ import numpy as np
 
 from costmodel.context_parallel import ring_attention_s
 from costmodel.estimate import optimizer_terms
-from costmodel.expert_parallel import dp_synced_params, expert_param_numel, num_experts, optimizer_params
+from costmodel.expert_parallel import expert_param_numel, num_experts, optimizer_params
 from costmodel.expert_parallel import model_state_bytes as expert_state_bytes
-from costmodel.hardware.collectives import CommGroup
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
 from costmodel.memory import PricedSegment, framework_overhead_bytes, kept_bytes, saved_bytes, transient_bytes
 from costmodel.pipeline import in_flight_per_chunk
-from costmodel.rank_layout import dp_group
-from costmodel.step_time import data_parallel_comm, optimizer_step_time, tp_exposed
+from costmodel.step_time import optimizer_step_time, tp_exposed
 from costmodel.strategy import CrossEntropy, MeshAxis, Offload, Recompute
 from ir.graph import dtype_bytes
 from ir.layer_chain import LayerChain
@@ -34,6 +32,7 @@ from planner.search.bounds import (
     tight_lower_bound,
 )
 from planner.search.candidates import Candidate, MeshOptions
+from planner.search.end_reduce_floors import EndReduceFloors
 from planner.search.layer_costs import AxisSplit
 from planner.search.meshes import MeshCandidate
 from planner.search.stage_problem import RankPlacement, StageProblemBuilder, segment_work, tp_overlap_chunks
@@ -59,10 +58,6 @@ class CandidateBounds:
     _replicated: dict[tuple, tuple[float, float]] = field(default_factory=dict)
     _optimizer: dict[tuple, float] = field(default_factory=dict)
     _pipeline_bound: dict[tuple, PipelineBound] = field(default_factory=dict)
-    _end_reduce: dict[tuple, float] = field(default_factory=dict)
-    _even_end_reduce: dict[tuple, float] = field(default_factory=dict)
-    _synced: dict[tuple, tuple[Sequence[LayerCost], np.ndarray]] = field(default_factory=dict)
-    _dp_group_cache: dict[MeshCandidate, list[tuple[DeviceSpec, CommGroup]]] = field(default_factory=dict)
     _least_saved: dict[tuple, tuple[tuple, int]] = field(default_factory=dict)
     _comm: dict[tuple, np.ndarray | None] = field(default_factory=dict)
     _comm_bound: dict[tuple, float] = field(default_factory=dict)
@@ -78,6 +73,10 @@ class CandidateBounds:
     _all_to_all: dict[tuple, float] = field(default_factory=dict)
     _shape: dict[tuple, tuple[PipelineBound, bool]] = field(default_factory=dict)
     _sharded: dict[tuple, tuple[float, float]] = field(default_factory=dict)
+    end_reduce: EndReduceFloors = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.end_reduce = EndReduceFloors(self.builder, self.dtype, lambda m: self._even_params(m, floor=True))
 
     def cheap(self, cand: Candidate) -> tuple[float, float | None]:
         """(level-1 lower bound on the candidate's step time from tp == 1 prices, no sharding solve; None, or
@@ -85,7 +84,7 @@ class CandidateBounds:
 
         The bound is a part from the candidate's shape (`Shape`: micro-batching and schedule) -- or, where larger,
         the same shape with the end-of-step gradient reduction of an even parameter split
-        (`bounds.end_reduce_lower_bound`, `even_end_reduce_floor`) -- plus the optimizer step of its setting (ZeRO
+        (`bounds.end_reduce_lower_bound`, `EndReduceFloors.even_floor`) -- plus the optimizer step of its setting (ZeRO
         stage and offload), each cached: sequence parallelism is in none, and `mesh_floor` takes the least."""
         placements = self.builder.placements(cand)
         if placements is None:
@@ -94,7 +93,7 @@ class CandidateBounds:
         if need is not None:
             return math.inf, need
         pipe = self.shape_bound(cand, placements)
-        tail = end_reduce_lower_bound(cand, pipe, self.even_end_reduce_floor(cand, placements))
+        tail = end_reduce_lower_bound(cand, pipe, self.end_reduce.even_floor(cand, placements))
         return max(pipe.value, tail) + self.optimizer_bound(cand, placements), None
 
     def mesh_floor(self, options: MeshOptions) -> tuple[float, float | None]:
@@ -120,7 +119,7 @@ class CandidateBounds:
                     cand = Candidate(mesh, *shape, zero, False, runtime)
                     need = self.state_need(cand, placements)
                     if need is None:
-                        terms.add((self.even_end_reduce_floor(cand, placements), self.optimizer_bound(cand, placements)))
+                        terms.add((self.end_reduce.even_floor(cand, placements), self.optimizer_bound(cand, placements)))
                     else:
                         least_need = min(least_need, need)
                 floors[key] = [t for t in terms if not any(o != t and o[0] <= t[0] and o[1] <= t[1] for o in terms)]
@@ -429,7 +428,7 @@ class CandidateBounds:
         placements = self.builder.placements(cand)
         interleaved = cand.schedule.chunked and cand.virtual_stages > 1
         pipe = self.pipeline_bound(cand, placements)
-        tail = end_reduce_lower_bound(cand, pipe, self.end_reduce_floor(cand, placements))
+        tail = end_reduce_lower_bound(cand, pipe, self.end_reduce.floor(cand, placements))
         return max(pipe.value, tail, self.comm_bound(cand, placements, interleaved)) + self.optimizer_bound(
             cand, placements)
 
@@ -465,80 +464,6 @@ class CandidateBounds:
             pipe = self._pipeline_bound[key] = tight_lower_bound(cand, costs, optimizer_s=0.0, layout=layout,
                                                                  p2p=p2p, rank_sends=sends, work=work)
         return pipe
-
-    def end_reduce_floor(self, cand: Candidate, placements: Sequence[RankPlacement]) -> float:
-        """At most the largest pipeline rank's end-of-step gradient reduction (`bounds.end_reduce_lower_bound`; 0
-        where the step has none), from the candidate's layer prices: each segment's data-parallel parameters at
-        the least over the device types' sharding solves; rank r holds at least its segments' share of that, and
-        some rank 1/p of the chain's (`_least_end_reduce`). Cached per mesh, ZeRO stage, runtime and layer
-        prices."""
-        m = cand.mesh
-        if not self._reduces_at_end(cand):
-            return 0.0
-        # The sharding solved for (tp, sp, micro-batch size) decides which weights tp splits.
-        key = (m, cand.zero_stage, cand.runtime, cand.sequence_parallel, cand.microbatch_size)
-        hit = self._end_reduce.get(key)
-        if hit is None:
-            groups = self._dp_groups(cand, placements)
-            per_segment = np.min([self._synced_params(self.builder.segment_costs(cand, device), m.dp * m.cp, m.ep_dp)
-                                  for device in {d.name: d for d, _ in groups}.values()], axis=0)
-            hit = self._end_reduce[key] = self._least_end_reduce(cand, groups, float(per_segment.sum()) / m.pp)
-        return hit
-
-    def even_end_reduce_floor(self, cand: Candidate, placements: Sequence[RankPlacement]) -> float:
-        """`end_reduce_floor` before any layer price (level 1): the fullest rank holds at least an even 1/(tp*pp)
-        share of the parameters (`_even_params`), experts synced over fewer ranks as `dp_synced_params` counts
-        them. Cached per mesh, ZeRO stage and runtime."""
-        m = cand.mesh
-        if not self._reduces_at_end(cand):
-            return 0.0
-        key = (m, cand.zero_stage, cand.runtime)
-        hit = self._even_end_reduce.get(key)
-        if hit is None:
-            share, experts = self._even_params(m, floor=True)
-            dense = share - experts
-            n = m.dp * m.cp
-            params = dense + experts * ((n - m.ep_dp) / (n - 1) if experts and n > 1 else 1.0)
-            hit = self._even_end_reduce[key] = self._least_end_reduce(cand, self._dp_groups(cand, placements), params)
-        return hit
-
-    @staticmethod
-    def _reduces_at_end(cand: Candidate) -> bool:
-        """Whether the step ends with a gradient reduction (`step_time.data_parallel_comm`): ZeRO-0/1, and ZeRO-2/3
-        under pipelining unless FSDP2 offloads the parameters (then every micro-batch reduces, `comm_bound`'s)."""
-        m, zero = cand.mesh, cand.zero_stage
-        return m.dp * m.cp > 1 and (zero <= 1 or (m.pp > 1 and cand.runtime.offload is not Offload.PARAMS))
-
-    def _least_end_reduce(self, cand: Candidate, groups: Sequence[tuple[DeviceSpec, CommGroup]],
-                          params: float) -> float:
-        """The end-of-step reduction of `params` parameters in one piece, on the cheapest of `groups`: no longer
-        than any rank's reduction of at least as many, in one or more pieces (a collective's seconds per byte only
-        fall with its size)."""
-        m, runtime = cand.mesh, cand.runtime
-        weight_bytes = dtype_bytes(self.dtype)
-        return min(data_parallel_comm(
-            zero_stage=cand.zero_stage, grad_bytes=params * runtime.grad_bytes(weight_bytes),
-            param_bytes=params * weight_bytes, num_segments=1, fwd_window_s=0.0, bwd_window_s=0.0, group=group,
-            cluster=self.builder.cluster, concurrent=m.tp * m.pp, overlap=False, pipelined=m.pp > 1).end_reduce_s
-            for _, group in groups)
-
-    def _synced_params(self, costs: Sequence[LayerCost], dp_size: int, ep_dp: int) -> np.ndarray:
-        """Per segment, `expert_parallel.dp_synced_params` (cached per segment prices, which the builder keeps)."""
-        hit = self._synced.get((id(costs), dp_size, ep_dp))
-        if hit is None or hit[0] is not costs:
-            hit = self._synced[id(costs), dp_size, ep_dp] = (costs, np.array(
-                [dp_synced_params([c], dp_size=dp_size, ep_dp=ep_dp) for c in costs]))
-        return hit[1]
-
-    def _dp_groups(self, cand: Candidate, placements: Sequence[RankPlacement]) -> list[tuple[DeviceSpec, CommGroup]]:
-        """(device, data-parallel group) of the mesh's pipeline ranks, one per distinct pair (cached per mesh)."""
-        hit = self._dp_group_cache.get(cand.mesh)
-        if hit is None:
-            strategy = self.builder.strategy_of(cand)
-            pairs = {(pl.device.name, self.builder.group_signature(group)): (pl.device, group)
-                     for k, pl in enumerate(placements) for group in [dp_group(strategy, k)]}
-            hit = self._dp_group_cache[cand.mesh] = list(pairs.values())
-        return hit
 
     def comm_bound(self, cand: Candidate, placements: Sequence[RankPlacement], interleaved: bool) -> float:
         """`bounds.comm_lower_bound` of the candidate (0 where no micro-batch communicates), cached per what it
