@@ -394,12 +394,14 @@ def dp_synced_params(costs: Sequence[LayerCost], *, dp_size: int, ep_dp: int,
     """Parameters whose gradients (and ZeRO-3 weights) the n = dp*cp data-parallel collectives move, in units of
     the n-rank group: dense ones, plus expert ones scaled by (n - ep_dp) / (n - 1) (module docstring); `counts[i]`
     segments of `costs[i]` (one each by default)."""
-    total = 0.0
-    for c, n in zip(costs, counts or [1] * len(costs), strict=True):
-        total += n * (c.param_count - c.expert_param_count)
-        if c.expert_param_count:
-            total += n * c.expert_param_count * ((dp_size - ep_dp) / (dp_size - 1) if dp_size > 1 else 1.0)
-    return total
+    return sum(n * synced_params(c.param_count - c.expert_param_count, c.expert_param_count, dp_size=dp_size,
+                                 ep_dp=ep_dp)
+               for c, n in zip(costs, counts or [1] * len(costs), strict=True))
+
+
+def synced_params(dense: float, experts: float, *, dp_size: int, ep_dp: int) -> float:
+    """`dp_synced_params` of `dense` dense and `experts` expert parameters."""
+    return dense + (experts * (dp_size - ep_dp) / (dp_size - 1) if experts and dp_size > 1 else experts)
 
 
 def optimizer_params(param_count: int, expert_param_count: int, *, zero_stage: int, dp_size: int,

@@ -294,6 +294,7 @@ class GraphBuilder:
         ir_inputs = [lf.value for lf in ir_leaves]
         leaf_values = [lf.value for lf in leaves]
         pure_view = is_pure_view(leaf_values, outputs, name.inplace, getitem_of_container)
+        logits = 0  # bytes an op moves beyond its inputs and outputs: the lightning indexer's logits
         if pure_view:
             measured = OpMeasurement(0, 0, ())
         elif classified.op_kind is OpKind.ATTENTION and name.base in ("scaled_dot_product_attention",
@@ -310,8 +311,7 @@ class GraphBuilder:
                 measured = rms_norm_measurement(measured, leaf_values[0],
                                                 int(dict(classified.attrs).get("normalized_ndim", 1)))
         read, written = io_bytes(leaf_values, outputs, pure_view)
-        if name.base == "lightning_indexer":
-            read, written = read + logits, written + logits  # the logits the top-k reads back
+        read, written = read + logits, written + logits  # written for the top-k, which reads them back
         saved = self.ledger.charge(measured.saved, leaf_values, outputs)
         attrs = dict(classified.attrs)
         alias = alias_index(ir_inputs, outputs) if (pure_view or name.inplace) else None

@@ -84,8 +84,8 @@ class CandidateBounds:
 
         The bound is a part from the candidate's shape (`Shape`: micro-batching and schedule) -- or, where larger,
         the same shape with the end-of-step gradient reduction of an even parameter split
-        (`bounds.end_reduce_lower_bound`, `EndReduceFloors.even_floor`) -- plus the optimizer step of its setting (ZeRO
-        stage and offload), each cached: sequence parallelism is in none, and `mesh_floor` takes the least."""
+        (`bounds.end_reduce_lower_bound`, `EndReduceFloors.even_floor`) -- plus the optimizer step of its setting
+        (ZeRO stage and offload), each cached: sequence parallelism is in none, and `mesh_floor` takes the least."""
         placements = self.builder.placements(cand)
         if placements is None:
             return math.inf, None
@@ -119,7 +119,8 @@ class CandidateBounds:
                     cand = Candidate(mesh, *shape, zero, False, runtime)
                     need = self.state_need(cand, placements)
                     if need is None:
-                        terms.add((self.end_reduce.even_floor(cand, placements), self.optimizer_bound(cand, placements)))
+                        terms.add((self.end_reduce.even_floor(cand, placements),
+                                   self.optimizer_bound(cand, placements)))
                     else:
                         least_need = min(least_need, need)
                 floors[key] = [t for t in terms if not any(o != t and o[0] <= t[0] and o[1] <= t[1] for o in terms)]

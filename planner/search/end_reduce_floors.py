@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from costmodel.expert_parallel import dp_synced_params
+from costmodel.expert_parallel import dp_synced_params, synced_params
 from costmodel.hardware.collectives import CommGroup
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
@@ -66,9 +66,7 @@ class EndReduceFloors:
         hit = self._even.get(key)
         if hit is None:
             share, experts = self.even_params(m)
-            dense = share - experts
-            n = m.dp * m.cp
-            params = dense + experts * ((n - m.ep_dp) / (n - 1) if experts and n > 1 else 1.0)
+            params = synced_params(share - experts, experts, dp_size=m.dp * m.cp, ep_dp=m.ep_dp)
             hit = self._even[key] = self._least_end_reduce(cand, self._dp_groups(cand, placements), params)
         return hit
 

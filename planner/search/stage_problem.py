@@ -263,8 +263,8 @@ class StageProblemBuilder:
         shared = shared_weight_group(strategy, k) if k > 0 else None
         m = cand.mesh
         signature = (placement.device.name, placement.speed, m.tp, m.pp, m.dp, m.cp, m.ep, cand.sequence_parallel,
-                     cand.microbatch_size, cand.zero_stage, self.group_signature(dpg), self.group_signature(tpg), self.group_signature(shared),
-                     cand.runtime)
+                     cand.microbatch_size, cand.zero_stage, self.group_signature(dpg), self.group_signature(tpg),
+                     self.group_signature(shared), cand.runtime)
         # A small number stands for the signature in the cache keys (a long tuple is slow to hash).
         return RankContext(k, placement.device, placement.speed,
                             self._signatures.setdefault(signature, len(self._signatures)))
