@@ -102,6 +102,10 @@ class CrossEntropy(enum.StrEnum):
     FUSED = "fused"
     """One kernel each way on the 16-bit logits, which it keeps, with an fp32 log-sum-exp per row: flash-attn's
     cross-entropy (`flash_attn.losses.cross_entropy`), MosaicML llm-foundry's default `fused_crossentropy`."""
+    LOSS_PARALLEL = "loss-parallel"
+    """PyTorch's `cross_entropy(logits.float(), labels)` under `loss_parallel()` on vocabulary-sharded DTensor
+    logits: DTensor's own log-softmax and nll-loss decompositions (`torch.distributed.tensor.parallel.loss`), which
+    hold more fp32 copies than the fused ATen kernels; torchtitan with tp > 1 (unless `disable_loss_parallel`)."""
 
 
 CROSS_ENTROPY_CHOICES = ", ".join(c.value for c in CrossEntropy)

@@ -11,12 +11,19 @@ three kernels (`strategy.CrossEntropy`, `RuntimeOptions.cross_entropy`), whose m
     inplace   4E  fp32 softmax         wE: the 16-bit logits beside their fp32 copy (forward) or the gradient's
                                        cast (backward); 0 in fp32, where the copy is the logits
     fused     wE  the logits           wE: their gradient (flash-attn's kernel writes it in one pass)
+    loss-     4E  fp32 log-probs       12E: backward's zero-filled gradient, exp of the log-probs, their sum and
+    parallel                           its product with the output gradient (forward holds (w + 8)E: the logits,
+                                       their fp32 copy, the shifted copy and its exp)
 
-`torch` is PyTorch's `cross_entropy(logits.float(), labels)` (this project's runtime, torchtitan, Hugging Face
-models); `inplace` Megatron-LM's vocab-parallel cross-entropy, which normalizes the fp32 copy in place into the
+`torch` is PyTorch's `cross_entropy(logits.float(), labels)` (this project's runtime, torchtitan without tensor
+parallelism, Hugging Face models); `loss-parallel` the same call under `loss_parallel()` on vocabulary-sharded DTensor
+logits (torchtitan with tp > 1), where DTensor replaces the fused ATen kernels by its own decomposition
+(`_log_softmax`: amax, subtract, exp, sum, subtract; `_nll_loss_and_log_softmax_backward`: zeros, scatter,
+(grad + exp(x)) * dy, each an fp32 tensor of the local logits' size); `inplace` Megatron-LM's vocab-parallel cross-entropy, which normalizes the fp32 copy in place into the
 softmax it keeps and turns into the gradient; `fused` flash-attn's cross-entropy (llm-foundry's default
 `fused_crossentropy`), which reads the 16-bit logits once per pass and keeps only a log-sum-exp per row beside them.
-The first two are measured on the CPU by `tests/test_training_loss.py` (live bytes of every tensor the loss creates);
+The first two are measured on the CPU by `tests/test_training_loss.py` (live bytes of every tensor the loss creates),
+`loss-parallel` there too (peak resident memory of a process running it on a one-rank mesh: 16E in bf16 and fp32);
 the third follows from flash-attn's `save_for_backward(logits, lse, labels)` and its `empty_like(logits)` gradient.
 What is kept is priced as activations of the last segment's micro-batches in flight, the transient as the largest
 temporary (`memory.rank_memory`), both where the runtime is known: `LayerCost.loss_elements` carries E.
@@ -28,8 +35,10 @@ backward writes the one-hot gradient, `log_softmax`'s backward reads it and the 
 gradient, the cast writes it back in w bytes: (4 + 8 + 4 + 4 + w) E bytes in 3 kernels. `inplace` makes about the
 same passes (its forward's in-place subtract, exp and divide add 8E, its backward saves the one-hot and the
 log-softmax gradient, -8E) and is priced the same; `fused` reads wE forward and reads and writes wE backward, one
-kernel each (`loss_time_change`). A trainer that also computes training metrics from the logits adds that many
-`torch` forwards without gradient per micro-batch (`metric_pass_time`, `RuntimeOptions.metric_passes`), after the
+kernel each (`loss_time_change`); `loss-parallel` runs its decomposition as 6 kernels each way, forward the cast
+(w + 4), amax (4), subtract (8), exp (8), sum (4) and subtract (8), backward zeros (4), exp (8), add (12), multiply
+(8) and the cast back (4 + w): (w + 36) E bytes each way. A trainer that also computes training metrics from the
+logits adds that many `torch` forwards without gradient per micro-batch (`metric_pass_time`, `RuntimeOptions.metric_passes`), after the
 backward: their buffers come when the activations are gone and are not priced as memory.
 Outputs that are not floating point, or scalars (a model that returns its own loss), add nothing.
 """
@@ -47,6 +56,11 @@ from ir.graph import Node, OpKind, dtype_bytes
 
 FP32_BYTES = 4
 LOSS_KERNELS_PER_PASS = 3
+LOSS_PARALLEL_KERNELS_PER_PASS = 6
+LOSS_PARALLEL_TRANSIENT = 3 * FP32_BYTES
+"""Bytes per local logit that DTensor's loss-parallel backward holds beside the kept log-probs: the zero-filled
+gradient, exp of the log-probs, their sum, and its product with the output gradient live together (module
+docstring); its forward's (w + 8) is less for 16- and 32-bit logits."""
 
 
 def loss_inputs(nodes: Sequence[Node]) -> frozenset[str]:
@@ -68,6 +82,8 @@ def loss_transient_bytes(elements: float, dtype: str, kernel: CrossEntropy) -> f
     w = dtype_bytes(dtype)
     if kernel is CrossEntropy.TORCH:
         return max(2 * FP32_BYTES, w + FP32_BYTES) * elements
+    if kernel is CrossEntropy.LOSS_PARALLEL:
+        return LOSS_PARALLEL_TRANSIENT * elements
     if kernel is CrossEntropy.INPLACE:
         return (w if w < FP32_BYTES else 0) * elements
     return w * elements
@@ -82,9 +98,13 @@ def _torch_pass_times(elements: float, w: int, device: DeviceSpec) -> tuple[floa
 def loss_time_change(elements: float, w: int, kernel: CrossEntropy, device: DeviceSpec) -> tuple[float, float]:
     """(forward, backward) seconds that `kernel` takes over the `torch` price of the same loss over `elements`
     logits of `w` bytes (0 or less)."""
-    if kernel is not CrossEntropy.FUSED or elements <= 0:
+    if kernel not in (CrossEntropy.FUSED, CrossEntropy.LOSS_PARALLEL) or elements <= 0:
         return 0.0, 0.0
     fwd, bwd = _torch_pass_times(elements, w, device)
+    if kernel is CrossEntropy.LOSS_PARALLEL:
+        floor = LOSS_PARALLEL_KERNELS_PER_PASS * T_KERNEL_FLOOR_S
+        return (memory_pass_time((w + 36) * elements, device, floor_s=floor) - fwd,
+                memory_pass_time((36 + w) * elements, device, floor_s=floor) - bwd)
     return memory_pass_time(w * elements, device) - fwd, memory_pass_time(2 * w * elements, device) - bwd
 
 

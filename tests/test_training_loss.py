@@ -6,6 +6,9 @@ gradient it writes)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import weakref
 from collections.abc import Callable
 
@@ -151,10 +154,11 @@ def test_loss_memory_is_what_the_model_prices(loss_fn: Callable[[torch.Tensor, t
     assert abs(peak - priced) <= slack, (peak / elements, priced / elements)
 
 
-def test_the_kernels_differ_up_to_threefold() -> None:
-    # bf16 bytes per logit, kept + transient: PyTorch 4 + 8, in place 4 + 2, fused 2 + 2
+def test_the_kernels_differ_up_to_fourfold() -> None:
+    # bf16 bytes per logit, kept + transient: PyTorch 4 + 8, in place 4 + 2, fused 2 + 2, loss-parallel 4 + 12
     peaks = {k: loss_saved_bytes(1, "bfloat16", k) + loss_transient_bytes(1, "bfloat16", k) for k in CrossEntropy}
-    assert peaks == {CrossEntropy.TORCH: 12, CrossEntropy.INPLACE: 6, CrossEntropy.FUSED: 4}
+    assert peaks == {CrossEntropy.TORCH: 12, CrossEntropy.INPLACE: 6, CrossEntropy.FUSED: 4,
+                     CrossEntropy.LOSS_PARALLEL: 16}
     assert loss_transient_bytes(1, "float32", CrossEntropy.INPLACE) == 0
 
 
@@ -178,7 +182,7 @@ def test_estimate_prices_the_trainers_loss_on_the_last_stage() -> None:
                             runtime=RuntimeOptions(cross_entropy=kernel))
         return estimate(chain, cluster, strategy)
 
-    torch_loss, in_place, fused = (priced(k) for k in CrossEntropy)
+    torch_loss, in_place, fused = (priced(k) for k in (CrossEntropy.TORCH, CrossEntropy.INPLACE, CrossEntropy.FUSED))
     elements = batch * seq * vocab
     assert torch_loss.stages[0].memory == in_place.stages[0].memory == fused.stages[0].memory
     last = [e.stages[-1] for e in (torch_loss, in_place, fused)]
@@ -221,3 +225,66 @@ def test_training_metric_passes_add_loss_forwards_after_the_backward() -> None:
         SearchSpace.from_fixes(["metric_passes=two"])
     with pytest.raises(ValueError, match="metric_passes must be an integer from 0 to 8"):
         RuntimeOptions(metric_passes=-1)
+
+
+LOSS_PARALLEL_PEAK = """
+import os, resource, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import loss_parallel
+
+dtype = getattr(torch, sys.argv[1])
+tokens, vocab = int(sys.argv[2]), int(sys.argv[3])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[4], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (1,))
+
+
+def loss_of(logits, target):
+    with loss_parallel():
+        return torch.nn.functional.cross_entropy(
+            DTensor.from_local(logits, mesh, [Shard(1)], run_check=False).float(),
+            DTensor.from_local(target, mesh, [Replicate()], run_check=False))
+
+
+leaf = torch.randn(tokens, vocab, dtype=dtype, requires_grad=True)
+target = torch.randint(0, vocab, (tokens,))
+warm = loss_of(leaf[:8, :64] * 1, target[:8] % 64)  # load the kernels before measuring
+with loss_parallel():
+    warm.backward()
+logits = leaf * 1
+page = os.sysconf("SC_PAGE_SIZE")
+with open("/proc/self/statm") as f:
+    resident = int(f.read().split()[1]) * page
+loss = loss_of(logits, target)
+del logits
+with loss_parallel():
+    loss.backward()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+dist.destroy_process_group()
+print(peak - resident)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and ru_maxrss in KiB (Linux)")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_loss_parallel_peak_is_what_the_model_prices(dtype: str, tmp_path) -> None:  # noqa: ANN001
+    """PyTorch's loss under `loss_parallel()` (torchtitan with tp > 1), on a one-rank mesh: the peak resident memory
+    of a process running it, above what it held with the logits made, is the logits and what the model prices.
+    DTensor runs its decomposition on local tensors, which a dispatch mode cannot see, hence a process of its own
+    and tensors far above the allocator's mmap threshold (each is mapped and unmapped on its own)."""
+    tokens, vocab = 2048, 8192
+    elements = tokens * vocab
+    port = str(29400 + os.getpid() % 500)
+    out = subprocess.run([sys.executable, "-c", LOSS_PARALLEL_PEAK, dtype, str(tokens), str(vocab), port],
+                         capture_output=True, text=True, timeout=300, check=True, cwd=tmp_path)
+    itemsize = {"bfloat16": 2, "float32": 4}[dtype]
+    # the logits were resident before: the peak above them is the loss's
+    measured = int(out.stdout.strip().splitlines()[-1]) + itemsize * elements
+    priced = (loss_saved_bytes(elements, dtype, CrossEntropy.LOSS_PARALLEL)
+              + loss_transient_bytes(elements, dtype, CrossEntropy.LOSS_PARALLEL))
+    assert abs(measured - priced) <= 0.05 * priced, (measured / elements, priced / elements)
+    assert priced - (loss_saved_bytes(elements, dtype, CrossEntropy.TORCH)
+                     + loss_transient_bytes(elements, dtype, CrossEntropy.TORCH)) == 4 * elements

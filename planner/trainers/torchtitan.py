@@ -40,7 +40,7 @@ from typing import Any
 
 from costmodel.float8 import Float8Recipe, parse_recipe
 from costmodel.rank_layout import even_shares
-from costmodel.strategy import Offload, Recompute, RuntimeOptions, Schedule
+from costmodel.strategy import CrossEntropy, Offload, Recompute, RuntimeOptions, Schedule
 from planner.errors import UserError
 from planner.trainers.common import ModelShape, Notes, Trainer, TrainerConfig
 
@@ -98,11 +98,18 @@ def sections(cfg: TrainerConfig, shape: ModelShape, notes: Notes) -> dict[str, d
     out["parallelism"] = _parallelism(cfg, shape, notes)
     out["activation_checkpoint"] = _activation_checkpoint(cfg.recompute, notes)
     if cfg.runtime.fused_kernels or (cfg.runtime.tp_overlap and cfg.tp > 1) or cfg.runtime.fp8 is not None:
-        out["compile"] = {"enable": True, "components": ["model", "loss"]}
+        # A compiled loss is not DTensor's loss-parallel decomposition the plan may have priced.
+        loss = [] if cfg.runtime.cross_entropy is CrossEntropy.LOSS_PARALLEL else ["loss"]
+        out["compile"] = {"enable": True, "components": ["model", *loss]}
         if not cfg.runtime.fused_kernels:
             notes.add("torchtitan compiles the model for async tensor parallelism and FP8, which fuses its "
                       "memory-bound ops; the plan priced them eager, so torchtitan should step a little faster "
                       "(plan with --fix fused_kernels=true)")
+    compiled_loss = "loss" in out.get("compile", {}).get("components", [])
+    if cfg.tp > 1 and cfg.runtime.cross_entropy is CrossEntropy.TORCH and not compiled_loss:
+        notes.add("torchtitan computes the loss under loss_parallel() on the vocabulary-sharded logits (DTensor's "
+                  "decomposition: 4 more bytes per local logit at its peak than the plan priced); plan with --fix "
+                  "cross_entropy=loss-parallel")
     if cfg.runtime.fp8 is not None:
         out.setdefault("model", {})["converters"] = ["float8"]
         out["quantize.linear.float8"] = _float8(cfg, notes)
@@ -215,9 +222,21 @@ def read(text: str, *, source: str) -> TrainerConfig:
                                offload=Offload.PARAMS if train.get("enable_cpu_offload") and zero == 3
                                else Offload.NONE,
                                fp8=_read_float8(doc, source, notes),
-                               grads_in_training_dtype=train.get("mixed_precision_reduce", "float32") == "bfloat16"),
+                               grads_in_training_dtype=train.get("mixed_precision_reduce", "float32") == "bfloat16",
+                               cross_entropy=_read_loss(doc, par, tp, source)),
         seq_len=int(train["seq_len"]) if "seq_len" in train else None,
         dtype=str(train.get("mixed_precision_param", "bfloat16")), notes=tuple(notes.items))
+
+
+def _read_loss(doc: Mapping[str, Any], par: Mapping[str, Any], tp: int, source: str) -> CrossEntropy:
+    """The loss as torchtitan computes it: under `loss_parallel()` on the vocabulary-sharded logits when tp > 1
+    (unless `disable_loss_parallel`), DTensor's decomposition; PyTorch's fused kernels otherwise, and where the loss
+    is compiled (its memory is then the compiler's, priced as PyTorch's)."""
+    compile_ = _section(doc, "compile", source)
+    compiled = bool(compile_.get("enable", False)) and "loss" in compile_.get("components", ["model", "loss"])
+    if tp > 1 and not par.get("disable_loss_parallel", False) and not compiled:
+        return CrossEntropy.LOSS_PARALLEL
+    return CrossEntropy.TORCH
 
 
 def _compiles_model(doc: Mapping[str, Any], source: str) -> bool:
