@@ -429,9 +429,10 @@ def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSet
                        tp_overlap_chunks=strategy.tp if runtime.tp_overlap else 0,
                        tp_grad_overlap=runtime.tp_grad_overlap,
                        offload_fwd_s=comm.offload_fwd_s, offload_bwd_s=comm.offload_bwd_s)
-    if runtime.cross_entropy is not CrossEntropy.TORCH:
+    kernel = runtime.loss_kernel(strategy.tp)
+    if kernel is not CrossEntropy.TORCH:
         # The chunk's segments are priced with PyTorch's loss (`training_loss.with_training_loss`).
-        changes = [(s.count, loss_time_change(s.cost.loss_elements, weight_bytes, runtime.cross_entropy, rank.device))
+        changes = [(s.count, loss_time_change(s.cost.loss_elements, weight_bytes, kernel, rank.device))
                    for s in segs]
         fwd, bwd = sum(n * c[0] for n, c in changes), sum(n * c[1] for n, c in changes)
         chunk = replace(chunk, compute_fwd_s=chunk.compute_fwd_s + fwd / rank.speed,
@@ -534,7 +535,7 @@ def _stage_estimates(priced: Sequence[Sequence[PricedSegment]], stage_times: Seq
                              dtype=dtype, device_name=rank.device.name, extra_params=shared[r], ep_dp=strategy.ep_dp,
                              reshard_after_forward=strategy.runtime.reshard_after_forward,
                              offload=strategy.runtime.offload, pipelined=pp > 1,
-                             cross_entropy=strategy.runtime.cross_entropy,
+                             cross_entropy=strategy.runtime.loss_kernel(strategy.tp),
                              grad_bytes=strategy.runtime.grad_bytes(dtype_bytes(dtype)))
         capacity = rank.device.memory_bytes
         if memory.total > capacity:

@@ -105,7 +105,8 @@ class CrossEntropy(enum.StrEnum):
     LOSS_PARALLEL = "loss-parallel"
     """PyTorch's `cross_entropy(logits.float(), labels)` under `loss_parallel()` on vocabulary-sharded DTensor
     logits: DTensor's own log-softmax and nll-loss decompositions (`torch.distributed.tensor.parallel.loss`), which
-    hold more fp32 copies than the fused ATen kernels; torchtitan with tp > 1 (unless `disable_loss_parallel`)."""
+    hold more fp32 copies than the fused ATen kernels. torchtitan's loss (unless `disable_loss_parallel`): under
+    `loss_parallel()` when tp > 1, `TORCH` otherwise (`RuntimeOptions.loss_kernel`)."""
 
 
 CROSS_ENTROPY_CHOICES = ", ".join(c.value for c in CrossEntropy)
@@ -279,6 +280,13 @@ class RuntimeOptions:
         """Bytes per parameter of the gradient buffers and their data-parallel reduction when the training dtype
         takes `training_bytes` (`grads_in_training_dtype`; fp32, `memory.GRAD_BYTES`, otherwise)."""
         return training_bytes if self.grads_in_training_dtype else FP32_BYTES
+
+    def loss_kernel(self, tp: int) -> CrossEntropy:
+        """The loss kernel at tensor-parallel degree `tp`: `LOSS_PARALLEL` is torchtitan's loss, which is under
+        `loss_parallel()` only when tp > 1 and PyTorch's own kernels otherwise."""
+        if self.cross_entropy is CrossEntropy.LOSS_PARALLEL and tp == 1:
+            return CrossEntropy.TORCH
+        return self.cross_entropy
 
     def priced_chain(self, chain: LayerChain) -> LayerChain:
         """`chain` with its kernels as this runtime runs them: fused (`LayerChain.fused_kernels`) or as traced."""

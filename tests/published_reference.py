@@ -376,7 +376,7 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
                              fp32_grad_pass=deepspeed_bf16,
                              grads_in_training_dtype=_grads_in_training_dtype(framework),
                              p2p_overlap=megatron and not legacy and "no-overlap-p2p" not in framework,
-                             cross_entropy=_cross_entropy_of(text, int(r["tp"])), metric_passes=_metric_passes_of(text))
+                             cross_entropy=_cross_entropy_of(text), metric_passes=_metric_passes_of(text))
     return PublishedRun(
         name=r["run"], family=family, sets=tuple(sets), seq=seq, schedules=trainer_schedules(text),
         device=r["device"], num_gpus=gpus, gpus_per_node=int(r["gpus_per_node"]), tp=int(r["tp"]), pp=int(r["pp"]), cp=int(r["cp"]),
@@ -483,15 +483,15 @@ def _megatron_lm(text: str) -> bool:
     return ("megatron" in low or "nemo" in low) and "deepspeed" not in low
 
 
-def _cross_entropy_of(text: str, tp: int) -> CrossEntropy:
+def _cross_entropy_of(text: str) -> CrossEntropy:
     """The loss kernel a row's trainer runs: Megatron-LM and its forks their in-place vocab-parallel cross-entropy,
     llm-foundry (Composer) flash-attn's fused one (`loss_fn` defaults to `fused_crossentropy` in
-    llmfoundry/models/mpt/modeling_mpt.py), torchtitan with tp > 1 PyTorch's under `loss_parallel()` (on unless
+    llmfoundry/models/mpt/modeling_mpt.py), torchtitan PyTorch's under `loss_parallel()` when tp > 1 (on unless
     `disable_loss_parallel`; its loss was not compiled at the time of these rows), the others PyTorch's."""
     low = text.lower()
     if "megatron" in low or "nemo" in low:
         return CrossEntropy.INPLACE
-    if "torchtitan" in low and tp > 1:
+    if "torchtitan" in low:
         return CrossEntropy.LOSS_PARALLEL
     return CrossEntropy.FUSED if _runs_composer(text) else CrossEntropy.TORCH
 

@@ -325,3 +325,23 @@ def test_deepspeed_pipeline_sends_are_read_and_written(tmp_path: Path) -> None:
     flat = dict(base, pipeline={"stages": 1})
     (tmp_path / "flat.json").write_text(json.dumps(flat))
     assert read_trainer_config(f"deepspeed:{tmp_path / 'flat.json'}").runtime == RuntimeOptions(dp_overlap=False)
+
+
+TP2 = "[training]\nseq_len = 2048\n[parallelism]\ntensor_parallel_degree = 2\n"
+
+
+@pytest.mark.parametrize(("text", "kernel"), [
+    (TP2, CrossEntropy.LOSS_PARALLEL),
+    ("[training]\nseq_len = 2048\n", CrossEntropy.TORCH),
+    (TP2 + "disable_loss_parallel = true\n", CrossEntropy.TORCH),
+    (TP2 + '[compile]\nenable = true\ncomponents = ["model", "loss"]\n', CrossEntropy.TORCH),
+    (TP2 + '[compile]\nenable = true\ncomponents = ["model"]\n', CrossEntropy.LOSS_PARALLEL),
+])
+def test_torchtitans_loss_is_read_as_it_runs_it(text: str, kernel: CrossEntropy) -> None:
+    """torchtitan computes the loss under loss_parallel() when tp > 1 unless disabled; a compiled loss is the
+    compiler's, priced as PyTorch's. At tp 1 both price alike (`RuntimeOptions.loss_kernel`)."""
+    from planner.trainers import torchtitan
+
+    runtime = torchtitan.read(text, source="job.toml").runtime
+    assert runtime.cross_entropy is kernel
+    assert runtime.loss_kernel(1) is CrossEntropy.TORCH

@@ -305,7 +305,7 @@ class CandidateBounds:
         (`memory.rank_memory`'s temporary bytes), the least over the options, plus its transient buffer; on the
         cheapest device type of the candidate's ranks."""
         return min(self._heaviest_segment(self.builder.segment_costs(cand, device), allowed,
-                                          cand.runtime.cross_entropy, in_flight)
+                                          cand.runtime.loss_kernel(cand.mesh.tp), in_flight)
                    for device, _ in self._kinds(placements))
 
     def _heaviest_segment(self, costs: tuple, allowed: tuple[Recompute, ...], ce: CrossEntropy,

@@ -298,7 +298,7 @@ class StageProblemBuilder:
         """(peak bytes with no micro-batch in flight, per chunk the bytes one micro-batch saves there):
         `memory.rank_memory` is affine in the in-flight counts."""
         mem0 = self._rank_memory(cand, ctx, chunks, shared, [0] * len(chunks))
-        kernel = cand.runtime.cross_entropy
+        kernel = cand.runtime.loss_kernel(cand.mesh.tp)
         return mem0, tuple(float(chunk_kept_bytes(chunk, kernel, self.dtype)) for chunk in chunks)
 
     def _rank_memory(self, cand: Candidate, ctx: RankContext, chunks: Sequence[Sequence[PricedSegment]],
@@ -307,7 +307,7 @@ class StageProblemBuilder:
         return bytes_to_fit(rank_memory(chunks, counts, zero_stage=cand.zero_stage, dp=m.dp * m.cp, dtype=self.dtype,
                                         device_name=ctx.device.name, extra_params=shared, ep_dp=m.ep_dp,
                                         reshard_after_forward=cand.runtime.reshard_after_forward, offload=offload,
-                                        pipelined=m.pp > 1, cross_entropy=cand.runtime.cross_entropy,
+                                        pipelined=m.pp > 1, cross_entropy=cand.runtime.loss_kernel(m.tp),
                                         grad_bytes=cand.runtime.grad_bytes(dtype_bytes(self.dtype))),
                             offload, ctx.device.name)
 

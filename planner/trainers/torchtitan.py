@@ -230,8 +230,8 @@ def read(text: str, *, source: str) -> TrainerConfig:
 
 def _read_loss(doc: Mapping[str, Any], par: Mapping[str, Any], tp: int, source: str) -> CrossEntropy:
     """The loss as torchtitan computes it: under `loss_parallel()` on the vocabulary-sharded logits when tp > 1
-    (unless `disable_loss_parallel`), DTensor's decomposition; PyTorch's fused kernels otherwise, and where the loss
-    is compiled (its memory is then the compiler's, priced as PyTorch's)."""
+    (unless `disable_loss_parallel`), DTensor's decomposition; PyTorch's kernels otherwise, and where the loss is
+    compiled (its memory is then the compiler's, priced as PyTorch's)."""
     compile_ = _section(doc, "compile", source)
     compiled = bool(compile_.get("enable", False)) and "loss" in compile_.get("components", ["model", "loss"])
     if tp > 1 and not par.get("disable_loss_parallel", False) and not compiled:
