@@ -7,7 +7,7 @@ data parallelism, memory). Times are seconds; bytes are per device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +75,23 @@ class LayerCost:
     ep_comm_s: float = 0.0
     """Of `fwd_comm_s`, and likewise of `bwd_comm_s`, the expert-parallel all-to-alls (dispatch and combine,
     `costmodel.expert_parallel`): what DualPipe's paired chunks can hide (`RuntimeOptions.ep_overlap`)."""
+    regathered_bytes_none: int = 0
+    """Of `saved_bytes_none`, the inputs saved whole after an all-gather from a sequence shard (column-parallel
+    inputs under sequence parallelism, beyond their 1/tp shard): DTensor's matmul keeps the gathered tensor,
+    Megatron-LM's linear keeps the shard and gathers it again in backward (`regathered`)."""
+    regathered_bytes_selective: int = 0
+    """The same bytes of `saved_bytes_selective` (those of inputs outside the recomputed region)."""
     loss_elements: int = 0
     """Elements of the model output this device computes the training loss on (its local logits; 0 for every
     segment but the last): the loss's transient buffers depend on how the trainer computes it
     (`training_loss.loss_transient_bytes`), so they are added where the runtime is known (`memory.rank_memory`)."""
+
+    def regathered(self) -> LayerCost:
+        """This cost as Megatron-LM's linear runs it (`RuntimeOptions.tp_grad_overlap`): each column-parallel input
+        gathered from a sequence shard is kept as the shard and gathered again in backward, overlapped with the
+        gradient GEMMs (Korthikanti et al. 2022, Sec. 4.2.2; the 34/t of their activation formula)."""
+        none = self.saved_bytes_none - self.regathered_bytes_none
+        return replace(self, saved_bytes_none=none,
+                       saved_bytes_selective=self.saved_bytes_selective - self.regathered_bytes_selective,
+                       saved_bytes_full=min(self.saved_bytes_full, none), saved_bytes_op=min(self.saved_bytes_op, none),
+                       regathered_bytes_none=0, regathered_bytes_selective=0)

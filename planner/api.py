@@ -216,8 +216,7 @@ def validate_strategy(chain: LayerChain, cluster: Cluster, strategy: Strategy, g
 def _estimate_with_sharding(chain: LayerChain, cluster: Cluster, strategy: Strategy, global_batch: int | None,
                             dtype: str, profile: Any) -> tuple[Estimate, tuple[ModuleSharding, ...]]:
     chain = strategy.runtime.priced_chain(chain)
-    table = LayerCostTable(chain, cluster, dtype=dtype, profile=profile, fp8=strategy.runtime.fp8,
-                           ep_dedup=strategy.runtime.ep_dedup, sharded_weights=strategy.runtime.tp_sharded_weights)
+    table = LayerCostTable.for_runtime(chain, cluster, strategy.runtime, dtype=dtype, profile=profile)
     builder = StageProblemBuilder(chain, cluster, table, dtype)
     cand = Candidate.of(strategy)
     placements = builder.placements(cand)

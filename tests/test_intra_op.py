@@ -304,16 +304,19 @@ def test_megatron_block_memory_matches_korthikanti(gpt_chain, a100) -> None:
     Korthikanti et al. 2022 eq. 2 keeps the norm inputs and the q/k/v and MLP inputs replicated (here 4sbh: no
     dropout masks) and shards the rest (here 12sbh/t: q, k, v, attention output, GELU input and output; no
     5as^2b score term, which flash attention does not store). With sequence parallelism everything is split
-    (eq. 4: 16sbh/t), the column-parallel inputs too: their all-gathered input is kept as the shard (§4.2.2)."""
+    (eq. 4: 16sbh/t), the column-parallel inputs too: Megatron's linear keeps their all-gathered input as the
+    shard (§4.2.2, `LayerCost.regathered`); DTensor keeps the two gathered inputs whole (2sbh more, less 2sbh/t)."""
     s, h = 2048, 2048
     for tp in (2, 8):
-        plain = solve_block(gpt_chain, a100, tp, False).cost.saved_bytes_none
-        with_sp = solve_block(gpt_chain, a100, tp, True).cost.saved_bytes_none
+        plain = solve_block(gpt_chain, a100, tp, False).cost
+        with_sp = solve_block(gpt_chain, a100, tp, True).cost
         # small fp32 terms: SDPA's logsumexp (heads x seq, split with the heads) and each LayerNorm's mean and
         # rstd (2 x seq, split only under SP); the trace is fp32, so everything is converted to bf16 alike
         lse, norm_stats = 16 * s * 2 / tp, 2 * 2 * s * 2
-        assert plain == 2 * (4 * s * h + 12 * s * h / tp) + lse + norm_stats
-        assert with_sp == 2 * 16 * s * h / tp + lse + norm_stats / tp
+        assert plain.saved_bytes_none == plain.regathered().saved_bytes_none
+        assert plain.saved_bytes_none == 2 * (4 * s * h + 12 * s * h / tp) + lse + norm_stats
+        assert with_sp.regathered().saved_bytes_none == 2 * 16 * s * h / tp + lse + norm_stats / tp
+        assert with_sp.saved_bytes_none == with_sp.regathered().saved_bytes_none + 2 * 2 * s * h * (1 - 1 / tp)
 
 
 def test_sequence_parallel_none_keeps_the_cheaper(gpt_chain, a100) -> None:

@@ -228,7 +228,7 @@ def test_training_metric_passes_add_loss_forwards_after_the_backward() -> None:
 
 
 LOSS_PARALLEL_PEAK = """
-import os, resource, sys
+import os, sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -255,24 +255,32 @@ warm = loss_of(leaf[:8, :64] * 1, target[:8] % 64)  # load the kernels before me
 with loss_parallel():
     warm.backward()
 logits = leaf * 1
-page = os.sysconf("SC_PAGE_SIZE")
-with open("/proc/self/statm") as f:
-    resident = int(f.read().split()[1]) * page
+
+
+def status_kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak resident size starts again from what is resident now
+resident = status_kib("VmRSS")
 loss = loss_of(logits, target)
 del logits
 with loss_parallel():
     loss.backward()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = status_kib("VmHWM")
 dist.destroy_process_group()
-print(peak - resident)
+print((peak - resident) * 1024)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and ru_maxrss in KiB (Linux)")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads and resets the peak resident size in /proc")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_loss_parallel_peak_is_what_the_model_prices(dtype: str, tmp_path) -> None:  # noqa: ANN001
     """PyTorch's loss under `loss_parallel()` (torchtitan with tp > 1), on a one-rank mesh: the peak resident memory
-    of a process running it, above what it held with the logits made, is the logits and what the model prices.
+    of a process running it (VmHWM, reset before the loss: `ru_maxrss` would carry the forking parent's), above
+    what it held with the logits made, is the logits and what the model prices.
     DTensor runs its decomposition on local tensors, which a dispatch mode cannot see, hence a process of its own
     and tensors far above the allocator's mmap threshold (each is mapped and unmapped on its own)."""
     tokens, vocab = 2048, 8192

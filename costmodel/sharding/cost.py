@@ -15,8 +15,8 @@ with every tensor at its per-device share: saved bytes with no / selective / ful
 the attention-core region and keeps what it reads; full keeps the segment inputs), the forward time of the
 recomputed part, forward and backward communication, and `grad_sync_bytes` for the estimator's per-step sync.
 An input that a node saves whole after it was all-gathered from a shard (the column-parallel inputs under
-sequence parallelism) is counted as the shard, as Megatron-LM keeps it (Korthikanti et al. 2022, §4.2.2); the
-objective's memory term, a tie-breaker, counts it whole.
+sequence parallelism) is counted whole, as DTensor's matmul keeps it; `LayerCost.regathered_bytes_*` record what
+Megatron-LM, which keeps the shard (Korthikanti et al. 2022, §4.2.2), does not keep (`LayerCost.regathered`).
 """
 
 from __future__ import annotations

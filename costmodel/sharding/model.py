@@ -208,10 +208,11 @@ class ShardingModel:
         return tuple(found)
 
     def gathered_input_savings(self, assignment: Sequence[int]) -> dict[int, float]:
-        """Per node, the bytes it does not keep because an input it saves whole arrived by all-gather from a
-        shard: Megatron-LM keeps the shard and gathers it again in backward, overlapped with the gradient GEMMs
-        (Korthikanti et al. 2022, §4.2.2; the "34 / t" of DESIGN.md's activation formula under sequence
-        parallelism). The re-gather is not charged: Megatron hides it behind computation."""
+        """Per node, the bytes it would not keep if an input it saves whole after an all-gather from a shard were
+        kept as the shard: Megatron-LM's linear does that and gathers it again in backward, overlapped with the
+        gradient GEMMs (Korthikanti et al. 2022, §4.2.2; the "34 / t" of DESIGN.md's activation formula under
+        sequence parallelism); DTensor keeps the gathered tensor (`LayerCost.regathered`). The re-gather is not
+        charged: Megatron hides it behind computation."""
         saving: dict[int, float] = {}
         for f in self.flows:
             a = f.source_layouts[0 if f.source == FIXED else assignment[f.source]]
@@ -263,10 +264,10 @@ class ShardingModel:
         fwd = sum(o.fwd_s for o in chosen)
         count, nbytes = _unique_param_totals(self.nodes, chosen)
         shards = self.gathered_input_savings(assignment)
-        saved = round(sum(o.saved_bytes for o in chosen) - sum(shards.values()))
+        saved = round(sum(o.saved_bytes for o in chosen))
         kept = sum(b * local_fraction(chosen[n].strategy.inputs[k], self.tp) for n, k, b in self.region_reads)
-        selective = kept + sum(o.saved_bytes - shards.get(n, 0.0) for n, o in enumerate(chosen)
-                               if n not in self.recompute_region)
+        selective = kept + sum(o.saved_bytes for n, o in enumerate(chosen) if n not in self.recompute_region)
+        regathered_selective = sum(v for n, v in shards.items() if n not in self.recompute_region)
         dtensors, syncs = _tensor_counts(self.nodes, chosen)
         return LayerCost(
             fwd_compute_s=fwd, bwd_compute_s=sum(o.bwd_s for o in chosen),
@@ -274,6 +275,8 @@ class ShardingModel:
             param_count=count, param_bytes=nbytes,
             saved_bytes_none=saved,
             saved_bytes_selective=min(round(selective), saved),
+            regathered_bytes_none=round(sum(shards.values())),
+            regathered_bytes_selective=round(min(regathered_selective, selective)),
             saved_bytes_full=min(self.inputs_saved_bytes, saved),
             recompute_selective_s=sum(o.fwd_s for n, o in enumerate(chosen) if n in self.recompute_region),
             recompute_full_s=fwd + fwd_comm,

@@ -14,7 +14,7 @@ column-parallel linear's input-gradient all-reduce runs during its weight-gradie
 `--p2p-scatter-gather` (pipeline sends of 1/tp of a replicated activation, all-gathered by the receiver:
 Megatron-LM before Megatron-Core, DeepSpeed's pipeline engine) and `--p2p-blocking` (each pipeline send and
 receive blocks both ends: DeepSpeed's pipeline engine); `--fused-kernels`, `--fp32-grad-pass`,
-`--tp-sharded-weights`, `--cross-entropy torch|inplace|fused` and `--metric-passes N` are the other `RuntimeOptions`
+`--tp-sharded-weights`, `--cross-entropy torch|inplace|fused|loss-parallel` and `--metric-passes N` are the other `RuntimeOptions`
 of the same name.
 `--offload optimizer|params` keeps model state in host memory (`costmodel.offload`): the optimizer state alone
 (ZeRO-Offload) or, under `--zero 3`, the sharded parameters, gradients and optimizer state (FSDP2
@@ -109,7 +109,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="tensor-parallel collectives overlap the GEMMs (Megatron-Core --tp-comm-overlap)")
     p.add_argument("--tp-grad-overlap", action="store_true",
                    help="the input-gradient all-reduce of each column-parallel linear runs during its "
-                        "weight-gradient GEMM (Megatron-LM's asynchronous tensor-parallel all-reduce, its default)")
+                        "weight-gradient GEMM (Megatron-LM's asynchronous tensor-parallel all-reduce, its default), "
+                        "and its sequence-parallel input is kept as the shard and gathered again in backward")
     p.add_argument("--p2p-scatter-gather", action="store_true",
                    help="pipeline sends carry 1/tp of a replicated activation, all-gathered by the receiver "
                         "(Megatron-LM before Megatron-Core, DeepSpeed's pipeline engine)")
@@ -129,7 +130,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(Megatron-LM --grad-reduce-in-bf16, NeMo grad_sync_dtype: bf16)")
     p.add_argument("--cross-entropy", choices=[c.value for c in CrossEntropy], default=None,
                    help="the loss kernel: torch (PyTorch's cross_entropy, the default), inplace (Megatron-LM's "
-                        "vocab-parallel cross-entropy) or fused (flash-attn's, llm-foundry's default)")
+                        "vocab-parallel cross-entropy), fused (flash-attn's, llm-foundry's default) or loss-parallel "
+                        "(PyTorch's under loss_parallel(), torchtitan's with tp > 1)")
     p.add_argument("--metric-passes", type=int, default=None, metavar="N",
                    help="forward passes of PyTorch's cross-entropy over the logits per micro-batch for training "
                         "metrics (MosaicML Composer with llm-foundry's MPT: 2); default 0")

@@ -36,12 +36,11 @@ from typing import Any
 
 from costmodel.breakdown import Estimate
 from costmodel.estimate import estimate as costmodel_estimate
-from costmodel.float8 import Float8Recipe
 from costmodel.hardware.cluster import Cluster
 from costmodel.layer_cost import LayerCost
 from costmodel.model_flops import model_flops
 from costmodel.pipeline import stage_rank
-from costmodel.strategy import Offload, Recompute, Strategy
+from costmodel.strategy import Offload, Recompute, RuntimeOptions, Strategy
 from ir.layer_chain import LayerChain
 from planner.errors import PlanLoadError, UserError
 from planner.plan import Alternative, ModuleSharding, Plan, SearchInfo
@@ -97,8 +96,9 @@ class PlanningSession:
     chain: LayerChain
     dtype: str = "bfloat16"
     profile: Any = None
-    fp8: Float8Recipe | None = None
-    """FP8 linear layers of the plans (`RuntimeOptions.fp8`): the tables' prices hold for one setting."""
+    runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
+    """How the plans' trainer runs (its FP8, expert dispatch, weight split and kept inputs): the tables' prices
+    hold for one such setting (`LayerCostTable.prices_for`)."""
     tables: dict[str, LayerCostTable] = field(default_factory=dict)
     reused: int = 0
     """How many times a table was found for a cluster (a warm start)."""
@@ -107,8 +107,8 @@ class PlanningSession:
         key = pricing_signature(cluster)
         table = self.tables.get(key)
         if table is None:
-            table = self.tables[key] = LayerCostTable(self.chain, cluster, dtype=self.dtype, profile=self.profile,
-                                                      fp8=self.fp8)
+            table = self.tables[key] = LayerCostTable.for_runtime(self.chain, cluster, self.runtime, dtype=self.dtype,
+                                                                  profile=self.profile)
         else:
             self.reused += 1
         return table
@@ -260,8 +260,9 @@ def replan(old: Plan, chain: LayerChain, cluster: Cluster, *, session: PlanningS
     dtype = old.training.dtype
     runtime = old.strategy.runtime
     priced = runtime.priced_chain(chain)  # with the kernels the old plan was priced with
-    if session is None or session.chain is not priced:
-        session = PlanningSession(priced, dtype=dtype, fp8=runtime.fp8)
+    if (session is None or session.chain is not priced
+            or LayerCostTable.pricing_key(session.runtime) != LayerCostTable.pricing_key(runtime)):
+        session = PlanningSession(priced, dtype=dtype, runtime=runtime)
     # The trainer stays the same: the new plan keeps the old one's runtime options (FP8 also keeps the numerics)
     # unless the caller's space says otherwise; offload is searched again, and DualPipe's all-to-all overlap is
     # priced only for a given strategy.

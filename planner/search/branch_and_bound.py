@@ -503,10 +503,8 @@ def search(chain: LayerChain, cluster: Cluster, *, global_batch: int, space: Sea
         raise UserError(f"--batch must be a positive integer, got {global_batch}")
     runtime = space.runtime  # a table's prices hold for one chain and one FP8, dispatch and weight-split setting
     chain = runtime.priced_chain(chain)
-    if table is None or table.chain is not chain or ((table.fp8, table.ep_dedup, table.sharded_weights)
-                                                     != (runtime.fp8, runtime.ep_dedup, runtime.tp_sharded_weights)):
-        table = LayerCostTable(chain, cluster, dtype=dtype, profile=profile, fp8=runtime.fp8,
-                               ep_dedup=runtime.ep_dedup, sharded_weights=runtime.tp_sharded_weights)
+    if table is None or table.chain is not chain or not table.prices_for(runtime):
+        table = LayerCostTable.for_runtime(chain, cluster, runtime, dtype=dtype, profile=profile)
     builder = StageProblemBuilder(chain, cluster, table, dtype)
     state = SearchState(chain, cluster, global_batch, space, options, dtype, builder, started)
     counts = device_counts(cluster, space, options.objective)

@@ -26,6 +26,7 @@ from costmodel.layer_pricing import (
     weight_grad_share,
 )
 from costmodel.rank_layout import type_group
+from costmodel.strategy import RuntimeOptions
 from ir.graph import Node
 from ir.layer_chain import LayerChain
 from planner.plan import ModuleSharding
@@ -68,6 +69,9 @@ class LayerCostTable:
     sharded_weights: bool = False
     """Every linear's and token embedding's weight split over tp (`RuntimeOptions.tp_sharded_weights` of every
     candidate)."""
+    regathers_inputs: bool = False
+    """Column-parallel inputs gathered from a sequence shard kept as the shard, as Megatron-LM's linear does
+    (`LayerCost.regathered`; `RuntimeOptions.tp_grad_overlap` of every candidate)."""
     solves: int = 0
     """Class-level pricings actually computed (cache misses), for the search statistics."""
     _cache: dict[tuple[str, int, int, bool, int, int], ClassPrices] = field(default_factory=dict)
@@ -75,6 +79,22 @@ class LayerCostTable:
     _sharding_cache: Any = None
     _has_experts: bool | None = None
     _expert_layers: dict[int, Any] = field(default_factory=dict)
+
+    @classmethod
+    def for_runtime(cls, chain: LayerChain, cluster: Cluster, runtime: RuntimeOptions, *, dtype: str = "bfloat16",
+                    profile: Any = None) -> LayerCostTable:
+        """A table whose prices hold for every candidate running `runtime` (`prices_for`)."""
+        return cls(chain, cluster, dtype=dtype, profile=profile, fp8=runtime.fp8, ep_dedup=runtime.ep_dedup,
+                   sharded_weights=runtime.tp_sharded_weights, regathers_inputs=runtime.tp_grad_overlap)
+
+    @staticmethod
+    def pricing_key(runtime: RuntimeOptions) -> tuple:
+        """What of `runtime` the layer prices depend on: FP8, expert dispatch, weight split and kept inputs."""
+        return runtime.fp8, runtime.ep_dedup, runtime.tp_sharded_weights, runtime.tp_grad_overlap
+
+    def prices_for(self, runtime: RuntimeOptions) -> bool:
+        """Whether this table's prices hold for `runtime` (`pricing_key`)."""
+        return (self.fp8, self.ep_dedup, self.sharded_weights, self.regathers_inputs) == self.pricing_key(runtime)
 
     def prices(self, device: DeviceSpec, *, tp: int, tp_stride: int, sequence_parallel: bool,
                microbatch_size: int, token_divisor: int = 1) -> ClassPrices:
@@ -210,6 +230,8 @@ class LayerCostTable:
             cost = _without_earlier_params(solved.cost, segment.param_count, self.chain.nodes_of(segment))
             # The layer's glue between its ops (module calls, Python) is paid whole on every tp rank.
             glue = segment_glue(segment, device, microbatch_size=mbs, dtype=self.dtype, profile=self.profile)
+            if self.regathers_inputs:
+                cost = cost.regathered()
             costs[cid] = dataclasses.replace(
                 cost, param_tensors=owned, dtensor_param_tensors=min(cost.dtensor_param_tensors, owned),
                 fwd_compute_s=cost.fwd_compute_s + glue.forward_s, bwd_compute_s=cost.bwd_compute_s + glue.backward_s,
