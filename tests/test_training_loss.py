@@ -296,3 +296,31 @@ def test_loss_parallel_peak_is_what_the_model_prices(dtype: str, tmp_path) -> No
     assert abs(measured - priced) <= 0.05 * priced, (measured / elements, priced / elements)
     assert priced - (loss_saved_bytes(elements, dtype, CrossEntropy.TORCH)
                      + loss_transient_bytes(elements, dtype, CrossEntropy.TORCH)) == 4 * elements
+
+
+def test_loss_parallel_is_priced_at_tp_above_one_only() -> None:
+    """torchtitan's loss (`cross_entropy=loss-parallel`) on a traced GPT with a 32K vocabulary: at tp 2 (the head
+    vocabulary-parallel, E local logits) its peak holds 4E more than PyTorch's kernels and it takes longer (6
+    kernels each way instead of 3); at tp 1 it is PyTorch's loss, priced the same."""
+    import ir
+    from costmodel import Cluster, RuntimeOptions, Strategy
+    from models.registry import build_model
+    from planner.api import estimate
+
+    batch, seq, vocab = 2, 256, 32000
+    built = build_model("gpt-tiny", ("vocab=32000",), batch=batch, seq=seq, device="meta")
+    chain = ir.build_layer_chain(ir.trace(built.module, built.example_inputs, model_name="gpt-tiny"))
+    cluster = Cluster.parse("1x8xa100-80gb")
+
+    def priced(kernel: CrossEntropy, tp: int):  # noqa: ANN202
+        strategy = Strategy(dp=1, tp=tp, pp=1, microbatch_size=batch, num_microbatches=1,
+                            runtime=RuntimeOptions(cross_entropy=kernel, tp_sharded_weights=tp > 1))
+        return estimate(chain, cluster, strategy).stages[-1]
+
+    torch_tp2, parallel_tp2 = priced(CrossEntropy.TORCH, 2), priced(CrossEntropy.LOSS_PARALLEL, 2)
+    local = batch * seq * vocab // 2
+    assert parallel_tp2.memory.temporary - torch_tp2.memory.temporary == 4 * local
+    assert parallel_tp2.memory.activations == torch_tp2.memory.activations
+    assert parallel_tp2.bwd_s > torch_tp2.bwd_s and parallel_tp2.fwd_s > torch_tp2.fwd_s
+    torch_tp1, parallel_tp1 = priced(CrossEntropy.TORCH, 1), priced(CrossEntropy.LOSS_PARALLEL, 1)
+    assert parallel_tp1 == torch_tp1
