@@ -324,3 +324,17 @@ def test_loss_parallel_is_priced_at_tp_above_one_only() -> None:
     assert parallel_tp2.bwd_s > torch_tp2.bwd_s and parallel_tp2.fwd_s > torch_tp2.fwd_s
     torch_tp1, parallel_tp1 = priced(CrossEntropy.TORCH, 1), priced(CrossEntropy.LOSS_PARALLEL, 1)
     assert parallel_tp1 == torch_tp1
+
+
+def test_the_runtime_runs_torchtitans_loss_only_where_it_is_pytorchs() -> None:
+    """`planner.parallelize` computes PyTorch's loss: a plan priced with torchtitan's runs at tp 1 (the same
+    kernels) and is refused, in one line, at tp 2."""
+    from costmodel import RuntimeOptions, Strategy
+    from planner.runtime.parallelize import runtime_unsupported
+
+    runtime = RuntimeOptions(cross_entropy=CrossEntropy.LOSS_PARALLEL)
+    assert runtime_unsupported(Strategy(dp=2, tp=1, pp=1, microbatch_size=1, num_microbatches=1,
+                                        runtime=runtime)) == ""
+    refused = runtime_unsupported(Strategy(dp=1, tp=2, pp=1, microbatch_size=1, num_microbatches=1,
+                                           runtime=runtime))
+    assert "cross_entropy=loss-parallel" in refused and "\n" not in refused

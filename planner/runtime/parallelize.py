@@ -447,7 +447,7 @@ def runtime_unsupported(strategy: Strategy) -> str:
         return (f"the plan prices {r.metric_passes} training-metric passes over the logits per micro-batch "
                 f"(metric_passes, MosaicML Composer); this runtime computes none: plan with metric_passes=0, or "
                 f"export the plan")
-    if r.cross_entropy is not CrossEntropy.TORCH:
+    if r.loss_kernel(strategy.tp) is not CrossEntropy.TORCH:
         return (f"the plan prices the loss as another trainer computes it (cross_entropy={r.cross_entropy.value}); "
                 f"this runtime calls PyTorch's cross_entropy: plan with cross_entropy=torch, or export the plan")
     if r.ep_overlap:
