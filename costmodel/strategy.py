@@ -173,8 +173,8 @@ class RuntimeOptions:
     (`LinearWithGradAccumulationAndAsyncCommunication`; on unless `--no-async-tensor-model-parallel-allreduce`,
     whose help reads "asynchronous execution of tensor-model-parallel all-reduce with weight gradient computation
     of a column-linear layer"). The same autograd function keeps a sequence-parallel input as its shard and
-    gathers it again in backward (`LayerCost.regathered`), where DTensor keeps the gathered tensor. `planner.parallelize`
-    (eager DTensor) does not run it: plans with it are for export."""
+    gathers it again in backward (`LayerCost.regathered`), where DTensor keeps the gathered tensor.
+    `planner.parallelize` (eager DTensor) does not run it: plans with it are for export."""
     offload: Offload = Offload.NONE
     """Model state kept in host memory (`Offload`); the search chooses it when the device memory binds."""
     fp8: Float8Recipe | None = None

@@ -16,17 +16,18 @@ three kernels (`strategy.CrossEntropy`, `RuntimeOptions.cross_entropy`), whose m
                                        their fp32 copy, the shifted copy and its exp)
 
 `torch` is PyTorch's `cross_entropy(logits.float(), labels)` (this project's runtime, torchtitan without tensor
-parallelism, Hugging Face models); `loss-parallel` the same call under `loss_parallel()` on vocabulary-sharded DTensor
-logits (torchtitan with tp > 1), where DTensor replaces the fused ATen kernels by its own decomposition
-(`_log_softmax`: amax, subtract, exp, sum, subtract; `_nll_loss_and_log_softmax_backward`: zeros, scatter,
-(grad + exp(x)) * dy, each an fp32 tensor of the local logits' size); `inplace` Megatron-LM's vocab-parallel cross-entropy, which normalizes the fp32 copy in place into the
-softmax it keeps and turns into the gradient; `fused` flash-attn's cross-entropy (llm-foundry's default
-`fused_crossentropy`), which reads the 16-bit logits once per pass and keeps only a log-sum-exp per row beside them.
-The first two are measured on the CPU by `tests/test_training_loss.py` (live bytes of every tensor the loss creates),
-`loss-parallel` there too (peak resident memory of a process running it on a one-rank mesh: 16E in bf16 and fp32);
-the third follows from flash-attn's `save_for_backward(logits, lse, labels)` and its `empty_like(logits)` gradient.
-What is kept is priced as activations of the last segment's micro-batches in flight, the transient as the largest
-temporary (`memory.rank_memory`), both where the runtime is known: `LayerCost.loss_elements` carries E.
+parallelism, Hugging Face models); `loss-parallel` the same call under `loss_parallel()` on vocabulary-sharded
+DTensor logits (torchtitan with tp > 1), where DTensor replaces the fused ATen kernels by its own decomposition
+(`_log_softmax`: amax, subtract, exp, sum, subtract; `_nll_loss_and_log_softmax_backward`: zeros, scatter, (grad +
+exp(x)) * dy, each an fp32 tensor of the local logits' size); `inplace` Megatron-LM's vocab-parallel cross-entropy,
+which normalizes the fp32 copy in place into the softmax it keeps and turns into the gradient; `fused` flash-attn's
+cross-entropy (llm-foundry's default `fused_crossentropy`), which reads the 16-bit logits once per pass and keeps
+only a log-sum-exp per row beside them. `torch` and `inplace` are measured on the CPU by
+`tests/test_training_loss.py` (live bytes of every tensor the loss creates), `loss-parallel` there too (peak
+resident memory of a process running it on a one-rank mesh: 16E in bf16 and fp32); `fused` follows from flash-attn's
+`save_for_backward(logits, lse, labels)` and its `empty_like(logits)` gradient. What is kept is priced as
+activations of the last segment's micro-batches in flight, the transient as the largest temporary
+(`memory.rank_memory`), both where the runtime is known: `LayerCost.loss_elements` carries E.
 
 Time, memory-bound (HBM roofline, like the other elementwise kernels of `costmodel.operators`), priced here for
 `torch`: forward reads the w-byte logits and writes the fp32 copy, `log_softmax` reads it twice (max and sum, then
@@ -38,8 +39,9 @@ log-softmax gradient, -8E) and is priced the same; `fused` reads wE forward and 
 kernel each (`loss_time_change`); `loss-parallel` runs its decomposition as 6 kernels each way, forward the cast
 (w + 4), amax (4), subtract (8), exp (8), sum (4) and subtract (8), backward zeros (4), exp (8), add (12), multiply
 (8) and the cast back (4 + w): (w + 36) E bytes each way. A trainer that also computes training metrics from the
-logits adds that many `torch` forwards without gradient per micro-batch (`metric_pass_time`, `RuntimeOptions.metric_passes`), after the
-backward: their buffers come when the activations are gone and are not priced as memory.
+logits adds that many `torch` forwards without gradient per micro-batch (`metric_pass_time`,
+`RuntimeOptions.metric_passes`), after the backward: their buffers come when the activations are gone and are
+not priced as memory.
 Outputs that are not floating point, or scalars (a model that returns its own loss), add nothing.
 """
 
@@ -101,10 +103,10 @@ def loss_time_change(elements: float, w: int, kernel: CrossEntropy, device: Devi
     if kernel not in (CrossEntropy.FUSED, CrossEntropy.LOSS_PARALLEL) or elements <= 0:
         return 0.0, 0.0
     fwd, bwd = _torch_pass_times(elements, w, device)
-    if kernel is CrossEntropy.LOSS_PARALLEL:
-        floor = LOSS_PARALLEL_KERNELS_PER_PASS * T_KERNEL_FLOOR_S
-        return (memory_pass_time((w + 36) * elements, device, floor_s=floor) - fwd,
-                memory_pass_time((36 + w) * elements, device, floor_s=floor) - bwd)
+    if kernel is CrossEntropy.LOSS_PARALLEL:  # (w + 36)E bytes each way (module docstring)
+        each_way = memory_pass_time((w + 36) * elements, device,
+                                    floor_s=LOSS_PARALLEL_KERNELS_PER_PASS * T_KERNEL_FLOOR_S)
+        return each_way - fwd, each_way - bwd
     return memory_pass_time(w * elements, device) - fwd, memory_pass_time(2 * w * elements, device) - bwd
 
 

@@ -14,8 +14,8 @@ column-parallel linear's input-gradient all-reduce runs during its weight-gradie
 `--p2p-scatter-gather` (pipeline sends of 1/tp of a replicated activation, all-gathered by the receiver:
 Megatron-LM before Megatron-Core, DeepSpeed's pipeline engine) and `--p2p-blocking` (each pipeline send and
 receive blocks both ends: DeepSpeed's pipeline engine); `--fused-kernels`, `--fp32-grad-pass`,
-`--tp-sharded-weights`, `--cross-entropy torch|inplace|fused|loss-parallel` and `--metric-passes N` are the other `RuntimeOptions`
-of the same name.
+`--tp-sharded-weights`, `--cross-entropy torch|inplace|fused|loss-parallel` and `--metric-passes N` are the other
+`RuntimeOptions` of the same name.
 `--offload optimizer|params` keeps model state in host memory (`costmodel.offload`): the optimizer state alone
 (ZeRO-Offload) or, under `--zero 3`, the sharded parameters, gradients and optimizer state (FSDP2
 `CPUOffloadPolicy`).

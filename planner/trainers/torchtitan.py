@@ -218,7 +218,7 @@ def read(text: str, *, source: str) -> TrainerConfig:
         recompute=_read_recompute(_section(doc, "activation_checkpoint", source), notes),
         runtime=RuntimeOptions(reshard_after_forward=reshard,
                                tp_overlap=bool(par.get("enable_async_tensor_parallel", False)),
-                               fused_kernels=_compiles_model(doc, source), tp_sharded_weights=tp > 1,
+                               fused_kernels=_compiles(doc, source, "model"), tp_sharded_weights=tp > 1,
                                offload=Offload.PARAMS if train.get("enable_cpu_offload") and zero == 3
                                else Offload.NONE,
                                fp8=_read_float8(doc, source, notes),
@@ -232,18 +232,16 @@ def _read_loss(doc: Mapping[str, Any], par: Mapping[str, Any], tp: int, source: 
     """The loss as torchtitan computes it: under `loss_parallel()` on the vocabulary-sharded logits when tp > 1
     (unless `disable_loss_parallel`), DTensor's decomposition; PyTorch's kernels otherwise, and where the loss is
     compiled (its memory is then the compiler's, priced as PyTorch's)."""
-    compile_ = _section(doc, "compile", source)
-    compiled = bool(compile_.get("enable", False)) and "loss" in compile_.get("components", ["model", "loss"])
-    if tp > 1 and not par.get("disable_loss_parallel", False) and not compiled:
+    if tp > 1 and not par.get("disable_loss_parallel", False) and not _compiles(doc, source, "loss"):
         return CrossEntropy.LOSS_PARALLEL
     return CrossEntropy.TORCH
 
 
-def _compiles_model(doc: Mapping[str, Any], source: str) -> bool:
-    """Whether the config compiles the model (`compile.enable`; torchtitan 0.2's components default to model and
-    loss)."""
+def _compiles(doc: Mapping[str, Any], source: str, component: str) -> bool:
+    """Whether the config compiles `component`, "model" or "loss" (`compile.enable`; torchtitan 0.2's components
+    default to both)."""
     compile_ = _section(doc, "compile", source)
-    return bool(compile_.get("enable", False)) and "model" in compile_.get("components", ["model", "loss"])
+    return bool(compile_.get("enable", False)) and component in compile_.get("components", ["model", "loss"])
 
 
 def _read_float8(doc: Mapping[str, Any], source: str, notes: Notes) -> Float8Recipe | None:
