@@ -87,11 +87,11 @@ DOC = ROOT / "docs" / "fidelity.md"
 TARGETS = {"spearman": 0.8, "regret": 1.10, "memory_error": 0.20}
 
 
-def _trace_chain() -> Any:
+def _trace_chain(sets: Sequence[str] = SETS) -> Any:
     import ir
     from models.registry import build_model
 
-    probe = build_model(MODEL, SETS, batch=1, device="meta")
+    probe = build_model(MODEL, sets, batch=1, device="meta")
     graph = ir.trace(probe.module, probe.example_inputs, model_name=MODEL, dtype=DTYPE)
     return ir.build_layer_chain(graph)
 
@@ -145,14 +145,14 @@ def _pinned_space(cand: Any, recompute: Any) -> Any:
                        sequence_parallel=cand.sequence_parallel, recompute=recompute)
 
 
-def _plan_of(ranked: Any, chain: Any, cluster: Any) -> dict[str, Any]:
+def _plan_of(ranked: Any, chain: Any, cluster: Any, batch: int = GLOBAL_BATCH) -> dict[str, Any]:
     import ir
     from planner.plan import ModelInfo, Plan, SearchInfo, TrainingConfig
 
     graph = chain.graph
     plan = Plan(model=ModelInfo(name=MODEL, fingerprint=ir.fingerprint(graph), params=graph.param_count),
                 cluster=cluster.to_dict(),
-                training=TrainingConfig(global_batch=GLOBAL_BATCH, seq_len=graph.seq_len, dtype=DTYPE,
+                training=TrainingConfig(global_batch=batch, seq_len=graph.seq_len, dtype=DTYPE,
                                         optimizer="adamw"),
                 strategy=ranked.strategy, sharding=ranked.sharding, predicted=ranked.estimate,
                 search=SearchInfo(time_s=0.0, candidates=1, status="fixed", optimality_gap=0.0,
@@ -311,7 +311,8 @@ def live_tensor_bytes() -> int:
     return sum(v for k, v in seen.items() if k)
 
 
-def _run_plan(plan_dict: Mapping[str, Any], chain: Any) -> dict[str, Any]:
+def _run_plan(plan_dict: Mapping[str, Any], chain: Any, sets: Sequence[str] = SETS,
+              batch: int = GLOBAL_BATCH) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
@@ -325,7 +326,7 @@ def _run_plan(plan_dict: Mapping[str, Any], chain: Any) -> dict[str, Any]:
     gc.collect()
     dist.barrier()
     torch.manual_seed(SEED)
-    built = build_model(MODEL, SETS, batch=GLOBAL_BATCH, device="cpu")
+    built = build_model(MODEL, sets, batch=batch, device="cpu")
     pm = parallelize(built.module, plan, chain=chain, loss_fn=built.loss)
     batch = local_batch(pm, built.example_inputs)
     del built  # the unsharded model: what parallelize did not keep is freed here
@@ -390,13 +391,15 @@ def worker(plans_path: str, out_path: str) -> int:
     payload = json.loads(Path(plans_path).read_text())
     chain = ir.build_layer_chain(ir.Graph.from_json(payload["graph"]))
     cases = payload["cases"]
+    # Another benchmark's model settings and batch (bench/pipeline_buffers.py) ride along in the payload.
+    sets, batch = tuple(payload.get("sets", SETS)), int(payload.get("batch", GLOBAL_BATCH))
     # A separate group for agreeing on each strategy's outcome, with a short timeout: if a peer is stuck where
     # this rank cannot reach it, the exchange fails fast and the launch ends (the driver relaunches the rest).
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
     for case in cases:
         started = time.perf_counter()
         try:
-            row = {"id": case["id"], **_run_plan(case["plan"], chain)}
+            row = {"id": case["id"], **_run_plan(case["plan"], chain, sets, batch)}
         except Exception as e:  # noqa: BLE001 -- recorded as the strategy's result
             row = {"id": case["id"], "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
         # Process groups are never destroyed here: torch's DeviceMesh reuses the groups of an earlier mesh of the

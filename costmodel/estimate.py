@@ -45,7 +45,7 @@ from costmodel.hardware.device import DeviceSpec
 from costmodel.hardware.host import host_of
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import op_policy_kept, price_segment, selective_recompute_region
-from costmodel.memory import GIB, PricedSegment, rank_memory, runs
+from costmodel.memory import GIB, ChunkBoundary, PricedSegment, rank_memory, runs
 from costmodel.model_flops import counted_flops
 from costmodel.model_flops import model_flops as chain_model_flops
 from costmodel.offload import HostCopy, host_copy, host_problem, offload_tail
@@ -536,7 +536,9 @@ def _stage_estimates(priced: Sequence[Sequence[PricedSegment]], stage_times: Seq
                              reshard_after_forward=strategy.runtime.reshard_after_forward,
                              offload=strategy.runtime.offload, pipelined=pp > 1,
                              cross_entropy=strategy.runtime.loss_kernel(strategy.tp),
-                             grad_bytes=strategy.runtime.grad_bytes(dtype_bytes(dtype)))
+                             grad_bytes=strategy.runtime.grad_bytes(dtype_bytes(dtype)),
+                             boundaries=chunk_boundaries(priced, _rank_stages(strategy, r), strategy),
+                             num_microbatches=strategy.num_microbatches)
         capacity = rank.device.memory_bytes
         if memory.total > capacity:
             problems.append(f"stage {r} needs {memory.total / GIB:.1f} GiB > {capacity / GIB:.1f} GiB "
@@ -551,6 +553,18 @@ def _stage_estimates(priced: Sequence[Sequence[PricedSegment]], stage_times: Seq
             capacity_bytes=capacity, in_flight_microbatches=max(counts),
             wgrad_s=sum(t.wgrad_s for t in mine) if zero_bubble else 0.0))
     return out
+
+
+def chunk_boundaries(priced: Sequence[Sequence[PricedSegment]], mine: Sequence[int], strategy: Strategy
+                     ) -> tuple[ChunkBoundary, ...]:
+    """Per virtual stage in `mine`, the activations it receives and sends per micro-batch (the output of the
+    stage before it and its own), where the runtime keeps pipeline buffers for them (`memory.p2p_buffer_bytes`);
+    () where it does not."""
+    if not strategy.runtime.keeps_p2p_buffers(strategy.pp):
+        return ()
+    last = len(priced) - 1
+    return tuple(ChunkBoundary(received=priced[j - 1][-1].cost.boundary_bytes if j > 0 else 0,
+                               sent=priced[j][-1].cost.boundary_bytes if j < last else 0) for j in mine)
 
 
 def _with_throughput(chain: LayerChain, strategy: Strategy, stages: Sequence[StageSpec],

@@ -48,6 +48,17 @@ and without resharding for every micro-batch but the last, `step_time.data_paral
 rank's whole gradient (4 bytes per parameter, ZeRO-1's) and, under ZeRO-3, the gathered weights of every segment
 from a backward to the next forward.
 
+Pipeline buffers (`p2p_buffer_bytes`), under torch.distributed.pipelining (`RuntimeOptions.p2p_transient_buffers`
+false; torch/distributed/pipelining/stage.py, torch 2.13): a stage that receives activations allocates a buffer
+for each of the step's m micro-batches and keeps them across steps (`_setup_forward_recv_info`); the first op of
+the stage saves its input, so the buffers of the micro-batches in flight are already saved activations and m - n
+more are kept. A stage that sends allocates m gradient-receive buffers of its output's size
+(`_setup_backward_recv_info`) and keeps each in-flight micro-batch's output in `fwd_cache` until its backward:
+m + n of them. Measured on this project's runtime (`python bench/pipeline_buffers.py`: gpt-tiny 512 wide, 1,024
+tokens, pp2 1F1B, 2 CPU ranks, peak live tensor bytes): from 4 to 16 micro-batches both stages grew 24.09 MiB
+(12 boundaries of 2 MiB: 24.00 priced), and the stage peaks are +0.7% / +1.8% off at 16 (-11.9% / -12.3% without
+the buffers). Megatron-LM and DeepSpeed keep no such buffers (`RuntimeOptions.p2p_transient_buffers`).
+
 Framework overhead: the CUDA context, cuBLAS/NCCL workspaces: about 0.75 GiB per GPU process (PyTorch forums,
 "What is the reason for pytorch's GPU memory floor?" measures 723 MiB, "High gpu memory overhead" ~800 MB, both
 the CUDA context). On `cpu`, 230 MiB: the peak RSS of a Python process that imports torch 2.13.0 and runs one
@@ -213,11 +224,29 @@ def transient_bytes(cost: LayerCost, dtype: str, cross_entropy: CrossEntropy) ->
     return max(cost.peak_temp_bytes, loss_transient_bytes(cost.loss_elements, dtype, cross_entropy))
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkBoundary:
+    """The pipeline activations one model chunk exchanges per micro-batch: bytes it receives from the previous
+    stage (0 on the first) and sends to the next (0 on the last)."""
+
+    received: int = 0
+    sent: int = 0
+
+
+def p2p_buffer_bytes(boundary: ChunkBoundary, num_microbatches: int) -> tuple[int, int]:
+    """(bytes with no micro-batch in flight, bytes per micro-batch in flight) of the chunk's pipeline buffers under
+    torch.distributed.pipelining (module docstring): m receive buffers of which the n in flight are saved
+    activations already, m gradient-receive buffers, and the n in-flight outputs."""
+    m = num_microbatches
+    return m * (boundary.received + boundary.sent), boundary.sent - boundary.received
+
+
 def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[int], *, zero_stage: int = 0,
                 dp: int = 1, dtype: str = "bfloat16", device_name: str = "gpu", extra_params: int = 0,
                 ep_dp: int = 1, reshard_after_forward: bool = True, offload: Offload = Offload.NONE,
                 pipelined: bool = False, cross_entropy: CrossEntropy = CrossEntropy.TORCH,
-                grad_bytes: int = GRAD_BYTES) -> MemoryBreakdown:
+                grad_bytes: int = GRAD_BYTES, boundaries: Sequence[ChunkBoundary] = (),
+                num_microbatches: int = 1) -> MemoryBreakdown:
     """Peak bytes on one device holding `chunks` (one per virtual stage) with `in_flight[c]` micro-batches each.
 
     `extra_params`: parameters the device holds besides its segments' own (a copy of a weight shared with another
@@ -225,9 +254,13 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
     `ep_dp`: data-parallel ranks an expert-parallel group spans (`Strategy.ep_dp`); ZeRO shards expert weights
     (`LayerCost.expert_param_count`) over dp / ep_dp ranks.
     `cross_entropy`: the trainer's loss kernel (`RuntimeOptions.cross_entropy`); `grad_bytes`: bytes per gradient
-    (`RuntimeOptions.grad_bytes`)."""
+    (`RuntimeOptions.grad_bytes`).
+    `boundaries`: per chunk, what it exchanges with its pipeline neighbours, when the runtime keeps pipeline buffers
+    (`p2p_buffer_bytes`, for `num_microbatches` per step; empty: none kept)."""
     if len(chunks) != len(in_flight):
         raise ValueError(f"{len(chunks)} chunks but {len(in_flight)} in-flight counts")
+    if boundaries and len(boundaries) != len(chunks):
+        raise ValueError(f"{len(chunks)} chunks but {len(boundaries)} chunk boundaries")
     segments = [s for chunk in chunks for s in chunk]
     # Expert parallelism (costmodel/expert_parallel.py): expert state is sharded over dp / ep_dp ranks.
     experts = sum(s.count * s.cost.expert_param_count for s in segments)
@@ -242,6 +275,9 @@ def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[i
     # With nothing in flight (the search's affine memory terms ask for that first) every product is 0.
     activations = round(sum(n * chunk_kept_bytes(chunk, cross_entropy, dtype)
                             for chunk, n in zip(chunks, in_flight, strict=True) if n))
+    for boundary, n in zip(boundaries, in_flight, strict=False):
+        base, per_microbatch = p2p_buffer_bytes(boundary, num_microbatches)
+        activations += base + n * per_microbatch
     rematerialized, transient = 0, 0.0
     for s in segments:
         rematerialized = max(rematerialized, s.cost.saved_bytes_none - saved_bytes(s.cost, s.recompute))

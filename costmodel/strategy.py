@@ -213,6 +213,17 @@ class RuntimeOptions:
     (`_add_send_recv`), waiting only before the chunk that reads it: it runs such a plan as priced; the planner
     still prices its own plans with blocking sends unless this is set (an upper bound, until a measurement says
     which is closer)."""
+    p2p_transient_buffers: bool = False
+    """Pipeline receive buffers live only for their transfer and a sent activation is freed once sent: Megatron-LM
+    allocates each receive with `torch.empty` when it is posted (megatron/core/pipeline_parallel/
+    p2p_communication.py) and pseudo-frees each stage output after its send (`deallocate_output_tensor`);
+    DeepSpeed's pipeline engine holds an input and an output buffer per micro-batch in flight (`num_pipe_buffers`):
+    the inputs are saved activations, the outputs (a boundary activation per micro-batch in flight) are not
+    priced. False: torch.distributed.pipelining (`planner.parallelize`, torchtitan), whose
+    stages allocate a forward-receive and a gradient-receive buffer for every micro-batch of the step and keep them
+    from step to step (`PipelineStage._setup_forward_recv_info`, `_setup_backward_recv_info`), and keep each
+    in-flight micro-batch's stage output in `fwd_cache` until its backward (`costmodel.memory`, pipeline buffers).
+    Only memory changes. `planner.parallelize` does not run it: plans with it are for export."""
     ep_dedup: bool = False
     """Expert-parallel dispatch and combine send a token once per destination node across nodes and forward it to
     its experts' GPUs over NVLink (DeepSeek-V3's node-limited dispatch, arXiv 2412.19437 Sec. 3.2.2; DeepEP's
@@ -289,6 +300,10 @@ class RuntimeOptions:
             return CrossEntropy.TORCH
         return self.cross_entropy
 
+    def keeps_p2p_buffers(self, pp: int) -> bool:
+        """Whether pipeline buffers are kept for every micro-batch of the step (`p2p_transient_buffers`)."""
+        return pp > 1 and not self.p2p_transient_buffers
+
     def priced_chain(self, chain: LayerChain) -> LayerChain:
         """`chain` with its kernels as this runtime runs them: fused (`LayerChain.fused_kernels`) or as traced."""
         if chain.fused and not self.fused_kernels:
@@ -326,11 +341,11 @@ FP32_BYTES = 4
 """Bytes of an fp32 gradient (`memory.GRAD_BYTES` is this)."""
 RUNTIME_FLAGS = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking",
                  "tp_grad_overlap", "ep_dedup", "ep_overlap", "fused_kernels", "fp32_grad_pass", "tp_sharded_weights",
-                 "grads_in_training_dtype", "p2p_overlap")
+                 "grads_in_training_dtype", "p2p_overlap", "p2p_transient_buffers")
 """The true/false fields of `RuntimeOptions`, in the order plans write them."""
 _LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking", "tp_grad_overlap", "ep_dedup", "ep_overlap",
                           "fused_kernels", "fp32_grad_pass", "tp_sharded_weights", "grads_in_training_dtype",
-                          "p2p_overlap"})
+                          "p2p_overlap", "p2p_transient_buffers"})
 RUNTIME_OPTION_NAMES = (*RUNTIME_FLAGS, "offload", "fp8", "cross_entropy", "metric_passes")
 """Every field of `RuntimeOptions` (the keys of its JSON)."""
 

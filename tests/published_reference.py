@@ -362,6 +362,9 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
     # Megatron-Core's interleaved schedule posts its sends without waiting (`overlap_p2p_comm`, on unless
     # --no-overlap-p2p-communication; NeMo's configs set it): rows of Megatron-LM itself since Megatron-Core, not
     # the 2021-22 Megatron-LM of the legacy rows nor the DeepSpeed forks.
+    # Megatron-LM (NeMo, Megatron-Core) and DeepSpeed's pipeline engine free their pipeline buffers per transfer;
+    # torchtitan's torch.distributed.pipelining keeps one per micro-batch. Meta's Llama 3 stack is its own and not
+    # public: priced as those engines run, since only torch.distributed.pipelining is known to keep them.
     # The loss kernel of the row's trainer (`_cross_entropy_of`).
     # Every trainer of these rows splits each linear's and the token embedding's weight over tp (Megatron's column
     # / row / vocab-parallel layers, torchtitan's TP plan), never a whole weight the ILP may also keep.
@@ -376,6 +379,7 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
                              fp32_grad_pass=deepspeed_bf16,
                              grads_in_training_dtype=_grads_in_training_dtype(framework),
                              p2p_overlap=megatron and not legacy and "no-overlap-p2p" not in framework,
+                             p2p_transient_buffers=int(r["pp"]) > 1 and "torchtitan" not in framework,
                              cross_entropy=_cross_entropy_of(text), metric_passes=_metric_passes_of(text))
     return PublishedRun(
         name=r["run"], family=family, sets=tuple(sets), seq=seq, schedules=trainer_schedules(text),
@@ -578,7 +582,7 @@ def _korthikanti_rows(r: dict[str, str]) -> list[PublishedRun]:
                   # Megatron-LM of 2022 also reduced a column-parallel linear's input gradient during its
                   # weight-gradient GEMM (LinearWithGradAccumulationAndAsyncCommunication, on by default).
                   runtime=RuntimeOptions(dp_overlap=False, p2p_scatter_gather=True, tp_grad_overlap=True,
-                                         tp_sharded_weights=tp > 1))
+                                         tp_sharded_weights=tp > 1, p2p_transient_buffers=pp > 1))
     out = []
     for col, recompute, sp in (("full_recompute", Recompute.FULL, False),
                                ("present_work_seqpar_plus_selective", Recompute.SELECTIVE, True)):
@@ -621,7 +625,8 @@ def deepseek_v3_run() -> PublishedRun:
         sequence_parallel=None, measured_step_s=batch * seq / (tokens_per_s_per_gpu * gpus),
         measured_memory_gib=None, counts="tokens/s per GPU (180K H800 GPU hours per trillion tokens)",
         framework="DeepSeek HAI-LLM: DualPipe, node-limited routing with deduplicated IB all-to-all, FP8",
-        runtime=RuntimeOptions(ep_dedup=True, ep_overlap=True, fp8=Float8Recipe.DELAYED),
+        # HAI-LLM's pipeline engine is its own: its buffers priced as Megatron-LM's, freed per transfer.
+        runtime=RuntimeOptions(ep_dedup=True, ep_overlap=True, fp8=Float8Recipe.DELAYED, p2p_transient_buffers=True),
         precision="fp8", unstated=("micro-batch", "recompute (the run recomputes RMSNorm and the MLA "
                                                   "up-projections, not a choice the planner has)"),
         inferred=("1F1B for DualPipe: DualPipeV is priced, but as torch runs it (a split backward that no "

@@ -117,13 +117,19 @@ def test_pipeline_uses_the_shared_closed_form(chain, node8):
     assert e.step_time_s == pytest.approx(pipe + opt)
     assert e.breakdown.pp_comm_s > 0 and e.breakdown.bubble_s > 0
     assert [s.in_flight_microbatches for s in e.stages] == [2, 1]
-    # Stage memory: 18 bytes per parameter (fp32 gradients), saved activations x in-flight, overhead.
-    m0 = e.stages[0].memory
+    # Stage memory: 18 bytes per parameter (fp32 gradients), saved activations x in-flight, overhead; and
+    # torch.distributed.pipelining's buffers: on stage 0, m gradient-receive buffers and the 2 in-flight outputs;
+    # on stage 1, m forward-receive buffers, 1 of them the saved input of the micro-batch in flight.
+    m0, m1 = e.stages[0].memory, e.stages[1].memory
     assert m0.params + m0.grads + m0.optimizer == 18 * params[0]
-    saved = sum(price_segment(chain, chain.segments[i], device, microbatch_size=1).saved_bytes_none
-                for i in range(3))
-    assert m0.activations == 2 * saved and m0.overhead == GPU_FRAMEWORK_OVERHEAD_BYTES
+    saved = [sum(price_segment(chain, chain.segments[i], device, microbatch_size=1).saved_bytes_none
+                 for i in range(s.start, s.stop)) for s in stages]
+    assert m0.activations == 2 * saved[0] + (4 + 2) * boundary and m0.overhead == GPU_FRAMEWORK_OVERHEAD_BYTES
+    assert m1.activations == saved[1] + (4 - 1) * boundary
     assert e.peak_memory_bytes == tuple(s.memory.total for s in e.stages)
+    # Megatron-LM allocates receives per transfer and frees sent outputs: the saved activations alone.
+    megatron = estimate(chain, node8, replace(st, runtime=RuntimeOptions(p2p_transient_buffers=True)))
+    assert [s.memory.activations for s in megatron.stages] == [2 * saved[0], saved[1]]
 
 
 def test_interleaved_first_rank_memory_factor(node8):
@@ -134,8 +140,12 @@ def test_interleaved_first_rank_memory_factor(node8):
                                         virtual_stages=v, stages=stages))
     per_layer = price_segment(chain, chain.segments[1], node8.device_of(0), microbatch_size=1).saved_bytes_none
     embed = price_segment(chain, chain.segments[0], node8.device_of(0), microbatch_size=1).saved_bytes_none
-    # Rank 0 holds chunks 0 (embed + 2 layers) and 2 (2 layers); in flight (2p-1, p) = (3, 2).
-    assert e.stages[0].memory.activations == 3 * (embed + 2 * per_layer) + 2 * (2 * per_layer)
+    boundary = price_segment(chain, chain.segments[1], node8.device_of(0), microbatch_size=1).boundary_bytes
+    # Rank 0 holds chunks 0 (embed + 2 layers) and 2 (2 layers); in flight (2p-1, p) = (3, 2). Pipeline buffers:
+    # chunk 0 sends (m gradient receives + 3 outputs), chunk 2 receives and sends (m + m, the in-flight inputs
+    # being saved activations already and the in-flight outputs not).
+    saved = 3 * (embed + 2 * per_layer) + 2 * (2 * per_layer)
+    assert e.stages[0].memory.activations == saved + (m + 3) * boundary + 2 * m * boundary
 
 
 def test_uneven_virtual_stages_closed_form(node8):
@@ -145,8 +155,10 @@ def test_uneven_virtual_stages_closed_form(node8):
     chain = gpt_chain(GptShape(layers=6, hidden=512, heads=8, seq=256, vocab=1000, batch=1))
     p, v, m = 2, 4, 4
     stages = tuple(StageSpec(j, j + 1) for j in range(8))
+    # Pipeline buffers freed per transfer (Llama 3's trainer is not torch.distributed.pipelining).
     e = estimate(chain, node8, Strategy(pp=p, microbatch_size=1, num_microbatches=m, schedule="interleaved",
-                                        virtual_stages=v, stages=stages))
+                                        virtual_stages=v, stages=stages,
+                                        runtime=RuntimeOptions(p2p_transient_buffers=True)))
     assert e.fits
     device = node8.device_of(0)
     costs = [price_segment(chain, s, device, microbatch_size=1) for s in chain.segments]

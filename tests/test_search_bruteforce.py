@@ -600,7 +600,7 @@ def plain_where_left_out(built: StageProblem, stages: list[StageChoice]) -> floa
 def test_search_objective_equals_estimate_on_random_partitions(tmp_path: Path) -> None:
     """The partition problem's objective for any partition is `costmodel.estimate` of that strategy."""
     rng = random.Random(11)
-    checked = dominated = 0
+    checked = dominated = interleaved = 0
     cases = [(chain_of("gpt", GPT_INTERLEAVE), Cluster.parse("2x4xa100-80gb")),
              (chain_of("gpt", GPT_UNEVEN), Cluster.parse("1x8xa100-80gb")),
              (chain_of("llama", LLAMA_TINY), mixed(tmp_path)),
@@ -638,7 +638,22 @@ tiers:
                 if est.fits:
                     assert value == pytest.approx(est.step_time_s, rel=1e-9), cand.label
                     checked += 1
-    assert checked > 150 and dominated > 10
+                    assert stage_peaks(built, stages) == pytest.approx(
+                        [s.memory.total for s in est.stages], rel=1e-6), cand.label
+                    interleaved += built.layout is not None
+    assert checked > 150 and dominated > 10 and interleaved > 100
+
+
+def stage_peaks(built: StageProblem, stages: list[StageChoice]) -> list[float]:
+    """Per pipeline rank of a partition, the peak bytes its problem's memory terms give (pipeline buffers included:
+    they depend on the stage's boundaries, which the terms of its layers alone do not know)."""
+    problem = built.problem
+    out = []
+    for k, st in enumerate(stages):
+        q, o = problem.stage_profile[k], problem.options.index(st.option)
+        out.append(problem.memory_base[q][o, st.start, st.stop]
+                   + problem.in_flight[k] * problem.memory_per_microbatch[q][o, st.start, st.stop])
+    return out
 
 
 def test_zero2_under_pipelining_is_zero1_with_more_memory() -> None:

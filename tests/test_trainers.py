@@ -45,7 +45,9 @@ def planned_for(plan: Plan, trainer: Trainer) -> Plan:
     """The plan as a user of `trainer` makes it: for Megatron-LM, priced with the fused kernels it runs
     (`--fix fused_kernels=true`), which its files carry as the default --transformer-impl; for Megatron-LM and
     its DeepSpeed fork, with their in-place cross-entropy (`--fix cross_entropy=inplace`); for the trainers
-    with tensor-parallel layers of their own, with every weight split over tp (`--fix tp_sharded_weights=true`)."""
+    with tensor-parallel layers of their own, with every weight split over tp (`--fix tp_sharded_weights=true`);
+    for the trainers with a pipeline engine of their own, with its buffers freed per transfer
+    (`--fix p2p_transient_buffers=true`)."""
     runtime = plan.strategy.runtime
     if trainer is Trainer.MEGATRON:
         runtime = replace(runtime, fused_kernels=True)
@@ -53,6 +55,8 @@ def planned_for(plan: Plan, trainer: Trainer) -> Plan:
         runtime = replace(runtime, cross_entropy=CrossEntropy.INPLACE)
     if trainer in (Trainer.MEGATRON, Trainer.TORCHTITAN, Trainer.MEGATRON_DEEPSPEED) and plan.strategy.tp > 1:
         runtime = replace(runtime, tp_sharded_weights=True)
+    if trainer is not Trainer.TORCHTITAN and plan.strategy.pp > 1:
+        runtime = replace(runtime, p2p_transient_buffers=True)
     return replace(plan, strategy=replace(plan.strategy, runtime=runtime))
 
 
@@ -278,9 +282,11 @@ def test_cli_estimate_from_equals_estimate_flags(tmp_path: Path, capsys) -> None
     assert main([*base, "--from", f"megatron:{args_file}"]) == 0
     imported = json.loads(capsys.readouterr().out)
     # Megatron-LM reduces input gradients during the weight-gradient GEMMs unless told not to, runs Transformer
-    # Engine's fused kernels by default, its tensor-parallel layers split every weight and its loss works in place
+    # Engine's fused kernels by default, its tensor-parallel layers split every weight, its loss works in place and
+    # its pipeline receives are allocated per transfer
     assert main([*base, "--tp", "2", "--pp", "2", "--dp", "2", "--mbs", "2", "--batch", "16", "--sp",
-                 "--tp-grad-overlap", "--fused-kernels", "--tp-sharded-weights", "--cross-entropy", "inplace"]) == 0
+                 "--tp-grad-overlap", "--fused-kernels", "--tp-sharded-weights", "--cross-entropy", "inplace",
+                 "--p2p-transient-buffers"]) == 0
     flags = json.loads(capsys.readouterr().out)
     assert imported["strategy"] == flags["strategy"]
     assert imported["predicted"]["step_time_s"] == flags["predicted"]["step_time_s"]

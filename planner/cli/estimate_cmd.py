@@ -119,6 +119,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--p2p-overlap", action="store_true",
                    help="the interleaved schedule's pipeline sends overlap other chunks' compute and wait only in "
                         "the fill and drain (Megatron-Core's overlap_p2p_comm, Megatron-LM's default)")
+    p.add_argument("--p2p-transient-buffers", action="store_true",
+                   help="pipeline receive buffers live only for their transfer and sent activations are freed "
+                        "(Megatron-LM, DeepSpeed's pipeline engine); default: torch.distributed.pipelining's, one "
+                        "per micro-batch of the step, kept")
     p.add_argument("--tp-sharded-weights", action="store_true",
                    help="every linear layer's and the token embedding's weight split over tp (column / row / "
                         "vocab parallel), as the tensor-parallel plans of Megatron-LM and torchtitan run them")
@@ -148,8 +152,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 STRATEGY_FLAGS = ("batch", "tp", "pp", "dp", "cp", "ep", "mbs", "schedule", "recompute", "zero", "sp", "no_dp_overlap",
                   "keep_gathered", "tp_overlap", "tp_grad_overlap", "p2p_scatter_gather", "p2p_blocking", "p2p_overlap",
-                  "fused_kernels", "fp32_grad_pass", "tp_sharded_weights", "grads_in_training_dtype", "cross_entropy",
-                  "metric_passes", "offload")
+                  "p2p_transient_buffers", "fused_kernels", "fp32_grad_pass", "tp_sharded_weights",
+                  "grads_in_training_dtype", "cross_entropy", "metric_passes", "offload")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,6 +194,7 @@ def _estimate_flags(args: argparse.Namespace, cluster: Any, profile: Any) -> Any
                                                    p2p_scatter_gather=args.p2p_scatter_gather,
                                                    p2p_blocking=args.p2p_blocking,
                                                    p2p_overlap=args.p2p_overlap,
+                                                   p2p_transient_buffers=args.p2p_transient_buffers,
                                                    fused_kernels=args.fused_kernels,
                                                    fp32_grad_pass=args.fp32_grad_pass,
                                                    tp_sharded_weights=args.tp_sharded_weights,

@@ -426,6 +426,9 @@ def runtime_unsupported(strategy: Strategy) -> str:
     if (r.p2p_scatter_gather or r.p2p_blocking) and strategy.pp > 1:
         return ("the plan prices pipeline sends as another trainer runs them (p2p_scatter_gather / p2p_blocking); "
                 "this runtime sends whole activations, paired: plan with both false, or export the plan")
+    if r.p2p_transient_buffers and strategy.pp > 1:
+        return ("the plan prices pipeline buffers freed after each transfer (p2p_transient_buffers, Megatron-LM); "
+                "this runtime keeps one per micro-batch: plan with p2p_transient_buffers=false, or export the plan")
     if r.ep_dedup and strategy.ep > 1:
         return ("the plan prices expert-parallel dispatch deduplicated per node (ep_dedup, DeepEP's internode "
                 "kernels); this runtime sends a plain all-to-all: plan with ep_dedup=false, or export the plan")

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from costmodel.memory import PricedSegment
+from costmodel.memory import ChunkBoundary, PricedSegment
 from costmodel.pipeline import chunk_stages, in_flight_per_chunk, sends_overlap
 from costmodel.step_time import DataParallelComm, StageTime
 from planner.search.candidates import Candidate
@@ -146,13 +146,33 @@ class ChoicePricer:
         return [rc.priced([costs[i] for i in chunk], chunk_classes)
                 for chunk, chunk_classes in zip(choice.chunks, self._chunk_classes(k, choice), strict=True)]
 
+    def _boundaries(self, k: int, choice: RankChoice) -> tuple[ChunkBoundary, ...]:
+        """Per chunk of the choice, the activations it receives and sends (`estimate.chunk_boundaries`); () where
+        the runtime keeps no pipeline buffers. The rank's class fixes them: only the chunks holding the embedding
+        or the head lack a neighbour, and every boundary carries a block's output (`StageProblemBuilder.
+        interleaved_sends`; a chunk's indices stand a block for every block)."""
+        if not self.cand.runtime.keeps_p2p_buffers(self.cand.mesh.pp):
+            return ()
+        costs, layout = self.costs_of[self.placements[k].device.name], self.layout
+        last = len(costs) - 1
+
+        def received(chunk: tuple[int, ...]) -> int:
+            if chunk[0] == 0:
+                return 0
+            return costs[chunk[0] - 1 if layout.fixed else layout.pre].boundary_bytes
+
+        return tuple(ChunkBoundary(received=received(chunk),
+                                   sent=costs[chunk[-1]].boundary_bytes if chunk[-1] < last else 0)
+                     for chunk in choice.chunks)
+
     def _peak(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> float:
         """The rank's peak bytes with the schedule's in-flight micro-batches."""
         b, key = self.builder, self._key(k, choice, rc)
         memory = b.memory_cache.get(key)
         if memory is None:
             segs = self._segments(k, choice, rc)
-            memory = b.memory_cache[key] = b.memory_terms(self.cand, self.contexts[k], segs, self.shared[k])
+            memory = b.memory_cache[key] = b.memory_terms(self.cand, self.contexts[k], segs, self.shared[k],
+                                                          self._boundaries(k, choice))
         return memory[0] + sum(n * a for n, a in zip(self.counts[k], memory[1], strict=True))
 
     def least_work(self, k: int, options: Sequence[RecomputeChoice]) -> tuple[float, ...]:

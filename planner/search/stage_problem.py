@@ -44,7 +44,7 @@ from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import CommGroup, spans
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
-from costmodel.memory import PricedSegment, chunk_kept_bytes, rank_memory
+from costmodel.memory import ChunkBoundary, PricedSegment, chunk_kept_bytes, p2p_buffer_bytes, rank_memory
 from costmodel.offload import bytes_to_fit
 from costmodel.pipeline import in_flight_per_chunk, stage_rank, zero_bubble_fill
 from costmodel.rank_layout import (
@@ -294,21 +294,25 @@ class StageProblemBuilder:
                                 dp_comm=self._dp_comm, chunk_cache=self._chunk_cache.setdefault(ctx.signature, {}))
 
     def memory_terms(self, cand: Candidate, ctx: RankContext, chunks: Sequence[Sequence[PricedSegment]],
-                      shared: int) -> tuple[float, tuple[float, ...]]:
-        """(peak bytes with no micro-batch in flight, per chunk the bytes one micro-batch saves there):
-        `memory.rank_memory` is affine in the in-flight counts."""
-        mem0 = self._rank_memory(cand, ctx, chunks, shared, [0] * len(chunks))
+                     shared: int, boundaries: Sequence[ChunkBoundary] = ()) -> tuple[float, tuple[float, ...]]:
+        """(peak bytes with no micro-batch in flight, per chunk the bytes one more micro-batch in flight adds
+        there): `memory.rank_memory` is affine in the in-flight counts. `boundaries`: per chunk, where the runtime
+        keeps pipeline buffers (`RuntimeOptions.keeps_p2p_buffers`)."""
+        mem0 = self._rank_memory(cand, ctx, chunks, shared, [0] * len(chunks), boundaries)
         kernel = cand.runtime.loss_kernel(cand.mesh.tp)
-        return mem0, tuple(float(chunk_kept_bytes(chunk, kernel, self.dtype)) for chunk in chunks)
+        slopes = [p2p_buffer_bytes(b, cand.num_microbatches)[1] for b in boundaries] or [0] * len(chunks)
+        return mem0, tuple(float(chunk_kept_bytes(chunk, kernel, self.dtype)) + slope
+                           for chunk, slope in zip(chunks, slopes, strict=True))
 
     def _rank_memory(self, cand: Candidate, ctx: RankContext, chunks: Sequence[Sequence[PricedSegment]],
-                     shared: int, counts: Sequence[int]) -> float:
+                     shared: int, counts: Sequence[int], boundaries: Sequence[ChunkBoundary] = ()) -> float:
         m, offload = cand.mesh, cand.runtime.offload
         return bytes_to_fit(rank_memory(chunks, counts, zero_stage=cand.zero_stage, dp=m.dp * m.cp, dtype=self.dtype,
                                         device_name=ctx.device.name, extra_params=shared, ep_dp=m.ep_dp,
                                         reshard_after_forward=cand.runtime.reshard_after_forward, offload=offload,
                                         pipelined=m.pp > 1, cross_entropy=cand.runtime.loss_kernel(m.tp),
-                                        grad_bytes=cand.runtime.grad_bytes(dtype_bytes(self.dtype))),
+                                        grad_bytes=cand.runtime.grad_bytes(dtype_bytes(self.dtype)),
+                                        boundaries=boundaries, num_microbatches=cand.num_microbatches),
                             offload, ctx.device.name)
 
     def rank_terms_of(self, cand: Candidate, ctx: RankContext, chunks: Sequence[Sequence[PricedSegment]],
@@ -502,6 +506,10 @@ class StageProblemBuilder:
         sizes = [c.boundary_bytes for c in costs]
         recv = np.array([0.0] + [self._p2p(cand, k - 1, x) if k > 0 else 0.0 for x in sizes])
         send = np.array([0.0] + [self._p2p(cand, k, x) if k < p - 1 else 0.0 for x in sizes])
+        # The same boundaries' bytes where the runtime keeps pipeline buffers (`memory.p2p_buffer_bytes`).
+        buffers = cand.runtime.keeps_p2p_buffers(p)
+        received = np.array([0.0] + [float(x) if buffers and k > 0 else 0.0 for x in sizes])
+        sent = np.array([0.0] + [float(x) if buffers and k < p - 1 else 0.0 for x in sizes])
         additive, bottleneck = np.zeros(shape + (ns,)), np.zeros(shape + (nu,))
         tail, tail_const, drain, per_microbatch = (np.zeros(shape) for _ in range(4))
         memory_base = np.full(shape, np.inf)  # a stage left unpriced never fits
@@ -554,8 +562,8 @@ class StageProblemBuilder:
                                    column([t.post for t in terms]), column([t.optimizer for t in terms]))
             additive[r, aa, bb], bottleneck[r, aa, bb] = s, u
             memory0 = column([t.memory0 for t in terms])
-            memory_base[r, aa, bb] = memory0
-            per_microbatch[r, aa, bb] = column([t.memory1 for t in terms]) - memory0
+            memory_base[r, aa, bb] = memory0 + m * (received[aa] + sent[bb])
+            per_microbatch[r, aa, bb] = column([t.memory1 for t in terms]) - memory0 + sent[bb] - received[aa]
             tail[r, aa, bb] = column([t.tail for t in terms])
             tail_const[r, aa, bb] = column([t.tail_const for t in terms])
             # The drain behind it: its backward and the send (none: W fills it, `pipeline.drain_slack`).

@@ -189,11 +189,12 @@ def pipeline_runtime(pipe: Mapping[str, Any], pp: int, dtype: str) -> dict[str, 
     """How DeepSpeed's pipeline engine runs: every send and receive its own blocking instruction, activations
     partitioned over the tensor-parallel ranks unless `pipe_partitioned` is off (deepspeed/runtime/pipe/engine.py;
     the defaults are in deepspeed/runtime/config.py); in bf16, each micro-batch's gradients added into fp32
-    buffers by its BF16_Optimizer (`RuntimeOptions.fp32_grad_pass`)."""
+    buffers by its BF16_Optimizer (`RuntimeOptions.fp32_grad_pass`); buffers for the micro-batches in flight only
+    (`num_pipe_buffers`, `RuntimeOptions.p2p_transient_buffers`)."""
     if pp == 1:
         return {}
     return {"p2p_blocking": True, "p2p_scatter_gather": bool(pipe.get("pipe_partitioned", True)),
-            "fp32_grad_pass": dtype == "bfloat16"}
+            "fp32_grad_pass": dtype == "bfloat16", "p2p_transient_buffers": True}
 
 
 def _json(text: str, source: str) -> Mapping[str, Any]:

@@ -237,6 +237,7 @@ def read(text: str, *, source: str) -> TrainerConfig:
                                cross_entropy=CrossEntropy.INPLACE, offload=_read_offload(ns, notes),
                                fp8=_read_fp8(ns, notes), grads_in_training_dtype=ns.grad_reduce_in_bf16,
                                p2p_overlap=ns.overlap_p2p_comm and pp > 1 and virtual > 1,
+                               p2p_transient_buffers=pp > 1,
                                ep_overlap=ns.overlap_moe_expert_parallel_comm
                                and (ns.expert_model_parallel_size or 1) > 1),
         mesh_order=PP_INSIDE_DP if ns.use_tp_pp_dp_mapping else DEFAULT_MESH_ORDER,
