@@ -188,6 +188,10 @@ def _overlap_arguments(cfg: TrainerConfig, notes: Notes) -> list[str]:
         notes.add("Megatron-LM runs each column-parallel linear's input-gradient all-reduce during its "
                   "weight-gradient GEMM; the plan priced it exposed, so Megatron-LM should step a little faster "
                   "(plan with --fix tp_grad_overlap=true to price it as Megatron-LM runs it)")
+    if cfg.pp > 1 and not cfg.runtime.p2p_transient_buffers:
+        notes.add("Megatron-LM frees each pipeline receive after its transfer; the plan priced "
+                  "torch.distributed.pipelining's buffers, one per micro-batch, so Megatron-LM needs a little less "
+                  "memory (plan with --fix p2p_transient_buffers=true to price it as Megatron-LM runs it)")
     if not cfg.runtime.fused_kernels:
         notes.add("Megatron-LM runs Transformer Engine's fused kernels; the plan priced one eager kernel per "
                   "memory-bound op, so Megatron-LM should step a little faster (plan with --fix fused_kernels=true "

@@ -138,6 +138,9 @@ def _parallelism(cfg: TrainerConfig, shape: ModelShape, notes: Notes) -> dict[st
                   f"than planned")
     if not cfg.runtime.dp_overlap:
         notes.add("torchtitan always overlaps data-parallel communication with compute; the plan priced it exposed")
+    if cfg.pp > 1 and cfg.runtime.p2p_transient_buffers:
+        notes.add("torchtitan's pipeline stages keep a receive and a gradient-receive buffer for every micro-batch "
+                  "(torch.distributed.pipelining); the plan priced them freed per transfer: more memory than planned")
     if cfg.tp > 1 and not cfg.sequence_parallel:
         notes.add("torchtitan 0.2 runs sequence parallelism with every tensor-parallel layer; the plan priced tp "
                   "without it")
