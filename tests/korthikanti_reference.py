@@ -224,9 +224,11 @@ def strategy_for(row: KorthikantiRow, recompute: Recompute, sequence_parallel: b
                     num_microbatches=row.global_batch // (row.dp * row.microbatch),
                     schedule=Schedule.INTERLEAVED if interleaved else Schedule.ONE_F_ONE_B,
                     virtual_stages=row.interleave, sequence_parallel=sequence_parallel, recompute=recompute,
-                    # Megatron-LM of 2022 scattered and gathered pipeline sends (Narayanan et al. 2021 Sec. 4.1)
-                    # and reduced a column-parallel linear's input gradient during its weight-gradient GEMM.
-                    runtime=RuntimeOptions(p2p_scatter_gather=True, tp_grad_overlap=True))
+                    # Megatron-LM of 2022 scattered and gathered pipeline sends (Narayanan et al. 2021 Sec. 4.1),
+                    # allocated each receive per transfer and reduced a column-parallel linear's input gradient
+                    # during its weight-gradient GEMM.
+                    runtime=RuntimeOptions(p2p_scatter_gather=True, tp_grad_overlap=True,
+                                           p2p_transient_buffers=row.pp > 1))
 
 
 @dataclass(frozen=True)

@@ -440,10 +440,11 @@ class StageProblemBuilder:
         profile, reps = self._stage_profiles(cand, contexts)
         arrays: dict[str, list[np.ndarray]] = {}
         pruned = False
-        total = float(np.min([segment_work(self.segment_costs(cand, pl.device), pl.speed, tp_overlap_chunks(cand),
-                                                cand.runtime.tp_grad_overlap)
-                              for pl in placements],
-                             axis=0).sum())
+        cheapest = np.min([segment_work(self.segment_costs(cand, pl.device), pl.speed, tp_overlap_chunks(cand),
+                                        cand.runtime.tp_grad_overlap)
+                           for pl in placements], axis=0)
+        total = float(cheapest.sum())
+        windows = least_windows(cheapest)
         sends = self.contiguous_sends(cand, placements) if p > 1 else [0.0]
         total += sum(sends)  # every stage receives and sends once per micro-batch
         in_flight = tuple(in_flight_per_chunk(cand.schedule, p, k, m, 1)[0] for k in range(p))
@@ -452,7 +453,7 @@ class StageProblemBuilder:
             # Partial recomputation where recomputing nothing does not fit on the profile's fullest rank.
             fullest = max((in_flight[j], -capacity[j]) for j in range(p) if profile[j] == q)
             terms, cut = self._profile_arrays(cand, k, contexts[k], options, upper_bound, total,
-                                              (fullest[0], -fullest[1]), sends[k])
+                                              (fullest[0], -fullest[1]), sends[k], windows)
             pruned = pruned or cut
             for name, arr in terms.items():
                 arrays.setdefault(name, []).append(arr)
@@ -484,8 +485,8 @@ class StageProblemBuilder:
         return profile, reps
 
     def _profile_arrays(self, cand: Candidate, k: int, ctx: RankContext, options: Sequence[RecomputeChoice],
-                        upper_bound: float, total: float, fullest: tuple[int, float], least_sends: float = 0.0
-                        ) -> tuple[dict[str, np.ndarray], bool]:
+                        upper_bound: float, total: float, fullest: tuple[int, float], least_sends: float = 0.0,
+                        windows: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], bool]:
         """The `PartitionProblem` arrays of pipeline rank k's profile (every stage [a, b) it may hold, with
         every recomputation option), and whether the upper bound pruned some stages. A partial recomputation is
         priced only on the stages that do not fit recomputing nothing with `fullest` = (in-flight micro-batches,
@@ -494,7 +495,7 @@ class StageProblemBuilder:
         recomputation only adds time (`recompute_only_adds`), every other whole mode is priced on those stages
         alone too.
         `total`: a lower bound on the sum of every stage's forward + backward; `least_sends`: on the profile's
-        ranks, on a stage's receive and send."""
+        ranks, on a stage's receive and send; `windows`: `least_windows` of the cheapest rank's segment work."""
         n, p, m = len(self.chain.segments), cand.mesh.pp, cand.num_microbatches
         gpipe, zero_bubble = cand.schedule is Schedule.GPIPE, cand.schedule.zero_bubble
         ns, nu = (2, 4) if gpipe else (1, 3)
@@ -526,7 +527,11 @@ class StageProblemBuilder:
                 # A stage's f + b is at least its compute and TP communication, and the bottleneck stage
                 # costs (m - 1) times that on top of the total (m times it, with a zero-bubble schedule's fill
                 # and drain, which can be less than the total): stages that alone reach the bound are useless.
+                # So are stages so short that the p - 1 others, holding the rest, must reach it: one of them
+                # holds at least ceil((n - len) / (p - 1)) segments.
                 stage = prefix[bb] - prefix[aa] + least_sends
+                if windows is not None and p > 1:
+                    stage = np.maximum(stage, windows[-(-(n - (bb - aa)) // (p - 1))])
                 useful = (m * stage if zero_bubble else total + (m - 1) * stage) < upper_bound
                 pruned = pruned or bool((keep & ~useful).any())
                 keep &= useful
@@ -651,6 +656,13 @@ class StageProblemBuilder:
                                 with_preferred=with_preferred)
         return StageProblem(cand, with_preferred(), placements, layout=layout, pruned=chooser.pruned)
 
+
+
+def least_windows(work: np.ndarray) -> np.ndarray:
+    """Per length L = 0..n, the least total of `work` over any L consecutive segments."""
+    prefix = np.concatenate([[0.0], np.cumsum(work)])
+    n = len(work)
+    return np.array([0.0] + [float(np.min(prefix[length:] - prefix[:n + 1 - length])) for length in range(1, n + 1)])
 
 
 def _heaviest_first(pp: int) -> list[int]:
