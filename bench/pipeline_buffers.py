@@ -7,7 +7,8 @@ the micro-batches in flight, and so the saved activations, do not. This runs one
 small GPT with `planner.runtime.parallelize` on CPU ranks under torchrun at two values of m, measures each stage's
 peak live tensor bytes the way `bench/fidelity.py` does (its worker runs the plans), and prints them beside the
 model's prediction with the buffers and without them (`RuntimeOptions.p2p_transient_buffers`, as Megatron-LM
-frees them).
+frees them). Then the largest m again with the schedule asked for its outputs (`return_outputs=True`, as torchtitan
+calls it: `RuntimeOptions.pp_returns_outputs`), where the last stage keeps every micro-batch's logits.
 
 Usage: python bench/pipeline_buffers.py [--set hidden=512 ...] [--microbatches 4,16] [--json]
 Writes bench/results/pipeline_buffers.json.
@@ -38,18 +39,20 @@ DEFAULT_SETS = ("hidden=512", "heads=8", "layers=4", "seq=1024")
 MIB = 2 ** 20
 
 
-def _strategy_plan(chain: Any, m: int) -> tuple[dict[str, Any], list[int], list[int]]:
-    """The plan of pp2 1F1B with m micro-batches of 1, and per stage its predicted bytes (without the fixed
-    framework overhead, as `bench/fidelity.py` compares) with the buffers and with them freed per transfer."""
+def _strategy_plan(chain: Any, m: int, returns: bool) -> tuple[dict[str, Any], list[int], list[int]]:
+    """The plan of pp2 1F1B with m micro-batches of 1 (the schedule asked for its outputs if `returns`), and per
+    stage its predicted bytes (without the fixed framework overhead, as `bench/fidelity.py` compares) with the
+    buffers and with them freed per transfer."""
     from costmodel.estimate import estimate
     from costmodel.hardware.cluster import Cluster
-    from costmodel.strategy import Recompute, Schedule
+    from costmodel.strategy import Recompute, RuntimeOptions, Schedule
     from planner.search.branch_and_bound import SearchOptions, search
     from planner.search.space import SearchSpace
 
     cluster = Cluster.parse(CLUSTER)
     space = SearchSpace(dp=1, tp=1, pp=2, microbatch_size=1, num_microbatches=m, schedule=Schedule.ONE_F_ONE_B,
-                        virtual_stages=1, zero_stage=0, sequence_parallel=False, recompute=Recompute.NONE)
+                        virtual_stages=1, zero_stage=0, sequence_parallel=False, recompute=Recompute.NONE,
+                        runtime=RuntimeOptions(pp_returns_outputs=returns))
     ranked = search(chain, cluster, global_batch=m, space=space, dtype=fidelity.DTYPE,
                     options=SearchOptions(num_alternatives=0)).best
     st = ranked.strategy
@@ -62,8 +65,8 @@ def _strategy_plan(chain: Any, m: int) -> tuple[dict[str, Any], list[int], list[
     return fidelity._plan_of(ranked, chain, cluster, m), tensors(ranked.estimate.stages), tensors(freed.stages)
 
 
-def _measure(chain: Any, plan: dict[str, Any], sets: Sequence[str], m: int, work: Path) -> list[int]:
-    plans, out = work / f"plans-{m}.json", work / f"results-{m}.jsonl"
+def _measure(chain: Any, plan: dict[str, Any], sets: Sequence[str], m: int, work: Path, name: str) -> list[int]:
+    plans, out = work / f"plans-{name}.json", work / f"results-{name}.jsonl"
     plans.write_text(json.dumps({"graph": chain.graph.to_json(), "sets": list(sets), "batch": m,
                                  "cases": [{"id": f"m{m}", "plan": plan}]}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -81,31 +84,37 @@ def run(sets: Sequence[str], microbatches: Sequence[int]) -> dict[str, Any]:
     chain = fidelity._trace_chain(sets)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for m in microbatches:
-            plan, with_buffers, freed = _strategy_plan(chain, m)
-            measured = _measure(chain, plan, sets, m, Path(tmp))
-            rows.append({"microbatches": m, "measured_bytes": measured, "predicted_bytes": with_buffers,
-                         "predicted_without_buffers_bytes": freed})
+        for m, returns in [*((m, False) for m in microbatches), (microbatches[-1], True)]:
+            plan, with_buffers, freed = _strategy_plan(chain, m, returns)
+            measured = _measure(chain, plan, sets, m, Path(tmp), f"{m}-{returns}")
+            rows.append({"microbatches": m, "returns_outputs": returns, "measured_bytes": measured,
+                         "predicted_bytes": with_buffers, "predicted_without_buffers_bytes": freed})
     return {"model": fidelity.MODEL, "settings": list(sets), "cluster": CLUSTER, "dtype": fidelity.DTYPE,
             "strategy": "dp1 tp1 pp2 1f1b, micro-batches of 1, no recomputation",
             "memory_measure": "peak live tensor bytes per stage, as bench/fidelity.py measures it", "rows": rows}
 
 
 def table(report: dict[str, Any]) -> str:
-    lines = ["| micro-batches | stage | measured MiB | predicted MiB (error) | without buffers MiB (error) |",
-             "|---|---|---|---|---|"]
+    lines = ["| micro-batches | outputs returned | stage | measured MiB | predicted MiB (error) | without buffers MiB "
+             "(error) |", "|---|---|---|---|---|---|"]
     for row in report["rows"]:
         for k, (meas, pred, freed) in enumerate(zip(row["measured_bytes"], row["predicted_bytes"],
                                                     row["predicted_without_buffers_bytes"], strict=True)):
-            lines.append(f"| {row['microbatches']} | {k} | {meas / MIB:.1f} | {pred / MIB:.1f} "
+            lines.append(f"| {row['microbatches']} | {'yes' if row['returns_outputs'] else 'no'} | {k} | "
+                         f"{meas / MIB:.1f} | {pred / MIB:.1f} "
                          f"({(pred - meas) / meas:+.1%}) | {freed / MIB:.1f} ({(freed - meas) / meas:+.1%}) |")
-    first, last = report["rows"][0], report["rows"][-1]
+    plain = [r for r in report["rows"] if not r["returns_outputs"]]
+    first, last, returned = plain[0], plain[-1], report["rows"][-1]
     lines.append("")
     for name in ("measured_bytes", "predicted_bytes", "predicted_without_buffers_bytes"):
         growth = [(b - a) / MIB for a, b in zip(first[name], last[name], strict=True)]
         lines.append(f"growth from {first['microbatches']} to {last['microbatches']} micro-batches, "
                      f"{name.removesuffix('_bytes').replace('_', ' ')}: "
                      + ", ".join(f"stage {k} {g:+.2f} MiB" for k, g in enumerate(growth)))
+    for name in ("measured_bytes", "predicted_bytes"):
+        more = [(b - a) / MIB for a, b in zip(last[name], returned[name], strict=True)]
+        lines.append(f"outputs returned at {last['microbatches']} micro-batches, "
+                     f"{name.removesuffix('_bytes')}: " + ", ".join(f"stage {k} {g:+.2f} MiB" for k, g in enumerate(more)))
     return "\n".join(lines)
 
 

@@ -45,7 +45,7 @@ from costmodel.hardware.device import DeviceSpec
 from costmodel.hardware.host import host_of
 from costmodel.layer_cost import LayerCost
 from costmodel.layer_pricing import op_policy_kept, price_segment, selective_recompute_region
-from costmodel.memory import GIB, ChunkBoundary, PricedSegment, rank_memory, runs
+from costmodel.memory import GIB, ChunkBoundary, PricedSegment, rank_memory, returned_bytes, runs
 from costmodel.model_flops import counted_flops
 from costmodel.model_flops import model_flops as chain_model_flops
 from costmodel.offload import HostCopy, host_copy, host_problem, offload_tail
@@ -537,7 +537,7 @@ def _stage_estimates(priced: Sequence[Sequence[PricedSegment]], stage_times: Seq
                              offload=strategy.runtime.offload, pipelined=pp > 1,
                              cross_entropy=strategy.runtime.loss_kernel(strategy.tp),
                              grad_bytes=strategy.runtime.grad_bytes(dtype_bytes(dtype)),
-                             boundaries=chunk_boundaries(priced, _rank_stages(strategy, r), strategy),
+                             boundaries=chunk_boundaries(priced, _rank_stages(strategy, r), strategy, dtype),
                              num_microbatches=strategy.num_microbatches)
         capacity = rank.device.memory_bytes
         if memory.total > capacity:
@@ -555,16 +555,20 @@ def _stage_estimates(priced: Sequence[Sequence[PricedSegment]], stage_times: Seq
     return out
 
 
-def chunk_boundaries(priced: Sequence[Sequence[PricedSegment]], mine: Sequence[int], strategy: Strategy
-                     ) -> tuple[ChunkBoundary, ...]:
+def chunk_boundaries(priced: Sequence[Sequence[PricedSegment]], mine: Sequence[int], strategy: Strategy,
+                     dtype: str) -> tuple[ChunkBoundary, ...]:
     """Per virtual stage in `mine`, the activations it receives and sends per micro-batch (the output of the
-    stage before it and its own), where the runtime keeps pipeline buffers for them (`memory.p2p_buffer_bytes`);
-    () where it does not."""
+    stage before it and its own) and, on the last stage of a schedule asked for its outputs, the logits it
+    returns, where the runtime keeps pipeline buffers for them (`memory.p2p_buffer_bytes`); () where it does
+    not."""
     if not strategy.runtime.keeps_p2p_buffers(strategy.pp):
         return ()
     last = len(priced) - 1
+    returned = strategy.runtime.pp_returns_outputs
     return tuple(ChunkBoundary(received=priced[j - 1][-1].cost.boundary_bytes if j > 0 else 0,
-                               sent=priced[j][-1].cost.boundary_bytes if j < last else 0) for j in mine)
+                               sent=priced[j][-1].cost.boundary_bytes if j < last else 0,
+                               returned=returned_bytes(sum(s.count * s.cost.loss_elements for s in priced[j]), dtype)
+                               if returned and j == last else 0) for j in mine)
 
 
 def _with_throughput(chain: LayerChain, strategy: Strategy, stages: Sequence[StageSpec],

@@ -57,7 +57,13 @@ more are kept. A stage that sends allocates m gradient-receive buffers of its ou
 m + n of them. Measured on this project's runtime (`python bench/pipeline_buffers.py`: gpt-tiny 512 wide, 1,024
 tokens, pp2 1F1B, 2 CPU ranks, peak live tensor bytes): from 4 to 16 micro-batches both stages grew 24.09 MiB
 (12 boundaries of 2 MiB: 24.00 priced), and the stage peaks are +0.7% / +1.8% off at 16 (-11.9% / -12.3% without
-the buffers). Megatron-LM and DeepSpeed keep no such buffers (`RuntimeOptions.p2p_transient_buffers`).
+the buffers). Megatron-LM and DeepSpeed keep no such buffers (`RuntimeOptions.p2p_transient_buffers`). Where the
+trainer asks the schedule for its outputs (`RuntimeOptions.pp_returns_outputs`, torchtitan), the last stage also
+keeps every micro-batch's output, the logits (w bytes per local logit), until the step ends: m of them at the last
+backward, beside the loss's own buffers. The concatenation of them after the last backward (m more) is not priced:
+it comes once the activations, the gathered weights and the unsharded gradients are freed, so it sets the peak
+only where the model state is small beside the logits (the bench above, returning the outputs at 16 micro-batches:
+the last stage grew 62.0 MiB, 32.0 priced).
 
 Framework overhead: the CUDA context, cuBLAS/NCCL workspaces: about 0.75 GiB per GPU process (PyTorch forums,
 "What is the reason for pytorch's GPU memory floor?" measures 723 MiB, "High gpu memory overhead" ~800 MB, both
@@ -231,14 +237,23 @@ class ChunkBoundary:
 
     received: int = 0
     sent: int = 0
+    returned: int = 0
+    """Bytes of the output the schedule keeps per micro-batch until the step ends (the last stage's, when the
+    trainer asks for the outputs: `RuntimeOptions.pp_returns_outputs`)."""
+
+
+def returned_bytes(loss_elements: float, dtype: str) -> int:
+    """Bytes of the output a stage ending with `loss_elements` local logits returns per micro-batch (the logits,
+    in the training dtype)."""
+    return round(loss_elements * dtype_bytes(dtype))
 
 
 def p2p_buffer_bytes(boundary: ChunkBoundary, num_microbatches: int) -> tuple[int, int]:
     """(bytes with no micro-batch in flight, bytes per micro-batch in flight) of the chunk's pipeline buffers under
     torch.distributed.pipelining (module docstring): m receive buffers of which the n in flight are saved
-    activations already, m gradient-receive buffers, and the n in-flight outputs."""
+    activations already, m gradient-receive buffers, the n in-flight outputs, and the m returned outputs."""
     m = num_microbatches
-    return m * (boundary.received + boundary.sent), boundary.sent - boundary.received
+    return m * (boundary.received + boundary.sent + boundary.returned), boundary.sent - boundary.received
 
 
 def rank_memory(chunks: Sequence[Sequence[PricedSegment]], in_flight: Sequence[int], *, zero_stage: int = 0,

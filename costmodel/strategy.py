@@ -224,6 +224,12 @@ class RuntimeOptions:
     from step to step (`PipelineStage._setup_forward_recv_info`, `_setup_backward_recv_info`), and keep each
     in-flight micro-batch's stage output in `fwd_cache` until its backward (`costmodel.memory`, pipeline buffers).
     Only memory changes. `planner.parallelize` does not run it: plans with it are for export."""
+    pp_returns_outputs: bool = False
+    """The pipeline schedule returns the last stage's outputs: torch.distributed.pipelining's `schedule.step` keeps
+    every micro-batch's output (a language model's logits) in `output_chunks` until the step ends and then
+    concatenates them when called with `return_outputs=True`, its default, as torchtitan's trainer calls it
+    (torchtitan/train.py `forward_backward_step`). False: `return_outputs=False` (`planner.parallelize`). Only
+    memory changes, and only under torch.distributed.pipelining (`p2p_transient_buffers` false)."""
     ep_dedup: bool = False
     """Expert-parallel dispatch and combine send a token once per destination node across nodes and forward it to
     its experts' GPUs over NVLink (DeepSeek-V3's node-limited dispatch, arXiv 2412.19437 Sec. 3.2.2; DeepEP's
@@ -341,11 +347,11 @@ FP32_BYTES = 4
 """Bytes of an fp32 gradient (`memory.GRAD_BYTES` is this)."""
 RUNTIME_FLAGS = ("dp_overlap", "reshard_after_forward", "tp_overlap", "p2p_scatter_gather", "p2p_blocking",
                  "tp_grad_overlap", "ep_dedup", "ep_overlap", "fused_kernels", "fp32_grad_pass", "tp_sharded_weights",
-                 "grads_in_training_dtype", "p2p_overlap", "p2p_transient_buffers")
+                 "grads_in_training_dtype", "p2p_overlap", "p2p_transient_buffers", "pp_returns_outputs")
 """The true/false fields of `RuntimeOptions`, in the order plans write them."""
 _LATER_FLAGS = frozenset({"p2p_scatter_gather", "p2p_blocking", "tp_grad_overlap", "ep_dedup", "ep_overlap",
                           "fused_kernels", "fp32_grad_pass", "tp_sharded_weights", "grads_in_training_dtype",
-                          "p2p_overlap", "p2p_transient_buffers"})
+                          "p2p_overlap", "p2p_transient_buffers", "pp_returns_outputs"})
 RUNTIME_OPTION_NAMES = (*RUNTIME_FLAGS, "offload", "fp8", "cross_entropy", "metric_passes")
 """Every field of `RuntimeOptions` (the keys of its JSON)."""
 

@@ -365,6 +365,7 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
     # Megatron-LM (NeMo, Megatron-Core) and DeepSpeed's pipeline engine free their pipeline buffers per transfer;
     # torchtitan's torch.distributed.pipelining keeps one per micro-batch. Meta's Llama 3 stack is its own and not
     # public: priced as those engines run, since only torch.distributed.pipelining is known to keep them.
+    # torchtitan asks the schedule for the last stage's outputs (`pp_returns_outputs`).
     # The loss kernel of the row's trainer (`_cross_entropy_of`).
     # Every trainer of these rows splits each linear's and the token embedding's weight over tp (Megatron's column
     # / row / vocab-parallel layers, torchtitan's TP plan), never a whole weight the ILP may also keep.
@@ -380,6 +381,7 @@ def _published_row(raw: dict[str, str]) -> PublishedRun:
                              grads_in_training_dtype=_grads_in_training_dtype(framework),
                              p2p_overlap=megatron and not legacy and "no-overlap-p2p" not in framework,
                              p2p_transient_buffers=int(r["pp"]) > 1 and "torchtitan" not in framework,
+                             pp_returns_outputs=torchtitan_pipeline,
                              cross_entropy=_cross_entropy_of(text), metric_passes=_metric_passes_of(text))
     return PublishedRun(
         name=r["run"], family=family, sets=tuple(sets), seq=seq, schedules=trainer_schedules(text),

@@ -32,6 +32,8 @@ def test_closed_form() -> None:
     assert p2p_buffer_bytes(ChunkBoundary(sent=2 * MIB), 8) == (16 * MIB, 2 * MIB)  # the first stage
     assert p2p_buffer_bytes(ChunkBoundary(received=3 * MIB), 8) == (24 * MIB, -3 * MIB)  # the last stage
     assert p2p_buffer_bytes(ChunkBoundary(), 8) == (0, 0)
+    # The last stage of a schedule asked for its outputs keeps every micro-batch's logits to the end of the step.
+    assert p2p_buffer_bytes(ChunkBoundary(received=3 * MIB, returned=5 * MIB), 8) == (8 * 8 * MIB, -3 * MIB)
 
 
 def test_rank_memory_adds_them_to_the_activations(tiny_cost) -> None:
@@ -102,3 +104,30 @@ def test_cli_estimate_prices_them_or_not(capsys) -> None:
                                   strict=True)]
     assert more[0] > 0 and more[1] > 0 and more[0] / more[1] == pytest.approx((16 + 2) / (16 - 1), rel=0.05)
     assert kept["predicted"]["step_time_s"] == freed["predicted"]["step_time_s"]
+
+
+def test_returned_outputs_are_the_last_stages_logits(capsys) -> None:
+    """torchtitan's `schedule.step` returns the outputs: m logits of mbs x seq x vocab in the training dtype."""
+    base = ["estimate", "gpt-tiny", "--cluster", "1x8xa100-80gb", "--batch", "16", "--tp", "1", "--pp", "2",
+            "--dp", "1", "--mbs", "1", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*base, "--pp-returns-outputs"]) == 0
+    returned = json.loads(capsys.readouterr().out)
+    more = [a - b for a, b in zip(returned["predicted"]["peak_memory_bytes"], plain["predicted"]["peak_memory_bytes"],
+                                  strict=True)]
+    vocab, seq = 512, 64  # gpt-tiny
+    assert more == [0, 16 * seq * vocab * 2]
+    assert returned["predicted"]["step_time_s"] == plain["predicted"]["step_time_s"]
+
+
+def test_torchtitan_config_returns_them_and_exports_say_so(tmp_path: Path, capsys) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text("[parallelism]\npipeline_parallel_degree = 2\n[training]\nlocal_batch_size = 8\nseq_len = 64\n")
+    assert read_trainer_config(f"torchtitan:{job}").runtime.pp_returns_outputs
+    job.write_text("[parallelism]\ntensor_parallel_degree = 2\n[training]\nlocal_batch_size = 8\nseq_len = 64\n")
+    assert not read_trainer_config(f"torchtitan:{job}").runtime.pp_returns_outputs
+    plan = REPO / "plans" / "llama-tiny-pp4-1x8xh100.json"
+    assert main(["export", str(plan), "--to", "torchtitan", "--json"]) == 0
+    warnings = json.loads(capsys.readouterr().out)["warnings"]
+    assert any("asks the pipeline schedule for its outputs" in w for w in warnings)

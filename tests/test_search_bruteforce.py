@@ -623,6 +623,8 @@ tiers:
         cands, _ = enumerate_candidates(chain, cluster, 16, SearchSpace(max_microbatch_size=4))
         cands += [replace(c, schedule=Schedule.GPIPE) for c in cands
                   if c.schedule is Schedule.ONE_F_ONE_B and c.mesh.pp > 1]
+        # The last stage keeping its returned logits (torchtitan's schedule call) moves its memory terms too.
+        cands += [replace(c, runtime=replace(c.runtime, pp_returns_outputs=True)) for c in cands if c.mesh.pp > 1]
         for cand in rng.sample(cands, min(40, len(cands))):
             built = builder.build(cand, tuple(Recompute))
             for _ in range(3):

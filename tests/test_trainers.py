@@ -47,7 +47,8 @@ def planned_for(plan: Plan, trainer: Trainer) -> Plan:
     its DeepSpeed fork, with their in-place cross-entropy (`--fix cross_entropy=inplace`); for the trainers
     with tensor-parallel layers of their own, with every weight split over tp (`--fix tp_sharded_weights=true`);
     for the trainers with a pipeline engine of their own, with its buffers freed per transfer
-    (`--fix p2p_transient_buffers=true`)."""
+    (`--fix p2p_transient_buffers=true`); for torchtitan, with the schedule's outputs returned
+    (`--fix pp_returns_outputs=true`)."""
     runtime = plan.strategy.runtime
     if trainer is Trainer.MEGATRON:
         runtime = replace(runtime, fused_kernels=True)
@@ -57,6 +58,8 @@ def planned_for(plan: Plan, trainer: Trainer) -> Plan:
         runtime = replace(runtime, tp_sharded_weights=True)
     if trainer is not Trainer.TORCHTITAN and plan.strategy.pp > 1:
         runtime = replace(runtime, p2p_transient_buffers=True)
+    if trainer is Trainer.TORCHTITAN and plan.strategy.pp > 1:
+        runtime = replace(runtime, pp_returns_outputs=True)
     return replace(plan, strategy=replace(plan.strategy, runtime=runtime))
 
 
@@ -151,7 +154,8 @@ def test_zero_bubble_schedules_round_trip_through_torchtitan_and_warn_in_megatro
     for schedule, name in names.items():
         strategy = replace(plan.strategy, dp=4, pp=4, virtual_stages=2, schedule=schedule, num_microbatches=8,
                            microbatch_size=2, zero_stage=3, stages=layout.stages_of((3,) * 8),
-                           runtime=replace(plan.strategy.runtime, reshard_after_forward=False))
+                           runtime=replace(plan.strategy.runtime, reshard_after_forward=False,
+                                           pp_returns_outputs=True))
         variant = replace(plan, strategy=strategy)
         result, back = round_trip(variant, layout, shape, Trainer.TORCHTITAN, tmp_path)
         assert f'pipeline_parallel_schedule = "{name}"' in result.text and not result.warnings

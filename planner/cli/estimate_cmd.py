@@ -123,6 +123,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="pipeline receive buffers live only for their transfer and sent activations are freed "
                         "(Megatron-LM, DeepSpeed's pipeline engine); default: torch.distributed.pipelining's, one "
                         "per micro-batch of the step, kept")
+    p.add_argument("--pp-returns-outputs", action="store_true",
+                   help="the pipeline schedule returns the last stage's outputs, which keeps every micro-batch's "
+                        "logits to the end of the step (torchtitan's trainer); default: not returned")
     p.add_argument("--tp-sharded-weights", action="store_true",
                    help="every linear layer's and the token embedding's weight split over tp (column / row / "
                         "vocab parallel), as the tensor-parallel plans of Megatron-LM and torchtitan run them")
@@ -152,7 +155,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 STRATEGY_FLAGS = ("batch", "tp", "pp", "dp", "cp", "ep", "mbs", "schedule", "recompute", "zero", "sp", "no_dp_overlap",
                   "keep_gathered", "tp_overlap", "tp_grad_overlap", "p2p_scatter_gather", "p2p_blocking", "p2p_overlap",
-                  "p2p_transient_buffers", "fused_kernels", "fp32_grad_pass", "tp_sharded_weights",
+                  "p2p_transient_buffers", "pp_returns_outputs", "fused_kernels", "fp32_grad_pass", "tp_sharded_weights",
                   "grads_in_training_dtype", "cross_entropy", "metric_passes", "offload")
 
 
@@ -195,6 +198,7 @@ def _estimate_flags(args: argparse.Namespace, cluster: Any, profile: Any) -> Any
                                                    p2p_blocking=args.p2p_blocking,
                                                    p2p_overlap=args.p2p_overlap,
                                                    p2p_transient_buffers=args.p2p_transient_buffers,
+                                                   pp_returns_outputs=args.pp_returns_outputs,
                                                    fused_kernels=args.fused_kernels,
                                                    fp32_grad_pass=args.fp32_grad_pass,
                                                    tp_sharded_weights=args.tp_sharded_weights,

@@ -81,7 +81,8 @@ def _pipelined(pm: ParallelModel, batch: tuple[torch.Tensor, ...]) -> torch.Tens
     losses: list[torch.Tensor] = []
     sample_ids = torch.arange(pm.local_batch_size, device=pm.device)
     try:
-        pm.schedule.step(*batch, target=sample_ids, losses=losses, return_outputs=False)
+        pm.schedule.step(*batch, target=sample_ids, losses=losses,
+                         return_outputs=pm.strategy.runtime.pp_returns_outputs)
     finally:
         pm.microbatch_loss.batch = ()
     # The mean over micro-batches, once per parameter: torch's schedules would divide per stage, twice for a

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from costmodel.memory import ChunkBoundary, PricedSegment
+from costmodel.memory import ChunkBoundary, PricedSegment, returned_bytes
 from costmodel.pipeline import chunk_stages, in_flight_per_chunk, sends_overlap
 from costmodel.step_time import DataParallelComm, StageTime
 from planner.search.candidates import Candidate
@@ -149,7 +149,8 @@ class ChoicePricer:
     def _boundaries(self, k: int, choice: RankChoice) -> tuple[ChunkBoundary, ...]:
         """Per chunk of the choice, the activations it receives and sends (`estimate.chunk_boundaries`); () where
         the runtime keeps no pipeline buffers. The rank's class fixes them: only the chunks holding the embedding
-        or the head lack a neighbour, and every boundary carries a block's output (`StageProblemBuilder.
+        or the head lack a neighbour (the head's returns its logits where the schedule is asked for its outputs),
+        and every boundary carries a block's output (`StageProblemBuilder.
         interleaved_sends`; a chunk's indices stand a block for every block)."""
         if not self.cand.runtime.keeps_p2p_buffers(self.cand.mesh.pp):
             return ()
@@ -161,8 +162,11 @@ class ChoicePricer:
                 return 0
             return costs[chunk[0] - 1 if layout.fixed else layout.pre].boundary_bytes
 
+        returns = self.cand.runtime.pp_returns_outputs
         return tuple(ChunkBoundary(received=received(chunk),
-                                   sent=costs[chunk[-1]].boundary_bytes if chunk[-1] < last else 0)
+                                   sent=costs[chunk[-1]].boundary_bytes if chunk[-1] < last else 0,
+                                   returned=returned_bytes(costs[last].loss_elements, self.builder.dtype)
+                                   if returns and chunk[-1] == last else 0)
                      for chunk in choice.chunks)
 
     def _peak(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> float:

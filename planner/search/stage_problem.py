@@ -44,7 +44,14 @@ from costmodel.hardware.cluster import Cluster
 from costmodel.hardware.collectives import CommGroup, spans
 from costmodel.hardware.device import DeviceSpec
 from costmodel.layer_cost import LayerCost
-from costmodel.memory import ChunkBoundary, PricedSegment, chunk_kept_bytes, p2p_buffer_bytes, rank_memory
+from costmodel.memory import (
+    ChunkBoundary,
+    PricedSegment,
+    chunk_kept_bytes,
+    p2p_buffer_bytes,
+    rank_memory,
+    returned_bytes,
+)
 from costmodel.offload import bytes_to_fit
 from costmodel.pipeline import in_flight_per_chunk, stage_rank, zero_bubble_fill
 from costmodel.rank_layout import (
@@ -507,10 +514,14 @@ class StageProblemBuilder:
         sizes = [c.boundary_bytes for c in costs]
         recv = np.array([0.0] + [self._p2p(cand, k - 1, x) if k > 0 else 0.0 for x in sizes])
         send = np.array([0.0] + [self._p2p(cand, k, x) if k < p - 1 else 0.0 for x in sizes])
-        # The same boundaries' bytes where the runtime keeps pipeline buffers (`memory.p2p_buffer_bytes`).
+        # The same boundaries' bytes where the runtime keeps pipeline buffers (`memory.p2p_buffer_bytes`), and
+        # the logits the last stage returns (it always ends with the chain).
         buffers = cand.runtime.keeps_p2p_buffers(p)
         received = np.array([0.0] + [float(x) if buffers and k > 0 else 0.0 for x in sizes])
         sent = np.array([0.0] + [float(x) if buffers and k < p - 1 else 0.0 for x in sizes])
+        returned = np.zeros(n + 1)
+        if buffers and k == p - 1 and cand.runtime.pp_returns_outputs:
+            returned[n] = returned_bytes(sum(c.loss_elements for c in costs), self.dtype)
         additive, bottleneck = np.zeros(shape + (ns,)), np.zeros(shape + (nu,))
         tail, tail_const, drain, per_microbatch = (np.zeros(shape) for _ in range(4))
         memory_base = np.full(shape, np.inf)  # a stage left unpriced never fits
@@ -567,7 +578,7 @@ class StageProblemBuilder:
                                    column([t.post for t in terms]), column([t.optimizer for t in terms]))
             additive[r, aa, bb], bottleneck[r, aa, bb] = s, u
             memory0 = column([t.memory0 for t in terms])
-            memory_base[r, aa, bb] = memory0 + m * (received[aa] + sent[bb])
+            memory_base[r, aa, bb] = memory0 + m * (received[aa] + sent[bb] + returned[bb])
             per_microbatch[r, aa, bb] = column([t.memory1 for t in terms]) - memory0 + sent[bb] - received[aa]
             tail[r, aa, bb] = column([t.tail for t in terms])
             tail_const[r, aa, bb] = column([t.tail_const for t in terms])

@@ -138,6 +138,10 @@ def _parallelism(cfg: TrainerConfig, shape: ModelShape, notes: Notes) -> dict[st
                   f"than planned")
     if not cfg.runtime.dp_overlap:
         notes.add("torchtitan always overlaps data-parallel communication with compute; the plan priced it exposed")
+    if cfg.pp > 1 and not cfg.runtime.pp_returns_outputs and not cfg.runtime.p2p_transient_buffers:
+        notes.add("torchtitan's trainer asks the pipeline schedule for its outputs, so the last stage keeps every "
+                  "micro-batch's logits until the step ends; the plan priced them freed: more memory than planned "
+                  "(plan with --fix pp_returns_outputs=true to price it as torchtitan runs it)")
     if cfg.pp > 1 and cfg.runtime.p2p_transient_buffers:
         notes.add("torchtitan's pipeline stages keep a receive and a gradient-receive buffer for every micro-batch "
                   "(torch.distributed.pipelining); the plan priced them freed per transfer: more memory than planned")
@@ -226,7 +230,8 @@ def read(text: str, *, source: str) -> TrainerConfig:
                                else Offload.NONE,
                                fp8=_read_float8(doc, source, notes),
                                grads_in_training_dtype=train.get("mixed_precision_reduce", "float32") == "bfloat16",
-                               cross_entropy=_read_loss(doc, par, tp, source)),
+                               cross_entropy=_read_loss(doc, par, tp, source),
+                               pp_returns_outputs=pp > 1),
         seq_len=int(train["seq_len"]) if "seq_len" in train else None,
         dtype=str(train.get("mixed_precision_param", "bfloat16")), notes=tuple(notes.items))
 
