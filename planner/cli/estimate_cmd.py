@@ -155,8 +155,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 STRATEGY_FLAGS = ("batch", "tp", "pp", "dp", "cp", "ep", "mbs", "schedule", "recompute", "zero", "sp", "no_dp_overlap",
                   "keep_gathered", "tp_overlap", "tp_grad_overlap", "p2p_scatter_gather", "p2p_blocking", "p2p_overlap",
-                  "p2p_transient_buffers", "pp_returns_outputs", "fused_kernels", "fp32_grad_pass", "tp_sharded_weights",
-                  "grads_in_training_dtype", "cross_entropy", "metric_passes", "offload")
+                  "p2p_transient_buffers", "pp_returns_outputs", "fused_kernels", "fp32_grad_pass",
+                  "tp_sharded_weights", "grads_in_training_dtype", "cross_entropy", "metric_passes", "offload")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -129,8 +129,10 @@ class ChoicePricer:
 
     def _key(self, k: int, choice: RankChoice, rc: RecomputeChoice) -> tuple:
         # Ranks with the same signature and chunks share their terms; only memory depends on the in-flight
-        # counts, and affinely.
-        return (self.contexts[k].signature, rc, self.rank_classes[k][choice], self.shared[k])
+        # counts, and affinely. The pipeline buffers depend on the micro-batch count, which the signature fixes
+        # only for one global batch.
+        return (self.contexts[k].signature, rc, self.rank_classes[k][choice], self.shared[k],
+                self.cand.num_microbatches)
 
     def _chunk_classes(self, k: int, choice: RankChoice) -> tuple[tuple[int, ...], ...]:
         return self.builder.interleaved.classes[self.rank_classes[k][choice]]
