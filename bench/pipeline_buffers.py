@@ -113,8 +113,8 @@ def table(report: dict[str, Any]) -> str:
                      + ", ".join(f"stage {k} {g:+.2f} MiB" for k, g in enumerate(growth)))
     for name in ("measured_bytes", "predicted_bytes"):
         more = [(b - a) / MIB for a, b in zip(last[name], returned[name], strict=True)]
-        lines.append(f"outputs returned at {last['microbatches']} micro-batches, "
-                     f"{name.removesuffix('_bytes')}: " + ", ".join(f"stage {k} {g:+.2f} MiB" for k, g in enumerate(more)))
+        lines.append(f"outputs returned at {last['microbatches']} micro-batches, {name.removesuffix('_bytes')}: "
+                     + ", ".join(f"stage {k} {g:+.2f} MiB" for k, g in enumerate(more)))
     return "\n".join(lines)
 
 

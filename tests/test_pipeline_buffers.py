@@ -90,32 +90,33 @@ def test_exports_say_where_the_plan_priced_them_otherwise(capsys) -> None:
     assert not any("pipeline stages keep" in w for w in json.loads(capsys.readouterr().out)["warnings"])
 
 
-def test_cli_estimate_prices_them_or_not(capsys) -> None:
+def _estimate_with_and_without(capsys, flag: str) -> tuple[dict, dict, list[int]]:
+    """`stratagem estimate` of gpt-tiny, pp2 1F1B with 16 micro-batches of 1, without and with `flag`: both plans
+    and, per stage, the peak bytes the flag adds."""
     base = ["estimate", "gpt-tiny", "--cluster", "1x8xa100-80gb", "--batch", "16", "--tp", "1", "--pp", "2",
             "--dp", "1", "--mbs", "1", "--json"]
     assert main(base) == 0
-    kept = json.loads(capsys.readouterr().out)
-    assert main([*base, "--p2p-transient-buffers"]) == 0
-    freed = json.loads(capsys.readouterr().out)
+    without = json.loads(capsys.readouterr().out)
+    assert main([*base, flag]) == 0
+    with_flag = json.loads(capsys.readouterr().out)
+    more = [a - b for a, b in zip(with_flag["predicted"]["peak_memory_bytes"],
+                                  without["predicted"]["peak_memory_bytes"], strict=True)]
+    return without, with_flag, more
+
+
+def test_cli_estimate_prices_them_or_not(capsys) -> None:
+    kept, freed, fewer = _estimate_with_and_without(capsys, "--p2p-transient-buffers")
     assert freed["strategy"]["runtime"]["p2p_transient_buffers"]
     # 16 micro-batches: stage 0 keeps 16 gradient receives and its 2 in-flight outputs, stage 1 16 receives (1 of
     # them its saved input); the step time does not change.
-    more = [a - b for a, b in zip(kept["predicted"]["peak_memory_bytes"], freed["predicted"]["peak_memory_bytes"],
-                                  strict=True)]
+    more = [-x for x in fewer]
     assert more[0] > 0 and more[1] > 0 and more[0] / more[1] == pytest.approx((16 + 2) / (16 - 1), rel=0.05)
     assert kept["predicted"]["step_time_s"] == freed["predicted"]["step_time_s"]
 
 
 def test_returned_outputs_are_the_last_stages_logits(capsys) -> None:
     """torchtitan's `schedule.step` returns the outputs: m logits of mbs x seq x vocab in the training dtype."""
-    base = ["estimate", "gpt-tiny", "--cluster", "1x8xa100-80gb", "--batch", "16", "--tp", "1", "--pp", "2",
-            "--dp", "1", "--mbs", "1", "--json"]
-    assert main(base) == 0
-    plain = json.loads(capsys.readouterr().out)
-    assert main([*base, "--pp-returns-outputs"]) == 0
-    returned = json.loads(capsys.readouterr().out)
-    more = [a - b for a, b in zip(returned["predicted"]["peak_memory_bytes"], plain["predicted"]["peak_memory_bytes"],
-                                  strict=True)]
+    plain, returned, more = _estimate_with_and_without(capsys, "--pp-returns-outputs")
     vocab, seq = 512, 64  # gpt-tiny
     assert more == [0, 16 * seq * vocab * 2]
     assert returned["predicted"]["step_time_s"] == plain["predicted"]["step_time_s"]

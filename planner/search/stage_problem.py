@@ -517,8 +517,9 @@ class StageProblemBuilder:
         # The same boundaries' bytes where the runtime keeps pipeline buffers (`memory.p2p_buffer_bytes`), and
         # the logits the last stage returns (it always ends with the chain).
         buffers = cand.runtime.keeps_p2p_buffers(p)
-        received = np.array([0.0] + [float(x) if buffers and k > 0 else 0.0 for x in sizes])
-        sent = np.array([0.0] + [float(x) if buffers and k < p - 1 else 0.0 for x in sizes])
+        boundary = np.array([0.0, *sizes], dtype=float)
+        received = boundary if buffers and k > 0 else np.zeros(n + 1)
+        sent = boundary if buffers and k < p - 1 else np.zeros(n + 1)
         returned = np.zeros(n + 1)
         if buffers and k == p - 1 and cand.runtime.pp_returns_outputs:
             returned[n] = returned_bytes(sum(c.loss_elements for c in costs), self.dtype)
