@@ -423,7 +423,8 @@ def _chunk_time(segs: Sequence[PricedSegment], strategy: Strategy, rank: RankSet
                    concurrent=strategy.tp * pp, overlap=runtime.dp_overlap,
                    reshard_after_forward=runtime.reshard_after_forward,
                    host_copy=_stage_host_copy(segs, strategy, rank.device), pipelined=pp > 1)
-    host = host_time(segs, rank.framework, zero_stage=strategy.zero_stage, dp_size=dp_size, pipeline_size=pp)
+    host = host_time(segs, rank.framework, zero_stage=strategy.zero_stage, dp_size=dp_size, pipeline_size=pp,
+                     schedule=strategy.schedule)
     chunk = stage_time(segs, speed=rank.speed, dp_fwd_s=comm.per_microbatch_fwd_s,
                        dp_bwd_s=comm.per_microbatch_bwd_s, host=host,
                        tp_overlap_chunks=strategy.tp if runtime.tp_overlap else 0,

@@ -27,8 +27,14 @@ the sharding model, is the exception: it is divided with the compute):
   (flattening and DTensor wrapping, net of the all-reduce), added to that all-reduce
   (`step_time.tp_grad_sync_time`);
 - per pipeline action (one stage's forward or backward of one micro-batch under `torch.distributed.pipelining`),
-  per pipeline size: the schedule's host work around the stage call, net of the send/recv on the wire
-  (`pp_action`);
+  per pipeline size: the schedule's host work around the stage call, net of the send/recv on the wire, once for
+  the single-stage schedules (GPipe, 1F1B: `pp_action`) and once for the multi-chunk ones (interleaved,
+  zero-bubble, V-shaped: `pp_chunked_action`), which torch runs through another engine, its action runtime, with
+  each send and receive an action of its own (~1 ms per action on 2 CPU ranks against ~0.05 ms for 1F1B's);
+- per layer and micro-batch of a zero-bubble schedule, backward: splitting the backward into its input-gradient
+  and weight-gradient passes (torch's `stage_backward_input` walks the autograd graph to keep the weight
+  gradients' inputs, `stage_backward_weight` runs a second backward) beyond one whole backward
+  (`split_backward`);
 - per recomputed (checkpointed) layer and micro-batch, forward and backward, selective and full: the
   checkpoint machinery's own cost beyond rerunning the forward (`recompute`; selective checkpointing calls a
   Python policy per op);
@@ -45,6 +51,8 @@ none), signatures::
     framework|tp_module|g=<n>            per sharded module call and micro-batch
     framework|grad_sync|g=<n>            forward_s = seconds per partial-gradient tensor per step
     framework|pp_action|g=<p>            per pipeline stage action (forward, backward) of one micro-batch
+    framework|pp_chunked_action|g=<p>    the same under a multi-chunk schedule
+    framework|split_backward             backward_s = seconds per layer and micro-batch of a split backward
     framework|recompute|<mode>           per checkpointed layer and micro-batch (mode: selective, full)
 
 A group size that was not measured uses the nearest measured one below it (else the smallest measured).
@@ -96,8 +104,11 @@ def grad_sync_signature(group_size: int) -> str:
     return f"{SIGNATURE_PREFIX}grad_sync|g={group_size}"
 
 
-def pp_action_signature(pipeline_size: int) -> str:
-    return f"{SIGNATURE_PREFIX}pp_action|g={pipeline_size}"
+def pp_action_signature(pipeline_size: int, chunked: bool = False) -> str:
+    return f"{SIGNATURE_PREFIX}{'pp_chunked_action' if chunked else 'pp_action'}|g={pipeline_size}"
+
+
+SPLIT_BACKWARD_SIGNATURE = f"{SIGNATURE_PREFIX}split_backward"
 
 
 RECOMPUTE_MODES = ("selective", "full")
@@ -152,7 +163,11 @@ class FrameworkCosts:
     grad_sync: Mapping[int, float] = field(default_factory=dict)
     """Tensor-parallel group size -> seconds per partial-gradient tensor synchronized in the optimizer step."""
     pp_action: Mapping[int, PassCost] = field(default_factory=dict)
-    """Pipeline size -> host seconds per stage action (forward, backward) of one micro-batch."""
+    """Pipeline size -> host seconds per stage action (forward, backward) of one micro-batch (GPipe, 1F1B)."""
+    pp_chunked_action: Mapping[int, PassCost] = field(default_factory=dict)
+    """Pipeline size -> the same under a multi-chunk schedule (torch's action runtime)."""
+    split_backward: PassCost = ZERO_PASS
+    """Host seconds per layer and micro-batch a zero-bubble schedule's split backward adds."""
     recompute: Mapping[str, PassCost] = field(default_factory=dict)
     """"selective" / "full" -> checkpoint machinery seconds per recomputed layer and micro-batch."""
 
@@ -165,6 +180,7 @@ class FrameworkCosts:
         return (self.optimizer_per_tensor_s == 0 and self.optimizer_per_dtensor_s == 0
                 and not any(any(v) for v in self.dp_unit.values()) and not any(self.tp_module.values())
                 and not any(self.grad_sync.values()) and not any(self.pp_action.values())
+                and not any(self.pp_chunked_action.values()) and not self.split_backward
                 and not any(self.recompute.values()))
 
     def optimizer_host_s(self, plain_tensors: int, dtensors: int) -> float:
@@ -177,7 +193,11 @@ class FrameworkCosts:
     def tp_module_cost(self, group_size: int) -> PassCost:
         return _by_group(self.tp_module, group_size, ZERO_PASS)
 
-    def pp_action_cost(self, pipeline_size: int) -> PassCost:
+    def pp_action_cost(self, pipeline_size: int, chunked: bool = False) -> PassCost:
+        """Per stage action; a multi-chunk schedule's where measured (profiles from before it was measured
+        price it as a single-stage schedule's)."""
+        if chunked and self.pp_chunked_action:
+            return _by_group(self.pp_chunked_action, pipeline_size, ZERO_PASS)
         return _by_group(self.pp_action, pipeline_size, ZERO_PASS)
 
     def recompute_cost(self, mode: str) -> PassCost:
@@ -202,8 +222,11 @@ class FrameworkCosts:
             out[(device, tp_module_signature(g))] = OpTiming(c.forward_s, c.backward_s)
         for g, v in self.grad_sync.items():
             out[(device, grad_sync_signature(g))] = OpTiming(v, 0.0)
-        for g, c in self.pp_action.items():
-            out[(device, pp_action_signature(g))] = OpTiming(c.forward_s, c.backward_s)
+        for chunked, table in ((False, self.pp_action), (True, self.pp_chunked_action)):
+            for g, c in table.items():
+                out[(device, pp_action_signature(g, chunked))] = OpTiming(c.forward_s, c.backward_s)
+        if self.split_backward:
+            out[(device, SPLIT_BACKWARD_SIGNATURE)] = OpTiming(0.0, self.split_backward.backward_s)
         for mode, c in self.recompute.items():
             out[(device, recompute_signature(mode))] = OpTiming(c.forward_s, c.backward_s)
         return out
@@ -218,8 +241,9 @@ class FrameworkCosts:
         dp_unit: dict[DataParallelMode, dict[int, PassCost]] = {}
         tp_module: dict[int, PassCost] = {}
         grad_sync: dict[int, float] = {}
-        pp_action: dict[int, PassCost] = {}
+        pp_action: dict[str, dict[int, PassCost]] = {"pp_action": {}, "pp_chunked_action": {}}
         recompute: dict[str, PassCost] = {}
+        split = profile.lookup(device, SPLIT_BACKWARD_SIGNATURE)
         # Only this device's framework entries (a profile holds thousands of op entries), in a fixed order.
         mine = sorted((sig, t) for (dev, sig), t in profile.entries.items()
                       if dev == device and sig.startswith(SIGNATURE_PREFIX))
@@ -232,16 +256,18 @@ class FrameworkCosts:
                 tp_module[int(parts[2][2:])] = PassCost(t.forward_s, t.backward_s)
             elif parts[1] == "grad_sync" and len(parts) == 3 and parts[2].startswith("g="):
                 grad_sync[int(parts[2][2:])] = t.forward_s
-            elif parts[1] == "pp_action" and len(parts) == 3 and parts[2].startswith("g="):
-                pp_action[int(parts[2][2:])] = PassCost(t.forward_s, t.backward_s)
+            elif parts[1] in pp_action and len(parts) == 3 and parts[2].startswith("g="):
+                pp_action[parts[1]][int(parts[2][2:])] = PassCost(t.forward_s, t.backward_s)
             elif parts[1] == "recompute" and len(parts) == 3 and parts[2] in RECOMPUTE_MODES:
                 recompute[parts[2]] = PassCost(t.forward_s, t.backward_s)
-        if plain is None and dtensor is None and not (dp_unit or tp_module or grad_sync or pp_action or recompute):
+        if plain is None and dtensor is None and split is None \
+                and not (dp_unit or tp_module or grad_sync or any(pp_action.values()) or recompute):
             return NO_FRAMEWORK_COSTS
         return cls(optimizer_per_tensor_s=plain.forward_s if plain else 0.0,
                    optimizer_per_dtensor_s=dtensor.forward_s if dtensor else 0.0,
-                   dp_unit=dp_unit, tp_module=tp_module, grad_sync=grad_sync, pp_action=pp_action,
-                   recompute=recompute)
+                   dp_unit=dp_unit, tp_module=tp_module, grad_sync=grad_sync, pp_action=pp_action["pp_action"],
+                   pp_chunked_action=pp_action["pp_chunked_action"], recompute=recompute,
+                   split_backward=PassCost(0.0, split.backward_s) if split else ZERO_PASS)
 
 
 NO_FRAMEWORK_COSTS = FrameworkCosts()

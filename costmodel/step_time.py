@@ -178,10 +178,11 @@ def recompute_time(segment: PricedSegment) -> float:
 
 
 def host_time(segments: Sequence[PricedSegment], framework: FrameworkCosts, *, zero_stage: int, dp_size: int,
-              pipeline_size: int) -> PassCost:
+              pipeline_size: int, schedule: Schedule = Schedule.ONE_F_ONE_B) -> PassCost:
     """Framework host work of one micro-batch on a virtual stage made of `segments` (`costmodel.framework`):
     - data parallelism: one unit for ZeRO-0's replicated part, one FSDP2 unit per segment under ZeRO >= 1;
-    - pipelining (pp > 1): one schedule action forward and one backward;
+    - pipelining (pp > 1): one schedule action forward and one backward (a multi-chunk `schedule` runs on
+      torch's action runtime, measured apart), and under a zero-bubble schedule the split backward per layer;
     - recomputation: the checkpoint machinery per checkpointed segment (selective: segments with an attention
       core to recompute, as `planner.runtime.apply_recompute` checkpoints only those)."""
     if framework.is_zero:
@@ -193,9 +194,11 @@ def host_time(segments: Sequence[PricedSegment], framework: FrameworkCosts, *, z
         fwd += units * unit.forward_s
         bwd += units * unit.backward_s
     if pipeline_size > 1:
-        action = framework.pp_action_cost(pipeline_size)
+        action = framework.pp_action_cost(pipeline_size, chunked=schedule.chunked)
         fwd += action.forward_s
         bwd += action.backward_s
+        if schedule.zero_bubble:
+            bwd += sum(s.count for s in segments) * framework.split_backward.backward_s
     for s in segments:
         mode = Recompute(s.recompute)
         if mode in (Recompute.FULL, Recompute.OP) or (mode is Recompute.SELECTIVE and s.cost.recompute_selective_s > 0):

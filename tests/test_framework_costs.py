@@ -128,6 +128,28 @@ def test_host_time_counts_units_actions_and_checkpointed_layers() -> None:
     assert host_time(segs, NO_FRAMEWORK_COSTS, zero_stage=3, dp_size=8, pipeline_size=4) == PassCost()
 
 
+def test_host_time_of_chunked_and_zero_bubble_schedules() -> None:
+    chain = chain_of("gpt", GPT_TINY)
+    device = Cluster.parse("1x2xcpu").device_of(0)
+    segs = [PricedSegment(price_segment(chain, s, device, microbatch_size=1), Recompute.NONE) for s in chain.segments]
+    framework = replace(COSTS, pp_action={2: PassCost(0.1e-3, 0.1e-3)}, pp_chunked_action={2: PassCost(0.4e-3, 0.4e-3)},
+                        split_backward=PassCost(0.0, 0.8e-3))
+    layers = sum(s.count for s in segs)
+
+    def host(schedule: Schedule, fw: FrameworkCosts = framework, pp: int = 2) -> PassCost:
+        return host_time(segs, fw, zero_stage=0, dp_size=1, pipeline_size=pp, schedule=schedule)
+
+    assert host(Schedule.ONE_F_ONE_B) == host(Schedule.GPIPE) == PassCost(0.1e-3, 0.1e-3)
+    assert host(Schedule.INTERLEAVED) == PassCost(0.4e-3, 0.4e-3)
+    # the zero-bubble schedules run on the action runtime and split every layer's backward
+    for schedule in (Schedule.INTERLEAVED_ZB, Schedule.ZBV, Schedule.DUALPIPEV):
+        zb = host(schedule)
+        assert zb.forward_s == 0.4e-3 and zb.backward_s == pytest.approx(0.4e-3 + layers * 0.8e-3)
+    # without a pipeline nothing of it; a profile without the chunked figure prices the single-stage one
+    assert host(Schedule.INTERLEAVED_ZB, pp=1) == PassCost()
+    assert host(Schedule.INTERLEAVED, replace(framework, pp_chunked_action={})) == PassCost(0.1e-3, 0.1e-3)
+
+
 def test_owned_param_tensors_count_a_tied_weight_once() -> None:
     chain = chain_of("gpt", GPT_TINY)
     counts = [owned_param_tensors(chain, s) for s in chain.segments]

@@ -13,14 +13,9 @@ from torch import nn
 from costmodel.framework import RECOMPUTE_MODES, DataParallelMode, FrameworkCosts
 from costmodel.profile_db import OpProfile
 from planner.cli.main import main
-from planner.profiling.framework import (
-    FrameworkOptions,
-    action_pair_overhead,
-    measure_framework,
-    per_tensor_intercept,
-    priced_wire_s,
-)
+from planner.profiling.framework import FrameworkOptions, measure_framework, per_tensor_intercept
 from planner.profiling.framework_passes import ReferenceBlock, fsdp_padded_numel
+from planner.profiling.pipeline_actions import action_pair_overhead, priced_wire_s
 from planner.profiling.spawn import divisor_group_sizes
 
 
@@ -58,6 +53,14 @@ def test_action_pair_overhead_is_the_1f1b_slope_less_compute_and_wire():
                         rel_tol=1e-9)
 
 
+def test_action_pair_overhead_of_a_chunked_schedule_is_per_chunk():
+    # v chunks per rank: the slope per micro-batch is v pairs (compute, host) plus the rank's wire
+    p, v, c, compute, wire, host = 2, 2, 1e-3, 3e-4, 5e-4, 9e-4
+    step = {m: c + m * (v * (compute + host) + wire) for m in (p, 3 * p)}
+    assert math.isclose(action_pair_overhead((step[p], step[3 * p]), (p, 3 * p), v * compute, wire, v), host,
+                        rel_tol=1e-9)
+
+
 def test_priced_wire_matches_the_pipeline_model_on_its_busiest_stage():
     from costmodel.pipeline import pipeline_step_time
     from costmodel.strategy import Schedule
@@ -68,6 +71,12 @@ def test_priced_wire_matches_the_pipeline_model_on_its_busiest_stage():
             return pipeline_step_time([1.0] * p, [2.0] * p, Schedule.ONE_F_ONE_B, m, 1, p2p)
         slope = (step(3 * p, 1e-3) - step(p, 1e-3)) / (2 * p) - (step(3 * p, 0.0) - step(p, 0.0)) / (2 * p)
         assert math.isclose(priced_wire_s(p, 1e-3, 1e-3), slope, rel_tol=1e-9)
+
+
+def test_priced_wire_of_chunks_counts_the_hops_of_the_busiest_rank():
+    # rank r holds chunks r, r + p, ...: every chunk boundary is a hop, paid by the chunk on each side
+    assert priced_wire_s(2, 1e-3, 1e-3, 2) == pytest.approx(3e-3)  # 4 chunks on 2 ranks: 3 boundaries, 3 hops each
+    assert priced_wire_s(4, 1e-3, 1e-3, 2) == pytest.approx(4e-3)  # an inner rank: 2 chunks x 2 hops
 
 
 def test_fsdp_padding_rounds_dim_zero_up_to_the_group():
@@ -94,8 +103,12 @@ def _check_measured(costs: FrameworkCosts, group_sizes: set[int]) -> None:
     # ~2 ms per tensor on gloo while the optimizer step redistributed each gradient on its own)
     assert set(costs.grad_sync) == group_sizes and all(0 <= v < 1e-3 for v in costs.grad_sync.values())
     # one pipeline size per group size; forward and backward share the action pair half and half
-    assert set(costs.pp_action) == group_sizes
-    assert all(c.forward_s == c.backward_s and c.forward_s < 0.05 for c in costs.pp_action.values())
+    assert set(costs.pp_action) == set(costs.pp_chunked_action) == group_sizes
+    assert all(c.forward_s == c.backward_s and c.forward_s < 0.05
+               for table in (costs.pp_action, costs.pp_chunked_action) for c in table.values())
+    # the split backward walks the autograd graph and runs a second backward: it costs something, and less
+    # than a second whole block's backward would
+    assert 0 < costs.split_backward.backward_s < 0.05 and costs.split_backward.forward_s == 0
     assert set(costs.recompute) == set(RECOMPUTE_MODES)
     assert all(c.forward_s >= 0 and c.backward_s >= 0 and c.forward_s + c.backward_s < 0.05
                for c in costs.recompute.values())
@@ -109,12 +122,14 @@ def test_two_processes_measure_every_term_and_round_trip():
     costs = measure_framework(options)
     _check_measured(costs, {2})
     entries = costs.entries("cpu")
-    # optimizer plain and DTensor, one per mode, tp module, grad sync, pp action, selective and full recompute
-    assert len(entries) == 2 + 3 + 1 + 1 + 1 + 2
+    # optimizer plain and DTensor, one per mode, tp module, grad sync, pp action (single and chunked), split
+    # backward, selective and full recompute
+    assert len(entries) == 2 + 3 + 1 + 1 + 2 + 1 + 2
     back = FrameworkCosts.from_profile(OpProfile.from_dict(OpProfile(entries=entries).to_dict()), "cpu")
     assert back == costs
     assert back.dp_unit_cost(3, 2) == costs.dp_unit[DataParallelMode.FSDP_RESHARD][2]
     assert back.pp_action_cost(4) == costs.pp_action[2] and back.recompute_cost("full") == costs.recompute["full"]
+    assert back.pp_action_cost(4, chunked=True) == costs.pp_chunked_action[2]
 
 
 @pytest.mark.multiprocess
@@ -132,8 +147,8 @@ def test_cli_framework_merges_the_entries_into_the_profile(tmp_path, capsys):
     assert set(summary["framework"]["recompute"]) == set(RECOMPUTE_MODES)
     assert prof.meta["framework_processes"] == "2" and prof.meta["framework_group_sizes"] == "2"
     ops = [sig for _, sig in prof.entries if not sig.startswith("framework|")]
-    # 7 as above, plus the pipeline action of the one group size and the two recompute modes
-    assert ops and summary["entries"] == len(prof.entries) == len(ops) + 7 + 1 + 2
+    # 7 as above, plus the pipeline actions of the one group size, the split backward and the two recompute modes
+    assert ops and summary["entries"] == len(prof.entries) == len(ops) + 7 + 2 + 1 + 2
 
 
 @pytest.mark.parametrize("argv, message", [

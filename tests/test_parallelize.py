@@ -60,10 +60,10 @@ CONFIGS_2 = ("dp2", "dp2_zero1", "fsdp2", "fsdp2_offload", "tp2", "tp2_sp", "tp2
              "pp2_gpipe", "pp2_1f1b", "pp2_1f1b_one_microbatch", "pp2_interleaved", "pp2_interleaved_m3",
              "pp2_interleaved_m1", "pp2_interleaved_uneven", "pp2_zb", "pp2_interleaved_zb", "pp2_zbv",
              "pp2_zbv_untied", "pp2_dualpipev", "pp2_llama_uneven", "user_pp2", "user_dp2_recompute", "recompute_full_dp2",
-             "recompute_selective_tp2", "recompute_op_fsdp2", "tp2_sp_selective_island", "tp2_sp_unpaired_colwise", "recompute_pp2",
+             "recompute_selective_tp2", "recompute_op_fsdp2", "tp2_sp_selective_island", "tp2_sp_unpaired_colwise", "tp2_sp_sequence_mlp", "recompute_pp2",
              "partial_recompute_pp2",
              "cp2", "cp2_llama_recompute", "ep2", "ep2_fsdp", "tp2_sp_moe_odd_slots")
-CONFIGS_4 = ("dp4_fsdp", "tp2_dp2", "tp2_sp_fsdp2", "pp2_dp2", "pp2_fsdp2", "pp2_fsdp2_offload", "pp2_tp2", "pp2_tp2_sp_recompute",
+CONFIGS_4 = ("dp4_fsdp", "tp2_dp2", "tp2_sp_fsdp2", "pp2_dp2", "pp2_fsdp2", "pp2_fsdp2_offload", "pp2_tp2", "pp2_tp2_sp_recompute", "pp2_tp2_sp_zb",
              "pp4_1f1b", "pp2_interleaved_dp2", "pp2_interleaved_uneven_zero1", "pp2_zbv_fsdp2",
              "pp2_zbv_dp2", "pp2_zb_zero1", "pp2_zb_zero2", "pp2_dualpipev_tp2", "user_pp2_fsdp2", "cp2_dp2", "cp2_fsdp2_selective", "cp2_tp2_sp",
              "cp2_pp2", "ep2_dp4", "ep2_tp2", "tp2_moe_fsdp", "ep4_tp2", "ep2_tp4", "ep2_pp2",

@@ -196,6 +196,9 @@ def _framework_summary(costs: Any) -> dict[str, Any] | None:
             "tp_module": {str(g): [c.forward_s, c.backward_s] for g, c in sorted(costs.tp_module.items())},
             "grad_sync": {str(g): v for g, v in sorted(costs.grad_sync.items())},
             "pp_action": {str(g): [c.forward_s, c.backward_s] for g, c in sorted(costs.pp_action.items())},
+            "pp_chunked_action": {str(g): [c.forward_s, c.backward_s]
+                                  for g, c in sorted(costs.pp_chunked_action.items())},
+            "split_backward_s": costs.split_backward.backward_s,
             "recompute": {mode: [c.forward_s, c.backward_s] for mode, c in costs.recompute.items()}}
 
 
@@ -225,8 +228,10 @@ def _framework_text(framework: dict[str, Any] | None, processes: str) -> list[st
                                                    for g, (f, b) in framework["tp_module"].items()))
     lines.append(f"  {'partial grad sync':<18}" + "  ".join(f"g={g}: {v * 1e3:.3f} per tensor"
                                                            for g, v in framework["grad_sync"].items()))
-    lines.append(f"  {'pipeline action':<18}" + "  ".join(f"p={g}: {f * 1e3:.3f} / {b * 1e3:.3f}"
-                                                         for g, (f, b) in framework["pp_action"].items()))
+    for key, label in (("pp_action", "pipeline action"), ("pp_chunked_action", "chunked action")):
+        lines.append(f"  {label:<18}" + "  ".join(f"p={g}: {f * 1e3:.3f} / {b * 1e3:.3f}"
+                                                  for g, (f, b) in framework[key].items()))
+    lines.append(f"  {'split backward':<18}{framework['split_backward_s'] * 1e3:.3f} per layer (backward)")
     lines.append(f"  {'recompute layer':<18}" + "  ".join(f"{mode}: {f * 1e3:.3f} / {b * 1e3:.3f}"
                                                          for mode, (f, b) in framework["recompute"].items()))
     return lines

@@ -50,7 +50,14 @@ What is measured, per group size g (the g-rank 1-D mesh of the rank's group):
   previous one) and priced as `costmodel.pipeline` prices it: each hop adds to the receiving stage's forward and
   the sending stage's backward, so an inner stage pays two hops per micro-batch and an end stage one, and the
   slowest stage of p >= 3 pays two, of p = 2 one (`priced_wire_s`). A 1F1B step cannot separate the forward's
-  share from the backward's (it always runs both), so the pair is split half and half.
+  share from the backward's (it always runs both), so the pair is split half and half. The same again for the
+  multi-chunk schedules, which torch runs on another engine (its action runtime, every send and receive an
+  action of its own): the interleaved schedule with 2 one-Linear chunks per rank, whose slope per micro-batch is
+  2 (F + B), less twice the compute and the wire of the busiest rank's min(2p - 1, 4) hops, per chunk
+  (`planner.profiling.pipeline_actions`).
+- split backward (no communication): a GPT block's backward split as the zero-bubble schedules split it, into
+  torch's `stage_backward_input` (it walks the autograd graph to keep what the weight gradients need) and
+  `stage_backward_weight` (a second backward from there), less the block's one `stage_backward`, per layer.
 - recompute (no communication; every rank measures at once, the figures are the slowest rank's): a GPT block
   (`models.gpt.GPTBlock`: LayerNorm, attention, LayerNorm, MLP) plain, and checkpointed by
   `planner.runtime.apply_recompute` SELECTIVE (the attention module's body, under a per-op Python policy) and FULL (the
@@ -67,7 +74,7 @@ import copy
 import json
 import os
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +94,7 @@ from planner.profiling.framework_passes import (
     median_clamped,
     reduce_scatters,
 )
+from planner.profiling.pipeline_actions import measure_pp_action
 from planner.profiling.spawn import divisor_group_sizes, free_port
 from planner.runtime.worker_exit import exit_without_teardown, quiesce
 
@@ -275,89 +283,31 @@ def measure_tp_module(mesh: Any, options: FrameworkOptions, timer: Timer) -> Pas
     return PassCost(median_clamped(fwd) / 2, median_clamped(bwd) / 2)
 
 
-PIPELINE_MICROBATCHES = (1, 3)
-"""Micro-batch counts of the two pipeline steps, in multiples of the pipeline size p (m1 = p, m2 = 3p): 1F1B's
-steady state needs m >= p, and the slope between them is one forward-backward action pair."""
+def measure_split_backward(options: FrameworkOptions, timer: Timer) -> PassCost:
+    """Backward overhead per layer and micro-batch of a zero-bubble schedule's split backward: a GPT block's
+    input-gradient then weight-gradient pass (torch's `stage_backward_input`, `stage_backward_weight`) against
+    its one whole backward (`stage_backward`, what the other schedules run), same output gradient."""
+    from torch.distributed.pipelining._backward import (
+        stage_backward,
+        stage_backward_input,
+        stage_backward_weight,
+    )
 
+    block = gpt_block(options)
+    x = torch.randn(options.batch, options.seq, options.hidden, requires_grad=True)
+    grad = torch.randn(options.batch, options.seq, options.hidden)
 
-def _mean_loss(output: torch.Tensor, _batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    return output.mean()
+    def split(out: torch.Tensor) -> None:
+        _, groups = stage_backward_input([out], [grad], [x], block.parameters())
+        stage_backward_weight(block.parameters(), groups)
 
+    def reset() -> None:
+        block.zero_grad(set_to_none=True)
+        x.grad = None
 
-def _pipeline_step(mesh: Any, module: nn.Module, x: torch.Tensor, microbatches: int) -> Pass:
-    """One `schedule.step` over `x` cut into `microbatches`, built as `planner.runtime.parallelize` builds a pipeline."""
-    from torch.distributed.pipelining import PipelineStage
-
-    from costmodel.strategy import Schedule
-    from planner.runtime.apply_pipeline import build_schedule
-    from planner.runtime.parallelize import MicrobatchLoss
-
-    stage = PipelineStage(module, mesh.get_local_rank(), mesh.size(), torch.device("cpu"), group=mesh.get_group())
-    loss = MicrobatchLoss(_mean_loss)
-    loss.batch = (x,)
-    schedule = build_schedule([stage], Schedule.ONE_F_ONE_B, microbatches, loss)
-    sample_ids = torch.arange(x.shape[0])
-
-    def step() -> None:
-        schedule.step(x, target=sample_ids, losses=[], return_outputs=False)
-
-    return Pass(step, reset=lambda: module.zero_grad(set_to_none=True))
-
-
-def _p2p_chain(x: torch.Tensor, mesh: Any, downstream: bool) -> Callable[[], None]:
-    """Every rank of the pipeline group sends `x` to its next stage and receives one from its previous stage
-    (`downstream`, an activation) or the reverse (a gradient), batched as the schedule batches them."""
-    import torch.distributed as dist
-
-    group, rank, p = mesh.get_group(), mesh.get_local_rank(), mesh.size()
-    send_to, recv_from = (rank + 1, rank - 1) if downstream else (rank - 1, rank + 1)
-    ops = []
-    if 0 <= send_to < p:
-        ops.append(dist.P2POp(dist.isend, x, dist.get_global_rank(group, send_to), group))
-    if 0 <= recv_from < p:
-        ops.append(dist.P2POp(dist.irecv, torch.empty_like(x), dist.get_global_rank(group, recv_from), group))
-
-    def run() -> None:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return run
-
-
-def priced_wire_s(pipeline_size: int, activation_s: float, gradient_s: float) -> float:
-    """Send/recv seconds per micro-batch that `costmodel.pipeline` puts on the busiest 1F1B stage: it adds one
-    hop (of the activation, and of its gradient back) to the forward of the receiving stage and the backward of
-    the sending one, so an inner stage carries two hops and, for p = 2, each end stage one."""
-    hops = min(pipeline_size - 1, 2)
-    return hops * (activation_s + gradient_s) / 2
-
-
-def action_pair_overhead(step_times: tuple[float, float], microbatches: tuple[int, int], compute_s: float,
-                         p2p_s: float) -> float:
-    """Host seconds of one forward-backward action pair: the 1F1B step's slope per micro-batch, (t2 - t1) /
-    (m2 - m1) = F + B, less the stage's compute and its priced send/recv (unclamped: a repeat's value)."""
-    (t1, t2), (m1, m2) = step_times, microbatches
-    return (t2 - t1) / (m2 - m1) - compute_s - p2p_s
-
-
-def measure_pp_action(mesh: Any, options: FrameworkOptions, timer: Timer) -> PassCost:
-    """Host overhead per pipeline stage action and micro-batch (forward, backward; half of a pair each)."""
-    h = options.hidden
-    module = nn.Linear(h, h)
-    x = torch.randn(options.batch, options.seq, h)
-    counts = tuple(k * mesh.size() for k in PIPELINE_MICROBATCHES)
-    batch = torch.randn(counts[1] * options.batch, options.seq, h)
-    plain_x = x.clone().requires_grad_(True)  # a stage's received input requires grad
-    grad = torch.ones_like(x)
-    activations, gradients = _p2p_chain(x, mesh, downstream=True), _p2p_chain(grad, mesh, downstream=False)
-    passes = [Pass(lambda: module(plain_x), lambda out: out.backward(grad),
-                    lambda: module.zero_grad(set_to_none=True)),
-              *(_pipeline_step(mesh, module, batch[:m * options.batch], m) for m in counts),
-              Pass(activations, lambda _: gradients())]
-    t = timer.rounds(passes)
-    pair = [action_pair_overhead((r[1][0], r[2][0]), counts, r[0][0] + r[0][1],
-                                 priced_wire_s(mesh.size(), r[3][0], r[3][1])) for r in t.tolist()]
-    net = median_clamped(torch.tensor(pair))
-    return PassCost(net / 2, net / 2)
+    t = timer.rounds([Pass(lambda: block(x), lambda out: stage_backward([out], [grad], [x]), reset),
+                      Pass(lambda: block(x), split, reset)])
+    return PassCost(0.0, median_clamped(t[:, 1, 1] - t[:, 0, 1]))
 
 
 def _attention_core_pass(options: FrameworkOptions) -> Pass:
@@ -419,15 +369,18 @@ def _measure_all(meshes: Mapping[int, Any], options: FrameworkOptions, timer: Ti
     tp: dict[int, list[float]] = {}
     sync: dict[int, float] = {}
     pp: dict[int, list[float]] = {}
+    pp_chunked: dict[int, list[float]] = {}
     for g, mesh in meshes.items():
         sync[g] = measure_grad_sync(mesh, options, timer)
         for mode, cost in measure_dp_units(mesh, options, timer).items():
             dp.setdefault(mode.value, {})[g] = _pass_json(cost)
         tp[g] = _pass_json(measure_tp_module(mesh, options, timer))
-        pp[g] = _pass_json(measure_pp_action(mesh, options, timer))
+        single, chunked = measure_pp_action(mesh, options, timer)
+        pp[g], pp_chunked[g] = _pass_json(single), _pass_json(chunked)
     recompute = {mode: _pass_json(cost) for mode, cost in measure_recompute(options, timer).items()}
+    split = measure_split_backward(options, timer)
     return {"optimizer": [plain, dtensor], "dp_unit": dp, "tp_module": tp, "grad_sync": sync, "pp_action": pp,
-            "recompute": recompute}
+            "pp_chunked_action": pp_chunked, "recompute": recompute, "split_backward": split.backward_s}
 
 
 def _framework_worker(rank: int, world: int, port: int, options: FrameworkOptions, result_path: str) -> None:
@@ -457,7 +410,9 @@ def _costs_from_json(d: Mapping[str, Any]) -> FrameworkCosts:
         tp_module={int(g): PassCost(*map(float, c)) for g, c in d["tp_module"].items()},
         grad_sync={int(g): float(v) for g, v in d.get("grad_sync", {}).items()},
         pp_action={int(g): PassCost(*map(float, c)) for g, c in d.get("pp_action", {}).items()},
-        recompute={str(mode): PassCost(*map(float, c)) for mode, c in d.get("recompute", {}).items()})
+        pp_chunked_action={int(g): PassCost(*map(float, c)) for g, c in d.get("pp_chunked_action", {}).items()},
+        recompute={str(mode): PassCost(*map(float, c)) for mode, c in d.get("recompute", {}).items()},
+        split_backward=PassCost(0.0, float(d.get("split_backward", 0.0))))
 
 
 def measure_framework(options: FrameworkOptions) -> FrameworkCosts:

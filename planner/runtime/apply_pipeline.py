@@ -145,11 +145,14 @@ def _live_across(graph: fx.Graph, stage: Mapping[fx.Node, int], cut: int, num_st
 
 
 def check_stage_outputs(names: tuple[str, ...], *values: Any) -> Any:
-    """Runs at each stage's end: values sent to the next stage must be tensors."""
+    """Runs at each stage's end: values sent to the next stage must be tensors. A view (the gathered sequence
+    of a sequence-parallel block is one) is copied: the zero-bubble schedules detach every stage output in
+    place after its input-gradient pass, which torch refuses for a view."""
     for name, v in zip(names, values, strict=True):
         if not isinstance(v, torch.Tensor):
             raise UserError(f"value {name!r} ({type(v).__name__}) crosses a pipeline cut but is not a tensor; "
                             "move the cut or compute it inside the next layer")
+    values = tuple(v.clone() if v._is_view() else v for v in values)
     return values if len(values) > 1 else values[0]
 
 

@@ -213,7 +213,10 @@ def parallel_styles(model: nn.Module, styles: Mapping[str, Style], *,
         elif style is Style.VOCAB:
             plan[path] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         elif style is Style.SEQUENCE and sp:
-            plan[path] = SequenceParallel(sequence_dim=SEQUENCE_DIM)
+            # A norm hands on a sequence-sharded DTensor (the next module reads the full size from it); a linear
+            # run on the shard (replicated weight) hands back the local shard the residual stream adds to.
+            plan[path] = SequenceParallel(sequence_dim=SEQUENCE_DIM,
+                                          use_local_output=not _is_norm(model.get_submodule(path)))
     if sequence_parallel:
         for path in replicated_islands(model, styles):
             plan[path] = PrepareModuleInputOutput(

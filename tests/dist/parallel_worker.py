@@ -175,6 +175,10 @@ CONFIGS: dict[str, Config] = {
     "tp2_sp_unpaired_colwise": Config("gpt", dict(tp=2, microbatch_size=4, num_microbatches=1,
                                                   sequence_parallel=True, recompute="selective"),
                                       TP_ATTENTION + (("blocks.*.mlp.up_proj", C),) + TP_EMBED_HEAD),
+    # the MLP's linears on the sequence shard (replicated weights), as the sharding ILP picks for small layers
+    "tp2_sp_sequence_mlp": Config("gpt", dict(tp=2, microbatch_size=4, num_microbatches=1, sequence_parallel=True),
+                                  TP_ATTENTION + (("blocks.*.mlp.up_proj", S), ("blocks.*.mlp.down_proj", S))
+                                  + TP_EMBED_HEAD + SP_NORMS),
     "partial_recompute_pp2": Config("gpt", dict(pp=2, microbatch_size=2, num_microbatches=4), first_blocks=(2,),
                                     stage_recompute=(Recompute.FULL, Recompute.FULL), recomputed_blocks=(0, 3)),
     "recompute_pp2": Config("gpt", dict(pp=2, microbatch_size=2, num_microbatches=4), first_blocks=(2,),
@@ -191,6 +195,10 @@ CONFIGS: dict[str, Config] = {
     "pp2_tp2": Config("gpt", dict(pp=2, tp=2, microbatch_size=2, num_microbatches=4), TP_FULL),
     "pp2_tp2_sp_recompute": Config("gpt", dict(pp=2, tp=2, microbatch_size=2, num_microbatches=4,
                                                sequence_parallel=True, recompute="full"), TP_FULL + SP_NORMS),
+    # zero-bubble under sequence parallelism, a chunk per segment: the last block's chunk sends the gathered
+    # sequence, a view
+    "pp2_tp2_sp_zb": Config("gpt", dict(pp=2, tp=2, virtual_stages=3, microbatch_size=2, num_microbatches=4,
+                                        schedule="interleaved-zb", sequence_parallel=True), TP_FULL + SP_NORMS),
     "pp4_1f1b": Config("gpt", dict(pp=4, microbatch_size=1, num_microbatches=4)),
     "user_pp2_fsdp2": Config("user", dict(pp=2, dp=2, microbatch_size=1, num_microbatches=4, zero_stage=3)),
     "pp2_interleaved_dp2": Config("llama", dict(pp=2, dp=2, virtual_stages=2, microbatch_size=1,
