@@ -73,10 +73,16 @@ def test_priced_wire_matches_the_pipeline_model_on_its_busiest_stage():
         assert math.isclose(priced_wire_s(p, 1e-3, 1e-3), slope, rel_tol=1e-9)
 
 
-def test_priced_wire_of_chunks_counts_the_hops_of_the_busiest_rank():
-    # rank r holds chunks r, r + p, ...: every chunk boundary is a hop, paid by the chunk on each side
-    assert priced_wire_s(2, 1e-3, 1e-3, 2) == pytest.approx(3e-3)  # 4 chunks on 2 ranks: 3 boundaries, 3 hops each
-    assert priced_wire_s(4, 1e-3, 1e-3, 2) == pytest.approx(4e-3)  # an inner rank: 2 chunks x 2 hops
+def test_priced_wire_of_chunks_matches_the_interleaved_pipeline_model():
+    from costmodel.pipeline import pipeline_step_time
+    from costmodel.strategy import Schedule
+
+    # rank r holds chunks r, r + p, ...: the wire's share of the interleaved slope per micro-batch, one hop = 1 ms
+    for p, v in ((2, 2), (2, 3), (4, 2)):
+        def step(m, p2p, p=p, v=v):
+            return pipeline_step_time([1.0] * (p * v), [2.0] * (p * v), Schedule.INTERLEAVED, m, v, p2p)
+        slope = (step(3 * p, 1e-3) - step(p, 1e-3)) / (2 * p) - (step(3 * p, 0.0) - step(p, 0.0)) / (2 * p)
+        assert math.isclose(priced_wire_s(p, 1e-3, 1e-3, v), slope, rel_tol=1e-9), (p, v)
 
 
 def test_fsdp_padding_rounds_dim_zero_up_to_the_group():

@@ -15,6 +15,7 @@ from costmodel.framework import PassCost
 from planner.profiling.framework_passes import Pass, Timer, median_clamped
 
 if TYPE_CHECKING:
+    from costmodel.strategy import Schedule
     from planner.profiling.framework import FrameworkOptions
 
 
@@ -27,8 +28,8 @@ def _mean_loss(output: torch.Tensor, _batch: tuple[torch.Tensor, ...]) -> torch.
     return output.mean()
 
 
-def _pipeline_step(mesh: Any, modules: Sequence[nn.Module], x: torch.Tensor, microbatches: int, schedule: Any
-                   ) -> Pass:
+def _pipeline_step(mesh: Any, modules: Sequence[nn.Module], x: torch.Tensor, microbatches: int,
+                   schedule: Schedule) -> Pass:
     """One `schedule.step` over `x` cut into `microbatches`, a stage per module on every rank (rank r holds
     virtual stages r, r + p, ...), built as `planner.runtime.parallelize` builds a pipeline."""
     from torch.distributed.pipelining import PipelineStage
