@@ -214,12 +214,16 @@ def test_search_objective_equals_estimate_with_framework_costs() -> None:
     for sets, spec in ((GPT_TINY, "1x4xcpu"), (GPT_INTERLEAVE, "1x4xcpu")):
         chain, cluster = chain_of("gpt", sets), Cluster.parse(spec)
         full = replace(COSTS, pp_action={2: PassCost(0.3e-3, 0.5e-3), 4: PassCost(0.4e-3, 0.6e-3)},
+                       pp_chunked_action={2: PassCost(0.9e-3, 0.9e-3), 4: PassCost(1.1e-3, 1.1e-3)},
+                       split_backward=PassCost(0.0, 0.7e-3),
                        recompute={"selective": PassCost(1e-3, 4e-3), "full": PassCost(0.5e-3, 2e-3)})
         profile = OpProfile(entries=full.entries("cpu"))
         builder = StageProblemBuilder(chain, cluster, LayerCostTable(chain, cluster, profile=profile))
         cands, _ = enumerate_candidates(chain, cluster, 8, SearchSpace(max_microbatch_size=2))
-        cands += [replace(c, schedule=Schedule.GPIPE) for c in cands
-                  if c.schedule is Schedule.ONE_F_ONE_B and c.mesh.pp > 1]
+        # one builder prices them all: the schedules of one mesh share its caches, which must tell their host
+        # work apart (the multi-chunk engine and the split backward cost more than 1F1B's loop)
+        cands += [replace(c, schedule=schedule) for c in cands if c.schedule is Schedule.ONE_F_ONE_B and c.mesh.pp > 1
+                  for schedule in (Schedule.GPIPE, Schedule.INTERLEAVED_ZB)]
         for cand in rng.sample(cands, min(30, len(cands))):
             built = builder.build(cand, tuple(Recompute))
             value, strategy, stages = random_partition(built, cand, rng)

@@ -269,9 +269,13 @@ class StageProblemBuilder:
         dpg, tpg = dp_group(strategy, k), tp_group(strategy, k)
         shared = shared_weight_group(strategy, k) if k > 0 else None
         m = cand.mesh
+        # The schedule changes a rank's prices only through measured host work (`step_time.host_time`: the
+        # multi-chunk engine, the split backward); left out otherwise so that the schedules share the terms.
+        host_schedule = (cand.schedule.chunked, cand.schedule.zero_bubble) \
+            if m.pp > 1 and not self.framework(placement.device).is_zero else None
         signature = (placement.device.name, placement.speed, m.tp, m.pp, m.dp, m.cp, m.ep, cand.sequence_parallel,
                      cand.microbatch_size, cand.zero_stage, self.group_signature(dpg), self.group_signature(tpg),
-                     self.group_signature(shared), cand.runtime)
+                     self.group_signature(shared), cand.runtime, host_schedule)
         # A small number stands for the signature in the cache keys (a long tuple is slow to hash).
         return RankContext(k, placement.device, placement.speed,
                             self._signatures.setdefault(signature, len(self._signatures)))
