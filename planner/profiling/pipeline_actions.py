@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from costmodel.framework import PassCost
+from costmodel.strategy import Schedule
 from planner.profiling.framework_passes import Pass, Timer, median_clamped
 
 if TYPE_CHECKING:
-    from costmodel.strategy import Schedule
     from planner.profiling.framework import FrameworkOptions
 
 
@@ -99,8 +99,6 @@ PIPELINE_CHUNKS = 2
 def measure_pp_action(mesh: Any, options: FrameworkOptions, timer: Timer) -> tuple[PassCost, PassCost]:
     """Host overhead per pipeline stage action and micro-batch (forward, backward; half of a pair each), under
     1F1B and under the interleaved schedule of `PIPELINE_CHUNKS` chunks per rank (module docstring)."""
-    from costmodel.strategy import Schedule
-
     h = options.hidden
     single = nn.Linear(h, h)
     chunks = [nn.Linear(h, h) for _ in range(PIPELINE_CHUNKS)]
